@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what lily needs to build and test on Debian, idempotently: only what is missing.
+set -euo pipefail
+
+apt_pkgs=(build-essential cmake pkg-config python3 python3-pip nlohmann-json3-dev libcpp-httplib-dev libpcre2-dev
+          libutf8proc-dev libcli11-dev libgtest-dev libbenchmark-dev)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "install_deps: installing ${missing[*]}"
+  SUDO=""
+  [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# Python tools used by the test suite (server contract tests use the official openai client).
+py_pkgs=(openai)
+py_missing=()
+for p in "${py_pkgs[@]}"; do
+  python3 -c "import $p" >/dev/null 2>&1 || py_missing+=("$p")
+done
+if ((${#py_missing[@]})); then
+  echo "install_deps: pip installing ${py_missing[*]}"
+  python3 -m pip install -q "${py_missing[@]}" 2>/dev/null ||
+    python3 -m pip install -q --break-system-packages "${py_missing[@]}"
+fi
