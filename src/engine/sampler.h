@@ -1,0 +1,131 @@
+// Sampler: turns one row of logits into the next token id, on the CPU. The CUDA backend samples on the
+// device with the SAME semantics; this header is the specification both follow.
+//
+// Order of operations for one call of Sampler::sample(logits, history, n_prompt). V = logits.size(); l = logits.
+//   1. logit_bias        l[i] += logit_bias[i]                              (OpenAI; -100 effectively bans a token)
+//   2. repetition        for each DISTINCT id i in history (prompt + generated):
+//                          l[i] = l[i] > 0 ? l[i] / repetition_penalty : l[i] * repetition_penalty   (HF/CTRL)
+//   3. presence/freq     over the GENERATED ids only (history[n_prompt:]), c[i] = occurrences of i there:
+//                          l[i] -= frequency_penalty * c[i] + presence_penalty * (c[i] > 0)          (OpenAI, vLLM)
+//      Steps 1-3 write into `logits` in place.
+//   4. logprobs          lp = log_softmax(l) of these processed logits, at temperature 1, before any filter.
+//                        SampleResult::logprob = lp[id]; SampleResult::top = the top_logprobs largest lp (ties ->
+//                        lower id first). So logprobs describe "the model after the request's bias and penalties",
+//                        do not depend on temperature/top_k/top_p/min_p, and always sum to 1 over the vocabulary.
+//   5. temperature == 0  greedy: id = argmax l (ties -> lowest id). Steps 6-9 are skipped; no random draw is used.
+//   6. temperature > 0   z[i] = (l[i] - max(l)) / temperature, w[i] = exp(z[i])   (both float; w is the
+//                        unnormalised probability; tokens with w == 0 are never drawn)
+//   7. top_k  (k > 0)    keep the k largest z (ranking: z descending, ties -> lower id first).
+//   8. top_p  (p < 1)    over the survivors of 7, renormalised: rank by (z desc, id asc) and keep token j iff the
+//                        summed weight of the tokens ranked before it is < p * (total weight of the survivors)
+//                        (sums in double). This is the smallest prefix whose cumulative probability >= p; the top
+//                        token always stays. Same set as HF TopPLogitsWarper / vLLM (remove where the ascending
+//                        cumsum <= 1 - p), applied after top_k as both do.
+//   9. min_p  (m > 0)    keep token i iff w[i] >= m (i.e. p_i >= m * p_max; the ratio does not change under
+//                        renormalisation, so this equals HF MinPLogitsWarper applied after top_p).
+//  10. draw              u = next_uniform() in [0, 1) (below); walk the kept tokens in ASCENDING ID order summing
+//                        w (double); the result is the first token whose running sum exceeds u * (sum of kept w).
+//
+// Random numbers: SplitMix64 (Steele, Lea, Flood 2014), a counter-based generator: the n-th draw (n = 0, 1, ...)
+// of a sampler seeded with s is mix(s + (n + 1) * 0x9E3779B97F4A7C15), and u = (mix >> 11) * 2^-53. Every
+// platform (and a GPU kernel given s and n) computes the same u. Exactly one draw is consumed per non-greedy
+// sample() call; greedy consumes none. Without params.seed the seed comes from std::random_device.
+// Reproducibility: the same seed gives the same ids run after run on one build. The selection rules and u are
+// platform-independent; exp() comes from the platform's libm (or CUDA's expf), so another platform can pick a
+// neighbouring token only when u falls within rounding (~1e-7 relative) of the edge between two tokens.
+//
+// Cost at V = 248,320 (all single passes over V unless stated): bias O(|logit_bias|); penalties O(history), nothing
+// when neutral; max + log-normaliser; for temperature > 0 one pass computing z and w. top_k: one pass with a
+// k-element heap. top_p without top_k: no sort of V: tokens are binned by z into 4096 bins (bin order = rank
+// order), bins above the one where the cumulative weight reaches p are kept whole and only that bin is sorted
+// (ties in z share a bin; the degenerate case of the whole vocabulary tied sorts it all). top_logprobs: one pass
+// with an n-element heap.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "util/status.h"
+
+namespace lily {
+
+struct SamplingParams {
+  float temperature = 1.0f;  // 0 = greedy
+  int top_k = 0;             // 0 = off
+  float top_p = 1.0f;        // 1 = off
+  float min_p = 0.0f;        // 0 = off
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  float repetition_penalty = 1.0f;  // 1 = off
+  std::unordered_map<int32_t, float> logit_bias;
+  std::optional<uint64_t> seed;
+  int max_tokens = -1;  // -1: until the end of the context
+  std::vector<std::string> stop;
+  int top_logprobs = 0;
+  bool logprobs = false;
+
+  // Ranges as in the OpenAI API: temperature [0, 2], top_p (0, 1], presence/frequency_penalty [-2, 2],
+  // top_logprobs [0, 20] (and > 0 only with logprobs), logit_bias ids in [0, vocab_size) with values in
+  // [-100, 100]; plus repetition_penalty > 0, min_p [0, 1], top_k >= 0, max_tokens -1 or >= 1, stop strings
+  // non-empty. NaN fails every range. The message names the field and the value.
+  Status validate(int32_t vocab_size) const;
+};
+
+struct TokenLogprob {
+  int32_t id;
+  float logprob;
+};
+
+struct SampleResult {
+  int32_t id;
+  float logprob;                  // log_softmax of the processed logits (step 4), at the chosen id
+  std::vector<TokenLogprob> top;  // params.top_logprobs entries, logprob descending, ties -> lower id
+};
+
+// SplitMix64 as described above: a counter, so draw n is a pure function of (seed, n).
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t seed) : state_(seed) {}
+  uint64_t next();
+  double next_uniform() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }  // [0, 1), 53 bits
+
+ private:
+  uint64_t state_;
+};
+
+// One sampler per request: it owns the RNG stream and scratch buffers, so it is not shared between threads.
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& params);  // expects params.validate() to have passed
+
+  // logits: one row [V], modified in place (steps 1-3). history: prompt + generated ids, all < V;
+  // history[n_prompt:] are the generated ones that presence/frequency penalties count (n_prompt = 0 counts all).
+  SampleResult sample(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt = 0);
+
+  const SamplingParams& params() const { return params_; }
+  uint64_t seed() const { return seed_; }
+
+ private:
+  void apply_bias_and_penalties(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt);
+  int32_t draw(std::span<const float> logits, float max_logit);
+  void keep_nucleus_of_ranked(double top_p);
+  void select_nucleus_binned(double top_p);
+  int32_t walk(double u, bool whole_vocabulary) const;
+
+  SamplingParams params_;
+  uint64_t seed_;
+  SplitMix64 rng_;
+  std::vector<std::pair<float, int32_t>> candidates_;  // (z, id) scratch, reused across calls
+  std::vector<int32_t> counts_;                         // per-id scratch for penalties, kept zeroed
+  std::vector<std::pair<float, int32_t>> tail_;        // the top_p crossing bin
+  std::vector<float> z_;                                // (l - max) / temperature
+  std::vector<float> w_;                                // exp(z): unnormalised probabilities
+  std::vector<double> bin_mass_;                        // top_p bins
+};
+
+}  // namespace lily
