@@ -36,11 +36,11 @@ inline const char* dtype_name(DType t) {
   return "?";
 }
 
-constexpr int kMaxDims = 4;
+constexpr int kMaxDims = 6;
 
 struct Shape {
   int n = 0;
-  int64_t d[kMaxDims] = {0, 0, 0, 0};
+  int64_t d[kMaxDims] = {};
   Shape() = default;
   Shape(std::initializer_list<int64_t> dims) {
     CHECK(dims.size() <= kMaxDims, "rank %zu", dims.size());

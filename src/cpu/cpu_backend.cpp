@@ -1,0 +1,113 @@
+#include "cpu/cpu_backend.h"
+
+#include <vector>
+
+#include "cpu/ops.h"
+
+namespace lily {
+
+namespace {
+
+class CpuCheckpoint final : public Checkpoint {
+ public:
+  int64_t n = 0;
+  std::vector<std::vector<float>> conv, S;  // per layer (empty for attention layers)
+  int64_t n_tokens() const override { return n; }
+  size_t bytes() const override {
+    size_t b = 0;
+    for (size_t i = 0; i < conv.size(); ++i) b += (conv[i].size() + S[i].size()) * sizeof(float);
+    return b;
+  }
+};
+
+class CpuSequence final : public SequenceState {
+ public:
+  int64_t n = 0;
+  std::vector<cpu::LayerState> layers;
+  int64_t kv_row = 0;  // floats per token per layer (n_kv_heads * head_dim)
+
+  int64_t n_tokens() const override { return n; }
+  size_t bytes() const override {
+    size_t b = 0;
+    for (const auto& l : layers) b += (l.k.size() + l.v.size() + l.conv.size() + l.S.size()) * sizeof(float);
+    return b;
+  }
+  std::unique_ptr<Checkpoint> checkpoint() const override {
+    auto cp = std::make_unique<CpuCheckpoint>();
+    cp->n = n;
+    for (const auto& l : layers) {
+      cp->conv.push_back(l.conv);
+      cp->S.push_back(l.S);
+    }
+    return cp;
+  }
+  Status restore(const Checkpoint& base) override {
+    auto* cp = dynamic_cast<const CpuCheckpoint*>(&base);
+    if (!cp || cp->conv.size() != layers.size()) return invalid_argument("checkpoint is not from this backend/model");
+    if (cp->n > n) return invalid_argument("checkpoint at %lld is past the sequence end %lld", (long long)cp->n, (long long)n);
+    n = cp->n;
+    for (size_t i = 0; i < layers.size(); ++i) {
+      layers[i].conv = cp->conv[i];
+      layers[i].S = cp->S[i];
+      if (!layers[i].k.empty()) {
+        layers[i].k.resize(static_cast<size_t>(n * kv_row));
+        layers[i].v.resize(static_cast<size_t>(n * kv_row));
+      }
+    }
+    return ok_status();
+  }
+  std::unique_ptr<SequenceState> clone() const override { return std::make_unique<CpuSequence>(*this); }
+};
+
+}  // namespace
+
+CpuBackend::CpuBackend(std::shared_ptr<const ModelWeights> weights, CpuBackendOptions options)
+    : weights_(std::move(weights)), options_(std::move(options)),
+      pool_(std::make_unique<ThreadPool>(options_.n_threads)) {}
+
+std::unique_ptr<SequenceState> CpuBackend::new_sequence() {
+  auto s = std::make_unique<CpuSequence>();
+  s->layers.resize(weights_->layers.size());
+  s->kv_row = static_cast<int64_t>(config().num_key_value_heads) * config().head_dim;
+  return s;
+}
+
+// Eqs 4-6: embed, then per layer h' = h + Mixer(ZN(h)), h = h' + MoE(ZN(h')), then final norm and lm_head.
+Status CpuBackend::forward(SequenceState& base, std::span<const int32_t> tokens, LogitsRows rows,
+                           std::vector<float>* logits) {
+  auto* seq = dynamic_cast<CpuSequence*>(&base);
+  if (!seq) return invalid_argument("sequence state is not from the CPU backend");
+  const ModelConfig& c = config();
+  const int64_t T = static_cast<int64_t>(tokens.size()), H = c.hidden_size, V = c.vocab_size;
+  if (T == 0) return invalid_argument("forward: no tokens");
+  for (int32_t id : tokens)
+    if (id < 0 || id >= V) return invalid_argument("token id %d is outside the vocabulary [0, %lld)", id, (long long)V);
+  if (seq->n + T > c.max_position_embeddings)
+    return error(ErrorCode::out_of_range, "%lld tokens exceed the context of %d", (long long)(seq->n + T),
+                 c.max_position_embeddings);
+
+  const ModelWeights& w = *weights_;
+  std::vector<float> h(T * H), x(T * H), y(T * H);
+  cpu::embed(w.embed_tokens, tokens.data(), T, h.data());
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& lw = w.layers[l];
+    cpu::Context ctx{*pool_, c, options_.trace, static_cast<int>(l)};
+    cpu::rms_norm(h.data(), lw.input_norm.data(), T, H, c.rms_norm_eps, x.data());
+    if (lw.type == LayerType::full_attention) cpu::attention_block(ctx, lw.attn, x.data(), T, seq->n, seq->layers[l], y.data());
+    else cpu::delta_net_block(ctx, lw.gdn, x.data(), T, seq->layers[l], y.data());
+    for (int64_t i = 0; i < T * H; ++i) h[i] += y[i];
+    cpu::rms_norm(h.data(), lw.post_attention_norm.data(), T, H, c.rms_norm_eps, x.data());
+    cpu::moe_block(ctx, lw.moe, x.data(), T, y.data());
+    for (int64_t i = 0; i < T * H; ++i) h[i] += y[i];
+    ctx.dump("hidden", h.data(), {T, H});
+  }
+  seq->n += T;
+  if (rows == LogitsRows::none) return ok_status();
+  const int64_t first = rows == LogitsRows::last ? T - 1 : 0, n_rows = T - first;
+  cpu::rms_norm(h.data() + first * H, w.final_norm.data(), n_rows, H, c.rms_norm_eps, x.data());
+  logits->resize(static_cast<size_t>(n_rows * V));
+  cpu::matmul(*pool_, w.lm_head, x.data(), n_rows, logits->data());
+  return ok_status();
+}
+
+}  // namespace lily

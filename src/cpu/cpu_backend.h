@@ -1,0 +1,30 @@
+// The CPU reference backend: the whole forward of shared/MODEL.md eqs 1-25 in fp32, multi-threaded.
+#pragma once
+#include <memory>
+
+#include "cpu/blocks.h"
+#include "engine/backend.h"
+
+namespace lily {
+
+struct CpuBackendOptions {
+  int n_threads = 0;       // 0: all hardware threads
+  cpu::TraceFn trace;      // optional intermediate dump hook
+};
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend(std::shared_ptr<const ModelWeights> weights, CpuBackendOptions options = {});
+  const char* name() const override { return "cpu"; }
+  const ModelConfig& config() const override { return weights_->config; }
+  std::unique_ptr<SequenceState> new_sequence() override;
+  Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
+                 std::vector<float>* logits) override;
+
+ private:
+  std::shared_ptr<const ModelWeights> weights_;
+  CpuBackendOptions options_;
+  std::unique_ptr<ThreadPool> pool_;
+};
+
+}  // namespace lily
