@@ -1,0 +1,27 @@
+// Fused Gated DeltaNet decode step (eqs 14-18) for one token: conv-state update + SiLU, l2norm of q and k,
+// beta = sigmoid(b), decay = exp(-exp(A_log) * softplus(a + dt_bias)), and the gated delta rule with the state
+// held in registers: S <- decay*S; e = (v - S^T k) * beta; S <- S + k e^T; o = S^T q_hat.
+// The gated RMSNorm with z (eq 19) is done by the out_proj GEMV prologue (it needs whole heads).
+// Memory-bound: reads and writes the fp32 state, n_v * d_k * d_v * 8 bytes (4 MiB per layer at full size).
+// The conv state is a ring of `kernel` pre-conv vectors indexed by position % kernel (zero-initialised), so
+// no block overwrites a vector another block still reads.
+#pragma once
+#include "cuda/kernels/common.cuh"
+
+namespace lily::cuda {
+
+struct GdnStepParams {
+  const float* proj = nullptr;    // [conv_dim (q|k|v) + value_dim (z) + n_v (b) + n_v (a)] from the fused GEMV
+  float* conv_ring = nullptr;     // [kernel, conv_dim]
+  const float* conv_w = nullptr;  // [conv_dim, kernel]
+  const float* A_log = nullptr;   // [n_v]
+  const float* dt_bias = nullptr; // [n_v]
+  float* S = nullptr;             // [n_v, d_k, d_v] fp32
+  const int* pos = nullptr;       // device: position of this token
+  int n_k = 16, n_v = 32, d_k = 128, d_v = 128, kernel = 4;
+  float* o = nullptr;             // out [n_v * d_v]: S^T q_hat (before the gated norm)
+};
+
+cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream);
+
+}  // namespace lily::cuda
