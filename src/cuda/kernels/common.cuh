@@ -39,6 +39,8 @@ struct QMatrix {
   }
 };
 
+// Device-only helpers; host-compiled code (the .cpp op tests) includes this header for QMatrix alone.
+#if defined(__CUDACC__)
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -53,5 +55,6 @@ __device__ __forceinline__ float warp_max(float v) {
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
+#endif  // __CUDACC__
 
 }  // namespace lily::cuda

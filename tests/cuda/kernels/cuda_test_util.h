@@ -1,0 +1,147 @@
+// Shared helpers of the CUDA kernel op tests: skip without a GPU, RAII device buffers, random MLX-quantized
+// matrices (made with mlx_quantize from random floats) with a host copy for CPU references.
+#pragma once
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <utility>
+#include <vector>
+
+#include "cuda/kernels/common.cuh"
+#include "model/quant.h"
+
+namespace lily::cuda::test {
+
+inline bool has_gpu() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
+// First statement of every GPU test: CI has no GPU and must pass.
+#define SKIP_WITHOUT_GPU()                                              \
+  do {                                                                  \
+    if (!::lily::cuda::test::has_gpu()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
+
+// Device memory for n values of T, freed on destruction.
+template <class T>
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) : n_(n) {
+    if (n > 0 && cudaMalloc(&ptr_, n * sizeof(T)) != cudaSuccess) ptr_ = nullptr;
+  }
+  explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) { upload(host); }
+  ~DeviceBuffer() {
+    if (ptr_) cudaFree(ptr_);
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& o) noexcept : ptr_(std::exchange(o.ptr_, nullptr)), n_(std::exchange(o.n_, 0)) {}
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(n_, o.n_);
+    return *this;
+  }
+
+  T* get() const { return ptr_; }
+  size_t size() const { return n_; }
+  cudaError_t upload(const std::vector<T>& host) {
+    return cudaMemcpy(ptr_, host.data(), std::min(n_, host.size()) * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  cudaError_t zero() { return cudaMemset(ptr_, 0, n_ * sizeof(T)); }
+  std::vector<T> download() const {
+    std::vector<T> host(n_);
+    if (n_ > 0) cudaMemcpy(host.data(), ptr_, n_ * sizeof(T), cudaMemcpyDeviceToHost);
+    return host;
+  }
+
+ private:
+  T* ptr_ = nullptr;
+  size_t n_ = 0;
+};
+
+inline float bf16_bits_to_float(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// A quantized matrix on the host (MLX layout, shared/MODEL.md 2.4) that can be uploaded as a QMatrix. The
+// device copy lives as long as this object (upload() keeps the buffers).
+struct HostQMatrix {
+  int rows = 0, cols = 0, bits = 4;
+  std::vector<uint32_t> words;    // [rows, cols*bits/32]
+  std::vector<uint16_t> scales;   // bf16 bits [rows, cols/64]
+  std::vector<uint16_t> biases;   // bf16 bits [rows, cols/64]
+
+  size_t words_per_row() const { return static_cast<size_t>(cols) * bits / 32; }
+  size_t groups_per_row() const { return static_cast<size_t>(cols) / kQuantGroup; }
+
+  // The dequantized value at (r, c), exactly as the kernels see it: bf16 scale * q + bf16 bias in fp32.
+  float dequant(int r, int c) const {
+    const size_t wpr = words_per_row(), per_word = 32 / bits;
+    const uint32_t word = words[r * wpr + c / per_word];
+    const uint32_t q = (word >> ((c % per_word) * bits)) & ((1u << bits) - 1);
+    const size_t g = static_cast<size_t>(r) * groups_per_row() + c / kQuantGroup;
+    return bf16_bits_to_float(scales[g]) * static_cast<float>(q) + bf16_bits_to_float(biases[g]);
+  }
+  // sum_c dequant(r, c) * x[c] in double (the reference for dot products).
+  double dot(int r, const float* x) const {
+    double acc = 0;
+    for (int c = 0; c < cols; ++c) acc += static_cast<double>(dequant(r, c)) * x[c];
+    return acc;
+  }
+
+  QMatrix upload() {
+    d_words = DeviceBuffer<uint32_t>(words);
+    d_scales = DeviceBuffer<uint16_t>(scales);
+    d_biases = DeviceBuffer<uint16_t>(biases);
+    QMatrix m;
+    m.w = d_words.get();
+    m.scales = reinterpret_cast<const __nv_bfloat16*>(d_scales.get());
+    m.biases = reinterpret_cast<const __nv_bfloat16*>(d_biases.get());
+    m.rows = rows;
+    m.cols = cols;
+    m.bits = bits;
+    return m;
+  }
+
+  DeviceBuffer<uint32_t> d_words;
+  DeviceBuffer<uint16_t> d_scales, d_biases;
+};
+
+// rows x cols floats ~ N(0, std), quantized with mlx_quantize.
+inline HostQMatrix random_qmatrix(int rows, int cols, int bits, uint32_t seed, float std = 0.02f) {
+  HostQMatrix m;
+  m.rows = rows;
+  m.cols = cols;
+  m.bits = bits;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, std);
+  std::vector<float> w(static_cast<size_t>(rows) * cols);
+  for (float& v : w) v = dist(rng);
+  m.words.resize(rows * m.words_per_row());
+  m.scales.resize(rows * m.groups_per_row());
+  m.biases.resize(rows * m.groups_per_row());
+  mlx_quantize(w.data(), rows, cols, bits, m.words.data(), m.scales.data(), m.biases.data());
+  return m;
+}
+
+// n floats ~ N(mean, std).
+inline std::vector<float> random_vector(size_t n, uint32_t seed, float std = 1.0f, float mean = 0.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(mean, std);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+}  // namespace lily::cuda::test
