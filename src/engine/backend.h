@@ -3,6 +3,7 @@
 // state (KV cache of the attention layers, conv and recurrent state of the Gated DeltaNet layers).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -35,6 +36,16 @@ class SequenceState {
 
 enum class LogitsRows { none, last, all };
 
+// Sampling a backend can do on the device (greedy, temperature, top-k <= 64, top-p, min-p); penalties, logit_bias
+// and logprobs need the logits on the host and use the generation loop's CPU sampler instead.
+struct DeviceSampling {
+  float temperature = 0.0f;  // 0: greedy
+  int top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  uint64_t seed = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -44,6 +55,16 @@ class Backend {
   // Consumes `tokens` at positions n_tokens().. of `seq`. Writes logits [rows, vocab_size] for the rows asked.
   virtual Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
                          std::vector<float>* logits) = 0;
+
+  // The device-side decode loop: consumes `first`, samples the next token on the device, feeds it back, and so
+  // on; on_token(id) is called for each new token and returns false to stop. The last token emitted is not
+  // consumed (as with forward + host sampling). Backends without it return ErrorCode::unsupported.
+  virtual bool has_device_sampling() const { return false; }
+  virtual Status generate_on_device(SequenceState& seq, int32_t first, const DeviceSampling& sampling, int max_new,
+                                    const std::function<bool(int32_t)>& on_token) {
+    (void)seq, (void)first, (void)sampling, (void)max_new, (void)on_token;
+    return error(ErrorCode::unsupported, "%s backend has no device-side sampling", name());
+  }
 };
 
 }  // namespace lily
