@@ -49,14 +49,15 @@ class Fields {
   Status id_list(const char* name, std::vector<int32_t>& out) const {
     const json* v = find(name);
     if (!v) return ok_status();
-    if (!v->is_array() && !v->is_number_integer()) return wrong_type(name, "an integer or a list of integers", *v);
+    if (!v->is_array() && !v->is_number_integer())
+      return wrong_type(name, "an integer or a list of integers", *v);
     const json list = v->is_array() ? *v : json::array({*v});
     out.clear();
     for (size_t i = 0; i < list.size(); ++i) {
       const json& x = list[i];
       if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() > INT32_MAX) {
-        return format_error("%s: field `%s`[%zu] must be a token id (an integer >= 0), got %s", where_.c_str(),
-                            name, i, x.dump().substr(0, 60).c_str());
+        return format_error("%s: field `%s`[%zu] must be a token id (an integer >= 0), got %s",
+                            where_.c_str(), name, i, x.dump().substr(0, 60).c_str());
       }
       out.push_back(static_cast<int32_t>(x.get<int64_t>()));
     }
@@ -126,7 +127,8 @@ Result<SamplingDefaults> load_generation_config(const std::string& model_dir) {
   return parse_generation_config(text.str(), path.string());
 }
 
-void apply_defaults(SamplingParams& params, const SamplingDefaults& defaults, const RequestOverrides& request) {
+void apply_defaults(SamplingParams& params, const SamplingDefaults& defaults,
+                    const RequestOverrides& request) {
   params.temperature = request.temperature.value_or(defaults.temperature);
   params.top_k = request.top_k.value_or(defaults.top_k);
   params.top_p = request.top_p.value_or(defaults.top_p);

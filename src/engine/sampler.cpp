@@ -19,8 +19,9 @@ bool ranks_before(const Candidate& a, const Candidate& b) {
   return a.first > b.first || (a.first == b.first && a.second < b.second);
 }
 
-// The n best (value, id) of `values` by ranks_before, best first, in one pass with an n-element heap whose front
-// is the worst kept entry. Ids are scanned in ascending order, so an equal value never displaces the front.
+// The n best (value, id) of `values` by ranks_before, best first, in one pass with an n-element heap whose
+// front is the worst kept entry. Ids are scanned in ascending order, so an equal value never displaces the
+// front.
 void select_top_n(std::span<const float> values, size_t n, std::vector<Candidate>& out) {
   out.clear();
   n = std::min(n, values.size());
@@ -54,7 +55,8 @@ Status validate_logit_bias(const std::unordered_map<int32_t, float>& bias, int32
     }
     const float value = bias.at(id);
     if (!in_range(value, -100.0f, 100.0f)) {
-      return invalid_argument("logit_bias[%d] must be in [-100, 100], got %g", id, static_cast<double>(value));
+      return invalid_argument("logit_bias[%d] must be in [-100, 100], got %g", id,
+                              static_cast<double>(value));
     }
   }
   return ok_status();
@@ -78,10 +80,12 @@ Status SamplingParams::validate(int32_t vocab_size) const {
                             static_cast<double>(repetition_penalty));
   }
   if (!in_range(presence_penalty, -2.0f, 2.0f)) {
-    return invalid_argument("presence_penalty must be in [-2, 2], got %g", static_cast<double>(presence_penalty));
+    return invalid_argument("presence_penalty must be in [-2, 2], got %g",
+                            static_cast<double>(presence_penalty));
   }
   if (!in_range(frequency_penalty, -2.0f, 2.0f)) {
-    return invalid_argument("frequency_penalty must be in [-2, 2], got %g", static_cast<double>(frequency_penalty));
+    return invalid_argument("frequency_penalty must be in [-2, 2], got %g",
+                            static_cast<double>(frequency_penalty));
   }
   if (top_logprobs < 0 || top_logprobs > 20) {
     return invalid_argument("top_logprobs must be in [0, 20], got %d", top_logprobs);
@@ -147,7 +151,7 @@ void Sampler::apply_bias_and_penalties(std::span<float> logits, std::span<const 
   }
 }
 
-// top_p over candidates_ already ranked (the top_k set): keep token j while the weight ranked before it < limit.
+// top_p over candidates_ already ranked (the top_k set): keep token j while the weight before it < limit.
 void Sampler::keep_nucleus_of_ranked(double top_p) {
   double total = 0.0;
   for (const auto& [z, id] : candidates_) total += w_[id];
@@ -158,11 +162,11 @@ void Sampler::keep_nucleus_of_ranked(double top_p) {
   candidates_.resize(kept);
 }
 
-// top_p over the whole vocabulary without sorting it. Tokens are binned by z into kBins equal-width bins below the
-// max (bin order = rank order); the bins before the one where the cumulative weight reaches the limit are kept
-// whole, and only that one bin is sorted and walked token by token. The set is the one sampler.h defines (up to
-// the rounding of the sums). Zero-weight tokens can never be in a nucleus with p < 1 and are skipped.
-// Leaves candidates_ in ascending id order.
+// top_p over the whole vocabulary without sorting it. Tokens are binned by z into kBins equal-width bins
+// below the max (bin order = rank order); the bins before the one where the cumulative weight reaches the
+// limit are kept whole, and only that one bin is sorted and walked token by token. The set is the one
+// sampler.h defines (up to the rounding of the sums). Zero-weight tokens can never be in a nucleus with p < 1
+// and are skipped. Leaves candidates_ in ascending id order.
 void Sampler::select_nucleus_binned(double top_p) {
   constexpr int kBins = 4096;
   const size_t vocab = z_.size();

@@ -1,45 +1,47 @@
 // Sampler: turns one row of logits into the next token id, on the CPU. The CUDA backend samples on the
 // device with the SAME semantics; this header is the specification both follow.
 //
-// Order of operations for one call of Sampler::sample(logits, history, n_prompt). V = logits.size(); l = logits.
-//   1. logit_bias        l[i] += logit_bias[i]                              (OpenAI; -100 effectively bans a token)
-//   2. repetition        for each DISTINCT id i in history (prompt + generated):
-//                          l[i] = l[i] > 0 ? l[i] / repetition_penalty : l[i] * repetition_penalty   (HF/CTRL)
-//   3. presence/freq     over the GENERATED ids only (history[n_prompt:]), c[i] = occurrences of i there:
-//                          l[i] -= frequency_penalty * c[i] + presence_penalty * (c[i] > 0)          (OpenAI, vLLM)
-//      Steps 1-3 write into `logits` in place.
-//   4. logprobs          lp = log_softmax(l) of these processed logits, at temperature 1, before any filter.
-//                        SampleResult::logprob = lp[id]; SampleResult::top = the top_logprobs largest lp (ties ->
-//                        lower id first). So logprobs describe "the model after the request's bias and penalties",
-//                        do not depend on temperature/top_k/top_p/min_p, and always sum to 1 over the vocabulary.
-//   5. temperature == 0  greedy: id = argmax l (ties -> lowest id). Steps 6-9 are skipped; no random draw is used.
-//   6. temperature > 0   z[i] = (l[i] - max(l)) / temperature, w[i] = exp(z[i])   (both float; w is the
-//                        unnormalised probability; tokens with w == 0 are never drawn)
-//   7. top_k  (k > 0)    keep the k largest z (ranking: z descending, ties -> lower id first).
-//   8. top_p  (p < 1)    over the survivors of 7, renormalised: rank by (z desc, id asc) and keep token j iff the
-//                        summed weight of the tokens ranked before it is < p * (total weight of the survivors)
-//                        (sums in double). This is the smallest prefix whose cumulative probability >= p; the top
-//                        token always stays. Same set as HF TopPLogitsWarper / vLLM (remove where the ascending
-//                        cumsum <= 1 - p), applied after top_k as both do.
-//   9. min_p  (m > 0)    keep token i iff w[i] >= m (i.e. p_i >= m * p_max; the ratio does not change under
-//                        renormalisation, so this equals HF MinPLogitsWarper applied after top_p).
-//  10. draw              u = next_uniform() in [0, 1) (below); walk the kept tokens in ASCENDING ID order summing
-//                        w (double); the result is the first token whose running sum exceeds u * (sum of kept w).
+// Order of operations for one call of sample(logits, history, n_prompt). V = logits.size(), l = logits.
+//  1. logit_bias      l[i] += logit_bias[i]                          (OpenAI; -100 effectively bans a token)
+//  2. repetition      for each DISTINCT id i in history (prompt + generated), HF/CTRL style:
+//                       l[i] = l[i] > 0 ? l[i] / repetition_penalty : l[i] * repetition_penalty
+//  3. presence/freq   over the GENERATED ids only (history[n_prompt:]), c[i] = occurrences of i there:
+//                       l[i] -= frequency_penalty * c[i] + presence_penalty * (c[i] > 0)    (OpenAI, vLLM)
+//     Steps 1-3 write into `logits` in place.
+//  4. logprobs        lp = log_softmax(l) of these processed logits, at temperature 1, before any filter.
+//                     SampleResult::logprob = lp[id]; SampleResult::top = the top_logprobs largest lp
+//                     (ties -> lower id first). So logprobs describe "the model after the request's bias and
+//                     penalties", do not depend on temperature/top_k/top_p/min_p, and sum to 1 over V.
+//  5. temperature 0   greedy: id = argmax l (ties -> lowest id). Steps 6-10 are skipped; no draw is used.
+//  6. temperature > 0 z[i] = (l[i] - max(l)) / temperature, w[i] = exp(z[i])   (both float; w is the
+//                     unnormalised probability; tokens with w == 0 are never drawn)
+//  7. top_k  (k > 0)  keep the k largest z (ranking: z descending, ties -> lower id first).
+//  8. top_p  (p < 1)  over the survivors of 7, renormalised: rank by (z desc, id asc) and keep token j iff
+//                     the summed weight of the tokens ranked before it is < p * (total weight of the
+//                     survivors) (sums in double): the smallest prefix whose cumulative probability >= p; the
+//                     top token always stays. Same set as HF TopPLogitsWarper / vLLM (remove where the
+//                     ascending cumsum <= 1 - p), applied after top_k as both do.
+//  9. min_p  (m > 0)  keep token i iff w[i] >= m (p_i >= m * p_max; the ratio does not change under
+//                     renormalisation, so this equals HF MinPLogitsWarper applied after top_p).
+// 10. draw            u = next_uniform() in [0, 1) (below); walk the kept tokens in ASCENDING ID order
+//                     summing w (double); the result is the first token whose running sum exceeds
+//                     u * (sum of kept w).
 //
-// Random numbers: SplitMix64 (Steele, Lea, Flood 2014), a counter-based generator: the n-th draw (n = 0, 1, ...)
-// of a sampler seeded with s is mix(s + (n + 1) * 0x9E3779B97F4A7C15), and u = (mix >> 11) * 2^-53. Every
-// platform (and a GPU kernel given s and n) computes the same u. Exactly one draw is consumed per non-greedy
-// sample() call; greedy consumes none. Without params.seed the seed comes from std::random_device.
-// Reproducibility: the same seed gives the same ids run after run on one build. The selection rules and u are
-// platform-independent; exp() comes from the platform's libm (or CUDA's expf), so another platform can pick a
-// neighbouring token only when u falls within rounding (~1e-7 relative) of the edge between two tokens.
+// Random numbers: SplitMix64 (Steele, Lea, Flood 2014), a counter-based generator: the n-th draw
+// (n = 0, 1, ...) of a sampler seeded with s is mix(s + (n + 1) * 0x9E3779B97F4A7C15), and
+// u = (mix >> 11) * 2^-53. Every platform (and a GPU kernel given s and n) computes the same u. Exactly one
+// draw is consumed per non-greedy sample() call; greedy consumes none. Without params.seed the seed comes
+// from std::random_device.
+// Reproducibility: the same seed gives the same ids run after run on one build. The selection rules and u
+// are platform-independent; exp() comes from the platform's libm (or CUDA's expf), so another platform can
+// pick a neighbouring token only when u falls within rounding (~1e-7 relative) of the edge between two.
 //
-// Cost at V = 248,320 (all single passes over V unless stated): bias O(|logit_bias|); penalties O(history), nothing
-// when neutral; max + log-normaliser; for temperature > 0 one pass computing z and w. top_k: one pass with a
-// k-element heap. top_p without top_k: no sort of V: tokens are binned by z into 4096 bins (bin order = rank
-// order), bins above the one where the cumulative weight reaches p are kept whole and only that bin is sorted
-// (ties in z share a bin; the degenerate case of the whole vocabulary tied sorts it all). top_logprobs: one pass
-// with an n-element heap.
+// Cost at V = 248,320 (single passes over V unless stated): bias O(|logit_bias|); penalties O(history), none
+// when neutral; max + log-normaliser; for temperature > 0 one pass computing z and w. top_k: one pass with
+// a k-element heap. top_p without top_k: no sort of V: tokens are binned by z into 4096 bins (bin order =
+// rank order); bins above the one where the cumulative weight reaches p are kept whole and only that bin is
+// sorted (ties in z share a bin; the degenerate case of the whole vocabulary tied sorts it all).
+// top_logprobs: one pass with an n-element heap.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -104,7 +106,7 @@ class Sampler {
   explicit Sampler(const SamplingParams& params);  // expects params.validate() to have passed
 
   // logits: one row [V], modified in place (steps 1-3). history: prompt + generated ids, all < V;
-  // history[n_prompt:] are the generated ones that presence/frequency penalties count (n_prompt = 0 counts all).
+  // history[n_prompt:] are the generated ones counted by presence/frequency (n_prompt = 0: all of them).
   SampleResult sample(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt = 0);
 
   const SamplingParams& params() const { return params_; }
@@ -120,7 +122,7 @@ class Sampler {
   SamplingParams params_;
   uint64_t seed_;
   SplitMix64 rng_;
-  std::vector<std::pair<float, int32_t>> candidates_;  // (z, id) scratch, reused across calls
+  std::vector<std::pair<float, int32_t>> candidates_;  // (z, id) scratch, reused
   std::vector<int32_t> counts_;                         // per-id scratch for penalties, kept zeroed
   std::vector<std::pair<float, int32_t>> tail_;        // the top_p crossing bin
   std::vector<float> z_;                                // (l - max) / temperature

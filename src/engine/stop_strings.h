@@ -1,13 +1,16 @@
-// StopMatcher: applies OpenAI `stop` strings to streamed text. Pieces of decoded text go in as they are produced;
-// what comes back is the text that is safe to emit now.
+// StopMatcher: applies OpenAI `stop` strings to streamed text. Pieces of decoded text go in as they are
+// produced; what comes back is the text that is safe to emit now.
 //
 // Semantics (independent of how the text is split into pieces):
 // - The output is the generated text up to, not including, the first stop string to COMPLETE when the text is
 //   read left to right; if several complete at the same byte, the one starting earliest (the longest) cuts.
-//   This is what a byte-by-byte scan would do, so splitting the same text differently never changes the output.
-// - A stop string is never emitted, even when it arrives split over several pieces: a tail of the text that is a
-//   proper prefix of some stop string is held back until it can no longer start a match, then released.
-// - Once a stop string has matched, stopped() is true and everything after it (in that piece and later) is dropped.
+//   This is what a byte-by-byte scan would do, so splitting the same text differently never changes the
+//   output.
+// - A stop string is never emitted, even when it arrives split over several pieces: a tail of the text
+//   that is a proper prefix of some stop string is held back until it can no longer start a match, then
+//   released.
+// - Once a stop string has matched, stopped() is true and everything after it (in that piece and later) is
+//   dropped.
 // - Returned text never ends inside a UTF-8 code point: an incomplete trailing sequence is held back too (so
 //   byte-level pieces are safe), and a cut never lands on a continuation byte.
 // - flush() at the end of generation (EOS, max_tokens) releases whatever is still held, unless stopped.
@@ -21,7 +24,8 @@ namespace lily {
 
 class StopMatcher {
  public:
-  explicit StopMatcher(std::vector<std::string> stops);  // empty strings are ignored (validate() rejects them)
+  // Empty strings in `stops` are ignored (SamplingParams::validate() rejects them).
+  explicit StopMatcher(std::vector<std::string> stops);
 
   std::string push(std::string_view piece);
   std::string flush();

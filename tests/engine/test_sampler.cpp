@@ -60,7 +60,8 @@ std::vector<double> softmax(const std::vector<float>& logits, double temperature
 std::vector<float> random_logits(size_t n, uint64_t seed, float scale = 3.0f) {
   std::mt19937_64 gen(seed);  // the generator's output is specified by the standard; we avoid distributions
   std::vector<float> out(n);
-  for (float& x : out) x = scale * static_cast<float>(static_cast<double>(gen() >> 11) * 0x1.0p-53 * 2.0 - 1.0);
+  for (float& x : out)
+    x = scale * static_cast<float>(static_cast<double>(gen() >> 11) * 0x1.0p-53 * 2.0 - 1.0);
   return out;
 }
 
@@ -124,7 +125,8 @@ TEST(Sampler, TopKKeepsTheKLargestRenormalised) {
   p.top_k = 3;  // keeps ids 1, 3, 4 (0.3, 0.25, 0.2)
   Sampler sampler(p);
   const int n = 30000;
-  expect_distribution(frequencies(sampler, log_of(probs), n), {0, 0.3 / 0.75, 0, 0.25 / 0.75, 0.2 / 0.75, 0}, n);
+  expect_distribution(frequencies(sampler, log_of(probs), n), {0, 0.3 / 0.75, 0, 0.25 / 0.75, 0.2 / 0.75, 0},
+                      n);
 }
 
 TEST(Sampler, TopPKeepsSmallestSetReachingP) {
@@ -143,8 +145,8 @@ TEST(Sampler, TopPKeepsSmallestSetReachingP) {
 }
 
 TEST(Sampler, TopPAppliesToTheTopKRenormalisedDistribution) {
-  // top_k 3 keeps 0.4, 0.3, 0.2 -> renormalised 0.444, 0.333, 0.222. top_p 0.75: before the third 0.777 >= 0.75,
-  // so two are kept. Over the raw distribution the mass before the third would be 0.7 < 0.75 (three kept).
+  // top_k 3 keeps 0.4, 0.3, 0.2 -> renormalised 0.444, 0.333, 0.222. top_p 0.75: the mass before the third
+  // is 0.777 >= 0.75, so two are kept. Over the raw distribution it would be 0.7 < 0.75 (three kept).
   const std::vector<double> probs = {0.3, 0.1, 0.4, 0.2};
   SamplingParams p = seeded(13);
   p.top_k = 3;
@@ -154,9 +156,10 @@ TEST(Sampler, TopPAppliesToTheTopKRenormalisedDistribution) {
   expect_distribution(frequencies(sampler, log_of(probs), n), {3.0 / 7, 0, 4.0 / 7, 0}, n);
 }
 
-// Equal logits: the ranking breaks ties by lower id, so the nucleus and the top-k set are id prefixes. Token 0 has
-// weight e^2 = 7.389, tokens 1..999 weight 1: top_p 0.5 keeps token j while 7.389 + (j - 1) < 0.5 * 1006.389,
-// i.e. tokens 0..496. All tied tokens share one bin of the binned top_p, so this checks the walk inside a bin.
+// Equal logits: the ranking breaks ties by lower id, so the nucleus and the top-k set are id prefixes.
+// Token 0 has weight e^2 = 7.389, tokens 1..999 weight 1: top_p 0.5 keeps token j while
+// 7.389 + (j - 1) < 0.5 * 1006.389, i.e. tokens 0..496. All tied tokens share one bin of the binned top_p,
+// so this checks the walk inside a bin.
 TEST(Sampler, TopPAndTopKTiesGoToLowerIds) {
   std::vector<float> logits(1000, 0.0f);
   logits[0] = 2.0f;

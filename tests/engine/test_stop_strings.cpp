@@ -10,7 +10,8 @@ namespace lily {
 namespace {
 
 // Feeds pieces, then flush(); returns everything emitted. `outputs` gets each push's return value.
-std::string run(StopMatcher& m, const std::vector<std::string>& pieces, std::vector<std::string>* outputs = nullptr) {
+std::string run(StopMatcher& m, const std::vector<std::string>& pieces,
+                std::vector<std::string>* outputs = nullptr) {
   std::string all;
   for (const auto& p : pieces) {
     std::string out = m.push(p);
@@ -155,7 +156,8 @@ TEST(StopMatcher, AnySplitGivesTheReferenceOutput) {
       std::string current;
       for (size_t i = 0; i < text.size(); ++i) {
         current += text[i];
-        const bool boundary = i + 1 == text.size() || (static_cast<unsigned char>(text[i + 1]) & 0xC0) != 0x80;
+        const bool boundary =
+            i + 1 == text.size() || (static_cast<unsigned char>(text[i + 1]) & 0xC0) != 0x80;
         if (boundary && gen() % 3 == 0) pieces.push_back(std::exchange(current, std::string()));
       }
       if (!current.empty()) pieces.push_back(current);
