@@ -77,6 +77,56 @@ std::string byte_level_decode(std::string_view vocab_string) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// MergeTable
+// ------------------------------------------------------------------------------------------------
+
+void MergeTable::reserve(size_t n_rules) {
+  size_t capacity = 16;
+  shift_ = 60;
+  while (capacity < 2 * n_rules) {
+    capacity *= 2;
+    --shift_;
+  }
+  std::vector<Slot> old = std::move(slots_);
+  slots_.assign(capacity, Slot{kEmpty, {0, 0}});
+  n_used_ = 0;
+  for (const Slot& slot : old) {
+    if (slot.key != kEmpty) set(static_cast<int32_t>(slot.key >> 32), static_cast<int32_t>(slot.key), slot.rule);
+  }
+}
+
+size_t MergeTable::slot_of(uint64_t key) const {
+  return static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> shift_);  // Fibonacci hashing
+}
+
+void MergeTable::set(int32_t left, int32_t right, Rule rule) {
+  if (2 * (n_used_ + 1) > slots_.size()) reserve(n_used_ + 1 > 8 ? 2 * (n_used_ + 1) : 8);
+  const uint64_t key = pair_key(left, right);
+  const size_t mask = slots_.size() - 1;
+  for (size_t i = slot_of(key);; i = (i + 1) & mask) {
+    if (slots_[i].key == key) {
+      slots_[i].rule = rule;
+      return;
+    }
+    if (slots_[i].key == kEmpty) {
+      slots_[i] = {key, rule};
+      ++n_used_;
+      return;
+    }
+  }
+}
+
+const MergeTable::Rule* MergeTable::find(int32_t left, int32_t right) const {
+  if (slots_.empty()) return nullptr;
+  const uint64_t key = pair_key(left, right);
+  const size_t mask = slots_.size() - 1;
+  for (size_t i = slot_of(key);; i = (i + 1) & mask) {
+    if (slots_[i].key == key) return &slots_[i].rule;
+    if (slots_[i].key == kEmpty) return nullptr;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // BpeCache
 // ------------------------------------------------------------------------------------------------
 
@@ -173,7 +223,7 @@ Status BpeModel::load_merges(const json& merges) {
       return format_error("model.merges[%zu]: token \"%s\" is not in model.vocab", rank, missing.c_str());
     }
     // A repeated pair keeps its last rank, as the HashMap that `tokenizers` collects them into does.
-    merges_[pair_key(left_id, right_id)] = {static_cast<int32_t>(rank), merged_id};
+    merges_.set(left_id, right_id, {static_cast<int32_t>(rank), merged_id});
   }
   return ok_status();
 }
@@ -183,18 +233,13 @@ int32_t BpeModel::token_id(std::string_view vocab_string) const {
   return it == vocab_.end() ? -1 : it->second;
 }
 
-const BpeModel::MergeRule* BpeModel::find_merge(int32_t left, int32_t right) const {
-  auto it = merges_.find(pair_key(left, right));
-  return it == merges_.end() ? nullptr : &it->second;
-}
-
 void BpeModel::encode_piece(std::string_view piece, std::vector<int32_t>* ids) const {
   if (piece.size() == 1) {
     int32_t id = byte_ids_[static_cast<unsigned char>(piece[0])];
     if (id >= 0) ids->push_back(id);
     return;
   }
-  const bool cacheable = piece.size() <= BpeCache::kMaxPieceBytes;
+  const bool cacheable = piece.size() > 4 && piece.size() <= BpeCache::kMaxPieceBytes;
   if (cacheable && cache_.lookup(piece, ids)) return;
   const size_t first = ids->size();
   if (ignore_merges_) {
@@ -239,7 +284,7 @@ void BpeModel::merge(std::string_view piece, std::vector<int32_t>* ids) const {
   auto push_pair = [&](int32_t pos) {
     if (pos < 0 || symbols[pos].next < 0) return;
     const int32_t left = symbols[pos].id, right = symbols[symbols[pos].next].id;
-    if (const MergeRule* rule = find_merge(left, right)) {
+    if (const MergeTable::Rule* rule = merges_.find(left, right)) {
       heap.push_back({rule->rank, pos, left, right, rule->merged_id});
       std::push_heap(heap.begin(), heap.end(), std::greater<>{});
     }

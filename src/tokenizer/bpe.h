@@ -46,6 +46,30 @@ class BpeCache {
   std::shared_ptr<std::array<Shard, kShards>> shards_;  // shared: copies of a model share its cache
 };
 
+// (left id, right id) -> merge rule: open addressing with linear probing, sized for a load factor
+// <= 1/2. The BPE inner loop does one lookup per candidate pair, so this is the hot table.
+class MergeTable {
+ public:
+  struct Rule {
+    int32_t rank;
+    int32_t merged_id;
+  };
+  void reserve(size_t n_rules);
+  void set(int32_t left, int32_t right, Rule rule);  // overwrites an existing pair
+  const Rule* find(int32_t left, int32_t right) const;
+
+ private:
+  struct Slot {
+    uint64_t key;  // kEmpty or (left << 32 | right)
+    Rule rule;
+  };
+  static constexpr uint64_t kEmpty = ~uint64_t{0};  // ids are < 2^24, so no real key is all ones
+  size_t slot_of(uint64_t key) const;
+  std::vector<Slot> slots_;
+  size_t n_used_ = 0;
+  int shift_ = 64;
+};
+
 class BpeModel {
  public:
   // tokenizer.json "model": type BPE without dropout, subword prefixes/suffixes or byte fallback.
@@ -60,19 +84,14 @@ class BpeModel {
   int32_t n_ids() const { return static_cast<int32_t>(id_to_string_.size()); }  // max vocab id + 1
 
  private:
-  struct MergeRule {
-    int32_t rank;
-    int32_t merged_id;
-  };
   Status load_vocab(const nlohmann::json& vocab);
   Status load_merges(const nlohmann::json& merges);
   void merge(std::string_view piece, std::vector<int32_t>* ids) const;
-  const MergeRule* find_merge(int32_t left, int32_t right) const;
 
   std::unordered_map<std::string, int32_t, StringViewHash, std::equal_to<>> vocab_;
   std::vector<std::string> id_to_string_;       // "" where no token has that id
   std::array<int32_t, 256> byte_ids_{};         // id of each byte's byte-level char, -1 if not in vocab
-  std::unordered_map<uint64_t, MergeRule> merges_;  // (left id << 32 | right id) -> rule
+  MergeTable merges_;
   bool ignore_merges_ = false;
   mutable BpeCache cache_;  // shared by copies; thread-safe
 };

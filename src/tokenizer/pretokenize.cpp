@@ -4,6 +4,7 @@
 #include <pcre2.h>
 #include <utf8proc.h>
 
+#include <algorithm>
 #include <cstdlib>
 
 #include "tokenizer/pretokenize_utf8.h"
@@ -191,14 +192,63 @@ std::string nfc_normalize(std::string_view text) {
   return out;
 }
 
+// A code point that NFC leaves alone wherever it stands: a starter (combining class 0) without a
+// canonical decomposition that never composes with a preceding character. Text made only of these
+// is already NFC (nothing to reorder, decompose or compose). Below U+0300 every code point qualifies;
+// CJK, Hangul syllables, most letters and emoji do; combining marks, Hangul jamo and precomposed
+// letters such as U+1EA1 do not.
+bool nfc_inert(char32_t cp) {
+  if (cp < 0x300) return true;
+  if (cp >= 0x1100 && cp <= 0x11FF) return false;  // conjoining jamo: composed algorithmically
+  const utf8proc_property_t* p = utf8proc_get_property(static_cast<utf8proc_int32_t>(cp));
+  const bool canonical_decomposition = p->decomp_type == 0 && p->decomp_seqindex != UINT16_MAX;
+  const bool composes_with_previous = p->comb_index != UINT16_MAX && (p->comb_index & 0x8000) != 0;
+  return p->combining_class == 0 && !canonical_decomposition && !composes_with_previous;
+}
+
+bool is_nfc_inert(std::string_view text) {
+  for (size_t i = 0; i < text.size();) {
+    if (static_cast<unsigned char>(text[i]) < 0xCC) {  // ASCII, a continuation byte or a lead below U+0300
+      ++i;
+      continue;
+    }
+    if (!nfc_inert(next_code_point(text, &i))) return false;
+  }
+  return true;
+}
+
+// NFC(x + y) == NFC(x) + NFC(y) when y starts with an inert code point (it is a starter that blocks
+// reordering and composition across it), so only the spans around non-inert code points go through
+// utf8proc: from the inert code point before one up to the next inert code point.
 std::string_view Normalizer::apply(std::string_view text, std::string* storage) const {
-  if (!nfc_) return text;
-  // Code points below U+0300 (lead bytes < 0xCC) are NFC-stable and never compose with what
-  // precedes them, so text made only of them is already NFC: skip utf8proc for it.
-  bool may_change = false;
-  for (char c : text) may_change |= static_cast<unsigned char>(c) >= 0xCC;
-  if (!may_change) return text;
-  *storage = nfc_normalize(text);
+  if (!nfc_ || is_nfc_inert(text)) return text;
+  storage->clear();
+  size_t copied = 0;        // text[0, copied) is in *storage
+  size_t last_inert = 0;    // start of the latest inert code point seen
+  for (size_t i = 0; i < text.size();) {
+    const auto b = static_cast<unsigned char>(text[i]);
+    if (b < 0xCC) {
+      if (b < 0x80 || b >= 0xC0) last_inert = i;  // a code point below U+0300 starts here
+      ++i;
+      continue;
+    }
+    const size_t start = i;
+    if (nfc_inert(next_code_point(text, &i))) {
+      last_inert = start;
+      continue;
+    }
+    const size_t span_start = std::max(last_inert, copied);
+    size_t span_end = i;  // extend over code points up to the next inert one
+    while (span_end < text.size()) {
+      size_t next = span_end;
+      if (nfc_inert(next_code_point(text, &next))) break;
+      span_end = next;
+    }
+    storage->append(text.substr(copied, span_start - copied));
+    *storage += nfc_normalize(text.substr(span_start, span_end - span_start));
+    copied = i = span_end;
+  }
+  storage->append(text.substr(copied));
   return *storage;
 }
 

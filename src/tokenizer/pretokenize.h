@@ -27,6 +27,9 @@ class Normalizer {
 
 // NFC of valid UTF-8 (utf8proc). Embedded NULs are kept.
 std::string nfc_normalize(std::string_view text);
+// True when NFC leaves `cp` unchanged in any context (see pretokenize.cpp); a fast path for apply().
+bool nfc_inert(char32_t cp);
+bool is_nfc_inert(std::string_view text);
 
 // The regex of the Split pre-tokenizer, "Isolated" behaviour: every non-overlapping match, left to
 // right, is a piece, and so is the text between two matches. Thread-safe (per-thread match data).

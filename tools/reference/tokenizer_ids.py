@@ -13,6 +13,9 @@ bytes.decode("utf-8", "replace") (each maximal invalid subpart -> one U+FFFD) an
 that text; lily's Tokenizer::encode applies the same replacement to raw bytes, so the C++ test feeds
 bytes_hex and expects these ids.
 
+Also writes tests/fixtures/tokenizer/synthetic.json: a tiny tokenizer.json exercising the added-token
+flags that Qwen's tokens leave off (lstrip, rstrip, single_word, normalized), with reference ids.
+
 The corpus is generated deterministically (fixed seeds, no external data). Also prints the one-thread
 encode throughput of `tokenizers` on the corpus (Tokenizer.encode per line, not encode_batch).
 
@@ -32,6 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SHARED = os.environ.get("LILY_SHARED_DIR", os.path.join(os.path.dirname(ROOT), "shared"))
 TOKENIZER_JSON = os.path.join(SHARED, "fixtures", "qwen3-tokenizer", "tokenizer.json")
 OUT = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "corpus.jsonl")
+SYNTHETIC_OUT = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "synthetic.json")
 
 # shared/MODEL.md section 3: the Qwen3.5/3.6 pre-tokenizer regex (adds the \p{M} mark class).
 QWEN36_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
@@ -342,6 +346,62 @@ def build_corpus():
     return cases
 
 
+def bytes_to_unicode():
+    """GPT-2's byte -> char map (what ByteLevel uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
+        list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+def synthetic_tokenizer():
+    """A tiny byte-level tokenizer.json exercising added-token flags (lstrip, rstrip, single_word,
+    normalized), the longest-match rule and merges; ids from `tokenizers` go to synthetic.json."""
+    byte_char = bytes_to_unicode()
+    vocab = {byte_char[b]: b for b in range(256)}
+    merges = ["h e", "l l", "he ll", "hell o", "\u0120 w", "o r", "\u0120w or", "\u0120wor d", "\u00c3 \u00a9"]
+    for m in merges:
+        a, b = m.split(" ")
+        vocab[a + b] = len(vocab)
+    qwen3_regex = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+    def added(i, content, **flags):
+        t = {"id": len(vocab) + i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": False}
+        t.update(flags)
+        return t
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    doc = {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [added(0, "<A>", lstrip=True, special=True), added(1, "<B>", rstrip=True, special=True),
+                         added(2, "<AB>"), added(3, "word", single_word=True),
+                         added(4, "\u00e9t\u00e9", normalized=True)],
+        "normalizer": {"type": "NFC"},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": qwen3_regex}, "behavior": "Isolated", "invert": False},
+            byte_level]},
+        "post_processor": None,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
+                  "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": merges}}
+    tok = Tokenizer.from_str(json.dumps(doc))
+    texts = ["hello", "x<AB>y", "a  <A>b", "<B>  c", "a word b", "swordfish", "word", "word,word", "e\u0301te\u0301!",
+             "\u00e9t\u00e9", " world", "<A><B><AB>", "hello<A>", "\u00e9", "ab\u3000<A>", "<B>\u3000\u00a0x",
+             "  <A>  <A>", "<A", "<<AB>>"]
+    cases = [{"text": t, "ids": tok.encode(t, add_special_tokens=False).ids} for t in texts]
+    for t in doc["added_tokens"]:
+        assert tok.token_to_id(t["content"]) == t["id"]
+    return {"tokenizer": doc, "cases": cases}
+
+
 def main():
     tok3 = Tokenizer.from_file(TOKENIZER_JSON)
     with open(TOKENIZER_JSON, encoding="utf-8") as f:
@@ -364,6 +424,9 @@ def main():
     with open(OUT, "w", encoding="utf-8", newline="\n") as f:
         for r in records:
             f.write(json.dumps(r, ensure_ascii=False, separators=(",", ":")) + "\n")
+    with open(SYNTHETIC_OUT, "w", encoding="utf-8", newline="\n") as f:
+        json.dump(synthetic_tokenizer(), f, ensure_ascii=False, indent=None)
+        f.write("\n")
     n_diff = sum(r["ids"] != r["ids_qwen36"] for r in records)
     print(f"wrote {len(records)} cases to {OUT} ({os.path.getsize(OUT)} bytes); "
           f"{n_diff} differ between the Qwen3 and Qwen3.6 regex", file=sys.stderr)
@@ -371,23 +434,20 @@ def main():
 
 
 def benchmark(tok, texts):
-    """One-thread encode throughput over the corpus (same texts as lily's TokenizerBench)."""
-    n_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    for label, reps in [("first pass", 1), ("warm, 5 passes", 5)]:
-        t0 = time.perf_counter()
+    """One-thread encode throughput over the corpus (same texts as lily's TokenizerBench), per wall
+    second and per CPU second (the machine may be shared)."""
+    def measure(label, inputs, reps):
+        n_bytes = sum(len(t.encode("utf-8")) for t in inputs)
+        c0, t0 = time.process_time(), time.perf_counter()
         for _ in range(reps):
-            for t in texts:
+            for t in inputs:
                 tok.encode(t, add_special_tokens=False)
-        dt = time.perf_counter() - t0
-        print(f"HF tokenizers encode, 1 thread, per line, {label}: {n_bytes * reps / dt / 1e6:.2f} MB/s "
-              f"({n_bytes} bytes x {reps})", file=sys.stderr)
-    joined = "\n".join(texts)
-    t0 = time.perf_counter()
-    for _ in range(5):
-        tok.encode(joined, add_special_tokens=False)
-    dt = time.perf_counter() - t0
-    print(f"HF tokenizers encode, 1 thread, corpus as one string: {len(joined.encode()) * 5 / dt / 1e6:.2f} MB/s",
-          file=sys.stderr)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        print(f"HF tokenizers encode, 1 thread, {label}: {n_bytes * reps / wall / 1e6:.2f} MB/s wall, "
+              f"{n_bytes * reps / cpu / 1e6:.2f} MB/s CPU ({n_bytes} bytes x {reps})", file=sys.stderr)
+    measure("per line, first pass (cold cache)", texts, 1)
+    measure("per line, warm, 5 passes", texts, 5)
+    measure("corpus as one string, 5 passes", ["\n".join(texts)], 5)
 
 
 if __name__ == "__main__":
