@@ -23,6 +23,7 @@ constexpr std::string_view kToolsInstructions =
     "- You may provide optional reasoning for your function call in natural language BEFORE the function call, "
     "but NOT after\n- If there is no function call available, answer the question like normal with your current "
     "knowledge and do not tell the user about function calls\n</IMPORTANT>";
+constexpr size_t kMaxDepth = 256;
 constexpr std::string_view kImagePlaceholder = "<|vision_start|><|image_pad|><|vision_end|>";
 constexpr std::string_view kVideoPlaceholder = "<|vision_start|><|video_pad|><|vision_end|>";
 
@@ -160,6 +161,10 @@ class ChatRenderer {
       }
     }
     if (messages_.empty()) return template_error("No messages provided.");
+    // Python's json.dumps gives up near 1000 levels; past this limit lily's recursive walks could too.
+    if (!json_depth_within(messages_, kMaxDepth) || !json_depth_within(tools_, kMaxDepth)) {
+      return invalid_argument("messages/tools: JSON nested deeper than %zu levels", kMaxDepth);
+    }
     if (!tools_.is_null() && !tools_.is_array()) {
       return invalid_argument("tools: expected an array, got %s", tools_.type_name());
     }
@@ -320,6 +325,9 @@ class ChatRenderer {
       if (arguments->is_string()) {  // OpenAI clients send the arguments as a JSON string
         parsed = json::parse(arguments->get<std::string>(), nullptr, /*allow_exceptions=*/false);
         arguments = &parsed;
+      }
+      if (!json_depth_within(*arguments, kMaxDepth)) {
+        return invalid_argument("%s.function.arguments: nested deeper than %zu levels", at.c_str(), kMaxDepth);
       }
       if (!arguments->is_object()) {
         return invalid_argument("%s.function.arguments: expected a JSON object (or a string holding one)",

@@ -2,7 +2,7 @@
 // (shared/fixtures/chat-templates/qwen3.6.jinja, shared/MODEL.md section 4) as transformers renders
 // it (apply_chat_template: trim_blocks, lstrip_blocks, tojson = json.dumps(ensure_ascii=False)).
 //
-// Input is the OpenAI chat-completions shape. Beyond the template, two things happen first, as
+// Input is the OpenAI chat-completions shape. Beyond the template, three things happen first, as
 // transformers and OpenAI-compatible servers do them:
 //   - a message key whose value is null counts as absent (transformers drops them);
 //   - reasoning is read from `reasoning_content`, else `thinking`, else `reasoning` (first non-null);

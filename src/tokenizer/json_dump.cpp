@@ -6,6 +6,8 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <utility>
+#include <vector>
 
 namespace lily {
 
@@ -205,6 +207,18 @@ std::string python_str(const nlohmann::ordered_json& v) {
   std::string out;
   append_value(out, v, /*json_style=*/false);
   return out;
+}
+
+bool json_depth_within(const nlohmann::ordered_json& v, size_t max_depth) {
+  std::vector<std::pair<const json*, size_t>> stack = {{&v, 0}};
+  while (!stack.empty()) {
+    auto [node, depth] = stack.back();
+    stack.pop_back();
+    if (!node->is_structured()) continue;
+    if (depth + 1 > max_depth) return false;
+    for (const auto& child : *node) stack.emplace_back(&child, depth + 1);
+  }
+  return true;
 }
 
 }  // namespace lily

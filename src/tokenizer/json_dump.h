@@ -20,4 +20,9 @@ std::string hf_tojson(const nlohmann::ordered_json& v);
 std::string python_str(const nlohmann::ordered_json& v);
 std::string python_float_repr(double d);
 
+// True when no array/object in v nests deeper than max_depth (a scalar has depth 0). Iterative, so
+// it is safe on any input; check it before handing untrusted JSON to recursive code (hf_tojson,
+// copies of nlohmann values), which a 100k-deep document would overflow.
+bool json_depth_within(const nlohmann::ordered_json& v, size_t max_depth);
+
 }  // namespace lily

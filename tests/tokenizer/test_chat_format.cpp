@@ -159,6 +159,19 @@ TEST(RenderChat, ToolCallNeedsStringName) {
   EXPECT_FALSE(render_with_call(json("just a string")).ok());
 }
 
+TEST(RenderChat, DeepNestingIsAnErrorNotACrash) {
+  const std::string deep = std::string(5000, '[') + std::string(5000, ']');
+  json messages = json::array({json{{"role", "user"}, {"content", "q"}, {"extra", json::parse(deep)}}});
+  EXPECT_FALSE(render_chat(messages, nullptr, ChatOptions{}).ok());
+  EXPECT_FALSE(render_chat(json::array({user_message("q")}), json::array({json::parse(deep)}), ChatOptions{}).ok());
+  auto r = render_with_call(json{{"function", {{"name", "f"}, {"arguments", "{\"a\": " + deep + "}"}}}});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("nested deeper"), std::string::npos) << r.status().message();
+  EXPECT_TRUE(json_depth_within(json::parse("[[1], {\"a\": [2]}]"), 3));
+  EXPECT_FALSE(json_depth_within(json::parse("[[1], {\"a\": [2]}]"), 2));
+  EXPECT_TRUE(json_depth_within(json(5), 0));
+}
+
 TEST(RenderChat, NonIterableContentPartIsAnError) {
   const json messages = json::array({json{{"role", "user"}, {"content", json::array({5})}}});
   auto r = render_chat(messages, nullptr, ChatOptions{});
