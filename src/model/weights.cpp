@@ -127,7 +127,7 @@ class Binder {
     l.out = out;
     l.in = in;
     QuantSpec q = cfg_.quantization.for_path(module);
-    if (layout_ == CheckpointLayout::mlx && q.bits && store_.find(module + ".scales")) {
+    if (layout_ == CheckpointLayout::mlx && stored_quantized(module, q)) {
       l.bits = q.bits;
       l.dtype = DType::u32;
       int64_t groups = in / kQuantGroup;
@@ -242,10 +242,18 @@ class Binder {
   }
 
  private:
+  // Quantized per the config and stored so: a `.scales` or a U32 `.weight` is present. (Testing `.scales` alone
+  // reported a missing `.scales` as a dense-shape mismatch of `.weight`, without naming the missing tensor.)
+  bool stored_quantized(const std::string& module, const QuantSpec& q) const {
+    if (!q.bits) return false;
+    const TensorInfo* w = store_.find(module + ".weight");
+    return store_.find(module + ".scales") || (w && w->dtype == DType::u32);
+  }
+
   // An MLX SwitchLinear [E, out, in] seen as one Linear [E*out, in].
   Result<Linear> stacked(const std::string& module, int64_t E, int64_t out, int64_t in) {
     QuantSpec q = cfg_.quantization.for_path(module);
-    if (!q.bits || !store_.find(module + ".scales")) {
+    if (!stored_quantized(module, q)) {
       ASSIGN_OR_RETURN(auto* w, tensor(module + ".weight", {E, out, in}, {DType::bf16, DType::f16, DType::f32}));
       return Linear{E * out, in, w->dtype, 0, w->data, nullptr, nullptr};
     }
