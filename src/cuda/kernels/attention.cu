@@ -1,0 +1,396 @@
+// Gated full attention for batch-1 decode (eqs 7-12 of shared/MODEL.md): attn_prep, attn_decode, attn_combine.
+//
+// attn_prep (eqs 9-10 + KV append): one block per head, one thread per dim. Blocks 0..nq-1 take query head j
+//   (proj[j*2*D .. +D]): q = RMSNorm(qt) * q_norm, NeoX RoPE on dims 0..rot-1 (pairs (i, i+rot/2), inv_freq rounded
+//   to fp32 from 1/theta^(2i/rot) in double, angle = float(pos) * inv_freq in fp32, exactly as the CPU reference).
+//   Blocks nq..nq+nkv-1 take kv head m: the same for k with k_norm, then k and v go to row pos of the caches (bf16).
+//
+// attn_decode (eq 11, flash-decoding): grid (nkv, n_splits), 4 warps. Block (m, s) takes cache rows
+//   [s*chunk, min((s+1)*chunk, n)) with n = pos+1, chunk = ceil(n/n_splits) rounded up to kTileRows; an empty
+//   range writes max = -inf, sum = 0, o = 0. GQA packing: the block serves the group = nq/nkv <= 8 query heads of
+//   kv head m, so each K/V row is read once. Warps take 16-row tiles round-robin, each with its own 3-stage cp.async
+//   pipeline (16-byte coalesced loads: one 512-byte row per warp instruction), and run both products on the tensor
+//   cores (mma.sync m16n8k16 bf16, fp32 accumulate):
+//     S[h, r] = q_h . K_r:  A = [q_hi; q_lo] (16 x 256, q pre-scaled by scale*log2(e) and split into two bf16 so
+//                           that q_hi + q_lo carries 16 mantissa bits), B = K tile (bf16 exactly as cached).
+//                           C rows h and h+8 are the hi and lo products; their sum is the fp32-accurate score.
+//     O[h, :] += P V:       A = [p_hi; p_lo] built straight from the S accumulators (the FA2 register reuse), B = V.
+//   K and V are exact bf16, so the only rounding beyond fp32 accumulation is the 2^-17 relative split error.
+//   Online softmax in log2 units per warp; the 4 warps merge in shared memory; the block writes its unnormalised
+//   o [group, D] and (max, sum) with the max converted back to natural-log units.
+//   Memory-bound: moves n * nkv * D * 2 bytes * 2 (K and V); target >= 85% of 4.27 TB/s at long context.
+//
+// attn_combine (eqs 11-12): grid (nq, D/32); merges the splits with exp(m_s - M) weights, divides by the sum and
+//   multiplies by sigmoid(gate). Moves n_splits * nq * D * 4 bytes of partials.
+#include <cmath>
+
+#include "cuda/kernels/attention.cuh"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int kHeadDim = 256;
+constexpr int kMaxGroup = 8;    // query heads per block: rows 0-7 (hi) and 8-15 (lo) of the A operand
+constexpr int kTileRows = 16;   // cache rows per warp iteration = one k-step of the P V product
+constexpr int kWarps = 4;
+constexpr int kStages = 3;
+constexpr int kRowPitch = kHeadDim + 8;  // bf16 per smem row; the extra 16 B make ldmatrix conflict-free
+constexpr int kTileElems = kTileRows * kRowPitch;
+constexpr int kOutPitch = kHeadDim + 8;  // floats per row of the warp-merge buffer
+constexpr size_t kQBytes = 2 * kMaxGroup * kRowPitch * sizeof(__nv_bfloat16);
+constexpr size_t kDecodeSmemBytes = kQBytes + size_t{kWarps} * kStages * 2 * kTileElems * sizeof(__nv_bfloat16);
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr int kMaxSplits = 65535;  // gridDim.y limit
+
+static_assert(size_t{kWarps} * kMaxGroup * (kOutPitch + 2) * sizeof(float) <= kDecodeSmemBytes - kQBytes);
+
+// ---- helpers -------------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, n_warps = blockDim.x / 32;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < n_warps; ++w) total += scratch[w];
+  __syncthreads();  // scratch may be reused right after
+  return total;
+}
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; src_bytes = 0 zero-fills the destination (rows past the range end).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+// c += A (16x16, row) * B (16x8, col), bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// (x0, x1) -> packed bf16 pairs hi and lo with x ~= hi + lo to 2^-17 relative; x0 in the low half.
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  const float2 hf = __bfloat1622float2(h);
+  const __nv_bfloat162 l = __floats2bfloat162_rn(x0 - hf.x, x1 - hf.y);
+  hi = *reinterpret_cast<const uint32_t*>(&h);
+  lo = *reinterpret_cast<const uint32_t*>(&l);
+}
+
+// ---- attn_prep -----------------------------------------------------------------------------------------------
+
+__global__ void attn_prep_kernel(const __grid_constant__ AttnPrepParams p) {
+  __shared__ float y_s[1024];
+  __shared__ float scratch[32];
+  const int D = p.head_dim, d = threadIdx.x, b = blockIdx.x;
+  const int pos = *p.pos;
+  const bool is_q = b < p.nq;
+  const int m = b - p.nq;  // kv head for the k/v blocks
+  const float* src = is_q ? p.proj + static_cast<size_t>(b) * 2 * D : p.proj + static_cast<size_t>(p.nq) * 2 * D + m * D;
+  const float* w = is_q ? p.q_norm : p.k_norm;
+
+  // Eq 9 (multiplier form, as cpu::rms_norm): y = x * (1 / sqrt(mean x^2 + eps)) * w.
+  const float x = src[d];
+  const float ss = block_sum(x * x, scratch);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + p.eps);
+  float y = __fmul_rn(__fmul_rn(x, inv), w[d]);
+  y_s[d] = y;
+  __syncthreads();
+
+  // Eq 10: NeoX half split on the first rotary_dim dims; products rounded separately like the CPU code.
+  const int half = p.rotary_dim / 2;
+  if (d < p.rotary_dim) {
+    const int i = d < half ? d : d - half;
+    const float inv_freq = static_cast<float>(1.0 / pow(static_cast<double>(p.rope_theta), (2.0 * i) / p.rotary_dim));
+    const float ang = static_cast<float>(pos) * inv_freq;
+    float s, c;
+    sincosf(ang, &s, &c);
+    y = d < half ? __fsub_rn(__fmul_rn(y_s[d], c), __fmul_rn(y_s[d + half], s))
+                 : __fadd_rn(__fmul_rn(y_s[d], c), __fmul_rn(y_s[d - half], s));
+  }
+
+  if (is_q) {
+    p.q[static_cast<size_t>(b) * D + d] = y;
+  } else {
+    const size_t row = (static_cast<size_t>(pos) * p.nkv + m) * D + d;
+    p.k_cache[row] = __float2bfloat16_rn(y);
+    const float* v_src = p.proj + static_cast<size_t>(p.nq) * 2 * D + static_cast<size_t>(p.nkv + m) * D;
+    p.v_cache[row] = __float2bfloat16_rn(v_src[d]);
+  }
+}
+
+// ---- attn_decode ---------------------------------------------------------------------------------------------
+
+// Online-softmax state of one warp: lane (g = lane/4, t = lane%4) serves head g; o[n][0..1] are the hi-part and
+// o[n][2..3] the lo-part products for dims 8n + 2t, 8n + 2t + 1 (m16n8 accumulator layout).
+struct WarpAttnState {
+  float o[kHeadDim / 8][4];
+  float m_run;  // running max of this lane's head, log2 units
+  float l_run;  // this lane's partial sum of exp2(s - m_run) (the 4 lanes of a head are summed at the end)
+};
+
+// Issue the cp.async copies of one 16-row K and V tile; rows >= row_end are zero-filled (never read from memory).
+__device__ __forceinline__ void load_tile(const AttnDecodeParams& p, int m, int r0, int row_end, __nv_bfloat16* k_dst,
+                                          __nv_bfloat16* v_dst, int lane) {
+#pragma unroll
+  for (int it = 0; it < kTileRows; ++it) {
+    const int row = r0 + it;
+    const bool valid = row < row_end;
+    const size_t src = (static_cast<size_t>(valid ? row : r0) * p.nkv + m) * kHeadDim + lane * 8;
+    cp_async_16(smem_u32(k_dst + it * kRowPitch + lane * 8), p.k_cache + src, valid);
+    cp_async_16(smem_u32(v_dst + it * kRowPitch + lane * 8), p.v_cache + src, valid);
+  }
+}
+
+// One tile: scores on the tensor cores, online-softmax update, P V on the tensor cores.
+__device__ __forceinline__ void attend_tile(WarpAttnState& st, uint32_t q_addr, uint32_t k_addr, uint32_t v_addr,
+                                            int r0, int row_end, int lane) {
+  const int t = lane % 4;
+  // S = [q_hi; q_lo] K^T for rows r0..r0+15 (two n-tiles of 8 rows); even/odd k-steps in separate accumulators
+  // so that the dependent mma chains are half as long.
+  float s_acc[2][2][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    uint32_t a[4], b[4];
+    ldmatrix_x4(a, q_addr + kk * 32);
+    ldmatrix_x4(b, k_addr + kk * 32);
+    mma_bf16(s_acc[kk & 1][0], a, b[0], b[1]);
+    mma_bf16(s_acc[kk & 1][1], a, b[2], b[3]);
+  }
+  float s[2][2];  // [n-tile][e]: row r0 + 8*n-tile + 2t + e
+  float tile_max = -INFINITY;
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const float v = (s_acc[0][nt][e] + s_acc[0][nt][e + 2]) + (s_acc[1][nt][e] + s_acc[1][nt][e + 2]);
+      s[nt][e] = r0 + nt * 8 + 2 * t + e < row_end ? v : -INFINITY;
+      tile_max = fmaxf(tile_max, s[nt][e]);
+    }
+  tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+  tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+  const float m_new = fmaxf(st.m_run, tile_max);  // finite: row r0 is always in range
+  const float alpha = exp2f(st.m_run - m_new);    // 0 on the first tile (m_run = -inf)
+  st.m_run = m_new;
+  float pr[2][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) pr[nt][e] = exp2f(s[nt][e] - m_new);
+  st.l_run = st.l_run * alpha + (pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]);
+  // A = [p_hi; p_lo] (16 x 16 rows of the tile): a0/a2 rows g (hi), a1/a3 rows g+8 (lo).
+  uint32_t a[4];
+  split_bf16x2(pr[0][0], pr[0][1], a[0], a[1]);
+  split_bf16x2(pr[1][0], pr[1][1], a[2], a[3]);
+#pragma unroll
+  for (int dp = 0; dp < kHeadDim / 16; ++dp) {
+    uint32_t b[4];
+    ldmatrix_x4_trans(b, v_addr + dp * 32);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st.o[2 * dp + h][e] *= alpha;
+    mma_bf16(st.o[2 * dp], a, b[0], b[1]);
+    mma_bf16(st.o[2 * dp + 1], a, b[2], b[3]);
+  }
+}
+
+// The warps' (m, l, o) merged in shared memory and written as this split's partials.
+__device__ __forceinline__ void write_partials(const AttnDecodeParams& p, WarpAttnState& st, float* merge_s, int m,
+                                               int split, int group) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  st.l_run += __shfl_xor_sync(0xffffffffu, st.l_run, 1);
+  st.l_run += __shfl_xor_sync(0xffffffffu, st.l_run, 2);
+  float* o_w = merge_s + warp * kMaxGroup * kOutPitch;
+  float* ml_s = merge_s + kWarps * kMaxGroup * kOutPitch;  // [kWarps][kMaxGroup][2]
+#pragma unroll
+  for (int n = 0; n < kHeadDim / 8; ++n) {
+    o_w[g * kOutPitch + n * 8 + 2 * t] = st.o[n][0] + st.o[n][2];
+    o_w[g * kOutPitch + n * 8 + 2 * t + 1] = st.o[n][1] + st.o[n][3];
+  }
+  if (t == 0) {
+    ml_s[(warp * kMaxGroup + g) * 2] = st.m_run;
+    ml_s[(warp * kMaxGroup + g) * 2 + 1] = st.l_run;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < group * kHeadDim; idx += blockDim.x) {
+    const int h = idx / kHeadDim, d = idx % kHeadDim;
+    float mx = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) mx = fmaxf(mx, ml_s[(w * kMaxGroup + h) * 2]);
+    float o = 0.0f, l = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = ml_s[(w * kMaxGroup + h) * 2];
+      const float f = mw == -INFINITY ? 0.0f : exp2f(mw - mx);  // warps without rows contribute nothing
+      o += f * merge_s[(w * kMaxGroup + h) * kOutPitch + d];
+      l += f * ml_s[(w * kMaxGroup + h) * 2 + 1];
+    }
+    const size_t head = static_cast<size_t>(split) * p.nq + static_cast<size_t>(m) * group + h;
+    p.part_o[head * kHeadDim + d] = o;
+    if (d == 0) {
+      p.part_ml[head * 2] = mx * kLn2;  // -inf stays -inf
+      p.part_ml[head * 2 + 1] = l;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __grid_constant__ AttnDecodeParams p) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(smem);  // [16][kRowPitch]: rows 0-7 q_hi, 8-15 q_lo
+  __nv_bfloat16* tiles_s = q_s + 2 * kMaxGroup * kRowPitch;      // [kWarps][kStages][K, V][kTileElems]
+  const int m = blockIdx.x, split = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = p.nq / p.nkv;
+  const int n = *p.pos + 1;
+  const int chunk = ((n + p.n_splits - 1) / p.n_splits + kTileRows - 1) / kTileRows * kTileRows;
+  const int row_begin = min(split * chunk, n), row_end = min(row_begin + chunk, n);
+
+  const float q_mul = p.scale * kLog2e;  // scores in log2 units: softmax via exp2
+  for (int idx = threadIdx.x; idx < kMaxGroup * kHeadDim; idx += blockDim.x) {
+    const int h = idx / kHeadDim, d = idx % kHeadDim;
+    const float x = h < group ? p.q[(static_cast<size_t>(m) * group + h) * kHeadDim + d] * q_mul : 0.0f;
+    const __nv_bfloat16 hi = __float2bfloat16_rn(x);
+    q_s[h * kRowPitch + d] = hi;
+    q_s[(kMaxGroup + h) * kRowPitch + d] = __float2bfloat16_rn(x - __bfloat162float(hi));
+  }
+  __syncthreads();
+
+  WarpAttnState st;
+#pragma unroll
+  for (int n8 = 0; n8 < kHeadDim / 8; ++n8)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st.o[n8][e] = 0.0f;
+  st.m_run = -INFINITY;
+  st.l_run = 0.0f;
+
+  // ldmatrix lane addresses: A (q) and trans-B (V) take matrix j = lane/8 at rows (j&1)*8 + lane%8, cols (j>>1)*8;
+  // B (K) takes rows (j>>1)*8 + lane%8 (the two 8-row n-tiles), cols (j&1)*8 (the two k halves).
+  const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * kRowPitch + (lane >> 4) * 8;
+  const int k_off = ((lane & 7) + (lane >> 4) * 8) * kRowPitch + ((lane >> 3) & 1) * 8;
+  const uint32_t q_addr = smem_u32(q_s + a_off);
+  __nv_bfloat16* warp_tiles = tiles_s + static_cast<size_t>(warp) * kStages * 2 * kTileElems;
+
+  const int n_tiles = (row_end - row_begin + kTileRows - 1) / kTileRows;
+  const int my_tiles = warp < n_tiles ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+  auto tile_row = [&](int i) { return row_begin + (warp + i * kWarps) * kTileRows; };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < my_tiles)
+      load_tile(p, m, tile_row(i), row_end, warp_tiles + i * 2 * kTileElems, warp_tiles + (i * 2 + 1) * kTileElems, lane);
+    cp_async_commit();
+  }
+  for (int i = 0; i < my_tiles; ++i) {
+    cp_async_wait<kStages - 2>();  // tile i has landed (this lane's copies) ...
+    __syncwarp();                  // ... and every lane's; stage (i-1) % kStages is free again
+    const int next = i + kStages - 1;
+    if (next < my_tiles) {
+      __nv_bfloat16* dst = warp_tiles + (next % kStages) * 2 * kTileElems;
+      load_tile(p, m, tile_row(next), row_end, dst, dst + kTileElems, lane);
+    }
+    cp_async_commit();
+    const __nv_bfloat16* k_s = warp_tiles + (i % kStages) * 2 * kTileElems;
+    attend_tile(st, q_addr, smem_u32(k_s + k_off), smem_u32(k_s + kTileElems + a_off), tile_row(i), row_end, lane);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every warp is done with its tiles: the tile area becomes the merge buffer
+  write_partials(p, st, reinterpret_cast<float*>(tiles_s), m, split, group);
+}
+
+// ---- attn_combine --------------------------------------------------------------------------------------------
+
+constexpr int kCombineThreads = 256;
+
+__global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __grid_constant__ AttnCombineParams p) {
+  extern __shared__ float w_s[];  // [n_splits] merge weights exp(m_s - M)
+  __shared__ float scratch[32];
+  __shared__ float acc_s[kCombineThreads / 32][32];
+  const int j = blockIdx.x, D = p.head_dim, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int d = blockIdx.y * 32 + lane;
+
+  float mx = -INFINITY;
+  for (int s = threadIdx.x; s < p.n_splits; s += blockDim.x) mx = fmaxf(mx, p.part_ml[(static_cast<size_t>(s) * p.nq + j) * 2]);
+  mx = warp_max(mx);
+  if (lane == 0) scratch[warp] = mx;
+  __syncthreads();
+  mx = scratch[0];
+  for (int w = 1; w < kCombineThreads / 32; ++w) mx = fmaxf(mx, scratch[w]);
+  __syncthreads();
+
+  float l = 0.0f;
+  for (int s = threadIdx.x; s < p.n_splits; s += blockDim.x) {
+    const float* ml = p.part_ml + (static_cast<size_t>(s) * p.nq + j) * 2;
+    const float w = ml[0] == -INFINITY ? 0.0f : expf(ml[0] - mx);  // empty splits weigh nothing
+    w_s[s] = w;
+    l += w * ml[1];
+  }
+  l = block_sum(l, scratch);  // its barriers also publish w_s
+
+  float acc = 0.0f;
+  for (int s = warp; s < p.n_splits; s += kCombineThreads / 32)
+    acc += w_s[s] * p.part_o[(static_cast<size_t>(s) * p.nq + j) * D + d];
+  acc_s[warp][lane] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    float o = 0.0f;
+    for (int w = 0; w < kCombineThreads / 32; ++w) o += acc_s[w][lane];
+    const float gate = p.proj[static_cast<size_t>(j) * 2 * D + D + d];
+    p.out[static_cast<size_t>(j) * D + d] = o / l * (1.0f / (1.0f + expf(-gate)));
+  }
+}
+
+}  // namespace
+
+// ---- launchers -----------------------------------------------------------------------------------------------
+
+cudaError_t attn_prep(const AttnPrepParams& p, cudaStream_t stream) {
+  if (!p.proj || !p.q_norm || !p.k_norm || !p.pos || !p.q || !p.k_cache || !p.v_cache) return cudaErrorInvalidValue;
+  if (p.nq <= 0 || p.nkv <= 0 || p.head_dim <= 0 || p.head_dim > 1024 || p.head_dim % 32 != 0) return cudaErrorInvalidValue;
+  if (p.rotary_dim < 0 || p.rotary_dim % 2 != 0 || p.rotary_dim > p.head_dim) return cudaErrorInvalidValue;
+  attn_prep_kernel<<<p.nq + p.nkv, p.head_dim, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t attn_decode(const AttnDecodeParams& p, cudaStream_t stream) {
+  if (!p.q || !p.k_cache || !p.v_cache || !p.pos || !p.part_o || !p.part_ml) return cudaErrorInvalidValue;
+  if (p.head_dim != kHeadDim || p.nkv <= 0 || p.nq % p.nkv != 0 || p.nq / p.nkv > kMaxGroup) return cudaErrorInvalidValue;
+  if (p.n_splits < 1 || p.n_splits > kMaxSplits) return cudaErrorInvalidValue;
+  CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kDecodeSmemBytes)));
+  attn_decode_kernel<<<dim3(p.nkv, p.n_splits), kWarps * 32, kDecodeSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t attn_combine(const AttnCombineParams& p, cudaStream_t stream) {
+  if (!p.part_o || !p.part_ml || !p.proj || !p.out) return cudaErrorInvalidValue;
+  if (p.nq <= 0 || p.head_dim <= 0 || p.head_dim % 32 != 0) return cudaErrorInvalidValue;
+  if (p.n_splits < 1 || p.n_splits > 48 * 1024 / static_cast<int>(sizeof(float))) return cudaErrorInvalidValue;
+  attn_combine_kernel<<<dim3(p.nq, p.head_dim / 32), kCombineThreads, p.n_splits * sizeof(float), stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,132 @@
+// Gated DeltaNet decode step for one token, eqs 14-18 of shared/MODEL.md, fused in one kernel.
+//
+// Grid: n_v * (d_v / kCols) blocks, 256 threads. Block (h, c) owns columns j0 = c*kCols .. j0+kCols-1 of value head
+// h (columns of S are independent in the delta rule) and recomputes what it needs of the rest (cheap):
+//   eq 14  conv + SiLU of its key head kh = h / (n_v/n_k): q and k (d_k channels each) and v (its kCols channels):
+//          cc[ch] = silu(sum_k w[ch,k] * c_{pos-K+1+k}[ch]); history c_{pos-K+1..pos-1} from ring slots (pos+1+k) % K,
+//          the current c from proj; the current c is written to slot pos % K (never read in this step; q/k channels
+//          are written by every block of kh with identical values).
+//   eq 16  q_hat = q / sqrt(|q|^2 + 1e-6) / sqrt(d_k);  k_hat = k / sqrt(|k|^2 + 1e-6).
+//   eq 17  beta = sigmoid(b_h);  decay = exp(-exp(A_log_h) * softplus(a_h + dt_bias_h)).
+//   eq 18  S' = decay * S;  e = (v - S'^T k_hat) * beta;  S = S' + k_hat e^T;  o = S^T q_hat
+//          = S'^T q_hat + e (k_hat . q_hat), so one pass over S' gives both reductions over d_k.
+// Layout: S [n_v, d_k, d_v] fp32 (j contiguous). Thread (warp w, lane j) holds rows w*16 .. w*16+15 of column
+//   j0 + j in registers: each warp load/store is a coalesced 128-byte row segment. Reductions over d_k go through
+//   shared memory ([8 warps][kCols] partials).
+// Memory-bound: reads and writes S, n_v * d_k * d_v * 8 bytes (4 MiB at full size), plus ~0.2 MiB of proj/ring/
+//   conv weights; target: the 4 MiB at >= 70% of 4.27 TB/s (~1.4 us; a launch is ~2 us, so graphs matter more).
+#include <cmath>
+
+#include "cuda/kernels/gdn.cuh"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int kDk = 128;
+constexpr int kCols = 32;
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowsPerThread = kDk / kWarps;
+constexpr int kMaxKernel = 8;
+
+__device__ __forceinline__ float silu_exact(float x) { return x / (1.0f + expf(-x)); }
+
+// Eq 14 for the channels this block needs; results into q_s, k_s (d_k each) and v_s (kCols).
+__device__ __forceinline__ void conv_step(const GdnStepParams& p, int h, int kh, int j0, int pos, float* q_s,
+                                          float* k_s, float* v_s) {
+  const int K = p.kernel, key_dim = p.n_k * kDk;
+  const int conv_dim = 2 * key_dim + p.n_v * p.d_v;
+  for (int c = threadIdx.x; c < 2 * kDk + kCols; c += blockDim.x) {
+    const int ch = c < kDk ? kh * kDk + c : c < 2 * kDk ? key_dim + kh * kDk + (c - kDk) : 2 * key_dim + h * p.d_v + j0 + (c - 2 * kDk);
+    const float* w = p.conv_w + static_cast<size_t>(ch) * K;
+    float acc = 0.0f;
+    for (int k = 0; k < K - 1; ++k) acc += w[k] * p.conv_ring[static_cast<size_t>((pos + 1 + k) % K) * conv_dim + ch];
+    const float now = p.proj[ch];
+    acc += w[K - 1] * now;
+    p.conv_ring[static_cast<size_t>(pos % K) * conv_dim + ch] = now;
+    const float y = silu_exact(acc);
+    if (c < kDk) q_s[c] = y;
+    else if (c < 2 * kDk) k_s[c - kDk] = y;
+    else v_s[c - 2 * kDk] = y;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constant__ GdnStepParams p) {
+  __shared__ float q_s[kDk], k_s[kDk], v_s[kCols];
+  __shared__ float norm_s[3];  // 1/|q| * 1/sqrt(d_k), 1/|k|, raw q.k
+  __shared__ float part_s[2][kWarps][kCols];
+  const int col_blocks = p.d_v / kCols;
+  const int h = blockIdx.x / col_blocks, j0 = (blockIdx.x % col_blocks) * kCols;
+  const int kh = h / (p.n_v / p.n_k);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int pos = *p.pos;
+
+  // Issue the state loads first: they are the bulk of the traffic and do not depend on the conv.
+  float* S = p.S + (static_cast<size_t>(h) * kDk + warp * kRowsPerThread) * p.d_v + j0 + lane;
+  float s_reg[kRowsPerThread];
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) s_reg[r] = S[static_cast<size_t>(r) * p.d_v];
+
+  conv_step(p, h, kh, j0, pos, q_s, k_s, v_s);
+  __syncthreads();
+
+  // Eq 16: warps 0 and 1 take |q|^2 and |k|^2, warp 2 the raw q.k (scaled afterwards).
+  if (warp < 3) {
+    float acc = 0.0f;
+    for (int i = lane; i < kDk; i += 32) acc += warp == 0 ? q_s[i] * q_s[i] : warp == 1 ? k_s[i] * k_s[i] : q_s[i] * k_s[i];
+    acc = warp_sum(acc);
+    if (lane == 0) norm_s[warp] = warp == 2 ? acc : 1.0f / sqrtf(acc + 1e-6f);
+  }
+  __syncthreads();
+  const float q_inv = norm_s[0] * (1.0f / sqrtf(static_cast<float>(kDk))), k_inv = norm_s[1];
+  const float kq = norm_s[2] * q_inv * k_inv;  // k_hat . q_hat
+  if (threadIdx.x < kDk) {
+    q_s[threadIdx.x] *= q_inv;
+    k_s[threadIdx.x] *= k_inv;
+  }
+
+  // Eq 17 (every thread; scalars).
+  const float* gates = p.proj + 2 * p.n_k * kDk + p.n_v * p.d_v + p.n_v * p.d_v;  // [b (n_v) | a (n_v)]
+  const float beta = 1.0f / (1.0f + expf(-gates[h]));
+  const float x = gates[p.n_v + h] + p.dt_bias[h];
+  const float softplus = x > 20.0f ? x : log1pf(expf(x));
+  const float decay = expf(-expf(p.A_log[h]) * softplus);
+  __syncthreads();  // normalised q_s, k_s visible
+
+  // Eq 18: one pass over S' gives the partial sums of S'^T k_hat and S'^T q_hat for this thread's rows.
+  float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    const int i = warp * kRowsPerThread + r;
+    s_reg[r] *= decay;
+    sk += s_reg[r] * k_s[i];
+    sq += s_reg[r] * q_s[i];
+  }
+  part_s[0][warp][lane] = sk;
+  part_s[1][warp][lane] = sq;
+  __syncthreads();
+  float kv = 0.0f, sqv = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    kv += part_s[0][w][lane];
+    sqv += part_s[1][w][lane];
+  }
+  const float e = (v_s[lane] - kv) * beta;
+#pragma unroll
+  for (int r = 0; r < kRowsPerThread; ++r) S[static_cast<size_t>(r) * p.d_v] = s_reg[r] + k_s[warp * kRowsPerThread + r] * e;
+  if (warp == 0) p.o[static_cast<size_t>(h) * p.d_v + j0 + lane] = sqv + e * kq;
+}
+
+}  // namespace
+
+cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream) {
+  if (!p.proj || !p.conv_ring || !p.conv_w || !p.A_log || !p.dt_bias || !p.S || !p.pos || !p.o) return cudaErrorInvalidValue;
+  if (p.d_k != kDk || p.d_v <= 0 || p.d_v % kCols != 0) return cudaErrorInvalidValue;
+  if (p.n_k <= 0 || p.n_v <= 0 || p.n_v % p.n_k != 0) return cudaErrorInvalidValue;
+  if (p.kernel < 1 || p.kernel > kMaxKernel) return cudaErrorInvalidValue;
+  gdn_step_kernel<<<p.n_v * (p.d_v / kCols), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace lily::cuda
