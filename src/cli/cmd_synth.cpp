@@ -15,7 +15,7 @@ static void setup(CLI::App& app) {
     bool no_tokenizer = false;
   };
   auto args = std::make_shared<Args>();
-  cmd->add_option("--preset", args->preset, "tiny | small | full")->check(CLI::IsMember({"tiny", "small", "full"}));
+  cmd->add_option("--preset", args->preset, "tiny | small | full | full4 (full width, 4 layers)")->check(CLI::IsMember({"tiny", "small", "full", "full4"}));
   cmd->add_option("--layout", args->layout, "hf (bf16) | mlx (4-bit)")->check(CLI::IsMember({"hf", "mlx"}));
   cmd->add_option("--out", args->out, "output directory")->required();
   cmd->add_option("--seed", args->seed, "random seed");

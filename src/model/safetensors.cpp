@@ -198,6 +198,16 @@ const TensorInfo* TensorStore::find(const std::string& name) const {
   return it == tensors_.end() ? nullptr : &it->second;
 }
 
+Status TensorStore::add_buffer(const TensorSpec& spec, std::shared_ptr<std::vector<uint8_t>> bytes) {
+  if (bytes->size() != spec.nbytes())
+    return invalid_argument("tensor `%s`: buffer of %zu bytes, shape needs %zu", spec.name.c_str(), bytes->size(),
+                            spec.nbytes());
+  if (tensors_.count(spec.name)) return invalid_argument("tensor `%s` added twice", spec.name.c_str());
+  tensors_[spec.name] = TensorInfo{spec.name, spec.dtype, spec.shape, bytes->data(), bytes->size(), "<memory>"};
+  buffers_.push_back(std::move(bytes));
+  return ok_status();
+}
+
 size_t TensorStore::total_bytes() const {
   size_t n = 0;
   for (auto& [_, t] : tensors_) n += t.nbytes;

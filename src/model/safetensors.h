@@ -40,6 +40,13 @@ class MappedFile {
   size_t size_ = 0;
 };
 
+// Streaming writer: the header is computed from the specs, then fill(i, dst) writes tensor i's bytes.
+struct TensorSpec {
+  std::string name;
+  DType dtype = DType::bf16;
+  Shape shape;
+  size_t nbytes() const { return static_cast<size_t>(shape.numel()) * dtype_size(dtype); }
+};
 // All tensors of a checkpoint directory: model.safetensors.index.json when present, else every *.safetensors file.
 class TensorStore {
  public:
@@ -48,22 +55,18 @@ class TensorStore {
   const TensorInfo* find(const std::string& name) const;
   const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
   size_t total_bytes() const;
+  // An in-memory tensor (synthetic weights generated without touching the disk).
+  Status add_buffer(const TensorSpec& spec, std::shared_ptr<std::vector<uint8_t>> bytes);
 
  private:
   Status add_file(const std::string& path, const std::string& display);
   std::vector<std::shared_ptr<MappedFile>> files_;
+  std::vector<std::shared_ptr<std::vector<uint8_t>>> buffers_;
   std::map<std::string, TensorInfo> tensors_;
 };
 
 Result<DType> parse_dtype(const std::string& s);
 
-// Streaming writer: the header is computed from the specs, then fill(i, dst) writes tensor i's bytes.
-struct TensorSpec {
-  std::string name;
-  DType dtype = DType::bf16;
-  Shape shape;
-  size_t nbytes() const { return static_cast<size_t>(shape.numel()) * dtype_size(dtype); }
-};
 using TensorFill = std::function<void(size_t index, uint8_t* dst)>;
 Status write_safetensors(const std::string& path, const std::vector<TensorSpec>& specs, const TensorFill& fill,
                          const std::map<std::string, std::string>& metadata = {});

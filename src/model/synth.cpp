@@ -45,8 +45,8 @@ Result<ModelConfig> synth_config(const std::string& preset, CheckpointLayout lay
     c.num_experts = 32, c.num_experts_per_tok = 8, c.moe_intermediate_size = 256, c.shared_expert_intermediate_size = 256;
     c.vocab_size = 151936;
     c.max_position_embeddings = 262144;
-  } else if (preset == "full") {
-    set_layers(40);
+  } else if (preset == "full" || preset == "full4") {
+    set_layers(preset == "full" ? 40 : 4);  // full4: full width, 3 Gated DeltaNet + 1 attention layer
     c.hidden_size = 2048;
     c.num_attention_heads = 16, c.num_key_value_heads = 2, c.head_dim = 256;
     c.linear_num_key_heads = 16, c.linear_num_value_heads = 32, c.linear_key_head_dim = 128,
@@ -56,7 +56,7 @@ Result<ModelConfig> synth_config(const std::string& preset, CheckpointLayout lay
     c.max_position_embeddings = 262144;
     c.mtp_num_hidden_layers = 1;
   } else {
-    return invalid_argument("unknown preset `%s` (tiny, small, full)", preset.c_str());
+    return invalid_argument("unknown preset `%s` (tiny, small, full, full4)", preset.c_str());
   }
   if (layout == CheckpointLayout::mlx) {
     c.quantization.enabled = true;
@@ -236,6 +236,17 @@ void synth_fill(const SynthTensor& t, uint64_t seed, uint8_t* dst) {
   };
   if (pool) pool->parallel_for(n, 1 << 16, body);
   else body(0, n);
+}
+
+Result<ModelWeights> synth_in_memory(const std::string& preset, CheckpointLayout layout, uint64_t seed) {
+  ASSIGN_OR_RETURN(ModelConfig config, synth_config(preset, layout));
+  auto store = std::make_shared<TensorStore>();
+  for (const SynthTensor& t : synth_plan(config, layout)) {
+    auto bytes = std::make_shared<std::vector<uint8_t>>(t.spec.nbytes());
+    synth_fill(t, seed, bytes->data());
+    RETURN_IF_ERROR(store->add_buffer(t.spec, std::move(bytes)));
+  }
+  return ModelWeights::bind(config, store, "<synthetic " + preset + ">");
 }
 
 static Status copy_tokenizer(const std::string& from, const std::string& to) {

@@ -46,6 +46,9 @@ struct SynthOptions {
 
 Status synth_write(const SynthOptions& options);
 
+// A synthetic model built in memory (no files): for benchmarks of the full geometry.
+Result<ModelWeights> synth_in_memory(const std::string& preset, CheckpointLayout layout, uint64_t seed);
+
 // Fills one tensor's bytes (exposed for tests and for generating weights directly in memory).
 void synth_fill(const SynthTensor& t, uint64_t seed, uint8_t* dst);
 

@@ -1,0 +1,367 @@
+#include "cuda/cuda_backend.h"
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "cuda/cuda_sequence.h"
+#include "cuda/device_model.h"
+#include "cuda/kernels/attention.cuh"
+#include "cuda/kernels/embed.cuh"
+#include "cuda/kernels/gdn.cuh"
+#include "cuda/kernels/gemv.cuh"
+#include "cuda/kernels/moe.cuh"
+#include "cuda/kernels/sample.cuh"
+#include "engine/backend_factory.h"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int kMaxSplits = 256;
+constexpr int kRingSize = 1024;
+constexpr int kSampleScratch = 2 * 1024 * 64;
+
+// Records an event pair around each kernel when profiling an eager (non-graph) step.
+struct Profiler {
+  struct Entry {
+    std::string name;
+    double bytes;
+    cudaEvent_t start, stop;
+  };
+  std::vector<Entry> entries;
+  cudaStream_t stream;
+  void begin(const std::string& name, double bytes) {
+    Entry e{name, bytes, nullptr, nullptr};
+    cudaEventCreate(&e.start);
+    cudaEventCreate(&e.stop);
+    cudaEventRecord(e.start, stream);
+    entries.push_back(e);
+  }
+  void end() { cudaEventRecord(entries.back().stop, stream); }
+  ~Profiler() {
+    for (auto& e : entries) cudaEventDestroy(e.start), cudaEventDestroy(e.stop);
+  }
+};
+
+class CudaBackend final : public CudaBackendApi {
+ public:
+  CudaBackend(std::shared_ptr<const ModelWeights> weights, CudaBackendOptions options)
+      : weights_(std::move(weights)), options_(options) {}
+  ~CudaBackend() override {
+    if (ring_) cudaFreeHost(ring_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+
+  Status init();
+  const char* name() const override { return "cuda"; }
+  const ModelConfig& config() const override { return weights_->config; }
+  std::unique_ptr<SequenceState> new_sequence() override;
+  Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
+                 std::vector<float>* logits) override;
+  bool has_device_sampling() const override { return true; }
+  Status generate_on_device(SequenceState& seq, int32_t first, const DeviceSampling& sampling, int max_new,
+                            const std::function<bool(int32_t)>& on_token) override;
+  Status set_context_for_bench(SequenceState& seq, int64_t n) override;
+  Result<double> time_decode(SequenceState& seq, int steps) override;
+  Result<std::vector<KernelTiming>> profile_step(SequenceState& seq) override;
+  size_t weight_bytes_per_token() const override { return model_->decode_weight_bytes(); }
+  std::string device_name() const override { return device_name_; }
+
+ private:
+  Status enqueue_step(CudaSequence& s, int n_splits, const DeviceSampling* sampling, Profiler* prof);
+  Result<cudaGraphExec_t> graph_for(CudaSequence& s, const DeviceSampling* sampling);
+  Status run_step(CudaSequence& s, const DeviceSampling* sampling);
+  Result<CudaSequence*> check_sequence(SequenceState& base, int64_t new_tokens);
+
+  std::shared_ptr<const ModelWeights> weights_;
+  CudaBackendOptions options_;
+  std::unique_ptr<DeviceModel> model_;
+  std::string device_name_;
+  cudaStream_t stream_ = nullptr;
+  // Scratch shared by all sequences (batch 1: one step runs at a time).
+  DeviceArray<float> h_, proj_, q_, attn_out_, gdn_o_, moe_x_, moe_logits_, topk_w_, shared_gate_, act_, logits_;
+  DeviceArray<float> part_o_, part_ml_, sample_scratch_;
+  DeviceArray<int> topk_idx_, token_in_, tokens_;
+  DeviceArray<unsigned> counters_;  // [0]: moe_route, [1]: sample
+  int* ring_ = nullptr;             // host-mapped
+  int* ring_dev_ = nullptr;
+};
+
+Status CudaBackend::init() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0) return error(ErrorCode::unsupported, "no CUDA device");
+  cudaDeviceProp prop{};
+  CUDA_RETURN(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  device_name_ = prop.name;
+  CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  ASSIGN_OR_RETURN(model_, DeviceModel::upload(*weights_));
+  const ModelConfig& c = config();
+  const size_t H = c.hidden_size, D = c.head_dim, nq = c.num_attention_heads, I = c.moe_intermediate_size;
+  size_t proj_rows = 0;
+  for (const DeviceLayer& l : model_->layers)
+    proj_rows = std::max<size_t>(proj_rows, l.type == LayerType::full_attention ? l.attn_in.rows : l.gdn_in.rows);
+  RETURN_IF_ERROR(h_.alloc(H));
+  RETURN_IF_ERROR(proj_.alloc(proj_rows));
+  RETURN_IF_ERROR(q_.alloc(nq * D));
+  RETURN_IF_ERROR(attn_out_.alloc(nq * D));
+  RETURN_IF_ERROR(gdn_o_.alloc(static_cast<size_t>(c.linear_value_dim())));
+  RETURN_IF_ERROR(moe_x_.alloc(H));
+  RETURN_IF_ERROR(moe_logits_.alloc(static_cast<size_t>(c.num_experts)));
+  RETURN_IF_ERROR(topk_w_.alloc(static_cast<size_t>(c.num_experts_per_tok)));
+  RETURN_IF_ERROR(topk_idx_.alloc(static_cast<size_t>(c.num_experts_per_tok)));
+  RETURN_IF_ERROR(shared_gate_.alloc(1));
+  RETURN_IF_ERROR(act_.alloc((c.num_experts_per_tok + 1) * I));
+  RETURN_IF_ERROR(logits_.alloc(static_cast<size_t>(c.vocab_size)));
+  RETURN_IF_ERROR(part_o_.alloc(kMaxSplits * nq * D));
+  RETURN_IF_ERROR(part_ml_.alloc(kMaxSplits * nq * 2));
+  RETURN_IF_ERROR(sample_scratch_.alloc(kSampleScratch));
+  RETURN_IF_ERROR(token_in_.alloc(1));
+  RETURN_IF_ERROR(counters_.alloc(2));
+  CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&ring_), kRingSize * sizeof(int), cudaHostAllocMapped), "ring");
+  CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_, 0), "ring");
+  return ok_status();
+}
+
+std::unique_ptr<SequenceState> CudaBackend::new_sequence() {
+  auto s = std::make_unique<CudaSequence>();
+  s->owner = this;
+  if (!s->allocate(config(), options_.max_context).ok()) return nullptr;
+  return s;
+}
+
+Result<CudaSequence*> CudaBackend::check_sequence(SequenceState& base, int64_t new_tokens) {
+  auto* s = dynamic_cast<CudaSequence*>(&base);
+  if (!s || s->owner != this) return invalid_argument("sequence state is not from this CUDA backend");
+  if (s->n + new_tokens > s->capacity)
+    return error(ErrorCode::out_of_range, "%lld tokens exceed the KV capacity of %lld (--ctx-size)",
+                 (long long)(s->n + new_tokens), (long long)s->capacity);
+  return s;
+}
+
+#define STEP_OP(name, bytes, call)                      \
+  do {                                                  \
+    if (prof) prof->begin(name, static_cast<double>(bytes)); \
+    CUDA_RETURN(call, name);                            \
+    if (prof) prof->end();                              \
+  } while (0)
+
+// One decode step (eqs 4-6 with every block), reading the input token from token_in_ and the position from s.pos.
+Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSampling* sampling, Profiler* prof) {
+  const ModelConfig& c = config();
+  const DeviceModel& m = *model_;
+  const float eps = c.rms_norm_eps;
+  STEP_OP("embed", m.embed.bytes() / m.embed.rows, embed_lookup({m.embed, token_in_.ptr, h_.ptr}, stream_));
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const DeviceLayer& L = m.layers[l];
+    if (L.type == LayerType::linear_attention) {
+      GemvParams in{L.gdn_in, h_.ptr, GemvPrologue::rms_norm, L.input_norm, nullptr, 0, eps, nullptr, proj_.ptr};
+      STEP_OP("gemv gdn_in", L.gdn_in.bytes(), gemv(in, stream_));
+      GdnStepParams g{proj_.ptr, s.conv[l]->ptr, L.conv_w, L.A_log, L.dt_bias, s.S[l]->ptr, s.pos.ptr,
+                      c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_value_head_dim, c.linear_conv_kernel_dim, gdn_o_.ptr};
+      STEP_OP("gdn_step", 2.0 * s.S[l]->bytes(), gdn_step(g, stream_));
+      GemvParams out{L.gdn_out, gdn_o_.ptr, GemvPrologue::gated_rms_norm, L.gdn_norm,
+                     proj_.ptr + c.linear_conv_dim(), c.linear_value_head_dim, eps, h_.ptr, h_.ptr};
+      STEP_OP("gemv gdn_out", L.gdn_out.bytes(), gemv(out, stream_));
+    } else {
+      GemvParams in{L.attn_in, h_.ptr, GemvPrologue::rms_norm, L.input_norm, nullptr, 0, eps, nullptr, proj_.ptr};
+      STEP_OP("gemv attn_in", L.attn_in.bytes(), gemv(in, stream_));
+      AttnPrepParams prep{proj_.ptr, L.q_norm, L.k_norm, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                          c.rotary_dim(), static_cast<float>(c.rope_theta), eps, s.pos.ptr, q_.ptr,
+                          s.k[l]->ptr, s.v[l]->ptr};
+      STEP_OP("attn_prep", 0, attn_prep(prep, stream_));
+      const double kv_bytes = 2.0 * (s.n + 1) * c.num_key_value_heads * c.head_dim * 2;
+      AttnDecodeParams dec{q_.ptr, s.k[l]->ptr, s.v[l]->ptr, c.num_attention_heads, c.num_key_value_heads,
+                           c.head_dim, s.pos.ptr, n_splits, 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+                           part_o_.ptr, part_ml_.ptr};
+      STEP_OP("attn_decode", kv_bytes, attn_decode(dec, stream_));
+      AttnCombineParams comb{part_o_.ptr, part_ml_.ptr, n_splits, c.num_attention_heads, c.head_dim, proj_.ptr,
+                             attn_out_.ptr};
+      STEP_OP("attn_combine", 0, attn_combine(comb, stream_));
+      GemvParams out{L.attn_out, attn_out_.ptr, GemvPrologue::none, nullptr, nullptr, 0, eps, h_.ptr, h_.ptr};
+      STEP_OP("gemv attn_out", L.attn_out.bytes(), gemv(out, stream_));
+    }
+    const int k = c.num_experts_per_tok;
+    MoeRouteParams route{L.router, L.shared_gate_row, h_.ptr, L.post_norm, eps, k, moe_x_.ptr, moe_logits_.ptr,
+                         counters_.ptr, topk_idx_.ptr, topk_w_.ptr, shared_gate_.ptr};
+    STEP_OP("moe_route", L.router.bytes() + L.shared_gate_row.bytes(), moe_route(route, stream_));
+    MoeExpertInParams ein{L.expert_gate, L.expert_up, L.shared_gate, L.shared_up, moe_x_.ptr, topk_idx_.ptr, k,
+                          act_.ptr};
+    STEP_OP("moe_expert_in", k * (L.expert_gate.bytes() + L.expert_up.bytes()) + L.shared_gate.bytes() + L.shared_up.bytes(),
+            moe_expert_in(ein, stream_));
+    MoeExpertOutParams eout{L.expert_down, L.shared_down, act_.ptr, topk_idx_.ptr, topk_w_.ptr, shared_gate_.ptr, k,
+                            h_.ptr};
+    STEP_OP("moe_expert_out", k * L.expert_down.bytes() + L.shared_down.bytes(), moe_expert_out(eout, stream_));
+  }
+  GemvParams head{m.lm_head, h_.ptr, GemvPrologue::rms_norm, m.final_norm, nullptr, 0, eps, nullptr, logits_.ptr};
+  STEP_OP("gemv lm_head", m.lm_head.bytes(), gemv(head, stream_));
+  if (sampling) {
+    SampleParams sp{logits_.ptr, c.vocab_size, sampling->temperature, sampling->top_k, sampling->top_p,
+                    sampling->min_p, sampling->seed, s.pos.ptr, sample_scratch_.ptr, counters_.ptr + 1,
+                    token_in_.ptr, ring_dev_, kRingSize};
+    STEP_OP("sample", 4.0 * c.vocab_size, sample_token(sp, stream_));
+  }
+  STEP_OP("advance", 0, advance_position(s.pos.ptr, stream_));
+  return ok_status();
+}
+
+// The graph for this sequence, split count and sampling configuration (captured on first use).
+Result<cudaGraphExec_t> CudaBackend::graph_for(CudaSequence& s, const DeviceSampling* sp) {
+  const int n_splits = attention_splits(s.n + 1);
+  std::string key = std::to_string(n_splits);
+  if (sp) key += format("/%g/%d/%g/%g/%llu", sp->temperature, sp->top_k, sp->top_p, sp->min_p,
+                        (unsigned long long)sp->seed);
+  auto it = s.graphs.find(key);
+  if (it != s.graphs.end()) return it->second->exec;
+  cudaGraph_t graph = nullptr;
+  CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin capture");
+  Status st = enqueue_step(s, n_splits, sp, nullptr);
+  cudaError_t end = cudaStreamEndCapture(stream_, &graph);
+  RETURN_IF_ERROR(st);
+  CUDA_RETURN(end, "end capture");
+  auto exec = std::make_unique<GraphExec>();
+  cudaError_t inst = cudaGraphInstantiate(&exec->exec, graph, 0);
+  cudaGraphDestroy(graph);
+  CUDA_RETURN(inst, "graph instantiate");
+  cudaGraphExec_t e = exec->exec;
+  s.graphs[key] = std::move(exec);
+  return e;
+}
+
+Status CudaBackend::run_step(CudaSequence& s, const DeviceSampling* sampling) {
+  ASSIGN_OR_RETURN(cudaGraphExec_t g, graph_for(s, sampling));
+  CUDA_RETURN(cudaGraphLaunch(g, stream_), "graph launch");
+  s.n += 1;
+  return ok_status();
+}
+
+Status CudaBackend::forward(SequenceState& base, std::span<const int32_t> tokens, LogitsRows rows,
+                            std::vector<float>* logits) {
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  if (T == 0) return invalid_argument("forward: no tokens");
+  ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, T));
+  const int64_t V = config().vocab_size;
+  for (int32_t id : tokens)
+    if (id < 0 || id >= V) return invalid_argument("token id %d is outside the vocabulary [0, %lld)", id, (long long)V);
+  if (tokens_.n < static_cast<size_t>(T)) RETURN_IF_ERROR(tokens_.alloc(static_cast<size_t>(std::max<int64_t>(T, 4096))));
+  CUDA_RETURN(cudaMemcpy(tokens_.ptr, tokens.data(), T * sizeof(int), cudaMemcpyHostToDevice), "upload tokens");
+  if (rows != LogitsRows::none) logits->resize(static_cast<size_t>((rows == LogitsRows::all ? T : 1) * V));
+  for (int64_t t = 0; t < T; ++t) {
+    CUDA_RETURN(cudaMemcpyAsync(token_in_.ptr, tokens_.ptr + t, sizeof(int), cudaMemcpyDeviceToDevice, stream_), "token");
+    RETURN_IF_ERROR(run_step(*s, nullptr));
+    const bool want = rows == LogitsRows::all || (rows == LogitsRows::last && t == T - 1);
+    if (want) {
+      float* dst = logits->data() + (rows == LogitsRows::all ? t * V : 0);
+      CUDA_RETURN(cudaMemcpyAsync(dst, logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_), "logits");
+    }
+  }
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "forward");
+  return ok_status();
+}
+
+Status CudaBackend::generate_on_device(SequenceState& base, int32_t first, const DeviceSampling& sampling, int max_new,
+                                       const std::function<bool(int32_t)>& on_token) {
+  ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, max_new));
+  if (first < 0 || first >= config().vocab_size) return invalid_argument("token id %d is outside the vocabulary", first);
+  if (sampling.top_k > 64) return invalid_argument("device sampling supports top_k <= 64, got %d", sampling.top_k);
+  CUDA_RETURN(cudaMemcpy(token_in_.ptr, &first, sizeof(int), cudaMemcpyHostToDevice), "token");
+  for (int i = 0; i < max_new; ++i) {
+    const int64_t step = s->n;
+    RETURN_IF_ERROR(run_step(*s, &sampling));
+    CUDA_RETURN(cudaStreamSynchronize(stream_), "decode step");
+    const int32_t tok = reinterpret_cast<volatile int*>(ring_)[step % kRingSize];
+    if (!on_token(tok)) break;
+  }
+  return ok_status();
+}
+
+Status CudaBackend::set_context_for_bench(SequenceState& base, int64_t n) {
+  auto* s = dynamic_cast<CudaSequence*>(&base);
+  if (!s || n >= s->capacity) return invalid_argument("context %lld does not fit the capacity", (long long)n);
+  // Random bf16 in [-1, 1) for the KV rows: attention reads them as it would real ones.
+  std::vector<__nv_bfloat16> host;
+  std::mt19937 rng(1234);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  for (size_t l = 0; l < s->k.size(); ++l) {
+    if (!s->k[l]) continue;
+    size_t count = s->k[l]->n / s->capacity * n;
+    if (host.size() < count) {
+      host.resize(count);
+      for (auto& x : host) x = __float2bfloat16(u(rng));
+    }
+    CUDA_RETURN(cudaMemcpy(s->k[l]->ptr, host.data(), count * 2, cudaMemcpyHostToDevice), "bench kv");
+    CUDA_RETURN(cudaMemcpy(s->v[l]->ptr, host.data(), count * 2, cudaMemcpyHostToDevice), "bench kv");
+  }
+  s->n = n;
+  int p = static_cast<int>(n);
+  CUDA_RETURN(cudaMemcpy(s->pos.ptr, &p, sizeof(int), cudaMemcpyHostToDevice), "bench pos");
+  return ok_status();
+}
+
+Result<double> CudaBackend::time_decode(SequenceState& base, int steps) {
+  ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, steps + 2));
+  DeviceSampling greedy;
+  int zero = 0;
+  CUDA_RETURN(cudaMemcpy(token_in_.ptr, &zero, sizeof(int), cudaMemcpyHostToDevice), "token");
+  RETURN_IF_ERROR(run_step(*s, &greedy));  // warm-up (and capture)
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "warm-up");
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  cudaEventRecord(a, stream_);
+  for (int i = 0; i < steps; ++i) RETURN_IF_ERROR(run_step(*s, &greedy));
+  cudaEventRecord(b, stream_);
+  CUDA_RETURN(cudaEventSynchronize(b), "timing");
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return static_cast<double>(ms) / steps;
+}
+
+Result<std::vector<KernelTiming>> CudaBackend::profile_step(SequenceState& base) {
+  ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, 1));
+  Profiler prof;
+  prof.stream = stream_;
+  DeviceSampling greedy;
+  RETURN_IF_ERROR(enqueue_step(*s, attention_splits(s->n + 1), &greedy, &prof));
+  s->n += 1;
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "profile");
+  std::vector<KernelTiming> out;
+  for (auto& e : prof.entries) {
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e.start, e.stop);
+    auto it = std::find_if(out.begin(), out.end(), [&](const KernelTiming& k) { return k.name == e.name; });
+    if (it == out.end()) it = out.insert(out.end(), KernelTiming{e.name, 0, 0, 0});
+    it->ms += ms;
+    it->bytes += e.bytes;
+    it->launches += 1;
+  }
+  return out;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<CudaBackendApi>> make_cuda_backend(std::shared_ptr<const ModelWeights> weights,
+                                                          const CudaBackendOptions& options) {
+  auto b = std::make_unique<CudaBackend>(std::move(weights), options);
+  RETURN_IF_ERROR(b->init());
+  return std::unique_ptr<CudaBackendApi>(std::move(b));
+}
+
+int attention_splits(int64_t n) {
+  // One split per 64 rows, a power of two, at most kMaxSplits: blocks = n_kv_heads * splits.
+  int s = 1;
+  while (s < kMaxSplits && s * 64 < n) s *= 2;
+  return s;
+}
+
+void register_cuda_backend() {
+  register_cuda_backend_factory([](std::shared_ptr<const ModelWeights> w) -> Result<std::unique_ptr<Backend>> {
+    ASSIGN_OR_RETURN(auto b, make_cuda_backend(std::move(w)));
+    return std::unique_ptr<Backend>(std::move(b));
+  });
+}
+
+}  // namespace lily::cuda

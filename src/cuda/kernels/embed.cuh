@@ -1,0 +1,18 @@
+// Small per-step kernels of the decode graph:
+//  embed_lookup: h = dequantized row `*token` of the embedding (eq 4). Moves H/2 bytes (4-bit).
+//  advance_position: *pos += 1 at the end of a step (the graph reads positions from device memory).
+#pragma once
+#include "cuda/kernels/common.cuh"
+
+namespace lily::cuda {
+
+struct EmbedParams {
+  QMatrix table;             // [V, H]
+  const int* token = nullptr;
+  float* h = nullptr;        // out [H]
+};
+
+cudaError_t embed_lookup(const EmbedParams& p, cudaStream_t stream);
+cudaError_t advance_position(int* pos, cudaStream_t stream);
+
+}  // namespace lily::cuda

@@ -1,0 +1,161 @@
+// Row-parallel quantized GEMV for batch-1 decode: y = W x (+ residual), W an MLX QMatrix [rows, cols] used in
+// its checkpoint layout (no repacking), x built from `in` by an optional prologue (gemv.cuh).
+//
+// Memory-bound: moves rows * (cols * bits / 8 + cols / 16) bytes (weights + bf16 scales and biases per group
+// of 64); target >= 85% of 4.27 TB/s on large matrices (lm_head [248320, 2048]: 286 MB, 67 us at the floor).
+//
+// 4-bit, cols in {512, 1024, 2048, 4096} (gemv_q4_kernel): a row is cols/32 16-byte vectors; a group of
+// L = min(32, vectors per row / V) lanes covers a row with V vectors per lane (V = 2 from cols 2048 up), so
+// cols 512 puts two rows in a warp (half-warps) and cols 4096 gives 4 vectors per lane. A lane always reads
+// the same vector positions, whatever the row. A warp takes a chunk of P row-passes (8 x 16-byte loads in
+// flight per lane, issued together), dequantises in registers (quant_dot.cuh), reads its 32-float slices of x
+// from shared memory once per chunk for all P rows, and reduces the P partial sums with one reduce-scatter
+// butterfly. The grid is persistent (a few blocks per SM, warps grid-stride over chunks), so the prologue
+// (the norm of `in`) runs once per block, overlapped with the first chunk's weight loads.
+// Other shapes and 8-bit (gemv_generic_kernel): a warp per row, x from shared memory; for small matrices
+// (the 8-bit router-size ones) and unusual widths.
+#include "cuda/kernels/gemv.cuh"
+#include "cuda/kernels/quant_dot.cuh"
+
+#include <algorithm>
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+// Where this block's x comes from (gemv.cuh prologues).
+__device__ __forceinline__ void build_x(const GemvParams& p, float* x_s, float* red_s) {
+  if (p.prologue == GemvPrologue::gated_rms_norm) {
+    block_load_x_gated(p.in, p.gate_z, p.norm_w, p.head_dim, p.eps, p.m.cols, x_s);
+  } else {
+    block_load_x(p.in, p.prologue == GemvPrologue::rms_norm ? p.norm_w : nullptr, p.eps, p.m.cols, x_s, red_s);
+  }
+}
+
+// Issues the loads of chunk `chunk` for this lane (rows past the end load nothing).
+template <int COLS>
+__device__ __forceinline__ void load_chunk(const QMatrix& m, int chunk, int lane, Q4Chunk<COLS>& c) {
+  using Lay = Q4Layout<COLS>;
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+#pragma unroll
+  for (int pass = 0; pass < Lay::kPasses; ++pass) {
+    const int row = chunk * Lay::kRowsPerChunk + pass * Lay::kRowsPerPass + sub;
+    c.load(pass, m, row, row < m.rows, j);
+  }
+}
+
+template <int COLS>
+__global__ void __launch_bounds__(kThreads, 2) gemv_q4_kernel(const __grid_constant__ GemvParams p) {
+  using Lay = Q4Layout<COLS>;
+  __shared__ __align__(16) float x_s[xpad_floats(COLS)];
+  __shared__ float red_s[32];
+  const int lane = threadIdx.x & 31;
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
+  const int warp_stride = gridDim.x * kWarps;
+  int chunk = blockIdx.x * kWarps + (threadIdx.x >> 5);
+
+  Q4Chunk<COLS> c;
+  if (chunk < n_chunks) load_chunk<COLS>(p.m, chunk, lane, c);  // in flight during the prologue
+  build_x(p, x_s, red_s);
+
+  for (; chunk < n_chunks; chunk += warp_stride) {
+    float part[Lay::kPasses];
+    c.dot(x_s, j, part);
+    group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part, lane);
+    const int row = chunk * Lay::kRowsPerChunk + (j / Lay::kLanesPerValue) * Lay::kRowsPerPass + sub;
+    if (j % Lay::kLanesPerValue == 0 && row < p.m.rows) p.y[row] = (p.residual ? p.residual[row] : 0.0f) + part[0];
+    if (chunk + warp_stride < n_chunks) load_chunk<COLS>(p.m, chunk + warp_stride, lane, c);
+  }
+}
+
+// Any cols (multiple of 512), 4 or 8 bits: a warp per row, lanes stride over the row's 16-byte vectors.
+template <int BITS>
+__global__ void __launch_bounds__(kThreads) gemv_generic_kernel(const __grid_constant__ GemvParams p) {
+  extern __shared__ __align__(16) float x_s[];
+  __shared__ float red_s[32];
+  build_x(p, x_s, red_s);
+  constexpr int kElems = BITS == 4 ? kVecElems4 : kVecElems8;
+  const int lane = threadIdx.x & 31, n_vecs = p.m.cols / kElems;
+  for (int row = blockIdx.x * kWarps + (threadIdx.x >> 5); row < p.m.rows; row += gridDim.x * kWarps) {
+    const uint4* w_row = reinterpret_cast<const uint4*>(p.m.w + row * p.m.words_per_row());
+    const size_t g_row = static_cast<size_t>(row) * p.m.groups_per_row();
+    float sum = 0.0f;
+    for (int vec = lane; vec < n_vecs; vec += 32) {
+      const uint4 w = ld_stream(w_row + vec);
+      const int e0 = vec * kElems, g = e0 / 64;
+      const unsigned short s = ld_bf16_bits(p.m.scales + g_row + g), b = ld_bf16_bits(p.m.biases + g_row + g);
+      float x[32];
+      float x_sum = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) x_sum += (x[i] = x_s[xpad(e0 + i)]);
+      if constexpr (BITS == 4) {
+        sum += q4_group_term(dot_q4_vec(w, x), x_sum, s, b);
+      } else {
+        sum += bf16_bits_to_float(s) * dot_q8_vec(w, x) + bf16_bits_to_float(b) * x_sum;
+      }
+    }
+    sum = warp_sum(sum);
+    if (lane == 0) p.y[row] = (p.residual ? p.residual[row] : 0.0f) + sum;
+  }
+}
+
+// Persistent grid: as many blocks as fit on the device at once, but no more than the work needs.
+template <class Kernel>
+cudaError_t launch_persistent(Kernel kernel, int work_blocks, size_t smem, const GemvParams& p,
+                              cudaStream_t stream) {
+  int device = 0, n_sms = 0, per_sm = 0;
+  CUDA_TRY(cudaGetDevice(&device));
+  CUDA_TRY(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  const int blocks = std::max(1, std::min(work_blocks, n_sms * std::max(per_sm, 1)));
+  kernel<<<blocks, kThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+template <int COLS>
+cudaError_t launch_q4(const GemvParams& p, cudaStream_t stream) {
+  using Lay = Q4Layout<COLS>;
+  const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
+  return launch_persistent(gemv_q4_kernel<COLS>, (n_chunks + kWarps - 1) / kWarps, 0, p, stream);
+}
+
+bool valid_params(const GemvParams& p) {
+  const QMatrix& m = p.m;
+  if (!m.w || !m.scales || !m.biases || !p.in || !p.y || m.rows <= 0 || m.cols <= 0 || m.cols % 512) return false;
+  if (m.bits != 4 && m.bits != 8) return false;
+  if (reinterpret_cast<uintptr_t>(m.w) % 16) return false;  // 16-byte vector loads
+  if (xpad_floats(m.cols) * sizeof(float) > 96 * 1024) return false;
+  switch (p.prologue) {
+    case GemvPrologue::none: return true;
+    case GemvPrologue::rms_norm: return p.norm_w != nullptr;
+    case GemvPrologue::gated_rms_norm:
+      return p.norm_w && p.gate_z && p.head_dim > 0 && m.cols % p.head_dim == 0;
+  }
+  return false;
+}
+
+}  // namespace
+
+cudaError_t gemv(const GemvParams& p, cudaStream_t stream) {
+  if (!valid_params(p)) return cudaErrorInvalidValue;
+  if (p.m.bits == 4) {
+    switch (p.m.cols) {
+      case 512: return launch_q4<512>(p, stream);
+      case 1024: return launch_q4<1024>(p, stream);
+      case 2048: return launch_q4<2048>(p, stream);
+      case 4096: return launch_q4<4096>(p, stream);
+      default: break;
+    }
+  }
+  const size_t smem = xpad_floats(p.m.cols) * sizeof(float);
+  const int work_blocks = (p.m.rows + kWarps - 1) / kWarps;
+  auto kernel = p.m.bits == 4 ? gemv_generic_kernel<4> : gemv_generic_kernel<8>;
+  if (smem > 48 * 1024) CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  return launch_persistent(kernel, work_blocks, smem, p, stream);
+}
+
+}  // namespace lily::cuda

@@ -1,0 +1,275 @@
+// MoE decode (eqs 21-25) in three kernels, all device-side, replayable in a CUDA graph (moe.cuh).
+//
+// moe_route: one kernel. Each block normalises h into shared memory (eqs 1-2) and computes the router logits of
+//   8 rows (a warp per row) of the 8-bit [E, H] router plus, in the block that owns row E, the shared-expert
+//   gate logit; block 0 also writes x. The last block to finish (atomic ticket after a __threadfence; it resets
+//   the counter for the next replay) takes the fp32 softmax over E, ranks every expert (rank = number of
+//   experts with a larger probability, or an equal one and a lower index: ties -> lower index) and writes the
+//   k best with renormalised weights. Moves E*H + H bytes (8-bit) + 4*(E+1)*H/64 bytes of scales: 0.5 MB.
+// moe_expert_in: grid (pair tiles of I, slot 0..k; slot k = the shared expert). A warp takes P/2 (gate, up)
+//   row pairs of its slot's expert (P = 4 at H = 2048: 8 x 16-byte loads in flight per lane), dots them with x
+//   from shared memory and writes act = silu(gate . x) * (up . x). Moves (k+1) * 2 * I * (H/2 + H/16) bytes:
+//   10.6 MB at k = 8, I = 512, H = 2048.
+// moe_expert_out: grid (row tiles of H), one warp per slot: the warp keeps its slot's 32-float slice of act in
+//   registers (cols = I = 512: a half-warp per row, 8 rows per half-warp), the block sums the k+1 slot partial
+//   dots in a fixed order with the routing weights (sigmoid gate for the shared slot) and adds them to h.
+//   Moves (k+1) * H * (I/2 + I/16) bytes: 5.3 MB.
+// Weight layouts: quant_dot.cuh / common.cuh (MLX, stacked experts via QMatrix::expert).
+#include "cuda/kernels/moe.cuh"
+#include "cuda/kernels/quant_dot.cuh"
+
+namespace lily::cuda {
+
+namespace {
+
+constexpr int kMaxTopK = 16;
+constexpr int kMaxExperts = 1024;
+
+// ---- moe_route -----------------------------------------------------------------------------------------------
+
+constexpr int kRouteThreads = 256;
+constexpr int kRouteWarps = kRouteThreads / 32;
+
+// Router logit of row `row` of an 8-bit matrix for this warp, x padded in shared memory.
+__device__ float router_dot(const QMatrix& m, int row, const float* x_s, int lane) {
+  const int n_vecs = m.cols / kVecElems8;
+  const uint4* w_row = reinterpret_cast<const uint4*>(m.w + row * m.words_per_row());
+  const size_t g_row = static_cast<size_t>(row) * m.groups_per_row();
+  float sum = 0.0f;
+#pragma unroll 4
+  for (int vec = lane; vec < n_vecs; vec += 32) {
+    const uint4 w = ld_stream(w_row + vec);
+    const int e0 = vec * kVecElems8, g = e0 / 64;
+    const float4* xv = reinterpret_cast<const float4*>(x_s + xpad(e0));
+    float x[16];
+    float x_sum = 0.0f;
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      const float4 v = xv[t];
+      x[4 * t] = v.x, x[4 * t + 1] = v.y, x[4 * t + 2] = v.z, x[4 * t + 3] = v.w;
+      x_sum += (v.x + v.y) + (v.z + v.w);
+    }
+    const float s = bf16_bits_to_float(ld_bf16_bits(m.scales + g_row + g));
+    const float b = bf16_bits_to_float(ld_bf16_bits(m.biases + g_row + g));
+    sum += s * dot_q8_vec(w, x) + b * x_sum;
+  }
+  return warp_sum(sum);
+}
+
+__device__ float block_max(float v, float* red_s) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) red_s[warp] = v;
+  __syncthreads();
+  float m = red_s[0];
+  for (int w = 1; w < n_warps; ++w) m = fmaxf(m, red_s[w]);
+  return m;
+}
+
+// Run by the last block: softmax over the E logits, top-k by rank, renormalised weights (eq 22).
+__device__ void route_select(const MoeRouteParams& p, int n_experts, float* prob_s, float* red_s) {
+  __shared__ int sel_idx[kMaxTopK];
+  __shared__ float sel_p[kMaxTopK];
+  float local_max = -INFINITY;
+  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+    prob_s[e] = __ldcg(p.logits + e);  // written by other blocks: read through L2
+    local_max = fmaxf(local_max, prob_s[e]);
+  }
+  const float max_logit = block_max(local_max, red_s);
+  float local_sum = 0.0f;
+  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) local_sum += (prob_s[e] = expf(prob_s[e] - max_logit));
+  const float inv_sum = 1.0f / block_sum(local_sum, red_s);
+  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) prob_s[e] *= inv_sum;
+  __syncthreads();
+  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+    const float pe = prob_s[e];
+    int rank = 0;
+    for (int o = 0; o < n_experts; ++o) rank += prob_s[o] > pe || (prob_s[o] == pe && o < e);
+    if (rank < p.top_k) sel_idx[rank] = e, sel_p[rank] = pe;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float sum = 0.0f;
+    for (int i = 0; i < p.top_k; ++i) sum += sel_p[i];
+    for (int i = 0; i < p.top_k; ++i) p.topk_idx[i] = sel_idx[i], p.topk_w[i] = sel_p[i] / sum;
+  }
+}
+
+__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const __grid_constant__ MoeRouteParams p) {
+  extern __shared__ __align__(16) float smem[];  // x (padded, H), then probabilities (E)
+  __shared__ float red_s[32];
+  __shared__ bool is_last;
+  const int n_experts = p.router.rows, hidden = p.router.cols, lane = threadIdx.x & 31;
+  float* x_s = smem;
+  block_load_x(p.h, p.norm_w, p.eps, hidden, x_s, red_s);
+  if (blockIdx.x == 0) {
+    for (int e = threadIdx.x; e < hidden; e += blockDim.x) p.x[e] = x_s[xpad(e)];
+  }
+  const int row = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
+  if (row < n_experts) {
+    const float logit = router_dot(p.router, row, x_s, lane);
+    if (lane == 0) p.logits[row] = logit;
+  } else if (row == n_experts) {
+    const float logit = router_dot(p.shared_gate, 0, x_s, lane);
+    if (lane == 0) *p.shared_gate_value = sigmoidf_(logit);
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  if (threadIdx.x == 0) *p.counter = 0;  // ready for the next launch / graph replay
+  route_select(p, n_experts, smem + xpad_floats(hidden), red_s);
+}
+
+// ---- moe_expert_in -------------------------------------------------------------------------------------------
+
+constexpr int kExpertThreads = 128;
+constexpr int kExpertWarps = kExpertThreads / 32;
+
+template <int H>
+__global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __grid_constant__ MoeExpertInParams p) {
+  using Lay = Q4Layout<H>;
+  constexpr int kPairs = Lay::kPasses / 2;  // (gate, up) pairs per warp: passes [0, kPairs) gate, the rest up
+  static_assert(Lay::kRowsPerPass == 1 && kPairs >= 1, "one row per pass");
+  __shared__ __align__(16) float x_s[xpad_floats(H)];
+  const int slot = blockIdx.y, lane = threadIdx.x & 31, n_rows = p.gate.rows;
+  const bool shared = slot == p.top_k;
+  const int expert = shared ? 0 : p.topk_idx[slot];
+  const QMatrix gate = shared ? p.shared_gate : p.gate.expert(expert);
+  const QMatrix up = shared ? p.shared_up : p.up.expert(expert);
+  const int pair0 = (blockIdx.x * kExpertWarps + (threadIdx.x >> 5)) * kPairs;
+
+  Q4Chunk<H> c;
+#pragma unroll
+  for (int pass = 0; pass < Lay::kPasses; ++pass) {
+    const int row = pair0 + pass % kPairs;
+    c.load(pass, pass < kPairs ? gate : up, row, row < n_rows, lane);
+  }
+  for (int e = threadIdx.x; e < H; e += blockDim.x) x_s[xpad(e)] = p.x[e];
+  __syncthreads();
+
+  float part[Lay::kPasses];
+  c.dot(x_s, lane, part);
+  group_reduce_scatter<Lay::kPasses, 32>(part, lane);
+  // Lane j holds pass j / kLanesPerValue: gate of pair i in the lower half-warp, its up 16 lanes higher.
+  const float up_dot = __shfl_down_sync(0xffffffffu, part[0], 16);
+  const int pair = pair0 + lane / Lay::kLanesPerValue;
+  if (lane < 16 && lane % Lay::kLanesPerValue == 0 && pair < n_rows) {
+    p.act[static_cast<size_t>(slot) * n_rows + pair] = siluf_(part[0]) * up_dot;
+  }
+}
+
+// ---- moe_expert_out ------------------------------------------------------------------------------------------
+
+template <int I>
+__global__ void __launch_bounds__(32 * (kMaxTopK + 1)) moe_expert_out_kernel(
+    const __grid_constant__ MoeExpertOutParams p) {
+  using Lay = Q4Layout<I>;
+  static_assert(Lay::kVecsPerLane == 1, "one 16-byte vector of the row per lane");
+  __shared__ float part_s[kMaxTopK + 1][Lay::kRowsPerChunk];
+  const int slot = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  const int row0 = blockIdx.x * Lay::kRowsPerChunk, n_rows = p.down.rows;
+  const bool shared = slot == p.top_k;
+  const QMatrix down = shared ? p.shared_down : p.down.expert(p.topk_idx[slot]);
+
+  Q4Chunk<I> c;
+#pragma unroll
+  for (int pass = 0; pass < Lay::kPasses; ++pass) {
+    const int row = row0 + pass * Lay::kRowsPerPass + sub;
+    c.load(pass, down, row, row < n_rows, j);
+  }
+  // This lane's slice of act[slot] (vector j), in registers for all its rows.
+  const float4* act_v = reinterpret_cast<const float4*>(p.act + static_cast<size_t>(slot) * I) + j * 8;
+  float x[32];
+  float x_sum = 0.0f;
+#pragma unroll
+  for (int t = 0; t < 8; ++t) {
+    const float4 v = act_v[t];
+    x[4 * t] = v.x, x[4 * t + 1] = v.y, x[4 * t + 2] = v.z, x[4 * t + 3] = v.w;
+    x_sum += (v.x + v.y) + (v.z + v.w);
+  }
+  float part[Lay::kPasses];
+#pragma unroll
+  for (int pass = 0; pass < Lay::kPasses; ++pass) {
+    part[pass] = q4_group_term(dot_q4_vec(c.w[pass][0], x), x_sum, c.s[pass][0], c.b[pass][0]);
+  }
+  group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part, lane);
+  if (j % Lay::kLanesPerValue == 0) part_s[slot][(j / Lay::kLanesPerValue) * Lay::kRowsPerPass + sub] = part[0];
+  __syncthreads();
+  if (threadIdx.x < Lay::kRowsPerChunk && row0 + static_cast<int>(threadIdx.x) < n_rows) {
+    float total = 0.0f;
+    for (int s = 0; s < p.top_k; ++s) total += p.topk_w[s] * part_s[s][threadIdx.x];
+    total += *p.shared_gate_value * part_s[p.top_k][threadIdx.x];
+    p.h[row0 + threadIdx.x] += total;
+  }
+}
+
+// ---- launchers -----------------------------------------------------------------------------------------------
+
+bool is_q(const QMatrix& m, int bits, int rows, int cols) {
+  return m.w && m.scales && m.biases && m.bits == bits && m.rows == rows && m.cols == cols &&
+         reinterpret_cast<uintptr_t>(m.w) % 16 == 0;
+}
+
+}  // namespace
+
+cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream) {
+  const int n_experts = p.router.rows, hidden = p.router.cols;
+  if (!is_q(p.router, 8, n_experts, hidden) || !is_q(p.shared_gate, 8, 1, hidden)) return cudaErrorInvalidValue;
+  if (n_experts < 1 || n_experts > kMaxExperts || hidden <= 0 || hidden % 512) return cudaErrorInvalidValue;
+  if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > n_experts) return cudaErrorInvalidValue;
+  if (!p.h || !p.norm_w || !p.x || !p.logits || !p.counter || !p.topk_idx || !p.topk_w || !p.shared_gate_value) {
+    return cudaErrorInvalidValue;
+  }
+  const size_t smem = (xpad_floats(hidden) + n_experts) * sizeof(float);
+  if (smem > 48 * 1024) {
+    CUDA_TRY(cudaFuncSetAttribute(moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  const int blocks = (n_experts + 1 + kRouteWarps - 1) / kRouteWarps;
+  moe_route_kernel<<<blocks, kRouteThreads, smem, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) {
+  const int n_rows = p.gate.rows, hidden = p.gate.cols;
+  if (p.top_k < 1 || p.top_k > kMaxTopK || !p.x || !p.topk_idx || !p.act) return cudaErrorInvalidValue;
+  if (!is_q(p.gate, 4, n_rows, hidden) || !is_q(p.up, 4, n_rows, hidden)) return cudaErrorInvalidValue;
+  if (!is_q(p.shared_gate, 4, n_rows, hidden) || !is_q(p.shared_up, 4, n_rows, hidden)) {
+    return cudaErrorInvalidValue;  // the shared expert must have the routed experts' shape (Is == I)
+  }
+  auto launch = [&](auto kernel, int pairs_per_warp) {
+    const int pairs_per_block = kExpertWarps * pairs_per_warp;
+    const dim3 grid((n_rows + pairs_per_block - 1) / pairs_per_block, p.top_k + 1);
+    kernel<<<grid, kExpertThreads, 0, stream>>>(p);
+    return cudaGetLastError();
+  };
+  switch (hidden) {
+    case 1024: return launch(moe_expert_in_kernel<1024>, Q4Layout<1024>::kPasses / 2);
+    case 2048: return launch(moe_expert_in_kernel<2048>, Q4Layout<2048>::kPasses / 2);
+    case 4096: return launch(moe_expert_in_kernel<4096>, Q4Layout<4096>::kPasses / 2);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream) {
+  const int n_rows = p.down.rows, inter = p.down.cols;
+  if (p.top_k < 1 || p.top_k > kMaxTopK || !p.act || !p.topk_idx || !p.topk_w || !p.shared_gate_value || !p.h) {
+    return cudaErrorInvalidValue;
+  }
+  if (!is_q(p.down, 4, n_rows, inter) || !is_q(p.shared_down, 4, n_rows, inter)) return cudaErrorInvalidValue;
+  const int threads = 32 * (p.top_k + 1);
+  auto launch = [&](auto kernel, int rows_per_block) {
+    kernel<<<(n_rows + rows_per_block - 1) / rows_per_block, threads, 0, stream>>>(p);
+    return cudaGetLastError();
+  };
+  switch (inter) {
+    case 512: return launch(moe_expert_out_kernel<512>, Q4Layout<512>::kRowsPerChunk);
+    case 1024: return launch(moe_expert_out_kernel<1024>, Q4Layout<1024>::kRowsPerChunk);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace lily::cuda

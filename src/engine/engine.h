@@ -1,0 +1,70 @@
+// Engine: the generation loop over one backend, with the session cache that lets the next turn of a
+// conversation prefill only its new tokens (shared/DESIGN.md section 2). Batch 1: one request runs at a time;
+// the caller (CLI or the server's scheduler) serialises calls. The backend may be CPU or CUDA: when a request
+// needs nothing the device sampler lacks (penalties, logit_bias, logprobs), decoding uses
+// Backend::generate_on_device; otherwise logits come to the host and Sampler (engine/sampler.h) picks the token.
+#pragma once
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/sampler.h"
+#include "tokenizer/tokenizer.h"
+
+namespace lily {
+
+struct EngineOptions {
+  size_t session_cache_bytes = 8ull << 30;  // LRU budget for cached sequences and their checkpoints
+  int checkpoint_interval = 2048;           // also checkpoint every N prompt tokens of long prompts
+  int prefill_chunk = 512;                  // prompt tokens per backend forward call
+};
+
+struct GenerationRequest {
+  std::vector<int32_t> prompt;              // the whole prompt, already rendered and tokenized
+  SamplingParams sampling;                  // validated by the caller
+  std::vector<int32_t> stop_token_ids;      // e.g. <|im_end|>, <|endoftext|>
+  bool reuse_cache = true;                  // false: neither read nor write the session cache
+  const std::atomic<bool>* cancel = nullptr;  // checked between tokens
+};
+
+struct GenerationPiece {
+  std::string text;                         // UTF-8 safe, stop strings already held back/removed
+  int32_t token = -1;
+  float logprob = 0;                        // when sampling.logprobs
+  std::vector<TokenLogprob> top;            // sampling.top_logprobs entries
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;              // generated ids (stop token excluded)
+  std::string finish_reason;                // "stop" | "length" | "cancelled"
+  int prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+  double prefill_ms = 0, decode_ms = 0, time_to_first_token_ms = 0;
+};
+
+struct EngineStats {
+  uint64_t cache_hits = 0, cache_misses = 0;
+  size_t cache_bytes = 0, cache_entries = 0;
+};
+
+class Engine {
+ public:
+  Engine(std::unique_ptr<Backend> backend, Tokenizer tokenizer, EngineOptions options = {});
+  ~Engine();
+  const Backend& backend() const;
+  const Tokenizer& tokenizer() const;
+  const ModelConfig& config() const;
+  // Runs one request to completion. on_piece returns false to stop early (finish_reason "cancelled").
+  Result<GenerationResult> generate(const GenerationRequest& request,
+                                    const std::function<bool(const GenerationPiece&)>& on_piece);
+  EngineStats stats() const;
+  void clear_cache();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace lily
