@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine: every CUDA test (kernel op tests and end-to-end against the CPU reference) and the
+# decode benchmark, then prints a summary table. Build first (here or there) with:
+#   cmake --preset cuda && cmake --build build-cuda -j
+# Usage: scripts/gpu_check.sh [build-dir] [out-dir]
+set -uo pipefail
+build=${1:-build-cuda}
+out=${2:-${OUT:-/tmp/lily-gpu}}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
+git_sha=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+
+status() { [ "$1" -eq 0 ] && echo PASS || echo FAIL; }
+
+"$build/tests/test_cuda_kernels" --gtest_brief=1 >"$out/kernel_tests.log" 2>&1
+k_rc=$?
+"$build/tests/test_cuda" --gtest_brief=1 >"$out/e2e_tests.log" 2>&1
+e_rc=$?
+"$build/lily" bench --json "$out/bench.json" ${LILY_BENCH_ARGS:-} >"$out/bench.log" 2>&1
+b_rc=$?
+
+echo
+echo "== lily GPU check ($git_sha, $(cut -d, -f1 "$out/gpu.txt"))"
+printf '%-28s %s\n' "kernel op tests" "$(status $k_rc) ($(grep -c '^\[       OK' "$out/kernel_tests.log" 2>/dev/null || true) ok; $(grep -E '^\[  (PASSED|FAILED)' "$out/kernel_tests.log" | tr '\n' ' '))"
+printf '%-28s %s\n' "end-to-end vs CPU" "$(status $e_rc) ($(grep -E '^\[  (PASSED|FAILED)' "$out/e2e_tests.log" | tr '\n' ' '))"
+grep -h -E '^\[(tiny|small|full4)\]' "$out/e2e_tests.log" | sed 's/^/  /'
+grep -h -E 'FAILED|Failure|Expected|Which is' "$out/kernel_tests.log" "$out/e2e_tests.log" | head -20 | sed 's/^/  /'
+printf '%-28s %s\n' "decode benchmark" "$(status $b_rc)"
+cat "$out/bench.log"
+exit $((k_rc | e_rc | b_rc))
