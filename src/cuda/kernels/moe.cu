@@ -71,6 +71,7 @@ __device__ float block_max(float v, float* red_s) {
 __device__ void route_select(const MoeRouteParams& p, int n_experts, float* prob_s, float* red_s) {
   __shared__ int sel_idx[kMaxTopK];
   __shared__ float sel_p[kMaxTopK];
+  if (threadIdx.x < kMaxTopK) sel_idx[threadIdx.x] = 0, sel_p[threadIdx.x] = 0.0f;  // NaN logits: valid ids
   float local_max = -INFINITY;
   for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
     prob_s[e] = __ldcg(p.logits + e);  // written by other blocks: read through L2

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
 #include <random>
@@ -27,7 +28,11 @@ inline bool has_gpu() {
     if (!::lily::cuda::test::has_gpu()) GTEST_SKIP() << "no CUDA device"; \
   } while (0)
 
-#define ASSERT_CUDA(expr) ASSERT_EQ((expr), cudaSuccess) << cudaGetErrorString(cudaGetLastError())
+#define ASSERT_CUDA(expr)                                        \
+  do {                                                           \
+    const cudaError_t cuda_err_ = (expr);                        \
+    ASSERT_EQ(cuda_err_, cudaSuccess) << cudaGetErrorString(cuda_err_); \
+  } while (0)
 
 // Device memory for n values of T, freed on destruction.
 template <class T>
@@ -142,6 +147,79 @@ inline std::vector<float> random_vector(size_t n, uint32_t seed, float std = 1.0
   std::vector<float> v(n);
   for (float& x : v) x = dist(rng);
   return v;
+}
+
+// ---- benchmarks (print, assert nothing) ----------------------------------------------------------------------
+
+// Device memory of `bytes` filled with small random bf16 values (valid weights, scales and biases alike), to
+// carve many weight copies out of so that a benchmark reads cold data (> the 60 MB L2).
+inline DeviceBuffer<uint16_t> bench_pool(size_t bytes, uint32_t seed = 1) {
+  DeviceBuffer<uint16_t> pool(bytes / 2);
+  std::vector<uint16_t> chunk((16u << 20) / 2);
+  std::mt19937 rng(seed);
+  for (uint16_t& v : chunk) v = static_cast<uint16_t>((rng() & 0x80FFu) | 0x3C00u);  // +-[2^-7, 2^-6)
+  for (size_t off = 0; off < pool.size(); off += chunk.size()) {
+    const size_t n = std::min(chunk.size(), pool.size() - off);
+    if (cudaMemcpy(pool.get() + off, chunk.data(), n * 2, cudaMemcpyHostToDevice) != cudaSuccess) break;
+  }
+  return pool;
+}
+
+// A QMatrix view of copy number `copy` of a [rows, cols] matrix laid out back to back inside `pool`.
+inline QMatrix bench_qmatrix(const DeviceBuffer<uint16_t>& pool, int rows, int cols, int bits, size_t copy) {
+  QMatrix m;
+  m.rows = rows, m.cols = cols, m.bits = bits;
+  const size_t w_bytes = rows * m.words_per_row() * 4, sb_bytes = rows * m.groups_per_row() * 2;
+  const size_t stride = (w_bytes + 2 * sb_bytes + 255) / 256 * 256;
+  const size_t n_copies = std::max<size_t>(1, pool.size() * 2 / stride);
+  char* base = reinterpret_cast<char*>(pool.get()) + (copy % n_copies) * stride;
+  m.w = reinterpret_cast<const uint32_t*>(base);
+  m.scales = reinterpret_cast<const __nv_bfloat16*>(base + w_bytes);
+  m.biases = reinterpret_cast<const __nv_bfloat16*>(base + w_bytes + sb_bytes);
+  return m;
+}
+
+// Mean device microseconds of one launch(i, stream) call: `iters` calls captured in one CUDA graph (as the
+// decode step replays them), one warm-up replay, then the median over `reps` timed replays. -1 on error.
+template <class Launch>
+double graph_time_us(Launch launch, int iters, int reps = 7) {
+  cudaStream_t stream;
+  if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return -1;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  std::vector<float> ms;
+  bool ok = cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed) == cudaSuccess;
+  for (int i = 0; ok && i < iters; ++i) ok = launch(i, stream) == cudaSuccess;
+  ok = cudaStreamEndCapture(stream, &graph) == cudaSuccess && ok;
+  ok = ok && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess;
+  ok = ok && cudaGraphLaunch(exec, stream) == cudaSuccess && cudaStreamSynchronize(stream) == cudaSuccess;
+  for (int r = 0; ok && r < reps; ++r) {
+    cudaEventRecord(start, stream);
+    cudaGraphLaunch(exec, stream);
+    cudaEventRecord(stop, stream);
+    ok = cudaEventSynchronize(stop) == cudaSuccess;
+    float t = 0;
+    cudaEventElapsedTime(&t, start, stop);
+    ms.push_back(t);
+  }
+  if (exec) cudaGraphExecDestroy(exec);
+  if (graph) cudaGraphDestroy(graph);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(stream);
+  if (!ok || ms.empty()) return -1;
+  std::sort(ms.begin(), ms.end());
+  return 1000.0 * ms[ms.size() / 2] / iters;
+}
+
+// One line of a benchmark table: time, bytes, achieved GB/s and the fraction of the H200's 4.27 TB/s.
+inline void print_bandwidth(const char* what, double us, double bytes) {
+  const double gbps = bytes / (us * 1e3);
+  std::printf("%-44s %9.2f us %9.2f MB %8.0f GB/s %5.1f%% of 4.27 TB/s\n", what, us, bytes / 1e6, gbps,
+              100.0 * gbps / 4270.0);
 }
 
 }  // namespace lily::cuda::test

@@ -1,0 +1,193 @@
+// gemv (src/cuda/kernels/gemv.cu) against a CPU reference on fresh random MLX-quantized matrices.
+#include <cmath>
+#include <cstdio>
+#include <vector>
+
+#include "cuda/kernels/gemv.cuh"
+#include "cuda_test_util.h"
+
+namespace lily::cuda::test {
+namespace {
+
+struct GemvCase {
+  int rows, cols, bits;
+  GemvPrologue prologue;
+  bool residual;
+};
+
+// The prologue on the CPU (eqs 1-2 and 19), in double.
+std::vector<float> reference_x(const GemvCase& c, const std::vector<float>& in, const std::vector<float>& norm_w,
+                               const std::vector<float>& z, int head_dim, float eps) {
+  std::vector<float> x(in);
+  if (c.prologue == GemvPrologue::rms_norm) {
+    double ss = 0;
+    for (float v : in) ss += static_cast<double>(v) * v;
+    const double inv = 1.0 / std::sqrt(ss / c.cols + eps);
+    for (int e = 0; e < c.cols; ++e) x[e] = static_cast<float>(in[e] * inv * norm_w[e]);
+  } else if (c.prologue == GemvPrologue::gated_rms_norm) {
+    for (int h = 0; h < c.cols / head_dim; ++h) {
+      double ss = 0;
+      for (int d = 0; d < head_dim; ++d) ss += static_cast<double>(in[h * head_dim + d]) * in[h * head_dim + d];
+      const double inv = 1.0 / std::sqrt(ss / head_dim + eps);
+      for (int d = 0; d < head_dim; ++d) {
+        const int e = h * head_dim + d;
+        const double silu = z[e] / (1.0 + std::exp(-static_cast<double>(z[e])));
+        x[e] = static_cast<float>(norm_w[d] * in[e] * inv * silu);
+      }
+    }
+  }
+  return x;
+}
+
+void run_case(const GemvCase& c, uint32_t seed) {
+  SCOPED_TRACE(testing::Message() << "rows " << c.rows << " cols " << c.cols << " bits " << c.bits << " prologue "
+                                  << static_cast<int>(c.prologue) << " residual " << c.residual);
+  const int head_dim = 128;
+  const float eps = 1e-6f;
+  HostQMatrix hm = random_qmatrix(c.rows, c.cols, c.bits, seed);
+  const std::vector<float> in = random_vector(c.cols, seed + 1);
+  const std::vector<float> norm_w =
+      random_vector(c.prologue == GemvPrologue::gated_rms_norm ? head_dim : c.cols, seed + 2, 0.1f, 1.0f);
+  const std::vector<float> z = random_vector(c.cols, seed + 3);
+  const std::vector<float> residual = random_vector(c.rows, seed + 4);
+
+  DeviceBuffer<float> d_in(in), d_norm(norm_w), d_z(z), d_y(residual);
+  GemvParams p;
+  p.m = hm.upload();
+  p.in = d_in.get();
+  p.prologue = c.prologue;
+  p.norm_w = d_norm.get();
+  p.gate_z = d_z.get();
+  p.head_dim = head_dim;
+  p.eps = eps;
+  p.residual = c.residual ? d_y.get() : nullptr;  // residual aliases y: y = y + W x
+  p.y = d_y.get();
+  ASSERT_CUDA(gemv(p, nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> y = d_y.download();
+
+  // A second run on the same inputs must give the same bits (a moving result is a race).
+  ASSERT_CUDA(d_y.upload(residual));
+  ASSERT_CUDA(gemv(p, nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> y_again = d_y.download();
+
+  const std::vector<float> x = reference_x(c, in, norm_w, z, head_dim, eps);
+  int bad = 0;
+  for (int r = 0; r < c.rows; ++r) {
+    double ref = c.residual ? residual[r] : 0.0, abs_sum = 0.0;
+    for (int col = 0; col < c.cols; ++col) {
+      const double term = static_cast<double>(hm.dequant(r, col)) * x[col];
+      ref += term;
+      abs_sum += std::fabs(term);
+    }
+    // fp32 accumulation of up to 4096 products in a few partial sums: rounding stays well below 1e-5 of the
+    // sum of |terms| (worst case ~ cols * 2^-24 = 2.4e-4 for fully adversarial signs, typical ~ 1e-6); the
+    // prologue adds rsqrtf/__expf errors of ~1e-6 relative. A wrong nibble, group or row would be >> 1e-3.
+    const double tol = 2e-5 * abs_sum + 1e-5 * (c.residual ? std::fabs(residual[r]) + 1.0 : 1.0);
+    if (!(std::fabs(y[r] - ref) <= tol) && bad++ < 5) {
+      ADD_FAILURE() << "row " << r << ": got " << y[r] << " want " << ref << " (tol " << tol << ")";
+    }
+    if (y[r] != y_again[r] && bad++ < 5) ADD_FAILURE() << "row " << r << " differs between two runs";
+  }
+  EXPECT_EQ(bad, 0);
+}
+
+TEST(CudaGemv, FourBitShapesNoPrologue) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 100;
+  for (int cols : {512, 1024, 2048, 4096}) {
+    for (int rows : {1, 3, 17, 130, 1001}) run_case({rows, cols, 4, GemvPrologue::none, false}, seed++);
+  }
+}
+
+TEST(CudaGemv, FourBitModelShapesRmsNorm) {
+  SKIP_WITHOUT_GPU();
+  run_case({8192 + 4096 + 64, 2048, 4, GemvPrologue::rms_norm, false}, 200);  // GDN in_proj qkv|z|b|a
+  run_case({9216, 2048, 4, GemvPrologue::rms_norm, false}, 201);              // attention q|k|v
+  run_case({2048, 512, 4, GemvPrologue::rms_norm, true}, 202);
+  run_case({777, 1024, 4, GemvPrologue::rms_norm, false}, 203);
+}
+
+TEST(CudaGemv, GatedRmsNormWithResidual) {
+  SKIP_WITHOUT_GPU();
+  run_case({2048, 4096, 4, GemvPrologue::gated_rms_norm, true}, 300);  // GDN out_proj: h += W GN(o, z)
+  run_case({5, 4096, 4, GemvPrologue::gated_rms_norm, false}, 301);
+  run_case({33, 2048, 4, GemvPrologue::gated_rms_norm, true}, 302);
+  run_case({2048, 4096, 4, GemvPrologue::none, true}, 303);  // attention o_proj: h += W o
+}
+
+TEST(CudaGemv, GenericWidthsAndEightBit) {
+  SKIP_WITHOUT_GPU();
+  run_case({100, 1536, 4, GemvPrologue::none, false}, 400);  // 4-bit width outside the fast set
+  run_case({257, 2048, 8, GemvPrologue::none, false}, 401);  // router-sized, 8-bit
+  run_case({1, 2048, 8, GemvPrologue::rms_norm, false}, 402);
+  run_case({33, 512, 8, GemvPrologue::gated_rms_norm, true}, 403);
+}
+
+TEST(CudaGemv, RejectsBadArguments) {
+  SKIP_WITHOUT_GPU();
+  HostQMatrix hm = random_qmatrix(4, 512, 4, 7);
+  DeviceBuffer<float> in(512), y(4);
+  GemvParams p;
+  p.m = hm.upload();
+  p.in = in.get();
+  p.y = y.get();
+  GemvParams bad = p;
+  bad.m.cols = 500;
+  EXPECT_EQ(gemv(bad, nullptr), cudaErrorInvalidValue);
+  bad = p;
+  bad.m.bits = 3;
+  EXPECT_EQ(gemv(bad, nullptr), cudaErrorInvalidValue);
+  bad = p;
+  bad.prologue = GemvPrologue::rms_norm;  // no norm_w
+  EXPECT_EQ(gemv(bad, nullptr), cudaErrorInvalidValue);
+  bad = p;
+  bad.y = nullptr;
+  EXPECT_EQ(gemv(bad, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(gemv(p, nullptr), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+// Achieved bandwidth on the model's shapes, weights rotated through a 1 GB pool (cold L2), CUDA-graph replay.
+TEST(CudaGemvBench, ModelShapes) {
+  SKIP_WITHOUT_GPU();
+  const DeviceBuffer<uint16_t> pool = bench_pool(size_t{1} << 30);
+  const int max_rows = 248320;
+  DeviceBuffer<float> in(random_vector(4096, 5)), norm_w(random_vector(4096, 6, 0.1f, 1.0f)), z(random_vector(4096, 7));
+  DeviceBuffer<float> y(random_vector(max_rows, 8));
+  struct Shape {
+    const char* name;
+    int rows, cols, bits;
+    GemvPrologue prologue;
+    bool residual;
+    int iters;
+  };
+  const Shape shapes[] = {
+      {"gemv [12352, 2048] q4 rms_norm (GDN in_proj)", 8192 + 4096 + 64, 2048, 4, GemvPrologue::rms_norm, false, 100},
+      {"gemv [9216, 2048] q4 rms_norm (attn q|k|v)", 9216, 2048, 4, GemvPrologue::rms_norm, false, 100},
+      {"gemv [2048, 4096] q4 gated + residual", 2048, 4096, 4, GemvPrologue::gated_rms_norm, true, 100},
+      {"gemv [2048, 4096] q4 + residual (o_proj)", 2048, 4096, 4, GemvPrologue::none, true, 100},
+      {"gemv [248320, 2048] q4 rms_norm (lm_head)", max_rows, 2048, 4, GemvPrologue::rms_norm, false, 12},
+      {"gemv [257, 2048] q8 (router-sized, generic)", 257, 2048, 8, GemvPrologue::none, false, 100},
+  };
+  std::printf("\n");
+  for (const Shape& sh : shapes) {
+    auto launch = [&](int i, cudaStream_t stream) {
+      GemvParams p;
+      p.m = bench_qmatrix(pool, sh.rows, sh.cols, sh.bits, i);
+      p.in = in.get();
+      p.prologue = sh.prologue;
+      p.norm_w = norm_w.get();
+      p.gate_z = z.get();
+      p.residual = sh.residual ? y.get() : nullptr;
+      p.y = y.get();
+      return gemv(p, stream);
+    };
+    const QMatrix m = bench_qmatrix(pool, sh.rows, sh.cols, sh.bits, 0);
+    print_bandwidth(sh.name, graph_time_us(launch, sh.iters), static_cast<double>(m.bytes()));
+  }
+}
+
+}  // namespace
+}  // namespace lily::cuda::test
