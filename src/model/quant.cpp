@@ -66,21 +66,36 @@ void mlx_dequantize_row(const uint32_t* wq_row, const uint16_t* scales_row, cons
   }
 }
 
+namespace {
+
+// sum_j q_j x_j over one group of 64, with the codes unpacked a word at a time.
+template <int kBits>
+inline float group_qdot(const uint32_t* words, const float* x) {
+  constexpr int kPerWord = 32 / kBits;
+  constexpr uint32_t kMask = (1u << kBits) - 1;
+  float acc[kPerWord] = {};
+  for (int w = 0; w < kQuantGroup / kPerWord; ++w) {
+    uint32_t word = words[w];
+    for (int k = 0; k < kPerWord; ++k) acc[k] += static_cast<float>((word >> (k * kBits)) & kMask) * x[w * kPerWord + k];
+  }
+  float sum = 0;
+  for (int k = 0; k < kPerWord; ++k) sum += acc[k];
+  return sum;
+}
+
+}  // namespace
+
 float mlx_dot_row(const uint32_t* wq_row, const uint16_t* scales_row, const uint16_t* biases_row, int64_t cols,
                   int bits, const float* x) {
   // sum_j (s q_j + b) x_j = s * sum q_j x_j + b * sum x_j, per group.
-  const int per_word = 32 / bits;
-  const uint32_t mask = (1u << bits) - 1;
+  const int words_per_group = kQuantGroup * bits / 32;
   float acc = 0;
   for (int64_t g = 0; g < cols / kQuantGroup; ++g) {
-    const uint32_t* words = wq_row + g * (kQuantGroup / per_word);
+    const uint32_t* words = wq_row + g * words_per_group;
     const float* xg = x + g * kQuantGroup;
-    float qx = 0, sx = 0;
-    for (int j = 0; j < kQuantGroup; ++j) {
-      uint32_t q = (words[j / per_word] >> ((j % per_word) * bits)) & mask;
-      qx += static_cast<float>(q) * xg[j];
-      sx += xg[j];
-    }
+    float qx = bits == 4 ? group_qdot<4>(words, xg) : group_qdot<8>(words, xg);
+    float sx = 0;
+    for (int j = 0; j < kQuantGroup; ++j) sx += xg[j];
     acc += bf16_to_float(scales_row[g]) * qx + bf16_to_float(biases_row[g]) * sx;
   }
   return acc;
