@@ -66,7 +66,7 @@ double stddev(const std::vector<float>& v) {
   return std::sqrt(s / static_cast<double>(v.size()));
 }
 
-// max |a - b| over rows [0, n_rows) of a against rows [b_row0, ...) of b, each of `vocab` logits.
+// max |a[i] - b[i]| over n values.
 double max_abs_diff(const float* a, const float* b, size_t n) {
   double d = 0;
   for (size_t i = 0; i < n; ++i) d = std::max(d, static_cast<double>(std::fabs(a[i] - b[i])));
