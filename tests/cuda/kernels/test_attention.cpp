@@ -3,9 +3,11 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include "cpu/ops.h"
@@ -119,10 +121,13 @@ struct Caches {
   DeviceBuffer<uint16_t> d_k, d_v;
 };
 
-Caches make_caches(int n, uint32_t seed) {
+// ramp > 0 scales key row r by 1 + ramp * r / n: the scores of a head grow along the cache, so its running max
+// keeps rising and the online-softmax rescale runs on most tiles.
+Caches make_caches(int n, uint32_t seed, float ramp = 0.0f) {
   Caches c;
   c.n = n;
-  const auto kf = random_vector(static_cast<size_t>(n) * kNkv * kD, seed);
+  auto kf = random_vector(static_cast<size_t>(n) * kNkv * kD, seed);
+  for (size_t i = 0; i < kf.size(); ++i) kf[i] *= 1.0f + ramp * static_cast<float>(i / (kNkv * kD)) / n;
   const auto vf = random_vector(static_cast<size_t>(n) * kNkv * kD, seed + 1);
   c.k.resize(kf.size());
   c.v.resize(vf.size());
@@ -172,7 +177,8 @@ struct DecodeRun {
 };
 
 cudaError_t run_decode(const Caches& c, DecodeRun& r, int n_splits, int pos, cudaStream_t stream,
-                       const __nv_bfloat16* k_cache = nullptr, const __nv_bfloat16* v_cache = nullptr) {
+                       const __nv_bfloat16* k_cache = nullptr, const __nv_bfloat16* v_cache = nullptr,
+                       bool with_combine = true) {
   AttnDecodeParams dp;
   dp.q = r.d_q.get();
   dp.k_cache = k_cache ? k_cache : reinterpret_cast<const __nv_bfloat16*>(c.d_k.get());
@@ -184,6 +190,7 @@ cudaError_t run_decode(const Caches& c, DecodeRun& r, int n_splits, int pos, cud
   dp.part_o = r.part_o.get();
   dp.part_ml = r.part_ml.get();
   CUDA_TRY(attn_decode(dp, stream));
+  if (!with_combine) return cudaSuccess;
   AttnCombineParams cp;
   cp.part_o = r.part_o.get();
   cp.part_ml = r.part_ml.get();
@@ -193,8 +200,8 @@ cudaError_t run_decode(const Caches& c, DecodeRun& r, int n_splits, int pos, cud
   return attn_combine(cp, stream);
 }
 
-void check_decode(int n, const std::vector<int>& splits) {
-  const Caches c = make_caches(n, 1000 + n);
+void check_decode(int n, const std::vector<int>& splits, float ramp = 0.0f) {
+  const Caches c = make_caches(n, 1000 + n, ramp);
   ASSERT_NE(c.d_k.get(), nullptr);
   ASSERT_NE(c.d_v.get(), nullptr);
   const auto q = random_vector(kNq * kD, 17 + n, 1.5f);  // scores ~ N(0, 1.5^2): neither flat nor one-hot
@@ -232,6 +239,11 @@ TEST(CudaAttention, DecodeCombineMatchesCpu) {
   for (int n : {1, 2, 31, 32, 33, 255, 256, 257, 1000, 4096, 65536}) check_decode(n, {1, 2, 7, 64, 256});
 }
 
+TEST(CudaAttention, DecodeCombineRisingScores) {
+  SKIP_WITHOUT_GPU();
+  for (int n : {1000, 65536}) check_decode(n, {1, 64}, 3.0f);
+}
+
 TEST(CudaAttention, DecodeCombineLongContext) {
   SKIP_WITHOUT_GPU();
   check_decode(131073, {1, 64, 1024});
@@ -246,8 +258,37 @@ TEST(CudaAttention, RejectsBadShapes) {
   EXPECT_EQ(attn_prep(pp, nullptr), cudaErrorInvalidValue);
 }
 
-// Prints the split table: time of attn_decode + attn_combine per token (one layer) and the KV bytes / time.
-// Several caches are rotated so that the bytes come from HBM, not the 60 MB L2; launches are replayed from a graph.
+// Prints the split table: time of attn_decode + attn_combine per token (one layer), of attn_decode alone, and the
+// KV bytes / time of the pair. Several caches are rotated so that the bytes come from HBM, not the 60 MB L2;
+// launches are replayed from a graph (as in the decode step).
+double time_graph_us(cudaStream_t stream, int iters, const std::function<cudaError_t(int)>& launch) {
+  constexpr int kReplays = 5;
+  cudaGraph_t graph;
+  if (cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) return -1;
+  for (int it = 0; it < iters; ++it)
+    if (launch(it) != cudaSuccess) {
+      cudaStreamEndCapture(stream, &graph);
+      return -1;
+    }
+  if (cudaStreamEndCapture(stream, &graph) != cudaSuccess) return -1;
+  cudaGraphExec_t exec;
+  if (cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) return -1;
+  cudaEvent_t t0, t1;
+  cudaEventCreate(&t0);
+  cudaEventCreate(&t1);
+  cudaGraphLaunch(exec, stream);  // warm-up
+  cudaEventRecord(t0, stream);
+  for (int rep = 0; rep < kReplays; ++rep) cudaGraphLaunch(exec, stream);
+  cudaEventRecord(t1, stream);
+  float ms = -1;
+  if (cudaEventSynchronize(t1) == cudaSuccess) cudaEventElapsedTime(&ms, t0, t1);
+  cudaEventDestroy(t0);
+  cudaEventDestroy(t1);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return ms * 1e3 / (iters * kReplays);
+}
+
 TEST(CudaAttentionBench, DecodeSplitTable) {
   SKIP_WITHOUT_GPU();
   const size_t cache_rows = 2 * 131072 + 16, row_elems = kNkv * kD;
@@ -264,50 +305,35 @@ TEST(CudaAttentionBench, DecodeSplitTable) {
       ASSERT_CUDA(cudaMemcpy(v.get() + off, block.data(), n * 2, cudaMemcpyHostToDevice));
     }
   }
+  const std::vector<int> contexts = {1024, 4096, 16384, 32768, 65536, 131072};
+  const std::vector<int> split_counts = {1, 8, 16, 32, 64, 66, 128, 132, 256};
   const auto q = random_vector(kNq * kD, 1), proj = random_vector(kNq * 2 * kD + 2 * kNkv * kD, 2);
   std::vector<int> positions;
-  for (int n : {4096, 32768, 131072}) positions.push_back(n - 1);
+  for (int n : contexts) positions.push_back(n - 1);
   DecodeRun r{DeviceBuffer<float>(q), DeviceBuffer<float>(proj), DeviceBuffer<float>(size_t{256} * kNq * kD),
               DeviceBuffer<float>(size_t{256} * kNq * 2), DeviceBuffer<float>(kNq * kD), DeviceBuffer<int>(positions)};
   Caches none;
   cudaStream_t stream;
   ASSERT_CUDA(cudaStreamCreate(&stream));
-  cudaEvent_t t0, t1;
-  ASSERT_CUDA(cudaEventCreate(&t0));
-  ASSERT_CUDA(cudaEventCreate(&t1));
-  printf("[attn bench] decode+combine, one layer (nq 16, nkv 2, D 256); floor = KV bytes / 4.27 TB/s\n");
-  printf("%8s %8s %10s %10s %10s\n", "context", "n_splits", "us", "GB/s", "floor_us");
-  for (int pi = 0; pi < 3; ++pi) {
-    const int n = positions[pi] + 1;
-    const int instances = std::min<int>(16, (cache_rows - 16) / n);
+  printf("[attn bench] one layer (nq 16, nkv 2, D 256); floor = KV bytes / 4.27 TB/s\n");
+  printf("%8s %8s %10s %10s %10s %10s\n", "context", "n_splits", "pair_us", "decode_us", "pair_GB/s", "floor_us");
+  for (size_t ci = 0; ci < contexts.size(); ++ci) {
+    const int n = contexts[ci];
+    const int instances = std::min<int>(64, (cache_rows - 16) / n);
     const double bytes = static_cast<double>(n) * row_elems * 2 * 2;
-    for (int n_splits : {1, 8, 32, 64, 128, 256}) {
-      constexpr int kIters = 32, kReplays = 10;
-      cudaGraph_t graph;
-      ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      for (int it = 0; it < kIters; ++it) {
-        const size_t off = static_cast<size_t>(it % instances) * n * row_elems;
-        ASSERT_CUDA(run_decode(none, r, n_splits, pi, stream, reinterpret_cast<const __nv_bfloat16*>(k.get() + off),
-                               reinterpret_cast<const __nv_bfloat16*>(v.get() + off)));
-      }
-      ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
-      cudaGraphExec_t exec;
-      ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-      ASSERT_CUDA(cudaGraphLaunch(exec, stream));  // warm-up
-      ASSERT_CUDA(cudaEventRecord(t0, stream));
-      for (int rep = 0; rep < kReplays; ++rep) ASSERT_CUDA(cudaGraphLaunch(exec, stream));
-      ASSERT_CUDA(cudaEventRecord(t1, stream));
-      ASSERT_CUDA(cudaEventSynchronize(t1));
-      float ms = 0;
-      ASSERT_CUDA(cudaEventElapsedTime(&ms, t0, t1));
-      const double us = ms * 1e3 / (kIters * kReplays);
-      printf("%8d %8d %10.2f %10.1f %10.2f\n", n, n_splits, us, bytes / us * 1e-3, bytes / 4.27e6);
-      cudaGraphExecDestroy(exec);
-      cudaGraphDestroy(graph);
+    for (int n_splits : split_counts) {
+      double us[2];
+      for (int with_combine = 1; with_combine >= 0; --with_combine)
+        us[with_combine] = time_graph_us(stream, 64, [&](int it) {
+          const size_t off = static_cast<size_t>(it % instances) * n * row_elems;
+          return run_decode(none, r, n_splits, static_cast<int>(ci), stream,
+                            reinterpret_cast<const __nv_bfloat16*>(k.get() + off),
+                            reinterpret_cast<const __nv_bfloat16*>(v.get() + off), with_combine == 1);
+        });
+      ASSERT_GT(us[1], 0) << "benchmark launch failed";
+      printf("%8d %8d %10.2f %10.2f %10.1f %10.2f\n", n, n_splits, us[1], us[0], bytes / us[1] * 1e-3, bytes / 4.27e6);
     }
   }
-  cudaEventDestroy(t0);
-  cudaEventDestroy(t1);
   cudaStreamDestroy(stream);
 }
 
