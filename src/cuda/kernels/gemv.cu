@@ -4,16 +4,19 @@
 // Memory-bound: moves rows * (cols * bits / 8 + cols / 16) bytes (weights + bf16 scales and biases per group
 // of 64); target >= 85% of 4.27 TB/s on large matrices (lm_head [248320, 2048]: 286 MB, 67 us at the floor).
 //
-// 4-bit, cols in {512, 1024, 2048, 4096} (gemv_q4_kernel): a row is cols/32 16-byte vectors; a group of
-// L = min(32, vectors per row / V) lanes covers a row with V vectors per lane (V = 2 from cols 2048 up), so
-// cols 512 puts two rows in a warp (half-warps) and cols 4096 gives 4 vectors per lane. A lane always reads
-// the same vector positions, whatever the row. A warp takes a chunk of P row-passes (8 x 16-byte loads in
-// flight per lane, issued together), dequantises in registers (quant_dot.cuh), reads its 32-float slices of x
-// from shared memory once per chunk for all P rows, and reduces the P partial sums with one reduce-scatter
-// butterfly. The grid is persistent (a few blocks per SM, warps grid-stride over chunks), so the prologue
-// (the norm of `in`) runs once per block, overlapped with the first chunk's weight loads.
-// Other shapes and 8-bit (gemv_generic_kernel): a warp per row, x from shared memory; for small matrices
-// (the 8-bit router-size ones) and unusual widths.
+// 4-bit, cols in {512, 1024, 2048, 4096}: a chunk is 8192 weights = 8192 / cols consecutive rows (4 KiB of
+// packed weights + 256 B of scales + 256 B of biases, all contiguous). A group of L = min(32, cols / 32 / V)
+// lanes covers a row with V 16-byte vectors per lane (V = 2 from cols 2048 up): cols 512 puts two rows in a warp
+// (half-warps), cols 4096 gives 4 vectors per lane. A lane always handles the same vector positions of a row,
+// so its 32-float slices of x are read from shared memory once per chunk for all the chunk's rows; the partial
+// sums of the chunk's P row-passes are reduced by one reduce-scatter butterfly. Dequantisation: quant_dot.cuh.
+//  gemv_q4_async_kernel (scales/biases 16-byte aligned): each warp streams its chunks through a 2-stage ring in
+//    shared memory with cp.async (no registers held by loads in flight: ~147 KB in flight per SM), issued
+//    before the prologue and, with programmatic dependent launch, before the previous kernel has finished.
+//  gemv_q4_kernel (any alignment): the same chunks loaded straight into registers, 8 x 16 B per lane.
+// The grid is persistent (one block per SM or fewer; warps grid-stride over chunks), so the prologue (the norm
+// of `in`) runs once per block, overlapped with the first chunks' weight loads.
+// Other widths and 8-bit (gemv_generic_kernel): a warp per row, x from shared memory; for small matrices.
 #include "cuda/kernels/gemv.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 
@@ -27,9 +30,10 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
 // Where this block's x comes from (gemv.cuh prologues).
+// red_s: >= 128 floats (block sums, or the gated prologue's segment sums: cols / 32 <= 128).
 __device__ __forceinline__ void build_x(const GemvParams& p, float* x_s, float* red_s) {
   if (p.prologue == GemvPrologue::gated_rms_norm) {
-    block_load_x_gated(p.in, p.gate_z, p.norm_w, p.head_dim, p.eps, p.m.cols, x_s);
+    block_load_x_gated(p.in, p.gate_z, p.norm_w, p.head_dim, p.eps, p.m.cols, x_s, red_s);
   } else {
     block_load_x(p.in, p.prologue == GemvPrologue::rms_norm ? p.norm_w : nullptr, p.eps, p.m.cols, x_s, red_s);
   }
@@ -51,15 +55,17 @@ template <int COLS>
 __global__ void __launch_bounds__(kThreads, 2) gemv_q4_kernel(const __grid_constant__ GemvParams p) {
   using Lay = Q4Layout<COLS>;
   __shared__ __align__(16) float x_s[xpad_floats(COLS)];
-  __shared__ float red_s[32];
+  __shared__ float red_s[128];
   const int lane = threadIdx.x & 31;
   const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
   const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
   const int warp_stride = gridDim.x * kWarps;
   int chunk = blockIdx.x * kWarps + (threadIdx.x >> 5);
 
+  pdl_launch_dependents();
   Q4Chunk<COLS> c;
   if (chunk < n_chunks) load_chunk<COLS>(p.m, chunk, lane, c);  // in flight during the prologue
+  pdl_wait();
   build_x(p, x_s, red_s);
 
   for (; chunk < n_chunks; chunk += warp_stride) {
@@ -72,11 +78,105 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_q4_kernel(const __grid_const
   }
 }
 
+constexpr int kChunkWeightBytes = 4096;  // 8192 4-bit weights
+constexpr int kChunkScaleBytes = 256;    // their 128 bf16 scales (and as many biases)
+constexpr int kStageBytes = kChunkWeightBytes + 2 * kChunkScaleBytes;
+constexpr int kStages = 2;
+constexpr int kAsyncMaxWarps = 16;
+
+// Copies chunk `chunk` into `stage`: lane j copies the 8 weight vectors it will read, lanes 0-15 the scales and
+// 16-31 the biases (16 B each). Rows past the end are zero-filled.
+template <int COLS>
+__device__ __forceinline__ void issue_chunk(const QMatrix& m, int chunk, int lane, char* stage) {
+  using Lay = Q4Layout<COLS>;
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  const char* w_chunk = reinterpret_cast<const char*>(m.w) + static_cast<size_t>(chunk) * kChunkWeightBytes;
+#pragma unroll
+  for (int pass = 0; pass < Lay::kPasses; ++pass) {
+    const int r = pass * Lay::kRowsPerPass + sub;
+    const bool valid = chunk * Lay::kRowsPerChunk + r < m.rows;
+#pragma unroll
+    for (int v = 0; v < Lay::kVecsPerLane; ++v) {
+      const int piece = r * Lay::kVecsPerRow + v * Lay::kLanesPerRow + j;
+      cp_async_16(stage + piece * 16, valid ? w_chunk + piece * 16 : w_chunk, valid);
+    }
+  }
+  const int piece = lane & 15;  // 8 groups = 16 bytes of scales
+  const bool valid = chunk * Lay::kRowsPerChunk + piece * 8 / (COLS / 64) < m.rows;
+  const __nv_bfloat16* src = (lane < 16 ? m.scales : m.biases) + static_cast<size_t>(chunk) * (kChunkScaleBytes / 2);
+  cp_async_16(stage + kChunkWeightBytes + (lane < 16 ? 0 : kChunkScaleBytes) + piece * 16,
+              valid ? src + piece * 8 : src, valid);
+}
+
+// part[pass] = this lane's share of row(pass) . x from a chunk in shared memory.
+template <int COLS>
+__device__ __forceinline__ void dot_stage(const char* stage, const float* x_s, int lane,
+                                          float (&part)[Q4Layout<COLS>::kPasses]) {
+  using Lay = Q4Layout<COLS>;
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  const unsigned short* s_s = reinterpret_cast<const unsigned short*>(stage + kChunkWeightBytes);
+  const unsigned short* b_s = s_s + kChunkScaleBytes / 2;
+#pragma unroll
+  for (int pass = 0; pass < Lay::kPasses; ++pass) part[pass] = 0.0f;
+#pragma unroll
+  for (int v = 0; v < Lay::kVecsPerLane; ++v) {
+    float x[32];
+    const int vec = v * Lay::kLanesPerRow + j;
+    const float x_sum = load_x_vec(x_s, vec, x);
+#pragma unroll
+    for (int pass = 0; pass < Lay::kPasses; ++pass) {
+      const int r = pass * Lay::kRowsPerPass + sub;
+      const uint4 w = *reinterpret_cast<const uint4*>(stage + (r * Lay::kVecsPerRow + vec) * 16);
+      const int g = r * (COLS / 64) + vec / 2;
+      part[pass] += q4_group_term(dot_q4_vec(w, x), x_sum, s_s[g], b_s[g]);
+    }
+  }
+}
+
+template <int COLS>
+__global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_async_kernel(const __grid_constant__ GemvParams p) {
+  using Lay = Q4Layout<COLS>;
+  extern __shared__ __align__(16) char smem[];
+  __shared__ float red_s[128];
+  float* x_s = reinterpret_cast<float*>(smem);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+  char* ring = smem + xpad_floats(COLS) * sizeof(float) + warp * kStages * kStageBytes;
+  const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
+  const int first = blockIdx.x * n_warps + warp, stride = gridDim.x * n_warps;
+
+  pdl_launch_dependents();
+#pragma unroll
+  for (int k = 0; k < kStages; ++k) {  // weights first: they do not depend on the previous kernel
+    if (first + k * stride < n_chunks) issue_chunk<COLS>(p.m, first + k * stride, lane, ring + k * kStageBytes);
+    cp_async_commit();
+  }
+  pdl_wait();
+  build_x(p, x_s, red_s);
+
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  for (int k = 0, chunk = first; chunk < n_chunks; ++k, chunk += stride) {
+    char* stage = ring + (k % kStages) * kStageBytes;
+    cp_async_wait<kStages - 1>();  // this lane's copies of chunk k have landed
+    __syncwarp();                  // ... and every lane's
+    float part[Lay::kPasses];
+    dot_stage<COLS>(stage, x_s, lane, part);
+    __syncwarp();  // the stage is free again
+    if (chunk + kStages * stride < n_chunks) issue_chunk<COLS>(p.m, chunk + kStages * stride, lane, stage);
+    cp_async_commit();
+    group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part, lane);
+    const int row = chunk * Lay::kRowsPerChunk + (j / Lay::kLanesPerValue) * Lay::kRowsPerPass + sub;
+    if (j % Lay::kLanesPerValue == 0 && row < p.m.rows) p.y[row] = (p.residual ? p.residual[row] : 0.0f) + part[0];
+  }
+  cp_async_wait<0>();
+}
+
 // Any cols (multiple of 512), 4 or 8 bits: a warp per row, lanes stride over the row's 16-byte vectors.
 template <int BITS>
 __global__ void __launch_bounds__(kThreads) gemv_generic_kernel(const __grid_constant__ GemvParams p) {
   extern __shared__ __align__(16) float x_s[];
-  __shared__ float red_s[32];
+  __shared__ float red_s[128];
+  pdl_launch_dependents();
+  pdl_wait();
   build_x(p, x_s, red_s);
   constexpr int kElems = BITS == 4 ? kVecElems4 : kVecElems8;
   const int lane = threadIdx.x & 31, n_vecs = p.m.cols / kElems;
@@ -112,15 +212,27 @@ cudaError_t launch_persistent(Kernel kernel, int work_blocks, size_t smem, const
   CUDA_TRY(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
   CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
   const int blocks = std::max(1, std::min(work_blocks, n_sms * std::max(per_sm, 1)));
-  kernel<<<blocks, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_pdl(kernel, dim3(blocks), dim3(kThreads), smem, stream, p);
 }
 
 template <int COLS>
 cudaError_t launch_q4(const GemvParams& p, cudaStream_t stream) {
   using Lay = Q4Layout<COLS>;
   const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
-  return launch_persistent(gemv_q4_kernel<COLS>, (n_chunks + kWarps - 1) / kWarps, 0, p, stream);
+  const bool aligned = reinterpret_cast<uintptr_t>(p.m.scales) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(p.m.biases) % 16 == 0;
+  if (!aligned) return launch_persistent(gemv_q4_kernel<COLS>, (n_chunks + kWarps - 1) / kWarps, 0, p, stream);
+  // One block per SM; fewer warps per block when there are few chunks, so that they spread over all SMs.
+  int device = 0, n_sms = 0;
+  CUDA_TRY(cudaGetDevice(&device));
+  CUDA_TRY(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  const int warps = std::clamp((n_chunks + n_sms - 1) / n_sms, 4, kAsyncMaxWarps);
+  const int blocks = std::max(1, std::min(n_sms, (n_chunks + warps - 1) / warps));
+  const size_t smem = xpad_floats(COLS) * sizeof(float) + static_cast<size_t>(warps) * kStages * kStageBytes;
+  auto kernel = gemv_q4_async_kernel<COLS>;
+  CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                xpad_floats(COLS) * sizeof(float) + kAsyncMaxWarps * kStages * kStageBytes));
+  return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
 }
 
 bool valid_params(const GemvParams& p) {

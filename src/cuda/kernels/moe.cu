@@ -30,28 +30,56 @@ constexpr int kMaxExperts = 1024;
 constexpr int kRouteThreads = 256;
 constexpr int kRouteWarps = kRouteThreads / 32;
 
-// Router logit of row `row` of an 8-bit matrix for this warp, x padded in shared memory.
-__device__ float router_dot(const QMatrix& m, int row, const float* x_s, int lane) {
+constexpr int kRoutePrefetch = 4;  // 16-byte vectors per lane loaded before the prologue: all of H <= 2048
+
+// One 16-byte vector (16 8-bit weights) of a router row against x (padded in shared memory).
+__device__ __forceinline__ float router_vec(uint4 w, unsigned short s_bits, unsigned short b_bits, const float* x_s,
+                                            int vec) {
+  const int e0 = vec * kVecElems8;
+  const float4* xv = reinterpret_cast<const float4*>(x_s + xpad(e0));
+  float x[16];
+  float x_sum = 0.0f;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const float4 v = xv[t];
+    x[4 * t] = v.x, x[4 * t + 1] = v.y, x[4 * t + 2] = v.z, x[4 * t + 3] = v.w;
+    x_sum += (v.x + v.y) + (v.z + v.w);
+  }
+  return bf16_bits_to_float(s_bits) * dot_q8_vec(w, x) + bf16_bits_to_float(b_bits) * x_sum;
+}
+
+// A warp's router row: vectors lane + 32 t; the first kRoutePrefetch per lane are fetched by route_prefetch.
+struct RouterRow {
+  uint4 w[kRoutePrefetch];
+  unsigned short s[kRoutePrefetch], b[kRoutePrefetch];
+};
+
+__device__ __forceinline__ void route_prefetch(const QMatrix& m, int row, bool active, int lane, RouterRow& r) {
   const int n_vecs = m.cols / kVecElems8;
   const uint4* w_row = reinterpret_cast<const uint4*>(m.w + row * m.words_per_row());
   const size_t g_row = static_cast<size_t>(row) * m.groups_per_row();
-  float sum = 0.0f;
-#pragma unroll 4
-  for (int vec = lane; vec < n_vecs; vec += 32) {
-    const uint4 w = ld_stream(w_row + vec);
-    const int e0 = vec * kVecElems8, g = e0 / 64;
-    const float4* xv = reinterpret_cast<const float4*>(x_s + xpad(e0));
-    float x[16];
-    float x_sum = 0.0f;
 #pragma unroll
-    for (int t = 0; t < 4; ++t) {
-      const float4 v = xv[t];
-      x[4 * t] = v.x, x[4 * t + 1] = v.y, x[4 * t + 2] = v.z, x[4 * t + 3] = v.w;
-      x_sum += (v.x + v.y) + (v.z + v.w);
-    }
-    const float s = bf16_bits_to_float(ld_bf16_bits(m.scales + g_row + g));
-    const float b = bf16_bits_to_float(ld_bf16_bits(m.biases + g_row + g));
-    sum += s * dot_q8_vec(w, x) + b * x_sum;
+  for (int t = 0; t < kRoutePrefetch; ++t) {
+    const int vec = lane + 32 * t;
+    const bool valid = active && vec < n_vecs;
+    r.w[t] = valid ? ld_stream(w_row + vec) : make_uint4(0, 0, 0, 0);
+    r.s[t] = valid ? ld_bf16_bits(m.scales + g_row + vec / 4) : 0;
+    r.b[t] = valid ? ld_bf16_bits(m.biases + g_row + vec / 4) : 0;
+  }
+}
+
+__device__ float router_dot(const QMatrix& m, int row, const RouterRow& r, const float* x_s, int lane) {
+  const int n_vecs = m.cols / kVecElems8;
+  float sum = 0.0f;
+#pragma unroll
+  for (int t = 0; t < kRoutePrefetch; ++t) {
+    if (lane + 32 * t < n_vecs) sum += router_vec(r.w[t], r.s[t], r.b[t], x_s, lane + 32 * t);
+  }
+  const uint4* w_row = reinterpret_cast<const uint4*>(m.w + row * m.words_per_row());
+  const size_t g_row = static_cast<size_t>(row) * m.groups_per_row();
+  for (int vec = lane + 32 * kRoutePrefetch; vec < n_vecs; vec += 32) {  // H > 2048
+    sum += router_vec(ld_stream(w_row + vec), ld_bf16_bits(m.scales + g_row + vec / 4),
+                      ld_bf16_bits(m.biases + g_row + vec / 4), x_s, vec);
   }
   return warp_sum(sum);
 }
@@ -67,26 +95,46 @@ __device__ float block_max(float v, float* red_s) {
   return m;
 }
 
-// Run by the last block: softmax over the E logits, top-k by rank, renormalised weights (eq 22).
-__device__ void route_select(const MoeRouteParams& p, int n_experts, float* prob_s, float* red_s) {
-  __shared__ int sel_idx[kMaxTopK];
+// Run by the last block: softmax over the E logits, top-k by rank, renormalised weights (eq 22). Only experts
+// with p >= T can be in the top k, T = the smallest of the warps' maxima (when there are >= k warps: those are
+// k distinct experts, so the k-th largest is >= T); they are ranked against each other only.
+__device__ void route_select(const MoeRouteParams& p, int n_experts, float* prob_s, int* cand_s, float* red_s) {
+  __shared__ int sel_idx[kMaxTopK], n_cand;
   __shared__ float sel_p[kMaxTopK];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
   if (threadIdx.x < kMaxTopK) sel_idx[threadIdx.x] = 0, sel_p[threadIdx.x] = 0.0f;  // NaN logits: valid ids
+  if (threadIdx.x == 0) n_cand = 0;
   float local_max = -INFINITY;
   for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
     prob_s[e] = __ldcg(p.logits + e);  // written by other blocks: read through L2
     local_max = fmaxf(local_max, prob_s[e]);
   }
   const float max_logit = block_max(local_max, red_s);
-  float local_sum = 0.0f;
+  float local_sum = 0.0f, local_pmax = 0.0f;
   for (int e = threadIdx.x; e < n_experts; e += blockDim.x) local_sum += (prob_s[e] = expf(prob_s[e] - max_logit));
   const float inv_sum = 1.0f / block_sum(local_sum, red_s);
-  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) prob_s[e] *= inv_sum;
+  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) local_pmax = fmaxf(local_pmax, prob_s[e] *= inv_sum);
+  local_pmax = warp_max(local_pmax);
+  __syncthreads();  // red_s is free
+  if (lane == 0) red_s[warp] = local_pmax;
   __syncthreads();
+  float threshold = -INFINITY;
+  if (n_warps >= p.top_k && n_experts >= static_cast<int>(blockDim.x)) {
+    threshold = red_s[0];
+    for (int w = 1; w < n_warps; ++w) threshold = fminf(threshold, red_s[w]);
+  }
   for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
+    if (prob_s[e] >= threshold) cand_s[atomicAdd(&n_cand, 1)] = e;
+  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < n_cand; c += blockDim.x) {
+    const int e = cand_s[c];
     const float pe = prob_s[e];
     int rank = 0;
-    for (int o = 0; o < n_experts; ++o) rank += prob_s[o] > pe || (prob_s[o] == pe && o < e);
+    for (int o = 0; o < n_cand; ++o) {
+      const int eo = cand_s[o];
+      rank += prob_s[eo] > pe || (prob_s[eo] == pe && eo < e);
+    }
     if (rank < p.top_k) sel_idx[rank] = e, sel_p[rank] = pe;
   }
   __syncthreads();
@@ -98,22 +146,27 @@ __device__ void route_select(const MoeRouteParams& p, int n_experts, float* prob
 }
 
 __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const __grid_constant__ MoeRouteParams p) {
-  extern __shared__ __align__(16) float smem[];  // x (padded, H), then probabilities (E)
-  __shared__ float red_s[32];
+  extern __shared__ __align__(16) float smem[];  // x (padded, H), probabilities (E), candidates (E)
+  __shared__ float red_s[128];
   __shared__ bool is_last;
   const int n_experts = p.router.rows, hidden = p.router.cols, lane = threadIdx.x & 31;
+  const int row = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);  // E = the shared-expert gate
+  const QMatrix& m = row < n_experts ? p.router : p.shared_gate;
+  const int m_row = row < n_experts ? row : 0;
   float* x_s = smem;
+
+  pdl_launch_dependents();
+  RouterRow r;
+  route_prefetch(m, m_row, row <= n_experts, lane, r);
+  pdl_wait();
   block_load_x(p.h, p.norm_w, p.eps, hidden, x_s, red_s);
   if (blockIdx.x == 0) {
     for (int e = threadIdx.x; e < hidden; e += blockDim.x) p.x[e] = x_s[xpad(e)];
   }
-  const int row = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
-  if (row < n_experts) {
-    const float logit = router_dot(p.router, row, x_s, lane);
-    if (lane == 0) p.logits[row] = logit;
-  } else if (row == n_experts) {
-    const float logit = router_dot(p.shared_gate, 0, x_s, lane);
-    if (lane == 0) *p.shared_gate_value = sigmoidf_(logit);
+  if (row <= n_experts) {
+    const float logit = router_dot(m, m_row, r, x_s, lane);
+    if (lane == 0 && row < n_experts) p.logits[row] = logit;
+    if (lane == 0 && row == n_experts) *p.shared_gate_value = sigmoidf_(logit);
   }
   __threadfence();
   __syncthreads();
@@ -121,7 +174,8 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const __grid_c
   __syncthreads();
   if (!is_last) return;
   if (threadIdx.x == 0) *p.counter = 0;  // ready for the next launch / graph replay
-  route_select(p, n_experts, smem + xpad_floats(hidden), red_s);
+  float* prob_s = smem + xpad_floats(hidden);
+  route_select(p, n_experts, prob_s, reinterpret_cast<int*>(prob_s + n_experts), red_s);
 }
 
 // ---- moe_expert_in -------------------------------------------------------------------------------------------
@@ -137,16 +191,22 @@ __global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __g
   __shared__ __align__(16) float x_s[xpad_floats(H)];
   const int slot = blockIdx.y, lane = threadIdx.x & 31, n_rows = p.gate.rows;
   const bool shared = slot == p.top_k;
-  const int expert = shared ? 0 : p.topk_idx[slot];
-  const QMatrix gate = shared ? p.shared_gate : p.gate.expert(expert);
-  const QMatrix up = shared ? p.shared_up : p.up.expert(expert);
   const int pair0 = (blockIdx.x * kExpertWarps + (threadIdx.x >> 5)) * kPairs;
-
+  pdl_launch_dependents();
+  // The shared expert's weights do not depend on the routing: fetch them before waiting for moe_route.
   Q4Chunk<H> c;
+  auto load = [&](const QMatrix& gate, const QMatrix& up) {
 #pragma unroll
-  for (int pass = 0; pass < Lay::kPasses; ++pass) {
-    const int row = pair0 + pass % kPairs;
-    c.load(pass, pass < kPairs ? gate : up, row, row < n_rows, lane);
+    for (int pass = 0; pass < Lay::kPasses; ++pass) {
+      const int row = pair0 + pass % kPairs;
+      c.load(pass, pass < kPairs ? gate : up, row, row < n_rows, lane);
+    }
+  };
+  if (shared) load(p.shared_gate, p.shared_up);
+  pdl_wait();
+  if (!shared) {
+    const int expert = p.topk_idx[slot];
+    load(p.gate.expert(expert), p.up.expert(expert));
   }
   for (int e = threadIdx.x; e < H; e += blockDim.x) x_s[xpad(e)] = p.x[e];
   __syncthreads();
@@ -174,14 +234,21 @@ __global__ void __launch_bounds__(32 * (kMaxTopK + 1)) moe_expert_out_kernel(
   const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
   const int row0 = blockIdx.x * Lay::kRowsPerChunk, n_rows = p.down.rows;
   const bool shared = slot == p.top_k;
-  const QMatrix down = shared ? p.shared_down : p.down.expert(p.topk_idx[slot]);
-
+  pdl_launch_dependents();
   Q4Chunk<I> c;
+  auto load = [&](const QMatrix& down) {
 #pragma unroll
-  for (int pass = 0; pass < Lay::kPasses; ++pass) {
-    const int row = row0 + pass * Lay::kRowsPerPass + sub;
-    c.load(pass, down, row, row < n_rows, j);
-  }
+    for (int pass = 0; pass < Lay::kPasses; ++pass) {
+      const int row = row0 + pass * Lay::kRowsPerPass + sub;
+      c.load(pass, down, row, row < n_rows, j);
+    }
+  };
+  if (shared) load(p.shared_down);  // independent of the routing: before waiting for the previous kernels
+  pdl_wait();
+  if (!shared) load(p.down.expert(p.topk_idx[slot]));
+  const int out_row = row0 + static_cast<int>(threadIdx.x);
+  const bool writer = threadIdx.x < Lay::kRowsPerChunk && out_row < n_rows;
+  const float h_old = writer ? p.h[out_row] : 0.0f;
   // This lane's slice of act[slot] (vector j), in registers for all its rows.
   const float4* act_v = reinterpret_cast<const float4*>(p.act + static_cast<size_t>(slot) * I) + j * 8;
   float x[32];
@@ -200,11 +267,11 @@ __global__ void __launch_bounds__(32 * (kMaxTopK + 1)) moe_expert_out_kernel(
   group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part, lane);
   if (j % Lay::kLanesPerValue == 0) part_s[slot][(j / Lay::kLanesPerValue) * Lay::kRowsPerPass + sub] = part[0];
   __syncthreads();
-  if (threadIdx.x < Lay::kRowsPerChunk && row0 + static_cast<int>(threadIdx.x) < n_rows) {
+  if (writer) {
     float total = 0.0f;
     for (int s = 0; s < p.top_k; ++s) total += p.topk_w[s] * part_s[s][threadIdx.x];
     total += *p.shared_gate_value * part_s[p.top_k][threadIdx.x];
-    p.h[row0 + threadIdx.x] += total;
+    p.h[out_row] = h_old + total;
   }
 }
 
@@ -225,13 +292,12 @@ cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream) {
   if (!p.h || !p.norm_w || !p.x || !p.logits || !p.counter || !p.topk_idx || !p.topk_w || !p.shared_gate_value) {
     return cudaErrorInvalidValue;
   }
-  const size_t smem = (xpad_floats(hidden) + n_experts) * sizeof(float);
+  const size_t smem = (xpad_floats(hidden) + 2 * n_experts) * sizeof(float);
   if (smem > 48 * 1024) {
     CUDA_TRY(cudaFuncSetAttribute(moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
   const int blocks = (n_experts + 1 + kRouteWarps - 1) / kRouteWarps;
-  moe_route_kernel<<<blocks, kRouteThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  return launch_pdl(moe_route_kernel, dim3(blocks), dim3(kRouteThreads), smem, stream, p);
 }
 
 cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) {
@@ -244,8 +310,7 @@ cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) {
   auto launch = [&](auto kernel, int pairs_per_warp) {
     const int pairs_per_block = kExpertWarps * pairs_per_warp;
     const dim3 grid((n_rows + pairs_per_block - 1) / pairs_per_block, p.top_k + 1);
-    kernel<<<grid, kExpertThreads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_pdl(kernel, grid, dim3(kExpertThreads), 0, stream, p);
   };
   switch (hidden) {
     case 1024: return launch(moe_expert_in_kernel<1024>, Q4Layout<1024>::kPasses / 2);
@@ -263,8 +328,7 @@ cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream) {
   if (!is_q(p.down, 4, n_rows, inter) || !is_q(p.shared_down, 4, n_rows, inter)) return cudaErrorInvalidValue;
   const int threads = 32 * (p.top_k + 1);
   auto launch = [&](auto kernel, int rows_per_block) {
-    kernel<<<(n_rows + rows_per_block - 1) / rows_per_block, threads, 0, stream>>>(p);
-    return cudaGetLastError();
+    return launch_pdl(kernel, dim3((n_rows + rows_per_block - 1) / rows_per_block), dim3(threads), 0, stream, p);
   };
   switch (inter) {
     case 512: return launch(moe_expert_out_kernel<512>, Q4Layout<512>::kRowsPerChunk);

@@ -30,6 +30,23 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return v;
 }
 
+// Programmatic dependent launch (sm_90): a kernel lets the next one in the stream start early and waits for
+// the previous one before it reads anything that kernel may have written. Weights are never written by kernels,
+// so they may be fetched before pdl_wait(). Every kernel here calls pdl_wait() (keeps completion transitive).
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// 16-byte asynchronous copy global -> shared (L2 only); zero-fills the destination when !valid.
+__device__ __forceinline__ void cp_async_16(void* dst_s, const void* src, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_s));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 __device__ __forceinline__ unsigned short ld_bf16_bits(const __nv_bfloat16* p) {
   return __ldg(reinterpret_cast<const unsigned short*>(p));
 }
@@ -161,31 +178,81 @@ __device__ __forceinline__ float block_sum(float v, float* red_s) {
   return total;
 }
 
-// x_s (padded) = in, or in / RMS(in) * norm_w (eqs 1-2, multiplier form) when norm_w is given.
+// x_s (padded) = in, or in / RMS(in) * norm_w (eqs 1-2, multiplier form) when norm_w is given. Up to 16
+// values per thread are loaded at once (one memory round trip); larger inputs take a loop.
 __device__ __forceinline__ void block_load_x(const float* in, const float* norm_w, float eps, int cols, float* x_s,
                                              float* red_s) {
-  float inv_rms = 1.0f;
-  if (norm_w) {
+  constexpr int kPerThread = 16;
+  if (cols <= kPerThread * static_cast<int>(blockDim.x)) {
+    float v[kPerThread], w[kPerThread];
     float ss = 0.0f;
-    for (int e = threadIdx.x; e < cols; e += blockDim.x) ss += in[e] * in[e];
-    inv_rms = rsqrtf(block_sum(ss, red_s) / static_cast<float>(cols) + eps);
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int e = threadIdx.x + t * blockDim.x;
+      v[t] = e < cols ? in[e] : 0.0f;
+      w[t] = e < cols && norm_w ? norm_w[e] : 1.0f;
+      ss += v[t] * v[t];
+    }
+    const float inv_rms = norm_w ? rsqrtf(block_sum(ss, red_s) / static_cast<float>(cols) + eps) : 1.0f;
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int e = threadIdx.x + t * blockDim.x;
+      if (e < cols) x_s[xpad(e)] = norm_w ? v[t] * inv_rms * w[t] : v[t];
+    }
+  } else {
+    float inv_rms = 1.0f;
+    if (norm_w) {
+      float ss = 0.0f;
+      for (int e = threadIdx.x; e < cols; e += blockDim.x) ss += in[e] * in[e];
+      inv_rms = rsqrtf(block_sum(ss, red_s) / static_cast<float>(cols) + eps);
+    }
+    for (int e = threadIdx.x; e < cols; e += blockDim.x) x_s[xpad(e)] = norm_w ? in[e] * inv_rms * norm_w[e] : in[e];
   }
-  for (int e = threadIdx.x; e < cols; e += blockDim.x) x_s[xpad(e)] = norm_w ? in[e] * inv_rms * norm_w[e] : in[e];
   __syncthreads();
 }
 
-// Eq 19 per head of head_dim: x_s (padded) = norm_w[d] * o / RMS(o_head) * silu(z). One warp per head.
+// Eq 19 per head of head_dim: x_s (padded) = norm_w[d] * o / RMS(o_head) * silu(z). With head_dim a multiple of
+// 32 and cols <= 16 * blockDim, each thread loads its 16 values at once and the sum of squares of every
+// 32-wide segment (one warp's values) goes through seg_s (128 floats, so cols <= 4096); else a warp per head.
 __device__ __forceinline__ void block_load_x_gated(const float* o, const float* z, const float* norm_w, int head_dim,
-                                                   float eps, int cols, float* x_s) {
+                                                   float eps, int cols, float* x_s, float* seg_s) {
+  constexpr int kPerThread = 16;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-  for (int head = warp; head * head_dim < cols; head += n_warps) {
-    const float* o_h = o + head * head_dim;
-    float ss = 0.0f;
-    for (int d = lane; d < head_dim; d += 32) ss += o_h[d] * o_h[d];
-    const float inv_rms = rsqrtf(warp_sum(ss) / static_cast<float>(head_dim) + eps);
-    for (int d = lane; d < head_dim; d += 32) {
-      const int e = head * head_dim + d;
-      x_s[xpad(e)] = norm_w[d] * (o_h[d] * inv_rms) * siluf_(z[e]);
+  constexpr int kMaxSegments = 128;  // seg_s holds 128 floats
+  if (head_dim % 32 == 0 && cols <= kPerThread * static_cast<int>(blockDim.x) && cols <= 32 * kMaxSegments) {
+    float ov[kPerThread], zv[kPerThread], wv[kPerThread];
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int e = threadIdx.x + t * blockDim.x;
+      ov[t] = e < cols ? o[e] : 0.0f;
+      zv[t] = e < cols ? z[e] : 0.0f;
+      wv[t] = e < cols ? norm_w[e % head_dim] : 0.0f;
+      const float ss = warp_sum(ov[t] * ov[t]);  // the 32 values of segment e / 32
+      if (lane == 0 && e < cols) seg_s[e >> 5] = ss;
+    }
+    __syncthreads();
+    const int segs_per_head = head_dim / 32;
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int e = threadIdx.x + t * blockDim.x;
+      if (e < cols) {
+        const int seg0 = (e / head_dim) * segs_per_head;
+        float ss = 0.0f;
+        for (int sgi = 0; sgi < segs_per_head; ++sgi) ss += seg_s[seg0 + sgi];
+        const float inv_rms = rsqrtf(ss / static_cast<float>(head_dim) + eps);
+        x_s[xpad(e)] = wv[t] * (ov[t] * inv_rms) * siluf_(zv[t]);
+      }
+    }
+  } else {
+    for (int head = warp; head * head_dim < cols; head += n_warps) {
+      const float* o_h = o + head * head_dim;
+      float ss = 0.0f;
+      for (int d = lane; d < head_dim; d += 32) ss += o_h[d] * o_h[d];
+      const float inv_rms = rsqrtf(warp_sum(ss) / static_cast<float>(head_dim) + eps);
+      for (int d = lane; d < head_dim; d += 32) {
+        const int e = head * head_dim + d;
+        x_s[xpad(e)] = norm_w[d] * (o_h[d] * inv_rms) * siluf_(z[e]);
+      }
     }
   }
   __syncthreads();
@@ -216,6 +283,28 @@ __device__ __forceinline__ void group_reduce_scatter(float (&v)[P], int lane) {
       v[0] += __shfl_xor_sync(0xffffffffu, v[0], offset);
     }
   }
+}
+
+// Launches kernel<<<grid, block, smem, stream>>>(p) allowing programmatic dependent launch (see pdl_wait()).
+template <class Params>
+cudaError_t launch_pdl(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       const Params& p) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, p) != cudaSuccess) {  // attribute refused: plain stream order
+    (void)cudaGetLastError();
+    cfg.numAttrs = 0;
+    CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, p));
+  }
+  return cudaGetLastError();
 }
 
 }  // namespace lily::cuda

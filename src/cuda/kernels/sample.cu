@@ -14,6 +14,7 @@
 // Memory-bound: moves vocab * 4 bytes (1 MB at 248,320 tokens; about 0.25 us at 4.27 TB/s, so the cost is
 // launch + latency: a few microseconds).
 #include "cuda/kernels/sample.cuh"
+#include "cuda/kernels/quant_dot.cuh"  // launch_pdl, pdl_wait
 
 #include <algorithm>
 
@@ -99,6 +100,8 @@ template <bool kGumbel>
 __global__ void __launch_bounds__(kArgmaxThreads) sample_argmax_kernel(const __grid_constant__ SampleParams p) {
   __shared__ u64 warp_best[kArgmaxThreads / 32];
   u64* block_best = reinterpret_cast<u64*>(p.scratch);
+  pdl_launch_dependents();
+  pdl_wait();  // the logits come from the previous kernel
   const float inv_t = kGumbel ? 1.0f / p.temperature : 1.0f;
   const uint2 key = make_uint2(static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32));
   const uint32_t step = kGumbel ? static_cast<uint32_t>(*p.step) : 0u;
@@ -169,19 +172,38 @@ __device__ void find_digit(SelectShared& sh, int need) {
   }
 }
 
-// The min(k, n) largest of n unique keys key_of(0..n-1) into sh.keys (unordered); returns how many.
+// The min(k, n) largest of n unique keys key_of(0..n-1) into sh.keys (unordered); returns how many. Up to
+// kCached keys per thread are read once into registers; larger inputs are re-read every round.
 template <class KeyOf>
 __device__ int block_select_top(int n, int k, KeyOf key_of, SelectShared& sh) {
+  constexpr int kCached = 8;
+  const bool cached = n <= kCached * static_cast<int>(blockDim.x);
+  u64 cache[kCached];
+#pragma unroll
+  for (int t = 0; t < kCached; ++t) {
+    const int i = threadIdx.x + t * blockDim.x;
+    cache[t] = cached && i < n ? key_of(i) : 0ull;
+  }
+  // Calls f(key) for every key this thread holds.
+  auto for_my_keys = [&](auto f) {
+    if (cached) {
+#pragma unroll
+      for (int t = 0; t < kCached; ++t) {
+        if (threadIdx.x + t * blockDim.x < n) f(cache[t]);
+      }
+    } else {
+      for (int i = threadIdx.x; i < n; i += blockDim.x) f(key_of(i));
+    }
+  };
   k = min(k, n);
   u64 prefix = 0, mask = 0;
   int need = k;
   for (int shift = 56; shift >= 0 && k > 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += blockDim.x) sh.hist[b] = 0;
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const u64 key = key_of(i);
+    for_my_keys([&](u64 key) {
       if ((key & mask) == prefix) atomicAdd(&sh.hist[(key >> shift) & 0xFF], 1u);
-    }
+    });
     __syncthreads();
     if (threadIdx.x < 32) find_digit(sh, need);
     __syncthreads();
@@ -192,9 +214,10 @@ __device__ int block_select_top(int n, int k, KeyOf key_of, SelectShared& sh) {
   }
   if (threadIdx.x == 0) sh.count = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < n && k > 0; i += blockDim.x) {
-    const u64 key = key_of(i);
-    if ((key & mask) >= prefix) sh.keys[atomicAdd(&sh.count, 1u)] = key;
+  if (k > 0) {
+    for_my_keys([&](u64 key) {
+      if ((key & mask) >= prefix) sh.keys[atomicAdd(&sh.count, 1u)] = key;
+    });
   }
   __syncthreads();
   return k;
@@ -257,6 +280,8 @@ __device__ void draw_from_candidates(const SampleParams& p, int k, SelectShared&
 __global__ void __launch_bounds__(kTopThreads) sample_top_kernel(const __grid_constant__ SampleParams p) {
   __shared__ SelectShared sh;
   u64* candidates = reinterpret_cast<u64*>(p.scratch);
+  pdl_launch_dependents();
+  pdl_wait();
   const int k = min(p.top_k > 0 ? p.top_k : kMaxCandidates, kMaxCandidates);
   const int chunk = (p.vocab + gridDim.x - 1) / gridDim.x;
   const int begin = blockIdx.x * chunk, n = max(0, min(chunk, p.vocab - begin));
@@ -283,18 +308,18 @@ bool valid_params(const SampleParams& p) {
 
 cudaError_t sample_token(const SampleParams& p, cudaStream_t stream) {
   if (!valid_params(p)) return cudaErrorInvalidValue;
+  // Argmax paths: 2 float4 quads per thread (~120 blocks at the model's vocabulary).
+  const int argmax_blocks = std::min(kMaxBlocks, (p.vocab + 8 * kArgmaxThreads - 1) / (8 * kArgmaxThreads));
   if (p.temperature == 0.0f) {
-    const int blocks = std::min(kMaxBlocks, (p.vocab + 4 * kArgmaxThreads * 4 - 1) / (4 * kArgmaxThreads * 4));
-    sample_argmax_kernel<false><<<blocks, kArgmaxThreads, 0, stream>>>(p);
-  } else if (p.top_k == 0 && p.top_p >= 1.0f && p.min_p <= 0.0f) {
-    const int blocks = std::min(kMaxBlocks, (p.vocab + 4 * kArgmaxThreads * 4 - 1) / (4 * kArgmaxThreads * 4));
-    sample_argmax_kernel<true><<<blocks, kArgmaxThreads, 0, stream>>>(p);
-  } else {
-    // Slices of >= 4096 tokens (8 per thread), at most 64 blocks: the last block ranks <= 4096 candidates.
-    const int blocks = std::max(1, std::min(64, (p.vocab + 4095) / 4096));
-    sample_top_kernel<<<blocks, kTopThreads, 0, stream>>>(p);
+    return launch_pdl(sample_argmax_kernel<false>, dim3(argmax_blocks), dim3(kArgmaxThreads), 0, stream, p);
   }
-  return cudaGetLastError();
+  if (p.top_k == 0 && p.top_p >= 1.0f && p.min_p <= 0.0f) {
+    return launch_pdl(sample_argmax_kernel<true>, dim3(argmax_blocks), dim3(kArgmaxThreads), 0, stream, p);
+  }
+  // Slices of <= 4096 tokens (8 per thread, kept in registers), at most 64 blocks: the last block then ranks
+  // <= 4096 candidates, also from registers.
+  const int blocks = std::max(1, std::min(64, (p.vocab + 4095) / 4096));
+  return launch_pdl(sample_top_kernel, dim3(blocks), dim3(kTopThreads), 0, stream, p);
 }
 
 }  // namespace lily::cuda

@@ -1,5 +1,6 @@
 // gemv (src/cuda/kernels/gemv.cu) against a CPU reference on fresh random MLX-quantized matrices.
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <vector>
 
@@ -99,6 +100,7 @@ TEST(CudaGemv, FourBitShapesNoPrologue) {
   for (int cols : {512, 1024, 2048, 4096}) {
     for (int rows : {1, 3, 17, 130, 1001}) run_case({rows, cols, 4, GemvPrologue::none, false}, seed++);
   }
+  run_case({1, 4096, 4, GemvPrologue::rms_norm, false}, seed++);  // few warps: the prologue's loop path
 }
 
 TEST(CudaGemv, FourBitModelShapesRmsNorm) {
@@ -123,6 +125,81 @@ TEST(CudaGemv, GenericWidthsAndEightBit) {
   run_case({257, 2048, 8, GemvPrologue::none, false}, 401);  // router-sized, 8-bit
   run_case({1, 2048, 8, GemvPrologue::rms_norm, false}, 402);
   run_case({33, 512, 8, GemvPrologue::gated_rms_norm, true}, 403);
+}
+
+// Scales/biases that are not 16-byte aligned take the register path instead of the cp.async one.
+TEST(CudaGemv, UnalignedScalesUseTheRegisterPath) {
+  SKIP_WITHOUT_GPU();
+  for (int cols : {512, 2048, 4096}) {
+    SCOPED_TRACE(cols);
+    const int rows = 301;
+    HostQMatrix hm = random_qmatrix(rows, cols, 4, 500 + cols);
+    const std::vector<float> in = random_vector(cols, 501), norm_w = random_vector(cols, 502, 0.1f, 1.0f);
+    DeviceBuffer<float> d_in(in), d_norm(norm_w), d_y(rows);
+    GemvParams p;
+    p.m = hm.upload();
+    DeviceBuffer<uint16_t> s_off(hm.scales.size() + 1), b_off(hm.biases.size() + 1);  // shifted by 2 bytes
+    ASSERT_CUDA(cudaMemcpy(s_off.get() + 1, hm.scales.data(), hm.scales.size() * 2, cudaMemcpyHostToDevice));
+    ASSERT_CUDA(cudaMemcpy(b_off.get() + 1, hm.biases.data(), hm.biases.size() * 2, cudaMemcpyHostToDevice));
+    p.m.scales = reinterpret_cast<const __nv_bfloat16*>(s_off.get() + 1);
+    p.m.biases = reinterpret_cast<const __nv_bfloat16*>(b_off.get() + 1);
+    p.in = d_in.get();
+    p.prologue = GemvPrologue::rms_norm;
+    p.norm_w = d_norm.get();
+    p.y = d_y.get();
+    ASSERT_CUDA(gemv(p, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> y = d_y.download();
+    const GemvCase c{rows, cols, 4, GemvPrologue::rms_norm, false};
+    const std::vector<float> x = reference_x(c, in, norm_w, {}, 128, 1e-6f);
+    for (int r = 0; r < rows; ++r) {
+      double ref = 0, abs_sum = 0;
+      for (int col = 0; col < cols; ++col) {
+        ref += static_cast<double>(hm.dequant(r, col)) * x[col];
+        abs_sum += std::fabs(static_cast<double>(hm.dequant(r, col)) * x[col]);
+      }
+      ASSERT_NEAR(y[r], ref, 2e-5 * abs_sum + 1e-5) << "row " << r;  // tolerance: see run_case
+    }
+  }
+}
+
+// Back-to-back launches on one stream, each consuming the previous output (programmatic dependent launch
+// lets a kernel start before its predecessor ends; it must still see the predecessor's results):
+// v_{i+1} = v_i + W_i RMSNorm(v_i), 6 steps, against the same chain on the CPU.
+TEST(CudaGemv, ChainedLaunchesSeePreviousOutputs) {
+  SKIP_WITHOUT_GPU();
+  const int n = 2048, steps = 6;
+  std::vector<HostQMatrix> w;
+  std::vector<QMatrix> dw;
+  for (int i = 0; i < steps; ++i) w.push_back(random_qmatrix(n, n, 4, 600 + i));
+  for (auto& m : w) dw.push_back(m.upload());
+  const std::vector<float> v0 = random_vector(n, 610), norm_w = random_vector(n, 611, 0.1f, 1.0f);
+  DeviceBuffer<float> a(v0), b(n), d_norm(norm_w);
+  cudaStream_t stream;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int i = 0; i < steps; ++i) {
+    GemvParams p;
+    p.m = dw[i];
+    p.in = (i % 2 ? b : a).get();
+    p.prologue = GemvPrologue::rms_norm;
+    p.norm_w = d_norm.get();
+    p.residual = p.in;
+    p.y = (i % 2 ? a : b).get();
+    ASSERT_CUDA(gemv(p, stream));
+  }
+  ASSERT_CUDA(cudaStreamSynchronize(stream));
+  ASSERT_CUDA(cudaStreamDestroy(stream));
+  const std::vector<float> got = (steps % 2 ? b : a).download();
+  std::vector<float> v = v0;
+  const GemvCase c{n, n, 4, GemvPrologue::rms_norm, true};
+  for (int i = 0; i < steps; ++i) {
+    const std::vector<float> x = reference_x(c, v, norm_w, {}, 128, 1e-6f);
+    std::vector<float> next(n);
+    for (int r = 0; r < n; ++r) next[r] = static_cast<float>(v[r] + w[i].dot(r, x.data()));
+    v = next;
+  }
+  // Each step adds ~1e-6 relative error (see run_case); 6 steps and |v| ~ 1..10.
+  for (int r = 0; r < n; ++r) ASSERT_NEAR(got[r], v[r], 1e-3 * (std::fabs(v[r]) + 1.0)) << "row " << r;
 }
 
 TEST(CudaGemv, RejectsBadArguments) {
@@ -170,12 +247,18 @@ TEST(CudaGemvBench, ModelShapes) {
       {"gemv [2048, 4096] q4 + residual (o_proj)", 2048, 4096, 4, GemvPrologue::none, true, 100},
       {"gemv [248320, 2048] q4 rms_norm (lm_head)", max_rows, 2048, 4, GemvPrologue::rms_norm, false, 12},
       {"gemv [257, 2048] q8 (router-sized, generic)", 257, 2048, 8, GemvPrologue::none, false, 100},
+      {"gemv [12352, 2048] q4 rms, register path", -(8192 + 4096 + 64), 2048, 4, GemvPrologue::rms_norm, false, 100},
+      {"gemv [248320, 2048] q4 rms, register path", -max_rows, 2048, 4, GemvPrologue::rms_norm, false, 12},
   };
   std::printf("\n");
-  for (const Shape& sh : shapes) {
+  for (const Shape& sh_in : shapes) {
+    Shape sh = sh_in;
+    const bool unaligned = sh.rows < 0;  // scales shifted by 2 bytes: the register-path fallback
+    sh.rows = std::abs(sh.rows);
     auto launch = [&](int i, cudaStream_t stream) {
       GemvParams p;
       p.m = bench_qmatrix(pool, sh.rows, sh.cols, sh.bits, i);
+      if (unaligned) p.m.scales += 1, p.m.biases += 1;
       p.in = in.get();
       p.prologue = sh.prologue;
       p.norm_w = norm_w.get();
