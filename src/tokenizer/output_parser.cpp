@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <unordered_set>
+#include <utility>
 
 #include "tokenizer/json_dump.h"
 
@@ -35,6 +36,16 @@ std::string_view trim(std::string_view s) {
   while (!s.empty() && is_space(s.front())) s.remove_prefix(1);
   while (!s.empty() && is_space(s.back())) s.remove_suffix(1);
   return s;
+}
+
+// Where a parameter value ends: the first </parameter>, or (lenient) <parameter= or </function>.
+// One pass over the '<'s, so a long body with many parameters stays linear.
+size_t value_end_in(std::string_view rest) {
+  for (size_t at = rest.find('<'); at != std::string_view::npos; at = rest.find('<', at + 1)) {
+    const std::string_view tail = rest.substr(at);
+    if (tail.starts_with(kParamClose) || tail.starts_with(kParamOpen) || tail.starts_with(kFunctionClose)) return at;
+  }
+  return std::string_view::npos;
 }
 
 bool valid_name(std::string_view name) {
@@ -241,7 +252,10 @@ bool OutputParser::parse_call(std::string_view body, ToolCall& call) {
   const std::string_view name = trim(body.substr(kFunctionOpen.size(), name_end - kFunctionOpen.size()));
   if (!valid_name(name)) return false;
   call.name = std::string(name);
-  json args = json::object();
+  // Arguments in order; a repeated name keeps its first place and its last value (as a Python dict
+  // would). Not an ordered_json: its object lookup is linear, which made many parameters quadratic.
+  std::vector<std::pair<std::string, json>> args;
+  std::unordered_map<std::string, size_t> arg_index;
   std::string_view rest = body.substr(name_end + 1);
   for (;;) {
     rest = trim(rest);
@@ -252,16 +266,27 @@ bool OutputParser::parse_call(std::string_view body, ToolCall& call) {
     const std::string_view key = trim(rest.substr(kParamOpen.size(), key_end - kParamOpen.size()));
     if (!valid_name(key)) return false;
     rest.remove_prefix(key_end + 1);
-    const size_t value_end = std::min({rest.find(kParamClose), rest.find(kParamOpen), rest.find(kFunctionClose)});
+    const size_t value_end = value_end_in(rest);
     if (value_end == std::string_view::npos) return false;
     std::string_view value = rest.substr(0, value_end);
     if (value.starts_with('\n')) value.remove_prefix(1);  // the template writes "\nVALUE\n"
     if (value.ends_with('\n')) value.remove_suffix(1);
-    args[std::string(key)] = typed_value(call.name, std::string(key), std::string(value));
+    json typed = typed_value(call.name, std::string(key), std::string(value));
+    auto [it, inserted] = arg_index.emplace(std::string(key), args.size());
+    if (inserted) {
+      args.emplace_back(std::string(key), std::move(typed));
+    } else {
+      args[it->second].second = std::move(typed);
+    }
     rest.remove_prefix(value_end);
     if (rest.starts_with(kParamClose)) rest.remove_prefix(kParamClose.size());
   }
-  call.arguments_json = hf_tojson(args);
+  call.arguments_json = "{";
+  for (size_t i = 0; i < args.size(); ++i) {
+    if (i > 0) call.arguments_json += ", ";
+    call.arguments_json.append(hf_tojson(json(args[i].first))).append(": ").append(hf_tojson(args[i].second));
+  }
+  call.arguments_json += "}";
   call.id = new_call_id();
   return true;
 }

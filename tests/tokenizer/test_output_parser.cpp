@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <chrono>
 #include <random>
 #include <set>
 
@@ -48,6 +49,12 @@ void expect_same(const Parsed& a, const Parsed& b, const std::string& context) {
     EXPECT_EQ(a.tool_calls[i].name, b.tool_calls[i].name) << context;
     EXPECT_EQ(a.tool_calls[i].arguments_json, b.tool_calls[i].arguments_json) << context;
   }
+}
+
+std::vector<std::string> split_every(const std::string& text, size_t n) {
+  std::vector<std::string> chunks;
+  for (size_t pos = 0; pos < text.size(); pos += n) chunks.push_back(text.substr(pos, n));
+  return chunks;
 }
 
 const json kTools = json::parse(R"([
@@ -213,6 +220,28 @@ TEST(OutputParser, LenientParameterEnds) {
       "<tool_call>\n<function=f>\n<parameter=a>\n1\n<parameter=b>\ntwo\n</function>\n</tool_call>", false);
   ASSERT_EQ(p.tool_calls.size(), 1u);
   EXPECT_EQ(p.tool_calls[0].arguments_json, R"({"a": 1, "b": "two"})");
+}
+
+TEST(OutputParser, RepeatedParameterKeepsFirstPlaceLastValue) {
+  Parsed p = parse_all("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n2\n</parameter>\n"
+                       "<parameter=a>\n3\n</parameter>\n</function>\n</tool_call>", false);
+  ASSERT_EQ(p.tool_calls.size(), 1u);
+  EXPECT_EQ(p.tool_calls[0].arguments_json, R"({"a": 3, "b": 2})");
+}
+
+TEST(OutputParser, LargeCallParsesInLinearTime) {
+  std::string text = "<tool_call>\n<function=f>\n";
+  for (int i = 0; i < 20000; ++i) text += "<parameter=p" + std::to_string(i) + ">\nvalue\n";  // no </parameter>
+  text += "</function>\n</tool_call>";
+  const auto start = std::chrono::steady_clock::now();
+  Parsed p = parse_chunks(split_every(text, 4096), false);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(seconds, 2.0);  // a quadratic scan takes many seconds here
+  ASSERT_EQ(p.tool_calls.size(), 1u);
+  const std::string& args = p.tool_calls[0].arguments_json;
+  EXPECT_TRUE(args.starts_with(R"({"p0": "value", "p1": "value")")) << args.substr(0, 100);
+  EXPECT_TRUE(args.ends_with(R"("p19999": "value"})"));
+  EXPECT_EQ(std::count(args.begin(), args.end(), ':'), 20000);
 }
 
 TEST(OutputParser, HermesJsonBody) {
