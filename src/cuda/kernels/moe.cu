@@ -131,6 +131,7 @@ __device__ void route_select(const MoeRouteParams& p, int n_experts, float* prob
     const int e = cand_s[c];
     const float pe = prob_s[e];
     int rank = 0;
+#pragma unroll 8
     for (int o = 0; o < n_cand; ++o) {
       const int eo = cand_s[o];
       rank += prob_s[eo] > pe || (prob_s[eo] == pe && eo < e);

@@ -222,11 +222,15 @@ __device__ __forceinline__ void block_load_x_gated(const float* o, const float* 
   if (head_dim % 32 == 0 && cols <= kPerThread * static_cast<int>(blockDim.x) && cols <= 32 * kMaxSegments) {
     float ov[kPerThread], zv[kPerThread], wv[kPerThread];
 #pragma unroll
-    for (int t = 0; t < kPerThread; ++t) {
+    for (int t = 0; t < kPerThread; ++t) {  // all loads first: one memory round trip
       const int e = threadIdx.x + t * blockDim.x;
       ov[t] = e < cols ? o[e] : 0.0f;
       zv[t] = e < cols ? z[e] : 0.0f;
       wv[t] = e < cols ? norm_w[e % head_dim] : 0.0f;
+    }
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int e = threadIdx.x + t * blockDim.x;
       const float ss = warp_sum(ov[t] * ov[t]);  // the 32 values of segment e / 32
       if (lane == 0 && e < cols) seg_s[e >> 5] = ss;
     }
