@@ -1,10 +1,14 @@
-// lily generate: greedy (or sampled) continuation of a prompt given as token ids or text.
+// lily generate: a continuation of a prompt given as token ids (greedy ids printed, for tests and golden checks) or
+// as text (raw, or wrapped as one user message with --chat), sampled with the model's defaults or the flags, the
+// text streamed to stdout and the usage to stderr.
 #include <chrono>
 #include <cstdio>
 #include <sstream>
 
+#include "cli/cli_common.h"
 #include "cli/commands.h"
 #include "engine/backend_factory.h"
+#include "tokenizer/chat_format.h"
 
 namespace lily::cli {
 
@@ -55,23 +59,66 @@ static Status run_ids(const std::string& model, const std::string& ids_text, int
   return ok_status();
 }
 
+struct GenerateArgs {
+  EngineArgs engine;
+  SamplingArgs sampling;
+  std::string prompt_ids, prompt;
+  bool chat = false, no_thinking = false;
+};
+
+// --prompt TEXT: raw text (or one user message with --chat), streamed.
+static Status run_text(const GenerateArgs& a) {
+  ASSIGN_OR_RETURN(LoadedEngine loaded, load_engine(a.engine));
+  Engine& engine = *loaded.engine;
+  std::string text = a.prompt;
+  if (a.chat) {
+    nlohmann::ordered_json messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", a.prompt}}});
+    ChatOptions options;
+    options.enable_thinking = !a.no_thinking;
+    ASSIGN_OR_RETURN(text, render_chat(messages, nullptr, options));
+  }
+  GenerationRequest request;
+  request.prompt = engine.tokenizer().encode(text);
+  ASSIGN_OR_RETURN(request.sampling, sampling_params(a.sampling, loaded.defaults, engine.config().vocab_size));
+  if (!*a.sampling.max_tokens_opt && !loaded.defaults.max_new_tokens) request.sampling.max_tokens = 256;
+  request.stop_token_ids = loaded.stop_token_ids;
+  request.reuse_cache = false;
+  ASSIGN_OR_RETURN(GenerationResult r, engine.generate(request, [](const GenerationPiece& p) {
+                     std::fwrite(p.text.data(), 1, p.text.size(), stdout);
+                     std::fflush(stdout);
+                     return true;
+                   }));
+  std::printf("\n");
+  const double decode_tps = r.completion_tokens > 1 ? (r.completion_tokens - 1) / (r.decode_ms / 1e3) : 0.0;
+  std::fprintf(stderr, "backend %s: prompt %d tokens (prefill %.1f tok/s, first token after %.0f ms), %d generated "
+               "(%.1f tok/s), finish %s\n", engine.backend().name(), r.prompt_tokens,
+               r.prompt_tokens / (r.prefill_ms / 1e3), r.time_to_first_token_ms, r.completion_tokens, decode_tps,
+               r.finish_reason.c_str());
+  return ok_status();
+}
+
 static void setup(CLI::App& app) {
-  auto* cmd = app.add_subcommand("generate", "Generate tokens from a prompt");
-  struct Args {
-    std::string model, prompt_ids, backend = "auto";
-    int max_tokens = 16;
-  };
-  auto a = std::make_shared<Args>();
-  cmd->add_option("--model", a->model, "checkpoint directory")->required();
+  auto* cmd = app.add_subcommand("generate", "Generate from a prompt (token ids or text)");
+  auto a = std::make_shared<GenerateArgs>();
+  add_engine_options(cmd, a->engine);
   cmd->add_option("--prompt-ids", a->prompt_ids, "comma-separated token ids; greedy ids are printed");
-  cmd->add_option("--max-tokens", a->max_tokens, "tokens to generate")->check(CLI::Range(1, 1 << 20));
-  cmd->add_option("--backend", a->backend, "auto | cpu | cuda");
+  cmd->add_option("--prompt", a->prompt, "prompt text, tokenized as is; the generated text is streamed");
+  cmd->add_flag("--chat", a->chat, "wrap --prompt as one user message in the chat template");
+  cmd->add_flag("--no-thinking", a->no_thinking, "with --chat: the template's enable_thinking=false");
+  add_sampling_options(cmd, a->sampling);
   cmd->callback([a] {
-    if (a->prompt_ids.empty()) {
-      std::fprintf(stderr, "lily generate: give --prompt-ids\n");
+    if (a->prompt_ids.empty() == a->prompt.empty()) {
+      std::fprintf(stderr, "lily generate: give one of --prompt-ids or --prompt\n");
       return set_exit_code(2);
     }
-    Status st = run_ids(a->model, a->prompt_ids, a->max_tokens, a->backend);
+    Status st;
+    if (!a->prompt_ids.empty()) {
+      int max_tokens = *a->sampling.max_tokens_opt ? a->sampling.max_tokens : 16;
+      st = max_tokens < 1 ? invalid_argument("--max-tokens must be >= 1 with --prompt-ids")
+                          : run_ids(a->engine.model, a->prompt_ids, max_tokens, a->engine.backend);
+    } else {
+      st = run_text(*a);
+    }
     if (!st.ok()) {
       std::fprintf(stderr, "lily generate: %s\n", st.message().c_str());
       set_exit_code(1);

@@ -20,6 +20,8 @@ struct EngineOptions {
   size_t session_cache_bytes = 8ull << 30;  // LRU budget for cached sequences and their checkpoints
   int checkpoint_interval = 2048;           // also checkpoint every N prompt tokens of long prompts
   int prefill_chunk = 512;                  // prompt tokens per backend forward call
+  int64_t max_context = 0;                  // tokens a sequence may hold; 0: the model's max_position_embeddings
+                                            // (set it to the CUDA backend's KV capacity when that is smaller)
 };
 
 struct GenerationRequest {
@@ -30,6 +32,8 @@ struct GenerationRequest {
   const std::atomic<bool>* cancel = nullptr;  // checked between tokens
 };
 
+// on_piece gets one piece per generated token (its text may be empty while bytes are held back: an incomplete
+// code point or a possible stop string), then possibly one last piece with token -1 carrying the held text.
 struct GenerationPiece {
   std::string text;                         // UTF-8 safe, stop strings already held back/removed
   int32_t token = -1;
@@ -40,13 +44,17 @@ struct GenerationPiece {
 struct GenerationResult {
   std::vector<int32_t> tokens;              // generated ids (stop token excluded)
   std::string finish_reason;                // "stop" | "length" | "cancelled"
+  // completion_tokens counts every sampled token, a final stop token included (as vLLM reports usage);
+  // cached_tokens: prompt tokens not prefilled (resumed from the session cache).
   int prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+  // prefill_ms: from the start of prefill to the first sampled token (the whole prompt, its last token's
+  // forward included); decode_ms: from there to the end; time_to_first_token_ms also covers the cache lookup.
   double prefill_ms = 0, decode_ms = 0, time_to_first_token_ms = 0;
 };
 
 struct EngineStats {
-  uint64_t cache_hits = 0, cache_misses = 0;
-  size_t cache_bytes = 0, cache_entries = 0;
+  uint64_t cache_hits = 0, cache_misses = 0, cache_evictions = 0;  // requests with reuse_cache only
+  size_t cache_bytes = 0, cache_entries = 0, cache_budget_bytes = 0;
 };
 
 class Engine {
@@ -56,10 +64,11 @@ class Engine {
   const Backend& backend() const;
   const Tokenizer& tokenizer() const;
   const ModelConfig& config() const;
+  const EngineOptions& options() const;
   // Runs one request to completion. on_piece returns false to stop early (finish_reason "cancelled").
   Result<GenerationResult> generate(const GenerationRequest& request,
                                     const std::function<bool(const GenerationPiece&)>& on_piece);
-  EngineStats stats() const;
+  EngineStats stats() const;  // safe to call from another thread while generate() runs
   void clear_cache();
 
  private:
