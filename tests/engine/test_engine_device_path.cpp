@@ -1,0 +1,122 @@
+// The engine's device-sampling path (Backend::generate_on_device), driven on the CPU: a backend that is the CPU
+// backend plus the generate_on_device contract (consume `first`, sample, feed back; the last token emitted is
+// not consumed) and a KV capacity below the model's context, as the CUDA backend has. The CUDA backend itself is
+// checked against the CPU in tests/cuda; here it is the engine's bookkeeping around the call that is tested:
+// prefill of all but the last prompt token, stop handling, the cached token history, the host fallback.
+#include <gtest/gtest.h>
+
+#include "test_engine_util.h"
+
+namespace lily::test {
+namespace {
+
+class DeviceLoopBackend final : public Backend {
+ public:
+  explicit DeviceLoopBackend(int64_t capacity) : cpu_(tiny_backend()), capacity_(capacity) {}
+  const char* name() const override { return "cpu-device-loop"; }
+  const ModelConfig& config() const override { return cpu_->config(); }
+  std::unique_ptr<SequenceState> new_sequence() override { return cpu_->new_sequence(); }
+  Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
+                 std::vector<float>* logits) override {
+    if (seq.n_tokens() + static_cast<int64_t>(tokens.size()) > capacity_)
+      return error(ErrorCode::out_of_range, "KV capacity %lld", (long long)capacity_);
+    ++forward_calls;
+    return cpu_->forward(seq, tokens, rows, logits);
+  }
+  bool has_device_sampling() const override { return true; }
+  Status generate_on_device(SequenceState& seq, int32_t first, const DeviceSampling& s, int max_new,
+                            const std::function<bool(int32_t)>& on_token) override {
+    if (seq.n_tokens() + max_new > capacity_) return error(ErrorCode::out_of_range, "KV capacity");
+    ++device_calls;
+    SamplingParams p;
+    p.temperature = s.temperature, p.top_k = s.top_k, p.top_p = s.top_p, p.min_p = s.min_p, p.seed = s.seed;
+    Sampler sampler(p);
+    std::vector<float> logits;
+    int32_t token = first;
+    for (int i = 0; i < max_new; ++i) {
+      RETURN_IF_ERROR(cpu_->forward(seq, std::span<const int32_t>(&token, 1), LogitsRows::last, &logits));
+      token = sampler.sample(logits, {}).id;
+      if (!on_token(token)) break;
+    }
+    return ok_status();
+  }
+  int device_calls = 0, forward_calls = 0;
+
+ private:
+  std::unique_ptr<Backend> cpu_;
+  int64_t capacity_;
+};
+
+struct DeviceEngine {
+  DeviceLoopBackend* backend;
+  std::unique_ptr<Engine> engine;
+};
+
+DeviceEngine device_engine(int64_t capacity) {
+  auto b = std::make_unique<DeviceLoopBackend>(capacity);
+  DeviceLoopBackend* raw = b.get();
+  return {raw, std::make_unique<Engine>(std::move(b), tiny_model().tokenizer, EngineOptions{})};
+}
+
+std::vector<int32_t> prompt_of(int n, int salt) {
+  std::vector<int32_t> p;
+  for (int i = 0; i < n; ++i) p.push_back(500 + 389 * salt + 13 * i);
+  return p;
+}
+
+TEST(EngineDevicePath, GreedyStopsAndCacheMatchTheHostPath) {
+  auto dev = device_engine(1 << 20);
+  auto host = tiny_engine();
+  GenerationRequest req = greedy_request(prompt_of(20, 1), 10);
+  GenerationResult h = run(*host, req);
+  GenerationResult d = run(*dev.engine, req);
+  EXPECT_EQ(dev.backend->device_calls, 1);
+  EXPECT_EQ(d.tokens, h.tokens);
+  EXPECT_EQ(d.finish_reason, "length");
+  // A stop token in the middle, then a prompt extending the first one: it resumes from the cached state, whose
+  // history must be exactly what the device loop consumed.
+  req.stop_token_ids = {h.tokens[4]};
+  GenerationResult stopped = run(*dev.engine, req);
+  EXPECT_EQ(stopped.finish_reason, "stop");
+  EXPECT_EQ(stopped.tokens, std::vector<int32_t>(h.tokens.begin(), h.tokens.begin() + 4));
+  GenerationRequest next = greedy_request(req.prompt, 6);
+  next.prompt.insert(next.prompt.end(), h.tokens.begin(), h.tokens.begin() + 5);
+  next.prompt.push_back(42);
+  GenerationResult dn = run(*dev.engine, next);
+  EXPECT_EQ(dn.cached_tokens, 20 + 4);  // the prompt and 4 sampled tokens were consumed; the stop token was not
+  next.reuse_cache = false;
+  EXPECT_EQ(dn.tokens, run(*host, next).tokens);
+}
+
+TEST(EngineDevicePath, SeededSamplingIsReproducibleAndLogprobsUseTheHost) {
+  auto dev = device_engine(1 << 20);
+  GenerationRequest req = greedy_request(prompt_of(12, 2), 12);
+  req.sampling.temperature = 1.0f;
+  req.sampling.top_k = 40;
+  req.sampling.seed = 9;
+  EXPECT_EQ(run(*dev.engine, req).tokens, run(*dev.engine, req).tokens);
+  EXPECT_EQ(dev.backend->device_calls, 2);
+  req.sampling.logprobs = true;
+  run(*dev.engine, req);
+  req.sampling.logprobs = false;
+  req.sampling.top_k = 65;  // beyond the device sampler's top-k
+  run(*dev.engine, req);
+  req.sampling.top_k = 0;
+  req.sampling.presence_penalty = 0.5f;
+  run(*dev.engine, req);
+  EXPECT_EQ(dev.backend->device_calls, 2);
+}
+
+TEST(EngineDevicePath, ACapacityBelowTheContextFallsBackToTheHostUpToTheLimit) {
+  auto dev = device_engine(30);
+  GenerationResult r = run(*dev.engine, greedy_request(prompt_of(10, 3), -1));  // until the context is full
+  EXPECT_EQ(dev.backend->device_calls, 0);
+  EXPECT_EQ(r.finish_reason, "length");
+  EXPECT_EQ(r.tokens.size(), 30u - 10u + 1u);  // the last token is sampled, not consumed
+  GenerationResult fits = run(*dev.engine, greedy_request(prompt_of(10, 4), 5));
+  EXPECT_EQ(dev.backend->device_calls, 1);
+  EXPECT_EQ(fits.tokens.size(), 5u);
+}
+
+}  // namespace
+}  // namespace lily::test
