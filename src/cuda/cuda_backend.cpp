@@ -359,8 +359,11 @@ int attention_splits(int64_t n) {
 }
 
 void register_cuda_backend() {
-  register_cuda_backend_factory([](std::shared_ptr<const ModelWeights> w) -> Result<std::unique_ptr<Backend>> {
-    ASSIGN_OR_RETURN(auto b, make_cuda_backend(std::move(w)));
+  register_cuda_backend_factory([](std::shared_ptr<const ModelWeights> w,
+                                   const BackendOptions& o) -> Result<std::unique_ptr<Backend>> {
+    CudaBackendOptions co;
+    co.max_context = std::min<int64_t>(o.max_context, w->config.max_position_embeddings);
+    ASSIGN_OR_RETURN(auto b, make_cuda_backend(std::move(w), co));
     return std::unique_ptr<Backend>(std::move(b));
   });
 }

@@ -21,7 +21,7 @@ Result<std::unique_ptr<Backend>> make_backend(std::shared_ptr<const ModelWeights
                                               const BackendOptions& options) {
   if (options.kind != BackendKind::cpu) {
     if (g_cuda_factory) {
-      auto cuda = g_cuda_factory(weights);
+      auto cuda = g_cuda_factory(weights, options);
       if (cuda.ok() || options.kind == BackendKind::cuda) return cuda;
     } else if (options.kind == BackendKind::cuda) {
       return error(ErrorCode::unsupported, "this lily was built without CUDA");

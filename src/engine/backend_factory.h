@@ -14,11 +14,13 @@ Result<BackendKind> parse_backend_kind(const std::string& s);
 
 struct BackendOptions {
   BackendKind kind = BackendKind::automatic;
-  int n_threads = 0;  // CPU backend
+  int n_threads = 0;             // CPU backend
+  int64_t max_context = 32768;   // CUDA backend: KV capacity of each sequence (the CPU backend grows as needed)
 };
 
 // Returns a CUDA backend, or an error saying why none is available (no GPU, not built with CUDA).
-using CudaBackendFactory = Result<std::unique_ptr<Backend>> (*)(std::shared_ptr<const ModelWeights>);
+using CudaBackendFactory = Result<std::unique_ptr<Backend>> (*)(std::shared_ptr<const ModelWeights>,
+                                                                const BackendOptions&);
 void register_cuda_backend_factory(CudaBackendFactory factory);
 
 // automatic: CUDA when a GPU is usable, else CPU.
