@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "model/synth.h"
@@ -162,6 +163,54 @@ TEST(WeightsBinding, MlxLayout) {
   expect_bind_error(dir, {Edit::retype, p + "0.mlp.switch_mlp.up_proj.weight", {}, DType::i32},
                     {"expected [16, 64, 16] U32", "got [16, 64, 16] I32"});
   expect_bind_error(dir, {Edit::reshape, "language_model.lm_head.scales", {151936, 1}}, {"expected [151936, 2] BF16"});
+}
+
+// MLX's own writer (mlx/io/safetensors.cpp save_safetensors) does not pad the header, so in real mlx-community
+// files the data region, and every tensor in it, can start at any byte. Such a copy of the checkpoint (header
+// padding removed, then 1-3 spaces so the data region is odd-aligned) must bind to the same values.
+TEST(WeightsBinding, UnpaddedHeaderAsMlxWritesIt) {
+  TempDir dir("mlxpad"), odd("mlxodd");
+  ASSERT_NO_FATAL_FAILURE(synth(dir, CheckpointLayout::mlx));
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    const std::string f = e.path().filename().string();
+    if (e.path().extension() != ".safetensors") {
+      fs::copy_file(e.path(), odd.path() / f);
+      continue;
+    }
+    std::ifstream in(e.path(), std::ios::binary);
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    uint64_t n = 0;
+    std::memcpy(&n, bytes.data(), 8);
+    std::string header = bytes.substr(8, n);
+    while (!header.empty() && header.back() == ' ') header.pop_back();
+    while ((8 + header.size()) % 4 != 1) header.push_back(' ');
+    const uint64_t m = header.size();
+    std::ofstream out(odd.path() / f, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(&m), 8);
+    out << header;
+    out.write(bytes.data() + 8 + n, static_cast<std::streamsize>(bytes.size() - 8 - n));
+  }
+  auto a = ModelWeights::load(dir.str());
+  auto b = ModelWeights::load(odd.str());
+  ASSERT_TRUE(a.ok()) << a.status().message();
+  ASSERT_TRUE(b.ok()) << b.status().message();
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(b->embed_tokens.w) % 2, 1u) << "the copy should really be misaligned";
+  EXPECT_EQ(b->n_tensors, a->n_tensors);
+  EXPECT_EQ(b->final_norm, a->final_norm);
+  EXPECT_EQ(b->layers[0].gdn.conv1d, a->layers[0].gdn.conv1d);
+  EXPECT_EQ(b->layers[0].gdn.A_log, a->layers[0].gdn.A_log);
+  EXPECT_EQ(b->layers[3].attn.q_norm, a->layers[3].attn.q_norm);
+  std::vector<float> ra(128), rb(128), x(128, 0.5f);
+  for (const auto& [la, lb] : {std::pair{&a->embed_tokens, &b->embed_tokens}, std::pair{&a->lm_head, &b->lm_head},
+                               std::pair{&a->layers[1].moe.router, &b->layers[1].moe.router},
+                               std::pair{&a->layers[2].moe.expert_up[7], &b->layers[2].moe.expert_up[7]}}) {
+    for (int64_t r : {int64_t{0}, la->out / 2, la->out - 1}) {
+      la->dequant_row(r, ra.data());
+      lb->dequant_row(r, rb.data());
+      EXPECT_EQ(ra, rb) << "row " << r;
+      EXPECT_EQ(la->dot_row(r, x.data()), lb->dot_row(r, x.data())) << "row " << r;
+    }
+  }
 }
 
 TEST(WeightsBinding, NoEmbedding) {
