@@ -92,6 +92,11 @@ Status read_quantization(const json& root, QuantConfig& q) {
 }
 
 Status read_layer_types(const json& tc, ModelConfig& c) {
+  // Bounded before the list is built from full_attention_interval (an absurd count used to end in bad_alloc).
+  constexpr int kMaxLayers = 1024;
+  if (c.num_hidden_layers <= 0 || c.num_hidden_layers > kMaxLayers)
+    return format_error("config.json: field `num_hidden_layers` = %d is out of range [1, %d]", c.num_hidden_layers,
+                        kMaxLayers);
   if (tc.contains("layer_types") && !tc["layer_types"].is_null()) {
     const json& lt = tc["layer_types"];
     if (!lt.is_array()) return format_error("config.json: field `layer_types` must be an array");
