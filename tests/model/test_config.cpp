@@ -242,6 +242,18 @@ TEST(ConfigErrors, LayerTypesOfTheWrongLength) {
   expect_error(f, {"layer_types", "48"});
 }
 
+TEST(ConfigErrors, LayerCountOutOfRange) {
+  // Without layer_types the list is built from full_attention_interval: an absurd count must be an error, not an
+  // allocation of billions of entries.
+  for (int n : {2000000000, 0, -4}) {
+    SCOPED_TRACE(n);
+    json f = flat();
+    f.erase("layer_types");
+    f["num_hidden_layers"] = n;
+    expect_error(f, {"num_hidden_layers"});
+  }
+}
+
 TEST(ConfigErrors, BadLayerTypeString) {
   json j = nested();
   j["text_config"]["layer_types"][5] = "sliding_attention";
