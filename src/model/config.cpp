@@ -1,6 +1,7 @@
 #include "model/config.h"
 
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -42,6 +43,12 @@ class FieldReader {
       if (!v.is_boolean()) return type_error(name, "a boolean");
     } else if constexpr (std::is_integral_v<T>) {
       if (!v.is_number_integer()) return type_error(name, "an integer");
+      // get<T> would silently wrap an out-of-range value (4294967297 -> 1).
+      const bool fits = v.is_number_unsigned()
+                            ? v.get<uint64_t>() <= static_cast<uint64_t>(std::numeric_limits<T>::max())
+                            : v.get<int64_t>() >= static_cast<int64_t>(std::numeric_limits<T>::min()) &&
+                                  v.get<int64_t>() <= static_cast<int64_t>(std::numeric_limits<T>::max());
+      if (!fits) return type_error(name, "an integer in range");
     } else if constexpr (std::is_floating_point_v<T>) {
       if (!v.is_number()) return type_error(name, "a number");
     } else {
