@@ -279,6 +279,12 @@ TEST(ConfigErrors, WrongJsonType) {
   json fl = flat();
   fl["num_experts"] = 256.5;
   expect_error(fl, {"num_experts", "integer"});
+  json wrap = flat();
+  wrap["hidden_size"] = 4294967297ull;  // would wrap to 1 in an int
+  expect_error(wrap, {"hidden_size", "4294967297"});
+  json neg = flat();
+  neg["vocab_size"] = -3000000000ll;
+  expect_error(neg, {"vocab_size"});
   json eos = flat();
   eos["eos_token_id"] = "</s>";
   expect_error(eos, {"eos_token_id"});
