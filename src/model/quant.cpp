@@ -6,6 +6,7 @@
 
 #include "util/bf16.h"
 #include "util/check.h"
+#include "util/unaligned.h"
 
 namespace lily {
 
@@ -56,11 +57,11 @@ void mlx_dequantize_row(const uint32_t* wq_row, const uint16_t* scales_row, cons
   const int per_word = 32 / bits;
   const uint32_t mask = (1u << bits) - 1;
   for (int64_t g = 0; g < cols / kQuantGroup; ++g) {
-    float s = bf16_to_float(scales_row[g]), b = bf16_to_float(biases_row[g]);
+    float s = bf16_to_float(load_unaligned<uint16_t>(scales_row, g)), b = bf16_to_float(load_unaligned<uint16_t>(biases_row, g));
     const uint32_t* words = wq_row + g * (kQuantGroup / per_word);
     float* o = out + g * kQuantGroup;
     for (int j = 0; j < kQuantGroup; ++j) {
-      uint32_t q = (words[j / per_word] >> ((j % per_word) * bits)) & mask;
+      uint32_t q = (load_unaligned<uint32_t>(words, j / per_word) >> ((j % per_word) * bits)) & mask;
       o[j] = s * static_cast<float>(q) + b;
     }
   }
@@ -75,7 +76,7 @@ inline float group_qdot(const uint32_t* words, const float* x) {
   constexpr uint32_t kMask = (1u << kBits) - 1;
   float acc[kPerWord] = {};
   for (int w = 0; w < kQuantGroup / kPerWord; ++w) {
-    uint32_t word = words[w];
+    uint32_t word = load_unaligned<uint32_t>(words, w);
     for (int k = 0; k < kPerWord; ++k) acc[k] += static_cast<float>((word >> (k * kBits)) & kMask) * x[w * kPerWord + k];
   }
   float sum = 0;
@@ -96,7 +97,8 @@ float mlx_dot_row(const uint32_t* wq_row, const uint16_t* scales_row, const uint
     float qx = bits == 4 ? group_qdot<4>(words, xg) : group_qdot<8>(words, xg);
     float sx = 0;
     for (int j = 0; j < kQuantGroup; ++j) sx += xg[j];
-    acc += bf16_to_float(scales_row[g]) * qx + bf16_to_float(biases_row[g]) * sx;
+    acc += bf16_to_float(load_unaligned<uint16_t>(scales_row, g)) * qx +
+           bf16_to_float(load_unaligned<uint16_t>(biases_row, g)) * sx;
   }
   return acc;
 }

@@ -2,6 +2,7 @@
 
 #include "model/quant.h"
 #include "util/bf16.h"
+#include "util/unaligned.h"
 
 namespace lily {
 
@@ -14,21 +15,15 @@ void Linear::dequant_row(int64_t r, float* out_row) const {
     return;
   }
   switch (dtype) {
-    case DType::bf16: {
-      const uint16_t* p = static_cast<const uint16_t*>(w) + r * in;
-      for (int64_t j = 0; j < in; ++j) out_row[j] = bf16_to_float(p[j]);
+    case DType::bf16:
+      for (int64_t j = 0; j < in; ++j) out_row[j] = bf16_to_float(load_unaligned<uint16_t>(w, r * in + j));
       break;
-    }
-    case DType::f16: {
-      const uint16_t* p = static_cast<const uint16_t*>(w) + r * in;
-      for (int64_t j = 0; j < in; ++j) out_row[j] = f16_to_float(p[j]);
+    case DType::f16:
+      for (int64_t j = 0; j < in; ++j) out_row[j] = f16_to_float(load_unaligned<uint16_t>(w, r * in + j));
       break;
-    }
-    case DType::f32: {
-      const float* p = static_cast<const float*>(w) + r * in;
-      for (int64_t j = 0; j < in; ++j) out_row[j] = p[j];
+    case DType::f32:
+      for (int64_t j = 0; j < in; ++j) out_row[j] = load_unaligned<float>(w, r * in + j);
       break;
-    }
     default: CHECK(false, "Linear with dtype %s", dtype_name(dtype));
   }
 }
@@ -39,14 +34,11 @@ float Linear::dot_row(int64_t r, const float* x) const {
                        biases + r * (in / kQuantGroup), in, bits, x);
   float acc = 0;
   if (dtype == DType::bf16) {
-    const uint16_t* p = static_cast<const uint16_t*>(w) + r * in;
-    for (int64_t j = 0; j < in; ++j) acc += bf16_to_float(p[j]) * x[j];
+    for (int64_t j = 0; j < in; ++j) acc += bf16_to_float(load_unaligned<uint16_t>(w, r * in + j)) * x[j];
   } else if (dtype == DType::f32) {
-    const float* p = static_cast<const float*>(w) + r * in;
-    for (int64_t j = 0; j < in; ++j) acc += p[j] * x[j];
+    for (int64_t j = 0; j < in; ++j) acc += load_unaligned<float>(w, r * in + j) * x[j];
   } else {
-    const uint16_t* p = static_cast<const uint16_t*>(w) + r * in;
-    for (int64_t j = 0; j < in; ++j) acc += f16_to_float(p[j]) * x[j];
+    for (int64_t j = 0; j < in; ++j) acc += f16_to_float(load_unaligned<uint16_t>(w, r * in + j)) * x[j];
   }
   return acc;
 }
@@ -108,9 +100,9 @@ class Binder {
     ASSIGN_OR_RETURN(const TensorInfo* t, tensor(name, shape, {DType::bf16, DType::f16, DType::f32}));
     std::vector<float> v(static_cast<size_t>(shape.numel()));
     for (size_t i = 0; i < v.size(); ++i) {
-      if (t->dtype == DType::f32) v[i] = reinterpret_cast<const float*>(t->data)[i];
-      else if (t->dtype == DType::bf16) v[i] = bf16_to_float(reinterpret_cast<const uint16_t*>(t->data)[i]);
-      else v[i] = f16_to_float(reinterpret_cast<const uint16_t*>(t->data)[i]);
+      if (t->dtype == DType::f32) v[i] = load_unaligned<float>(t->data, i);
+      else if (t->dtype == DType::bf16) v[i] = bf16_to_float(load_unaligned<uint16_t>(t->data, i));
+      else v[i] = f16_to_float(load_unaligned<uint16_t>(t->data, i));
       if (add_one) v[i] += 1.0f;
     }
     return v;
