@@ -9,10 +9,14 @@
 namespace lily::cli {
 
 void add_engine_options(CLI::App* cmd, EngineArgs& args) {
-  cmd->add_option("--model", args.model, "checkpoint directory (weights, config.json, tokenizer.json)")->required();
-  cmd->add_option("--backend", args.backend, "auto | cpu | cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));
-  cmd->add_option("--threads", args.threads, "CPU backend threads (0: all cores)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--ctx-size", args.ctx_size, "tokens a sequence may hold")->check(CLI::Range(int64_t{16}, int64_t{1} << 30));
+  cmd->add_option("--model", args.model, "checkpoint directory (weights, config.json, tokenizer.json)")
+      ->required();
+  cmd->add_option("--backend", args.backend, "auto | cpu | cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
+  cmd->add_option("--threads", args.threads, "CPU backend threads (0: all cores)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--ctx-size", args.ctx_size, "tokens a sequence may hold")
+      ->check(CLI::Range(int64_t{16}, int64_t{1} << 30));
 }
 
 Result<LoadedEngine> load_engine(const EngineArgs& args) {
@@ -21,7 +25,8 @@ Result<LoadedEngine> load_engine(const EngineArgs& args) {
   const std::string tokenizer_path = (dir / "tokenizer.json").string();
   std::error_code ec;
   if (!std::filesystem::exists(tokenizer_path, ec))
-    return error(ErrorCode::not_found, "%s: no tokenizer.json in the model directory", tokenizer_path.c_str());
+    return error(ErrorCode::not_found, "%s: no tokenizer.json in the model directory",
+                 tokenizer_path.c_str());
   ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::load(tokenizer_path));
   LoadedEngine out;
   ASSIGN_OR_RETURN(out.defaults, load_generation_config(args.model));
@@ -31,7 +36,8 @@ Result<LoadedEngine> load_engine(const EngineArgs& args) {
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(weights, {kind, args.threads}));
 
   auto add_stop = [&](int32_t id) {
-    if (id >= 0 && std::find(out.stop_token_ids.begin(), out.stop_token_ids.end(), id) == out.stop_token_ids.end())
+    if (id >= 0 &&
+        std::find(out.stop_token_ids.begin(), out.stop_token_ids.end(), id) == out.stop_token_ids.end())
       out.stop_token_ids.push_back(id);
   };
   for (int id : weights->config.eos_token_ids) add_stop(id);
@@ -52,10 +58,12 @@ void add_sampling_options(CLI::App* cmd, SamplingArgs& a) {
   a.top_p_opt = cmd->add_option("--top-p", a.top_p, "nucleus sampling (1 = off)");
   a.min_p_opt = cmd->add_option("--min-p", a.min_p, "drop tokens below min_p * p_max (0 = off)");
   a.seed_opt = cmd->add_option("--seed", a.seed, "random seed (same seed, same output)");
-  a.max_tokens_opt = cmd->add_option("--max-tokens", a.max_tokens, "tokens to generate (-1: until the context ends)");
+  a.max_tokens_opt =
+      cmd->add_option("--max-tokens", a.max_tokens, "tokens to generate (-1: until the context ends)");
 }
 
-Result<SamplingParams> sampling_params(const SamplingArgs& a, const SamplingDefaults& defaults, int32_t vocab_size) {
+Result<SamplingParams> sampling_params(const SamplingArgs& a, const SamplingDefaults& defaults,
+                                       int32_t vocab_size) {
   RequestOverrides o;
   if (*a.temperature_opt) o.temperature = a.temperature;
   if (*a.top_k_opt) o.top_k = a.top_k;

@@ -14,7 +14,7 @@ namespace lily::cli {
 
 struct EngineArgs {
   std::string model, backend = "auto";
-  int threads = 0;          // CPU backend; 0: all cores
+  int threads = 0;           // CPU backend; 0: all cores
   int64_t ctx_size = 32768;  // tokens a sequence may hold (the CUDA backend's default KV capacity)
 };
 

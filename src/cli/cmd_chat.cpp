@@ -1,7 +1,7 @@
 // lily chat: interactive multi-turn chat in the terminal. Lines are read from stdin (a pipe works too); the
 // conversation is kept as OpenAI messages and rendered with the chat template each turn, so the session cache
-// resumes from the previous turn. The answer streams as it is generated: reasoning dimmed (or hidden), then the
-// content; usage follows, dimmed. Ctrl-C stops the current answer; at the prompt, a second Ctrl-C exits.
+// resumes from the previous turn. The answer streams as it is generated: reasoning dimmed (or hidden), then
+// the content; usage follows, dimmed. Ctrl-C stops the current answer; at the prompt, a second Ctrl-C exits.
 #include <unistd.h>
 
 #include <atomic>
@@ -24,7 +24,9 @@ using json = nlohmann::ordered_json;
 // Set by SIGINT; a signal handler can reach nothing else. Passed to the engine as request.cancel.
 std::atomic<bool> g_interrupted{false};
 
-extern "C" void on_sigint(int) { g_interrupted.store(true); }
+extern "C" void on_sigint(int) {
+  g_interrupted.store(true);
+}
 
 void install_sigint_handler() {
   struct sigaction sa = {};
@@ -65,7 +67,10 @@ ReadResult read_line(std::string& line) {
 class ChatSession {
  public:
   ChatSession(LoadedEngine loaded, const ChatArgs& args)
-      : loaded_(std::move(loaded)), args_(args), tty_out_(isatty(STDOUT_FILENO)), tty_in_(isatty(STDIN_FILENO)) {
+      : loaded_(std::move(loaded)),
+        args_(args),
+        tty_out_(isatty(STDOUT_FILENO)),
+        tty_in_(isatty(STDIN_FILENO)) {
     if (!args.system.empty()) system_ = args.system;
   }
   int run();
@@ -109,8 +114,10 @@ void ChatSession::handle_command(const std::string& line) {
     dim("%s\n", "(conversation cleared)");
   } else if (line.rfind("/system", 0) == 0 && (line.size() == 7 || line[7] == ' ')) {
     std::string text = line.size() > 8 ? line.substr(8) : "";
-    if (text.empty()) system_.reset();
-    else system_ = text;
+    if (text.empty())
+      system_.reset();
+    else
+      system_ = text;
     dim("%s\n", text.empty() ? "(system prompt removed)" : "(system prompt set)");
   } else {
     dim("%s\n", "commands: /reset  /system TEXT  /exit   (Ctrl-C stops an answer)");
@@ -147,7 +154,8 @@ Status ChatSession::answer(const std::string& user_text) {
   }
   GenerationRequest request;
   request.prompt = engine.tokenizer().encode(*prompt);
-  ASSIGN_OR_RETURN(request.sampling, sampling_params(args_.sampling, loaded_.defaults, engine.config().vocab_size));
+  ASSIGN_OR_RETURN(request.sampling,
+                   sampling_params(args_.sampling, loaded_.defaults, engine.config().vocab_size));
   request.stop_token_ids = loaded_.stop_token_ids;
   request.cancel = &g_interrupted;
   g_interrupted.store(false);
@@ -185,8 +193,9 @@ Status ChatSession::answer(const std::string& user_text) {
 
 int ChatSession::run() {
   Engine& engine = *loaded_.engine;
-  dim("%s\n", format("lily chat: %s on %s (loaded in %.1f s). /reset, /system TEXT, /exit; Ctrl-C stops an answer.",
-                     args_.engine.model.c_str(), engine.backend().name(), loaded_.load_s));
+  dim("%s\n",
+      format("lily chat: %s on %s (loaded in %.1f s). /reset, /system TEXT, /exit; Ctrl-C stops an answer.",
+             args_.engine.model.c_str(), engine.backend().name(), loaded_.load_s));
   install_sigint_handler();
   bool exit_armed = false;  // a Ctrl-C at the prompt arms, a second one exits
   std::string line;
@@ -224,7 +233,8 @@ void setup(CLI::App& app) {
   add_sampling_options(cmd, a->sampling);
   cmd->add_option("--system", a->system, "system prompt");
   cmd->add_flag("--hide-reasoning", a->hide_reasoning, "do not print the reasoning (it is shown dimmed)");
-  cmd->add_flag("--no-thinking", a->no_thinking, "the template's enable_thinking=false: answer without reasoning");
+  cmd->add_flag("--no-thinking", a->no_thinking,
+                "the template's enable_thinking=false: answer without reasoning");
   cmd->callback([a] {
     Result<LoadedEngine> loaded = load_engine(a->engine);
     if (!loaded.ok()) {

@@ -1,6 +1,6 @@
-// lily generate: a continuation of a prompt given as token ids (greedy ids printed, for tests and golden checks) or
-// as text (raw, or wrapped as one user message with --chat), sampled with the model's defaults or the flags, the
-// text streamed to stdout and the usage to stderr.
+// lily generate: a continuation of a prompt given as token ids (greedy ids printed, for tests and golden
+// checks) or as text (raw, or wrapped as one user message with --chat), sampled with the model's defaults or
+// the flags, the text streamed to stdout and the usage to stderr.
 #include <chrono>
 #include <cstdio>
 #include <sstream>
@@ -31,12 +31,12 @@ static Result<std::vector<int32_t>> parse_ids(const std::string& s) {
 }
 
 static Status run_ids(const std::string& model, const std::string& ids_text, int max_tokens,
-                      const std::string& backend_name) {
+                      const std::string& backend_name, int threads) {
   ASSIGN_OR_RETURN(std::vector<int32_t> ids, parse_ids(ids_text));
   ASSIGN_OR_RETURN(ModelWeights w, ModelWeights::load(model));
   auto weights = std::make_shared<const ModelWeights>(std::move(w));
   ASSIGN_OR_RETURN(BackendKind kind, parse_backend_kind(backend_name));
-  ASSIGN_OR_RETURN(auto backend, make_backend(weights, {kind, 0}));
+  ASSIGN_OR_RETURN(auto backend, make_backend(weights, {kind, threads}));
   auto seq = backend->new_sequence();
   std::vector<float> logits;
   auto t0 = std::chrono::steady_clock::now();
@@ -53,9 +53,11 @@ static Status run_ids(const std::string& model, const std::string& ids_text, int
   auto t2 = std::chrono::steady_clock::now();
   for (size_t i = 0; i < out.size(); ++i) std::printf("%s%d", i ? "," : "", out[i]);
   std::printf("\n");
-  double prefill_s = std::chrono::duration<double>(t1 - t0).count(), decode_s = std::chrono::duration<double>(t2 - t1).count();
-  std::fprintf(stderr, "backend %s: prefill %zu tokens %.1f tok/s, decode %zu tokens %.1f tok/s\n", backend->name(),
-               ids.size(), ids.size() / prefill_s, out.size() - 1, out.size() > 1 ? (out.size() - 1) / decode_s : 0.0);
+  double prefill_s = std::chrono::duration<double>(t1 - t0).count(),
+         decode_s = std::chrono::duration<double>(t2 - t1).count();
+  std::fprintf(stderr, "backend %s: prefill %zu tokens %.1f tok/s, decode %zu tokens %.1f tok/s\n",
+               backend->name(), ids.size(), ids.size() / prefill_s, out.size() - 1,
+               out.size() > 1 ? (out.size() - 1) / decode_s : 0.0);
   return ok_status();
 }
 
@@ -72,28 +74,31 @@ static Status run_text(const GenerateArgs& a) {
   Engine& engine = *loaded.engine;
   std::string text = a.prompt;
   if (a.chat) {
-    nlohmann::ordered_json messages = nlohmann::ordered_json::array({{{"role", "user"}, {"content", a.prompt}}});
+    nlohmann::ordered_json messages =
+        nlohmann::ordered_json::array({{{"role", "user"}, {"content", a.prompt}}});
     ChatOptions options;
     options.enable_thinking = !a.no_thinking;
     ASSIGN_OR_RETURN(text, render_chat(messages, nullptr, options));
   }
   GenerationRequest request;
   request.prompt = engine.tokenizer().encode(text);
-  ASSIGN_OR_RETURN(request.sampling, sampling_params(a.sampling, loaded.defaults, engine.config().vocab_size));
+  ASSIGN_OR_RETURN(request.sampling,
+                   sampling_params(a.sampling, loaded.defaults, engine.config().vocab_size));
   if (!*a.sampling.max_tokens_opt && !loaded.defaults.max_new_tokens) request.sampling.max_tokens = 256;
   request.stop_token_ids = loaded.stop_token_ids;
   request.reuse_cache = false;
   ASSIGN_OR_RETURN(GenerationResult r, engine.generate(request, [](const GenerationPiece& p) {
-                     std::fwrite(p.text.data(), 1, p.text.size(), stdout);
-                     std::fflush(stdout);
-                     return true;
-                   }));
+    std::fwrite(p.text.data(), 1, p.text.size(), stdout);
+    std::fflush(stdout);
+    return true;
+  }));
   std::printf("\n");
   const double decode_tps = r.completion_tokens > 1 ? (r.completion_tokens - 1) / (r.decode_ms / 1e3) : 0.0;
-  std::fprintf(stderr, "backend %s: prompt %d tokens (prefill %.1f tok/s, first token after %.0f ms), %d generated "
-               "(%.1f tok/s), finish %s\n", engine.backend().name(), r.prompt_tokens,
-               r.prompt_tokens / (r.prefill_ms / 1e3), r.time_to_first_token_ms, r.completion_tokens, decode_tps,
-               r.finish_reason.c_str());
+  std::fprintf(stderr,
+               "backend %s: prompt %d tokens (prefill %.1f tok/s, first token after %.0f ms), %d generated "
+               "(%.1f tok/s), finish %s\n",
+               engine.backend().name(), r.prompt_tokens, r.prompt_tokens / (r.prefill_ms / 1e3),
+               r.time_to_first_token_ms, r.completion_tokens, decode_tps, r.finish_reason.c_str());
   return ok_status();
 }
 
@@ -114,8 +119,9 @@ static void setup(CLI::App& app) {
     Status st;
     if (!a->prompt_ids.empty()) {
       int max_tokens = *a->sampling.max_tokens_opt ? a->sampling.max_tokens : 16;
-      st = max_tokens < 1 ? invalid_argument("--max-tokens must be >= 1 with --prompt-ids")
-                          : run_ids(a->engine.model, a->prompt_ids, max_tokens, a->engine.backend);
+      st = max_tokens < 1
+               ? invalid_argument("--max-tokens must be >= 1 with --prompt-ids")
+               : run_ids(a->engine.model, a->prompt_ids, max_tokens, a->engine.backend, a->engine.threads);
     } else {
       st = run_text(*a);
     }

@@ -1,6 +1,7 @@
 // Engine::generate: acquire a sequence from the session cache (resumed inside the longest shared prefix),
-// prefill the rest of the prompt in calls split at the checkpoint positions, then decode on the device or with
-// the host sampler, streaming UTF-8-safe text with stop strings applied; the sequence goes back to the cache.
+// prefill the rest of the prompt in calls split at the checkpoint positions, then decode on the device or
+// with the host sampler, streaming UTF-8-safe text with stop strings applied; the sequence goes back to the
+// cache.
 #include "engine/engine.h"
 
 #include <algorithm>
@@ -22,7 +23,9 @@ double ms_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 
-bool cancelled(const GenerationRequest& r) { return r.cancel && r.cancel->load(std::memory_order_relaxed); }
+bool cancelled(const GenerationRequest& r) {
+  return r.cancel && r.cancel->load(std::memory_order_relaxed);
+}
 
 // Receives each sampled token: stop tokens, text (StreamDecoder -> StopMatcher), the piece callback,
 // cancellation and the token budget. accept() returns false once generation must end, with the reason set.
@@ -30,8 +33,12 @@ class TokenSink {
  public:
   TokenSink(const Tokenizer& tokenizer, const GenerationRequest& request, const PieceFn& on_piece,
             GenerationResult& result, int64_t budget)
-      : request_(request), on_piece_(on_piece), result_(result), decoder_(tokenizer),
-        matcher_(request.sampling.stop), budget_(budget) {}
+      : request_(request),
+        on_piece_(on_piece),
+        result_(result),
+        decoder_(tokenizer),
+        matcher_(request.sampling.stop),
+        budget_(budget) {}
 
   bool accept(int32_t id, float logprob = 0, std::vector<TokenLogprob> top = {}) {
     if (emitted_.empty()) first_token_at_ = Clock::now();
@@ -77,7 +84,8 @@ class TokenSink {
 
 bool device_can_sample(const Backend& backend, const SamplingParams& p) {
   return backend.has_device_sampling() && p.presence_penalty == 0 && p.frequency_penalty == 0 &&
-         p.repetition_penalty == 1 && p.logit_bias.empty() && !p.logprobs && p.top_logprobs == 0 && p.top_k <= 64;
+         p.repetition_penalty == 1 && p.logit_bias.empty() && !p.logprobs && p.top_logprobs == 0 &&
+         p.top_k <= 64;
 }
 
 }  // namespace
@@ -90,10 +98,13 @@ struct Engine::Impl {
   int32_t im_start_id;
 
   Impl(std::unique_ptr<Backend> b, Tokenizer t, EngineOptions o)
-      : backend(std::move(b)), tokenizer(std::move(t)), options(o), cache(o.session_cache_bytes),
+      : backend(std::move(b)),
+        tokenizer(std::move(t)),
+        options(o),
+        cache(o.session_cache_bytes),
         im_start_id(tokenizer.token_id("<|im_start|>")) {
-    CHECK(options.prefill_chunk > 0 && options.checkpoint_interval > 0, "prefill_chunk %d, checkpoint_interval %d",
-          options.prefill_chunk, options.checkpoint_interval);
+    CHECK(options.prefill_chunk > 0 && options.checkpoint_interval > 0,
+          "prefill_chunk %d, checkpoint_interval %d", options.prefill_chunk, options.checkpoint_interval);
   }
 
   int64_t max_context() const {
@@ -102,8 +113,8 @@ struct Engine::Impl {
   }
   Status validate(const GenerationRequest& request) const;
   int64_t anchor_of(std::span<const int32_t> prompt) const;
-  Status prefill(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t anchor, bool checkpoints,
-                 const GenerationRequest& request);
+  Status prefill(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t anchor,
+                 bool checkpoints, const GenerationRequest& request);
   Status decode_on_host(SequenceState& state, const GenerationRequest& request, TokenSink& sink);
   Status decode(SequenceState& state, const GenerationRequest& request, TokenSink& sink, int64_t budget);
 };
@@ -121,8 +132,8 @@ Status Engine::Impl::validate(const GenerationRequest& request) const {
   return request.sampling.validate(vocab);
 }
 
-// The position of the last <|im_start|> (the assistant's generation prompt in a rendered chat): the next turn of
-// the conversation shares the prompt up to there. Without one, the end of the prefilled part.
+// The position of the last <|im_start|> (the assistant's generation prompt in a rendered chat): the next turn
+// of the conversation shares the prompt up to there. Without one, the end of the prefilled part.
 int64_t Engine::Impl::anchor_of(std::span<const int32_t> prompt) const {
   const int64_t end = static_cast<int64_t>(prompt.size()) - 1;
   for (int64_t i = end; i >= 0; --i)
@@ -130,9 +141,10 @@ int64_t Engine::Impl::anchor_of(std::span<const int32_t> prompt) const {
   return end;
 }
 
-// Consumes prompt[seq.tokens.size():to] in forward calls split at the anchor, at multiples of checkpoint_interval
-// and every prefill_chunk tokens (the same splits whether or not the cache is used, so reuse changes nothing
-// numerically); checkpoints at the anchor, the grid and `to`. Stops early (consistently) when cancelled.
+// Consumes prompt[seq.tokens.size():to] in forward calls split at the anchor, at multiples of
+// checkpoint_interval and every prefill_chunk tokens (the same splits whether or not the cache is used, so
+// reuse changes nothing numerically); checkpoints at the anchor, the grid and `to`. Stops early
+// (consistently) when cancelled.
 Status Engine::Impl::prefill(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t anchor,
                              bool checkpoints, const GenerationRequest& request) {
   const int64_t interval = options.checkpoint_interval;
@@ -145,7 +157,8 @@ Status Engine::Impl::prefill(CachedSequence& seq, std::span<const int32_t> promp
     RETURN_IF_ERROR(backend->forward(*seq.state, part, LogitsRows::none, nullptr));
     seq.tokens.insert(seq.tokens.end(), part.begin(), part.end());
     pos = next;
-    if (checkpoints && (pos == anchor || pos % interval == 0 || pos == to) && !seq.checkpoints.contains(pos)) {
+    if (checkpoints && (pos == anchor || pos % interval == 0 || pos == to) &&
+        !seq.checkpoints.contains(pos)) {
       std::unique_ptr<Checkpoint> cp = seq.state->checkpoint();
       if (cp) seq.checkpoints[pos] = std::move(cp);  // none when the device is out of memory: just fewer
     }
@@ -153,7 +166,8 @@ Status Engine::Impl::prefill(CachedSequence& seq, std::span<const int32_t> promp
   return ok_status();
 }
 
-// Logits of the last prompt token, then sample -> emit -> forward the sampled token, until the sink says stop.
+// Logits of the last prompt token, then sample -> emit -> forward the sampled token, until the sink says
+// stop.
 Status Engine::Impl::decode_on_host(SequenceState& state, const GenerationRequest& request, TokenSink& sink) {
   Sampler sampler(request.sampling);
   std::vector<int32_t> history = request.prompt;
@@ -191,10 +205,18 @@ Engine::Engine(std::unique_ptr<Backend> backend, Tokenizer tokenizer, EngineOpti
     : impl_(std::make_unique<Impl>(std::move(backend), std::move(tokenizer), options)) {}
 Engine::~Engine() = default;
 
-const Backend& Engine::backend() const { return *impl_->backend; }
-const Tokenizer& Engine::tokenizer() const { return impl_->tokenizer; }
-const ModelConfig& Engine::config() const { return impl_->backend->config(); }
-const EngineOptions& Engine::options() const { return impl_->options; }
+const Backend& Engine::backend() const {
+  return *impl_->backend;
+}
+const Tokenizer& Engine::tokenizer() const {
+  return impl_->tokenizer;
+}
+const ModelConfig& Engine::config() const {
+  return impl_->backend->config();
+}
+const EngineOptions& Engine::options() const {
+  return impl_->options;
+}
 
 Result<GenerationResult> Engine::generate(const GenerationRequest& request, const PieceFn& on_piece) {
   Impl& m = *impl_;
@@ -221,8 +243,10 @@ Result<GenerationResult> Engine::generate(const GenerationRequest& request, cons
   const int64_t max_tokens = request.sampling.max_tokens > 0 ? request.sampling.max_tokens : INT64_MAX;
   const int64_t budget = std::min(max_tokens, m.max_context() - n_prompt + 1);
   TokenSink sink(m.tokenizer, request, on_piece, result, budget);
-  if (cancelled(request)) sink.end("cancelled");  // before the first token (prefill stops early then)
-  else RETURN_IF_ERROR(m.decode(*seq->state, request, sink, budget));
+  if (cancelled(request))
+    sink.end("cancelled");  // before the first token (prefill stops early then)
+  else
+    RETURN_IF_ERROR(m.decode(*seq->state, request, sink, budget));
   sink.finish();
 
   const auto t_end = Clock::now();
@@ -256,6 +280,8 @@ EngineStats Engine::stats() const {
   return out;
 }
 
-void Engine::clear_cache() { impl_->cache.clear(); }
+void Engine::clear_cache() {
+  impl_->cache.clear();
+}
 
 }  // namespace lily

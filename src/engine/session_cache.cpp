@@ -44,16 +44,16 @@ int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
   return static_cast<int64_t>(i);
 }
 
-// Cuts `seq` back to `resume` (a checkpoint position or its own end): restores the recurrent state, truncates the
-// KV cache, and forgets the tokens and checkpoints past that point.
+// Cuts `seq` back to `resume` (a checkpoint position or its own end): restores the recurrent state, truncates
+// the KV cache, and forgets the tokens and checkpoints past that point.
 Status rewind(CachedSequence& seq, int64_t resume) {
   if (resume < seq.state->n_tokens()) {
     auto it = seq.checkpoints.find(resume);
     CHECK(it != seq.checkpoints.end(), "no checkpoint at %lld", (long long)resume);
     RETURN_IF_ERROR(seq.state->restore(*it->second));
   }
-  CHECK(seq.state->n_tokens() == resume, "state at %lld after rewinding to %lld", (long long)seq.state->n_tokens(),
-        (long long)resume);
+  CHECK(seq.state->n_tokens() == resume, "state at %lld after rewinding to %lld",
+        (long long)seq.state->n_tokens(), (long long)resume);
   seq.tokens.resize(static_cast<size_t>(resume));
   seq.checkpoints.erase(seq.checkpoints.upper_bound(resume), seq.checkpoints.end());
   std::erase_if(seq.recent_marks, [&](int64_t p) { return p > resume; });

@@ -1,12 +1,13 @@
 // SessionCache: the sequences kept between requests so that the next turn of a conversation prefills only its
-// new tokens (shared/DESIGN.md section 2). Each entry is a backend SequenceState, the exact tokens it has consumed
-// and checkpoints of its recurrent state at chosen positions. The KV cache can be cut back to any length but the
-// Gated DeltaNet state cannot be rewound, so a request resumes at the latest checkpoint (or the state's own end)
-// inside the prefix it shares with an entry. Entries live in an LRU bounded by a byte budget (state bytes plus
-// distinct checkpoint bytes; checkpoints are immutable and shared between an entry and its forks).
+// new tokens (shared/DESIGN.md section 2). Each entry is a backend SequenceState, the exact tokens it has
+// consumed and checkpoints of its recurrent state at chosen positions. The KV cache can be cut back to any
+// length but the Gated DeltaNet state cannot be rewound, so a request resumes at the latest checkpoint (or
+// the state's own end) inside the prefix it shares with an entry. Entries live in an LRU bounded by a byte
+// budget (state bytes plus distinct checkpoint bytes; checkpoints are immutable and shared between an entry
+// and its forks).
 //
-// A request checks an entry out (acquire) and hands it back afterwards (release); meanwhile the entry is not in
-// the cache, so stats() and clear() are safe from other threads at any time.
+// A request checks an entry out (acquire) and hands it back afterwards (release); meanwhile the entry is not
+// in the cache, so stats() and clear() are safe from other threads at any time.
 #pragma once
 #include <cstdint>
 #include <list>
@@ -23,20 +24,22 @@ namespace lily {
 
 struct CachedSequence {
   std::unique_ptr<SequenceState> state;
-  std::vector<int32_t> tokens;  // exactly the tokens `state` has consumed (tokens.size() == state->n_tokens())
+  std::vector<int32_t>
+      tokens;  // exactly the tokens `state` has consumed (tokens.size() == state->n_tokens())
   std::map<int64_t, std::shared_ptr<const Checkpoint>> checkpoints;  // position -> recurrent state there
   // The last request's generation-prompt position (its last <|im_start|>). A later request that resumes at or
   // after it continues this conversation and takes the entry over; one that resumes earlier (an edited older
   // message, another conversation with the same system prompt) forks a copy so that this one stays intact.
   int64_t anchor = 0;
-  std::vector<int64_t> recent_marks;  // anchor/end checkpoint positions of the last requests (pruning keeps them)
+  std::vector<int64_t>
+      recent_marks;  // anchor/end checkpoint positions of the last requests (pruning keeps them)
 
-  // The latest position <= limit at which this entry can resume: a checkpoint, or the state's own end when all
-  // of `tokens` is within the limit. 0 when none.
+  // The latest position <= limit at which this entry can resume: a checkpoint, or the state's own end when
+  // all of `tokens` is within the limit. 0 when none.
   int64_t resume_point(int64_t limit) const;
-  // Records an anchor/end position of the request just run; drops checkpoints that are neither at a multiple of
-  // `interval` nor among the last `keep_marks` recorded positions (older turns' anchors are rarely resumed from,
-  // and each checkpoint holds a whole recurrent state).
+  // Records an anchor/end position of the request just run; drops checkpoints that are neither at a multiple
+  // of `interval` nor among the last `keep_marks` recorded positions (older turns' anchors are rarely resumed
+  // from, and each checkpoint holds a whole recurrent state).
   void mark(int64_t position);
   void prune_checkpoints(int64_t interval, size_t keep_marks = 4);
   size_t checkpoint_bytes() const;
@@ -60,8 +63,8 @@ class SessionCache {
   };
   Result<Lease> acquire(Backend& backend, std::span<const int32_t> prompt, int64_t max_resume);
 
-  // A fresh sequence (no lookup, nothing counted); when the backend cannot allocate one, LRU entries are evicted
-  // until it can.
+  // A fresh sequence (no lookup, nothing counted); when the backend cannot allocate one, LRU entries are
+  // evicted until it can.
   Result<std::unique_ptr<SequenceState>> new_state(Backend& backend);
 
   // Puts a sequence back as the most recently used entry, then evicts LRU entries down to the budget (the one

@@ -1,5 +1,6 @@
-// Engine::generate on the tiny synthetic model (CPU backend): greedy against a hand-written forward/argmax loop,
-// seeded sampling, stop tokens, max_tokens, stop strings, cancellation, the context limit, bad requests.
+// Engine::generate on the tiny synthetic model (CPU backend): greedy against a hand-written forward/argmax
+// loop, seeded sampling, stop tokens, max_tokens, stop strings, cancellation, the context limit, bad
+// requests.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -10,7 +11,9 @@
 namespace lily::test {
 namespace {
 
-std::vector<int32_t> text_prompt(const std::string& text) { return tiny_model().tokenizer.encode(text); }
+std::vector<int32_t> text_prompt(const std::string& text) {
+  return tiny_model().tokenizer.encode(text);
+}
 
 // Prompt forwarded at once, then argmax -> forward one token at a time.
 std::vector<int32_t> manual_greedy(const std::vector<int32_t>& prompt, int n) {
@@ -115,18 +118,22 @@ TEST(Engine, StopStringSplitOverTokensIsNeverEmitted) {
   for (size_t k = 3; k < full.tokens.size() && stop.empty(); ++k) {
     std::string head = tok.decode({full.tokens.begin(), full.tokens.begin() + static_cast<ptrdiff_t>(k)});
     if (head.empty() || head.size() >= all.size() || all.compare(0, head.size(), head) != 0) continue;
-    unsigned char a = static_cast<unsigned char>(all[head.size() - 1]), b = static_cast<unsigned char>(all[head.size()]);
+    unsigned char a = static_cast<unsigned char>(all[head.size() - 1]),
+                  b = static_cast<unsigned char>(all[head.size()]);
     if (a < 0x80 && b < 0x80) stop = all.substr(head.size() - 1, 2);
   }
   ASSERT_FALSE(stop.empty()) << "no ASCII token boundary in: " << all;
   GenerationRequest req = greedy_request(prompt, 12);
   req.sampling.stop = {stop};
   std::string text;
-  GenerationResult r = engine->generate(req, [&](const GenerationPiece& p) {
-    text += p.text;
-    EXPECT_EQ(p.text.find(stop), std::string::npos);
-    return true;
-  }).value();
+  GenerationResult r = engine
+                           ->generate(req,
+                                      [&](const GenerationPiece& p) {
+                                        text += p.text;
+                                        EXPECT_EQ(p.text.find(stop), std::string::npos);
+                                        return true;
+                                      })
+                           .value();
   EXPECT_EQ(r.finish_reason, "stop");
   EXPECT_EQ(text, all.substr(0, all.find(stop)));
   // Generation ended with the token that completed the stop string.
@@ -140,9 +147,9 @@ TEST(Engine, OnPieceFalseAndCancelFlagStopWithinOneToken) {
   auto engine = tiny_engine();
   auto prompt = text_prompt("Stop me if you can");
   int seen = 0;
-  GenerationResult r = engine->generate(greedy_request(prompt, 20), [&](const GenerationPiece&) {
-    return ++seen < 3;
-  }).value();
+  GenerationResult r =
+      engine->generate(greedy_request(prompt, 20), [&](const GenerationPiece&) { return ++seen < 3; })
+          .value();
   EXPECT_EQ(r.finish_reason, "cancelled");
   EXPECT_EQ(r.tokens.size(), 3u);
   EXPECT_EQ(seen, 3);
@@ -151,10 +158,13 @@ TEST(Engine, OnPieceFalseAndCancelFlagStopWithinOneToken) {
   GenerationRequest req = greedy_request(prompt, 20);
   req.cancel = &cancel;
   seen = 0;
-  r = engine->generate(req, [&](const GenerationPiece&) {
-    if (++seen == 2) cancel = true;
-    return true;
-  }).value();
+  r = engine
+          ->generate(req,
+                     [&](const GenerationPiece&) {
+                       if (++seen == 2) cancel = true;
+                       return true;
+                     })
+          .value();
   EXPECT_EQ(r.finish_reason, "cancelled");
   EXPECT_EQ(r.tokens.size(), 2u);
 
@@ -176,18 +186,23 @@ TEST(Engine, PiecesAreValidUtf8AndConcatenateToTheDecodedText) {
   req.sampling.seed = 7;
   req.sampling.max_tokens = 40;
   std::string text;
-  GenerationResult r = engine->generate(req, [&](const GenerationPiece& p) {
-    // No piece ends inside a code point: its last lead byte has all its continuation bytes.
-    size_t i = p.text.size();
-    while (i > 0 && (static_cast<unsigned char>(p.text[i - 1]) & 0xC0) == 0x80) --i;
-    if (i > 0) {
-      unsigned char lead = static_cast<unsigned char>(p.text[i - 1]);
-      size_t need = lead < 0x80 ? 1 : lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2;
-      EXPECT_EQ(p.text.size() - (i - 1), need) << "piece ends inside a code point";
-    }
-    text += p.text;
-    return true;
-  }).value();
+  GenerationResult r =
+      engine
+          ->generate(req,
+                     [&](const GenerationPiece& p) {
+                       // No piece ends inside a code point: its last lead byte has all its continuation
+                       // bytes.
+                       size_t i = p.text.size();
+                       while (i > 0 && (static_cast<unsigned char>(p.text[i - 1]) & 0xC0) == 0x80) --i;
+                       if (i > 0) {
+                         unsigned char lead = static_cast<unsigned char>(p.text[i - 1]);
+                         size_t need = lead < 0x80 ? 1 : lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2;
+                         EXPECT_EQ(p.text.size() - (i - 1), need) << "piece ends inside a code point";
+                       }
+                       text += p.text;
+                       return true;
+                     })
+          .value();
   EXPECT_EQ(text, tiny_model().tokenizer.decode(r.tokens));
 }
 
@@ -213,17 +228,21 @@ TEST(Engine, LogprobsComeWithPiecesWhenAsked) {
   req.sampling.logprobs = true;
   req.sampling.top_logprobs = 3;
   int n = 0;
-  GenerationResult r = engine->generate(req, [&](const GenerationPiece& p) {
-    if (p.token < 0) return true;
-    ++n;
-    EXPECT_LE(p.logprob, 0.0f);
-    EXPECT_EQ(p.top.size(), 3u);
-    if (!p.top.empty()) {
-      EXPECT_EQ(p.top[0].id, p.token);  // greedy picks the most likely token
-      EXPECT_FLOAT_EQ(p.top[0].logprob, p.logprob);
-    }
-    return true;
-  }).value();
+  GenerationResult r =
+      engine
+          ->generate(req,
+                     [&](const GenerationPiece& p) {
+                       if (p.token < 0) return true;
+                       ++n;
+                       EXPECT_LE(p.logprob, 0.0f);
+                       EXPECT_EQ(p.top.size(), 3u);
+                       if (!p.top.empty()) {
+                         EXPECT_EQ(p.top[0].id, p.token);  // greedy picks the most likely token
+                         EXPECT_FLOAT_EQ(p.top[0].logprob, p.logprob);
+                       }
+                       return true;
+                     })
+          .value();
   EXPECT_EQ(n, 5);
   EXPECT_EQ(r.tokens.size(), 5u);
 }

@@ -1,6 +1,7 @@
-// The `lily chat` and `lily generate` commands run as a user would, on the tiny model: two lines piped into chat
-// (the second turn resumes from the cache), generate's streamed text against the engine's, and Ctrl-C (SIGINT)
-// stopping an answer but not the program, a second one at the prompt exiting. The binary is $LILY_BIN, else
+// The `lily chat` and `lily generate` commands run as a user would, on the tiny model: two lines piped into
+// chat (the second turn resumes from the cache), generate's streamed text against the engine's, and Ctrl-C
+// (SIGINT) stopping an answer but not the program, a second one at the prompt exiting. The binary is
+// $LILY_BIN, else
 // ../lily beside this test's build directory; the tests skip when there is none.
 #include <fcntl.h>
 #include <signal.h>
@@ -28,7 +29,8 @@ std::string lily_binary() {
   std::error_code ec;
   fs::path self = fs::read_symlink("/proc/self/exe", ec);
   if (ec) return "";
-  fs::path candidate = self.parent_path().parent_path() / "lily";  // <build>/tests/test_engine -> <build>/lily
+  fs::path candidate =
+      self.parent_path().parent_path() / "lily";  // <build>/tests/test_engine -> <build>/lily
   return fs::exists(candidate, ec) ? candidate.string() : "";
 }
 
@@ -59,9 +61,11 @@ class Cli : public ::testing::Test {
 };
 
 TEST_F(Cli, ChatReadsLinesFromAPipeAndResumesTheSecondTurn) {
-  std::string cmd = "printf 'Hello, who are you?\\nTell me more.\\n/exit\\n' | " + bin_ + " chat --model " + model_ +
-                    " --backend cpu --threads 2 --temperature 0 --max-tokens 6 --system 'You are a careful, helpful "
-                    "assistant who answers briefly.' > " + (out_ / "out").string() + " 2> " + (out_ / "err").string();
+  std::string cmd =
+      "printf 'Hello, who are you?\\nTell me more.\\n/exit\\n' | " + bin_ + " chat --model " + model_ +
+      " --backend cpu --threads 2 --temperature 0 --max-tokens 6 --system 'You are a careful, helpful "
+      "assistant who answers briefly.' > " +
+      (out_ / "out").string() + " 2> " + (out_ / "err").string();
   ASSERT_EQ(std::system(cmd.c_str()), 0) << read_all(out_ / "err");
   std::string out = read_all(out_ / "out"), err = read_all(out_ / "err");
   EXPECT_EQ(count(err, " tok/s"), 2u) << err;  // one usage line per answer
@@ -76,8 +80,10 @@ TEST_F(Cli, ChatReadsLinesFromAPipeAndResumesTheSecondTurn) {
 
 TEST_F(Cli, GenerateStreamsTheEnginesText) {
   const std::string prompt = "Once upon a time";
-  std::string cmd = bin_ + " generate --model " + model_ + " --backend cpu --threads 2 --temperature 0 --max-tokens 10"
-                    " --prompt '" + prompt + "' > " + (out_ / "gen").string() + " 2> " + (out_ / "gen_err").string();
+  std::string cmd = bin_ + " generate --model " + model_ +
+                    " --backend cpu --threads 2 --temperature 0 --max-tokens 10"
+                    " --prompt '" +
+                    prompt + "' > " + (out_ / "gen").string() + " 2> " + (out_ / "gen_err").string();
   ASSERT_EQ(std::system(cmd.c_str()), 0) << read_all(out_ / "gen_err");
   auto engine = tiny_engine();
   std::string text;
@@ -106,8 +112,8 @@ TEST_F(Cli, CtrlCStopsTheAnswerNotTheProgramAndTwiceAtThePromptExits) {
   posix_spawn_file_actions_addclose(&fa, in[1]);
   posix_spawn_file_actions_addopen(&fa, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
   posix_spawn_file_actions_addopen(&fa, 2, err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  std::vector<std::string> args = {bin_, "chat", "--model", model_, "--backend", "cpu", "--threads", "2",
-                                   "--temperature", "0", "--max-tokens", "20000"};
+  std::vector<std::string> args = {bin_,        "chat", "--model",       model_, "--backend",    "cpu",
+                                   "--threads", "2",    "--temperature", "0",    "--max-tokens", "20000"};
   std::vector<char*> argv;
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);

@@ -1,8 +1,9 @@
-// The engine's device-sampling path (Backend::generate_on_device), driven on the CPU: a backend that is the CPU
-// backend plus the generate_on_device contract (consume `first`, sample, feed back; the last token emitted is
-// not consumed) and a KV capacity below the model's context, as the CUDA backend has. The CUDA backend itself is
-// checked against the CPU in tests/cuda; here it is the engine's bookkeeping around the call that is tested:
-// prefill of all but the last prompt token, stop handling, the cached token history, the host fallback.
+// The engine's device-sampling path (Backend::generate_on_device), driven on the CPU: a backend that is the
+// CPU backend plus the generate_on_device contract (consume `first`, sample, feed back; the last token
+// emitted is not consumed) and a KV capacity below the model's context, as the CUDA backend has. The CUDA
+// backend itself is checked against the CPU in tests/cuda; here it is the engine's bookkeeping around the
+// call that is tested: prefill of all but the last prompt token, stop handling, the cached token history, the
+// host fallback.
 #include <gtest/gtest.h>
 
 #include "test_engine_util.h"
@@ -73,8 +74,8 @@ TEST(EngineDevicePath, GreedyStopsAndCacheMatchTheHostPath) {
   EXPECT_EQ(dev.backend->device_calls, 1);
   EXPECT_EQ(d.tokens, h.tokens);
   EXPECT_EQ(d.finish_reason, "length");
-  // A stop token in the middle, then a prompt extending the first one: it resumes from the cached state, whose
-  // history must be exactly what the device loop consumed.
+  // A stop token in the middle, then a prompt extending the first one: it resumes from the cached state,
+  // whose history must be exactly what the device loop consumed.
   req.stop_token_ids = {h.tokens[4]};
   GenerationResult stopped = run(*dev.engine, req);
   EXPECT_EQ(stopped.finish_reason, "stop");
@@ -83,7 +84,8 @@ TEST(EngineDevicePath, GreedyStopsAndCacheMatchTheHostPath) {
   next.prompt.insert(next.prompt.end(), h.tokens.begin(), h.tokens.begin() + 5);
   next.prompt.push_back(42);
   GenerationResult dn = run(*dev.engine, next);
-  EXPECT_EQ(dn.cached_tokens, 20 + 4);  // the prompt and 4 sampled tokens were consumed; the stop token was not
+  EXPECT_EQ(dn.cached_tokens,
+            20 + 4);  // the prompt and 4 sampled tokens were consumed; the stop token was not
   next.reuse_cache = false;
   EXPECT_EQ(dn.tokens, run(*host, next).tokens);
 }

@@ -1,6 +1,7 @@
-// Prefix reuse through the session cache on the tiny model: a 5-turn chat rendered with render_chat resumes each
-// turn from the previous one (>= 90% of its prompt cached) with the same greedy tokens as without the cache;
-// resuming from a grid checkpoint; forks keep the original conversation; LRU eviction under a small budget.
+// Prefix reuse through the session cache on the tiny model: a 5-turn chat rendered with render_chat resumes
+// each turn from the previous one (>= 90% of its prompt cached) with the same greedy tokens as without the
+// cache; resuming from a grid checkpoint; forks keep the original conversation; LRU eviction under a small
+// budget.
 #include <gtest/gtest.h>
 
 #include "test_engine_util.h"
@@ -33,8 +34,9 @@ TEST(EngineSessions, FiveTurnChatReusesThePreviousTurnAndMatchesNoReuse) {
   auto engine = tiny_engine();
   json messages = json::array();
   messages.push_back({{"role", "system"},
-                      {"content", "You are a helpful assistant. Answer briefly and precisely; when you are unsure, say "
-                                  "so, and never invent facts. Prefer plain words to jargon and short sentences."}});
+                      {"content",
+                       "You are a helpful assistant. Answer briefly and precisely; when you are unsure, say "
+                       "so, and never invent facts. Prefer plain words to jargon and short sentences."}});
   const char* questions[] = {"What is the capital of France?", "And of Italy?", "Which one is larger?",
                              "How far apart are they?", "Thanks! One more: which river runs through Rome?"};
   int previous_prompt = 0;
@@ -95,11 +97,13 @@ TEST(EngineSessions, AnEarlierDivergenceForksAndKeepsTheConversation) {
   EngineOptions o;
   o.checkpoint_interval = 16;
   auto engine = tiny_engine(o);
-  json conv = json::array({{{"role", "system"}, {"content", "You are terse. Reply in one short sentence, no more."}},
-                           {{"role", "user"}, {"content", "Tell me something about the moon and the tides."}}});
+  json conv =
+      json::array({{{"role", "system"}, {"content", "You are terse. Reply in one short sentence, no more."}},
+                   {{"role", "user"}, {"content", "Tell me something about the moon and the tides."}}});
   GenerationResult t1 = run(*engine, chat_request(conv, true));
   // Another conversation with the same system prompt: diverges before this one's anchor, so it forks.
-  json other = json::array({conv[0], {{"role", "user"}, {"content", "Something else entirely, about bees."}}});
+  json other =
+      json::array({conv[0], {{"role", "user"}, {"content", "Something else entirely, about bees."}}});
   GenerationResult o1 = run(*engine, chat_request(other, true));
   EXPECT_GT(o1.cached_tokens, 0);
   EXPECT_EQ(engine->stats().cache_entries, 2u);

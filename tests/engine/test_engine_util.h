@@ -1,5 +1,5 @@
-// Shared by the engine tests: the tiny synthetic model (written once per test binary into a temp dir, with the
-// Qwen3 tokenizer fixture), CPU engines over it, and small helpers.
+// Shared by the engine tests: the tiny synthetic model (written once per test binary into a temp dir, with
+// the Qwen3 tokenizer fixture), CPU engines over it, and small helpers.
 #pragma once
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -39,7 +39,8 @@ inline const TinyModel& tiny_model() {
     if (!w.ok()) ADD_FAILURE() << w.status().message();
     auto tok = Tokenizer::load((dir / "tokenizer.json").string());
     if (!tok.ok()) ADD_FAILURE() << tok.status().message();
-    return std::unique_ptr<TinyModel>(new TinyModel{dir, std::make_shared<const ModelWeights>(std::move(*w)), *tok});
+    return std::unique_ptr<TinyModel>(
+        new TinyModel{dir, std::make_shared<const ModelWeights>(std::move(*w)), *tok});
   }();
   return *model;
 }

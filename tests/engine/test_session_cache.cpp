@@ -1,5 +1,6 @@
 // SessionCache on the CPU backend of the tiny model: a restored checkpoint continues exactly like a fresh
-// sequence; resume points; take-over versus fork; checkpoint pruning; bytes with shared checkpoints counted once.
+// sequence; resume points; take-over versus fork; checkpoint pruning; bytes with shared checkpoints counted
+// once.
 #include "engine/session_cache.h"
 
 #include <gtest/gtest.h>
@@ -11,7 +12,8 @@ namespace {
 
 std::vector<int32_t> ids(int n, int salt) {
   std::vector<int32_t> t;
-  for (int i = 0; i < n; ++i) t.push_back(static_cast<int32_t>((salt * 7919 + 131 * i * i + 17 * i) % 150000));
+  for (int i = 0; i < n; ++i)
+    t.push_back(static_cast<int32_t>((salt * 7919 + 131 * i * i + 17 * i) % 150000));
   return t;
 }
 
