@@ -33,7 +33,9 @@ Result<LoadedEngine> load_engine(const EngineArgs& args) {
   ASSIGN_OR_RETURN(BackendKind kind, parse_backend_kind(args.backend));
   ASSIGN_OR_RETURN(ModelWeights w, ModelWeights::load(args.model));
   auto weights = std::make_shared<const ModelWeights>(std::move(w));
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(weights, {kind, args.threads}));
+  BackendOptions backend_options{kind, args.threads};
+  if (args.ctx_size > 0) backend_options.max_context = args.ctx_size;  // the CUDA backend's KV capacity
+  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(weights, backend_options));
 
   auto add_stop = [&](int32_t id) {
     if (id >= 0 &&
