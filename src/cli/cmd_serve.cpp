@@ -1,0 +1,99 @@
+// lily serve: the OpenAI-compatible HTTP server (src/server/README.md).
+#include <pthread.h>
+
+#include <csignal>
+#include <cstdio>
+#include <thread>
+
+#include "cli/commands.h"
+#include "server/server.h"
+
+namespace lily::cli {
+
+namespace {
+
+struct ServeArgs {
+  std::string model, host = "127.0.0.1", api_key, backend = "auto", name;
+  int port = 8080, ctx_size = 0, threads = 0, grace_s = 10;
+  size_t max_queue = 64, max_body_mb = 16, cache_mb = 8192;
+  bool quiet = false;
+};
+
+// SIGINT / SIGTERM are blocked in every thread and taken by one waiting thread, which asks the server to shut
+// down; a second signal exits at once.
+void handle_signals(Server& server, sigset_t signals) {
+  int sig = 0;
+  if (sigwait(&signals, &sig) != 0) return;
+  std::fprintf(stderr, "\nlily serve: %s, shutting down (again to exit now)\n",
+               sig == SIGINT ? "SIGINT" : "SIGTERM");
+  std::thread([&server] { server.shutdown(); }).detach();
+  if (sigwait(&signals, &sig) == 0) std::_Exit(130);
+}
+
+int run_serve(const ServeArgs& a) {
+  ServerOptions o;
+  o.model_dir = a.model;
+  o.served_model_name = a.name;
+  o.api_key = a.api_key;
+  Result<BackendKind> kind = parse_backend_kind(a.backend);
+  if (!kind.ok()) {
+    std::fprintf(stderr, "lily serve: %s\n", kind.status().message().c_str());
+    return 2;
+  }
+  o.backend = {*kind, a.threads};
+  o.ctx_size = a.ctx_size;
+  o.max_queue = a.max_queue;
+  o.shutdown_grace_ms = a.grace_s * 1000;
+  o.log_requests = !a.quiet;
+  o.http.host = a.host;
+  o.http.port = a.port;
+  o.http.max_body_bytes = a.max_body_mb << 20;
+  o.engine.session_cache_bytes = a.cache_mb << 20;
+
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);  // before any thread starts: all inherit it
+  std::signal(SIGPIPE, SIG_IGN);
+
+  Server server(o);
+  if (Status st = server.start(); !st.ok()) {
+    std::fprintf(stderr, "lily serve: %s\n", st.message().c_str());
+    return 1;
+  }
+  std::thread(handle_signals, std::ref(server), signals).detach();
+  int rc = server.run();
+  std::fprintf(stderr, "lily serve: stopped\n");
+  return rc;
+}
+
+void setup(CLI::App& app) {
+  auto* cmd = app.add_subcommand("serve", "Serve the OpenAI-compatible API and the chat page");
+  auto a = std::make_shared<ServeArgs>();
+  cmd->add_option("--model", a->model, "checkpoint directory (config.json, safetensors, tokenizer.json)")
+      ->required();
+  cmd->add_option("--host", a->host, "address to listen on (default 127.0.0.1: this machine only)");
+  cmd->add_option("--port", a->port, "TCP port (0: any free port)")->check(CLI::Range(0, 65535));
+  cmd->add_option("--api-key", a->api_key, "require `Authorization: Bearer KEY` on the API");
+  cmd->add_option("--backend", a->backend, "auto | cpu | cuda");
+  cmd->add_option("--threads", a->threads, "CPU backend threads (0: all)")->check(CLI::Range(0, 1024));
+  cmd->add_option("--ctx-size", a->ctx_size, "context length in tokens (0: the model's maximum)")
+      ->check(CLI::Range(0, 1 << 30));
+  cmd->add_option("--max-queue", a->max_queue, "requests that may wait behind the running one (then 429)")
+      ->check(CLI::Range(1, 100000));
+  cmd->add_option("--max-body-mb", a->max_body_mb, "largest request body in MiB (then 413)")
+      ->check(CLI::Range(1, 1024));
+  cmd->add_option("--session-cache-mb", a->cache_mb, "memory budget of the session cache in MiB");
+  cmd->add_option("--served-model-name", a->name, "model id in the API (default: the directory's name)");
+  cmd->add_option("--shutdown-grace", a->grace_s, "seconds in-flight work may take to finish on SIGTERM")
+      ->check(CLI::Range(0, 3600));
+  cmd->add_flag("--quiet", a->quiet, "no per-request log lines");
+  cmd->callback([a] { set_exit_code(run_serve(*a)); });
+}
+
+}  // namespace
+
+LILY_COMMAND(setup);
+
+}  // namespace lily::cli

@@ -1,0 +1,265 @@
+// Server lifecycle (listen, background model load, shutdown), routing, authentication and the small
+// endpoints. The generation endpoints are in api_handlers.cpp.
+#include "server/server.h"
+
+#include <unistd.h>
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <filesystem>
+
+#include "server/generation_job.h"
+#include "server/loaded_model.h"
+#include "server/sse.h"
+
+namespace lily {
+
+Server::Server(ServerOptions options)
+    : options_(std::move(options)),
+      http_(options_.http, [this](const HttpRequest& req, HttpExchange& ex) { handle(req, ex); }),
+      scheduler_(std::make_unique<Scheduler>(options_.max_queue)) {
+  if (options_.served_model_name.empty()) {
+    options_.served_model_name =
+        std::filesystem::path(options_.model_dir).lexically_normal().filename().string();
+    if (options_.served_model_name.empty()) {
+      options_.served_model_name =
+          std::filesystem::path(options_.model_dir).parent_path().filename().string();
+    }
+  }
+  started_at_ = static_cast<int64_t>(std::time(nullptr));
+}
+
+Server::~Server() {
+  shutdown();
+  if (loader_.joinable()) loader_.join();
+}
+
+Status Server::start() {
+  RETURN_IF_ERROR(http_.listen());
+  std::fprintf(stderr, "lily serve: listening on http://%s:%d/ (model loading)\n", options_.http.host.c_str(),
+               http_.port());
+  loader_ = std::thread([this] { load_model(); });
+  return ok_status();
+}
+
+int Server::run() {
+  http_.run();
+  if (loader_.joinable()) loader_.join();
+  scheduler_->stop(0);
+  return state_.load() == State::failed ? 1 : 0;
+}
+
+void Server::shutdown() {
+  std::call_once(shutdown_once_, [this] {
+    shutting_down_.store(true);
+    http_.shutdown();
+    scheduler_->stop(options_.shutdown_grace_ms);
+  });
+}
+
+namespace {
+
+// A stage progress bar on stderr while the model loads (one line per stage when stderr is not a terminal).
+class LoadProgress {
+ public:
+  explicit LoadProgress(int n_stages)
+      : n_(n_stages), tty_(::isatty(2)), t0_(std::chrono::steady_clock::now()) {}
+  void stage(const std::string& what) {
+    ++done_;
+    int filled = 20 * (done_ - 1) / n_;
+    std::string bar =
+        std::string(static_cast<size_t>(filled), '#') + std::string(static_cast<size_t>(20 - filled), '-');
+    std::fprintf(stderr, "%s[%s] %d/%d %s (%.1f s)%s", tty_ ? "\r\033[K" : "", bar.c_str(), done_ - 1, n_,
+                 what.c_str(), elapsed(), tty_ ? "" : "\n");
+  }
+  void finish(const std::string& what) {
+    std::fprintf(stderr, "%s[%s] %d/%d %s (%.1f s)\n", tty_ ? "\r\033[K" : "", std::string(20, '#').c_str(),
+                 n_, n_, what.c_str(), elapsed());
+  }
+
+ private:
+  double elapsed() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  }
+  int n_, done_ = 0;
+  bool tty_;
+  std::chrono::steady_clock::time_point t0_;
+};
+
+}  // namespace
+
+void Server::load_model() {
+  auto fail = [this](const Status& st) {
+    load_error_ = st.message();
+    state_.store(State::failed);
+    std::fprintf(stderr, "\nlily serve: the model failed to load: %s\n", st.message().c_str());
+    shutdown();
+  };
+  LoadProgress progress(5);
+  const std::string& dir = options_.model_dir;
+  progress.stage("mapping weights from " + dir);
+  Result<ModelWeights> weights = ModelWeights::load(dir);
+  if (!weights.ok()) return fail(weights.status());
+  auto shared = std::make_shared<const ModelWeights>(std::move(weights).value());
+  progress.stage("creating the backend");
+  Result<std::unique_ptr<Backend>> backend = make_backend(shared, options_.backend);
+  if (!backend.ok()) return fail(backend.status());
+  progress.stage("loading the tokenizer");
+  Result<Tokenizer> tokenizer = Tokenizer::load(dir + "/tokenizer.json");
+  if (!tokenizer.ok()) return fail(tokenizer.status());
+  progress.stage("reading generation_config.json");
+  Result<SamplingDefaults> defaults = load_generation_config(dir);
+  if (!defaults.ok()) return fail(defaults.status());
+  const ModelConfig& config = shared->config;
+  int ctx = options_.ctx_size > 0 ? options_.ctx_size : config.max_position_embeddings;
+  if (ctx > config.max_position_embeddings) {
+    return fail(invalid_argument("--ctx-size %d exceeds the model's max_position_embeddings %d", ctx,
+                                 config.max_position_embeddings));
+  }
+  progress.stage(std::string("starting the engine on ") + (*backend)->name());
+  EngineOptions engine_options = options_.engine;
+  engine_options.max_context = ctx;
+  std::string backend_name = (*backend)->name();
+  auto loaded = std::make_unique<Loaded>(
+      Loaded{std::make_unique<Engine>(std::move(backend).value(), *tokenizer, engine_options),
+             *tokenizer,
+             *defaults,
+             ServedModel{options_.served_model_name, config.vocab_size, ctx},
+             {},
+             -1,
+             "lily-" + backend_name});
+  auto add_stop = [&](int32_t id) {
+    auto& ids = loaded->stop_token_ids;
+    if (id >= 0 && std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
+  };
+  for (int id : config.eos_token_ids) add_stop(id);
+  for (int32_t id : defaults->eos_token_ids) add_stop(id);
+  add_stop(tokenizer->token_id("<|im_end|>"));
+  loaded->tool_call_token = tokenizer->token_id("<tool_call>");
+  loaded_ = std::move(loaded);
+  state_.store(State::ready);
+  progress.finish(format("ready: %s on %s, context %d tokens", options_.served_model_name.c_str(),
+                         backend_name.c_str(), ctx));
+  std::fprintf(stderr, "lily serve: chat page at http://%s:%d/\n", options_.http.host.c_str(), http_.port());
+}
+
+void Server::send_error(HttpExchange& ex, const ApiError& e) {
+  HttpHeaders headers;
+  if (e.status == 401) headers.emplace_back("WWW-Authenticate", "Bearer");
+  if (e.status == 429 || e.status == 503) headers.emplace_back("Retry-After", "1");
+  ex.send_json(e.status, error_body(e), headers);
+}
+
+bool Server::authorized(const HttpRequest& req, HttpExchange& ex) {
+  if (options_.api_key.empty()) return true;
+  std::string auth = req.header("authorization");
+  if (bearer_token_matches(auth, options_.api_key)) return true;
+  ApiError e{401, "invalid_request_error",
+             auth.empty() ? "Missing API key: send the header `Authorization: Bearer KEY`."
+                          : "Incorrect API key provided.",
+             "", "invalid_api_key"};
+  send_error(ex, e);
+  return false;
+}
+
+json Server::model_json() const {
+  json m;
+  m["id"] = options_.served_model_name;
+  m["object"] = "model";
+  m["created"] = started_at_;
+  m["owned_by"] = "lily";
+  if (state_.load() == State::ready) m["max_model_len"] = loaded_->served.ctx_size;
+  return m;
+}
+
+LiveGauges Server::live_gauges() const {
+  LiveGauges g;
+  g.queue_depth = scheduler_->queue_depth();
+  g.running = scheduler_->running();
+  g.dropped = scheduler_->dropped_count();
+  g.model_ready = state_.load() == State::ready;
+  if (g.model_ready) g.cache = loaded_->engine->stats();  // thread-safe by Engine's contract
+  return g;
+}
+
+void Server::handle_health(HttpExchange& ex) {
+  switch (state_.load()) {
+    case State::ready:
+      ex.send_json(200, dump_json(json{{"status", "ok"}, {"model", options_.served_model_name}}));
+      return;
+    case State::loading:
+      ex.send_json(503, dump_json(json{{"status", "loading"}, {"model", options_.served_model_name}}));
+      return;
+    case State::failed:
+      ex.send_json(503, dump_json(json{{"status", "error"}, {"message", load_error_}}));
+      return;
+  }
+}
+
+void Server::handle_models(const HttpRequest& req, HttpExchange& ex) {
+  if (req.path == "/v1/models") {
+    ex.send_json(200, dump_json(json{{"object", "list"}, {"data", json::array({model_json()})}}));
+    return;
+  }
+  std::string id = req.path.substr(std::string("/v1/models/").size());
+  if (id != options_.served_model_name) {
+    ApiError e =
+        bad_request(format("The model `%s` does not exist.", id.c_str()), "model", "model_not_found");
+    e.status = 404;
+    return send_error(ex, e);
+  }
+  ex.send_json(200, dump_json(model_json()));
+}
+
+void Server::handle(const HttpRequest& req, HttpExchange& ex) {
+  using Clock = std::chrono::steady_clock;
+  const std::string& p = req.path;
+  const bool known = p == "/" || p == "/index.html" || p == "/chat.js" || p == "/health" || p == "/metrics" ||
+                     p == "/v1/models" || p.starts_with("/v1/models/") || p == "/v1/chat/completions" ||
+                     p == "/v1/completions" || p == "/apply-template";
+  const bool post = p == "/v1/chat/completions" || p == "/v1/completions" || p == "/apply-template";
+  const std::string endpoint = p.starts_with("/v1/models/") ? "/v1/models/{id}" : known ? p : "other";
+  const auto t0 = Clock::now();
+  struct Recorder {  // records the request however the handler returns
+    std::function<void()> fn;
+    ~Recorder() { fn(); }
+  } recorder{[&] {
+    metrics_.record_request(endpoint, ex.status());
+    if (options_.log_requests && p != "/health" && p != "/metrics") {
+      double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+      std::fprintf(stderr, "%s %s %d %.1f ms\n", req.method.c_str(), p.c_str(), ex.status(), ms);
+    }
+  }};
+  if (!known) {
+    return send_error(ex, ApiError{404, "invalid_request_error", "Unknown endpoint " + req.method + " " + p,
+                                   "", "not_found"});
+  }
+  if (req.method != (post ? "POST" : "GET")) {
+    return send_error(ex, ApiError{405, "invalid_request_error",
+                                   format("%s does not accept %s", p.c_str(), req.method.c_str()), "",
+                                   "method_not_allowed"});
+  }
+  if (p == "/" || p == "/index.html") return ex.send(200, "text/html; charset=utf-8", kChatPageHtml);
+  if (p == "/chat.js") return ex.send(200, "text/javascript; charset=utf-8", kChatPageJs);
+  if (p == "/health") return handle_health(ex);
+  if (p == "/metrics") {
+    return ex.send(200, "text/plain; version=0.0.4; charset=utf-8", metrics_.render(live_gauges()));
+  }
+  if (!authorized(req, ex)) return;
+  if (p.starts_with("/v1/models")) return handle_models(req, ex);
+  if (state_.load() != State::ready) {
+    return send_error(
+        ex, server_error(503,
+                         state_.load() == State::loading ? "The model is still loading; retry shortly."
+                                                         : "The model failed to load: " + load_error_,
+                         "model_not_ready"));
+  }
+  if (shutting_down_.load())
+    return send_error(ex, server_error(503, "The server is shutting down.", "shutting_down"));
+  if (p == "/v1/chat/completions") return handle_chat(req, ex);
+  if (p == "/v1/completions") return handle_completions(req, ex);
+  return handle_apply_template(req, ex);
+}
+
+}  // namespace lily

@@ -1,0 +1,105 @@
+// `lily serve`: the OpenAI-compatible server. It listens at once, loads the model in a background thread
+// (/health says "loading" until then), and answers:
+//   GET  /                      the chat page (static HTML + JS, embedded)
+//   GET  /health                {"status": "ok"} or 503 {"status": "loading" | "error"}
+//   GET  /metrics               Prometheus text
+//   GET  /v1/models[/{id}]      the served model
+//   POST /v1/chat/completions   chat, streamed (SSE) or not; tools, reasoning, logprobs, usage
+//   POST /v1/completions        raw text completion of a string or token ids
+//   POST /apply-template        the rendered chat prompt of a chat request (as llama.cpp's server), for
+//   debugging
+// With an API key, everything but /, /health and /metrics needs `Authorization: Bearer KEY`.
+#pragma once
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "engine/backend_factory.h"
+#include "engine/engine.h"
+#include "engine/generation_config.h"
+#include "server/auth.h"
+#include "server/chat_request.h"
+#include "server/http.h"
+#include "server/metrics.h"
+#include "server/scheduler.h"
+
+namespace lily {
+
+struct ServerOptions {
+  std::string model_dir;
+  std::string served_model_name;  // empty: the model directory's name
+  std::string api_key;            // empty: no authentication
+  BackendOptions backend;
+  int ctx_size = 0;               // 0: the model's max_position_embeddings
+  size_t max_queue = 64;          // requests waiting behind the running one; more get 429
+  int shutdown_grace_ms = 10000;  // SIGTERM: in-flight work may finish within this, then is cancelled
+  bool log_requests = true;
+  HttpServerOptions http;
+  EngineOptions engine;
+};
+
+class Server {
+ public:
+  explicit Server(ServerOptions options);
+  ~Server();
+
+  Status start();   // listens, then starts loading the model in the background
+  int run();        // serves until shutdown(); 0, or 1 when the model failed to load
+  void shutdown();  // stop accepting, drop queued work, let in-flight work finish (grace), cancel the rest
+  int port() const { return http_.port(); }
+
+ private:
+  enum class State { loading, ready, failed };
+  struct Loaded;  // engine, tokenizer, defaults: set once by the loader
+
+  void load_model();
+  void handle(const HttpRequest& req, HttpExchange& ex);
+  bool authorized(const HttpRequest& req, HttpExchange& ex);
+  void send_error(HttpExchange& ex, const ApiError& e);
+  void handle_health(HttpExchange& ex);
+  void handle_models(const HttpRequest& req, HttpExchange& ex);
+  void handle_chat(const HttpRequest& req, HttpExchange& ex);
+  void handle_completions(const HttpRequest& req, HttpExchange& ex);
+  void handle_apply_template(const HttpRequest& req, HttpExchange& ex);
+  // Shared by the two generation endpoints: defaults, validation, context check, stop tokens. `param` names
+  // the prompt's field in errors ("messages", "prompt").
+  MaybeError make_generation_request(const std::vector<int32_t>& prompt, const SamplingRequest& sampling,
+                                     bool logprobs, int top_logprobs, bool reuse_cache,
+                                     int default_max_tokens, const std::string& param,
+                                     GenerationRequest& out);
+  std::shared_ptr<class GenerationJob> make_job(GenerationRequest request);
+  struct StreamCallbacks {
+    bool stream = false;
+    std::function<std::string()> start;                          // SSE bytes before the first piece
+    std::function<std::string(const GenerationPiece&)> piece;    // SSE bytes (streaming) or ""
+    std::function<std::string(const GenerationResult&)> finish;  // SSE tail, or the whole JSON body
+    HttpHeaders headers;                                         // extra headers of a JSON response
+  };
+  // Queues the job and answers: streamed, or one JSON body; errors as OpenAI error JSON (or an SSE error
+  // event once the stream has begun).
+  void run_job(const HttpRequest& req, HttpExchange& ex, const std::shared_ptr<class GenerationJob>& job,
+               StreamCallbacks& cb);
+  json model_json() const;
+  LiveGauges live_gauges() const;
+
+  ServerOptions options_;
+  HttpServer http_;
+  Metrics metrics_;
+  std::unique_ptr<Scheduler> scheduler_;
+  std::atomic<State> state_{State::loading};
+  std::string load_error_;
+  std::unique_ptr<Loaded> loaded_;
+  std::thread loader_;
+  std::atomic<bool> shutting_down_{false};
+  std::once_flag shutdown_once_;
+  int64_t started_at_ = 0;
+};
+
+// The chat page (src/server/static/), embedded: chat_page.cpp.
+extern const char* const kChatPageHtml;
+extern const char* const kChatPageJs;
+
+}  // namespace lily
