@@ -55,6 +55,38 @@ __device__ __forceinline__ float warp_max(float v) {
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
+
+// Programmatic dependent launch (sm_90): a kernel lets the next one in the stream start early and waits for
+// the previous one before it reads anything that kernel may have written, and before it writes anything.
+// Weights are never written by kernels, so they may be fetched before pdl_wait(). Every kernel launched with
+// launch_pdl calls pdl_wait() (keeps completion transitive). A kernel that signals its dependents before its own
+// wait can have them running while its predecessor still runs: before their wait they may read only what no
+// kernel in flight writes.
+__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+// Launches kernel<<<grid, block, smem, stream>>>(p) allowing programmatic dependent launch (see pdl_wait()).
+template <class Params>
+cudaError_t launch_pdl(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                       const Params& p) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, p) != cudaSuccess) {  // attribute refused: plain stream order
+    (void)cudaGetLastError();
+    cfg.numAttrs = 0;
+    CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, p));
+  }
+  return cudaGetLastError();
+}
+
 #endif  // __CUDACC__
 
 }  // namespace lily::cuda

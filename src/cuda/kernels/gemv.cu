@@ -15,7 +15,8 @@
 //    before the prologue and, with programmatic dependent launch, before the previous kernel has finished.
 //  gemv_q4_kernel (any alignment): the same chunks loaded straight into registers, 8 x 16 B per lane.
 // The grid is persistent (one block per SM or fewer; warps grid-stride over chunks), so the prologue (the norm
-// of `in`) runs once per block, overlapped with the first chunks' weight loads.
+// of `in`) runs once per block, overlapped with the first chunks' weight loads. The residual of a lane's next
+// output row is loaded a chunk ahead (the first with the prologue's inputs), never after the dot product.
 // Other widths and 8-bit (gemv_generic_kernel): a warp per row, x from shared memory; for small matrices.
 #include "cuda/kernels/gemv.cuh"
 #include "cuda/kernels/quant_dot.cuh"
@@ -30,13 +31,34 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 
 // Where this block's x comes from (gemv.cuh prologues).
-// red_s: >= 128 floats (block sums, or the gated prologue's segment sums: cols / 32 <= 128).
+// red_s: >= 32 floats (block sums).
 __device__ __forceinline__ void build_x(const GemvParams& p, float* x_s, float* red_s) {
   if (p.prologue == GemvPrologue::gated_rms_norm) {
-    block_load_x_gated(p.in, p.gate_z, p.norm_w, p.head_dim, p.eps, p.m.cols, x_s, red_s);
+    block_load_x_gated(p.in, p.gate_z, p.norm_w, p.head_dim, p.eps, p.m.cols, x_s);
   } else {
     block_load_x(p.in, p.prologue == GemvPrologue::rms_norm ? p.norm_w : nullptr, p.eps, p.m.cols, x_s, red_s);
   }
+}
+
+// The output row of this lane in chunk `chunk` after group_reduce_scatter, and whether the lane writes it.
+template <int COLS>
+__device__ __forceinline__ int out_row(int chunk, int lane) {
+  using Lay = Q4Layout<COLS>;
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  return chunk * Lay::kRowsPerChunk + (j / Lay::kLanesPerValue) * Lay::kRowsPerPass + sub;
+}
+template <int COLS>
+__device__ __forceinline__ bool writes_row(int lane) {
+  return (lane % Q4Layout<COLS>::kLanesPerRow) % Q4Layout<COLS>::kLanesPerValue == 0;
+}
+
+// The residual of this lane's output row in chunk `chunk` (0 without a residual or outside the matrix). Issued a
+// chunk ahead (the first one together with the prologue's loads), so that it costs no extra round trip. y may
+// alias the residual: a chunk's residual rows are read before any lane writes them and by the lane that does.
+template <int COLS>
+__device__ __forceinline__ float load_residual(const GemvParams& p, int chunk, int n_chunks, int lane) {
+  const int row = out_row<COLS>(chunk, lane);
+  return p.residual && chunk < n_chunks && writes_row<COLS>(lane) && row < p.m.rows ? p.residual[row] : 0.0f;
 }
 
 // Issues the loads of chunk `chunk` for this lane (rows past the end load nothing).
@@ -55,9 +77,9 @@ template <int COLS>
 __global__ void __launch_bounds__(kThreads, 2) gemv_q4_kernel(const __grid_constant__ GemvParams p) {
   using Lay = Q4Layout<COLS>;
   __shared__ __align__(16) float x_s[xpad_floats(COLS)];
-  __shared__ float red_s[128];
+  __shared__ float red_s[32];
   const int lane = threadIdx.x & 31;
-  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  const int j = lane % Lay::kLanesPerRow;
   const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
   const int warp_stride = gridDim.x * kWarps;
   int chunk = blockIdx.x * kWarps + (threadIdx.x >> 5);
@@ -66,14 +88,17 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_q4_kernel(const __grid_const
   Q4Chunk<COLS> c;
   if (chunk < n_chunks) load_chunk<COLS>(p.m, chunk, lane, c);  // in flight during the prologue
   pdl_wait();
+  float res_next = load_residual<COLS>(p, chunk, n_chunks, lane);
   build_x(p, x_s, red_s);
 
   for (; chunk < n_chunks; chunk += warp_stride) {
+    const float res = res_next;
+    res_next = load_residual<COLS>(p, chunk + warp_stride, n_chunks, lane);
     float part[Lay::kPasses];
     c.dot(x_s, j, part);
     group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part, lane);
-    const int row = chunk * Lay::kRowsPerChunk + (j / Lay::kLanesPerValue) * Lay::kRowsPerPass + sub;
-    if (j % Lay::kLanesPerValue == 0 && row < p.m.rows) p.y[row] = (p.residual ? p.residual[row] : 0.0f) + part[0];
+    const int row = out_row<COLS>(chunk, lane);
+    if (writes_row<COLS>(lane) && row < p.m.rows) p.y[row] = res + part[0];
     if (chunk + warp_stride < n_chunks) load_chunk<COLS>(p.m, chunk + warp_stride, lane, c);
   }
 }
@@ -137,7 +162,7 @@ template <int COLS>
 __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_async_kernel(const __grid_constant__ GemvParams p) {
   using Lay = Q4Layout<COLS>;
   extern __shared__ __align__(16) char smem[];
-  __shared__ float red_s[128];
+  __shared__ float red_s[32];
   float* x_s = reinterpret_cast<float*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
   char* ring = smem + xpad_floats(COLS) * sizeof(float) + warp * kStages * kStageBytes;
@@ -151,11 +176,13 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_async_kernel(c
     cp_async_commit();
   }
   pdl_wait();
+  float res_next = load_residual<COLS>(p, first, n_chunks, lane);
   build_x(p, x_s, red_s);
 
-  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
   for (int k = 0, chunk = first; chunk < n_chunks; ++k, chunk += stride) {
     char* stage = ring + (k % kStages) * kStageBytes;
+    const float res = res_next;
+    res_next = load_residual<COLS>(p, chunk + stride, n_chunks, lane);
     cp_async_wait<kStages - 1>();  // this lane's copies of chunk k have landed
     __syncwarp();                  // ... and every lane's
     float part[Lay::kPasses];
@@ -164,8 +191,8 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_async_kernel(c
     if (chunk + kStages * stride < n_chunks) issue_chunk<COLS>(p.m, chunk + kStages * stride, lane, stage);
     cp_async_commit();
     group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part, lane);
-    const int row = chunk * Lay::kRowsPerChunk + (j / Lay::kLanesPerValue) * Lay::kRowsPerPass + sub;
-    if (j % Lay::kLanesPerValue == 0 && row < p.m.rows) p.y[row] = (p.residual ? p.residual[row] : 0.0f) + part[0];
+    const int row = out_row<COLS>(chunk, lane);
+    if (writes_row<COLS>(lane) && row < p.m.rows) p.y[row] = res + part[0];
   }
   cp_async_wait<0>();
 }
@@ -174,7 +201,7 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_async_kernel(c
 template <int BITS>
 __global__ void __launch_bounds__(kThreads) gemv_generic_kernel(const __grid_constant__ GemvParams p) {
   extern __shared__ __align__(16) float x_s[];
-  __shared__ float red_s[128];
+  __shared__ float red_s[32];
   pdl_launch_dependents();
   pdl_wait();
   build_x(p, x_s, red_s);

@@ -40,10 +40,10 @@ std::vector<float> reference_x(const GemvCase& c, const std::vector<float>& in, 
   return x;
 }
 
-void run_case(const GemvCase& c, uint32_t seed) {
+void run_case(const GemvCase& c, uint32_t seed, int head_dim = 128) {
   SCOPED_TRACE(testing::Message() << "rows " << c.rows << " cols " << c.cols << " bits " << c.bits << " prologue "
-                                  << static_cast<int>(c.prologue) << " residual " << c.residual);
-  const int head_dim = 128;
+                                  << static_cast<int>(c.prologue) << " residual " << c.residual << " head_dim "
+                                  << head_dim);
   const float eps = 1e-6f;
   HostQMatrix hm = random_qmatrix(c.rows, c.cols, c.bits, seed);
   const std::vector<float> in = random_vector(c.cols, seed + 1);
@@ -117,6 +117,18 @@ TEST(CudaGemv, GatedRmsNormWithResidual) {
   run_case({5, 4096, 4, GemvPrologue::gated_rms_norm, false}, 301);
   run_case({33, 2048, 4, GemvPrologue::gated_rms_norm, true}, 302);
   run_case({2048, 4096, 4, GemvPrologue::none, true}, 303);  // attention o_proj: h += W o
+}
+
+// The gated prologue's lane-group path for head sizes of 16 * 2^n (1 to 32 lanes a head), and the warp-per-head
+// fallback for other sizes (96: 6 lanes).
+TEST(CudaGemv, GatedRmsNormHeadSizes) {
+  SKIP_WITHOUT_GPU();
+  run_case({300, 4096, 4, GemvPrologue::gated_rms_norm, true}, 310, 16);
+  run_case({300, 4096, 4, GemvPrologue::gated_rms_norm, true}, 311, 64);
+  run_case({300, 4096, 4, GemvPrologue::gated_rms_norm, true}, 312, 256);
+  run_case({300, 2048, 4, GemvPrologue::gated_rms_norm, false}, 313, 512);
+  run_case({40, 1536, 4, GemvPrologue::gated_rms_norm, true}, 314, 96);
+  run_case({40, 3072, 4, GemvPrologue::gated_rms_norm, true}, 315, 96);
 }
 
 TEST(CudaGemv, GenericWidthsAndEightBit) {
