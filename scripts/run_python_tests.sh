@@ -10,5 +10,5 @@ passed=0; failed=0
 for f in "${files[@]}"; do
   if LILY_BIN="$build/lily" python3 "$f"; then passed=$((passed + 1)); else failed=$((failed + 1)); echo "FAILED: $f"; fi
 done
-echo "python tests: $passed passed, $failed failed"
+echo "python: $passed passed, $failed failed"
 ((failed == 0))
