@@ -139,6 +139,14 @@ Result<CudaSequence*> CudaBackend::check_sequence(SequenceState& base, int64_t n
   return s;
 }
 
+// The expert kernels select the experts from the router logits themselves (moe.cuh) when the fast MoE kernels
+// serve this geometry (their launchers' shapes, up to 256 experts); other kernels read moe_route's selection.
+bool select_in_expert_kernels(const ModelConfig& c) {
+  const int H = c.hidden_size, I = c.moe_intermediate_size;
+  return c.num_experts <= 256 && c.num_experts_per_tok <= 16 && (H == 1024 || H == 2048 || H == 4096) &&
+         (I == 512 || I == 1024) && c.shared_expert_intermediate_size == I;
+}
+
 #define STEP_OP(name, bytes, call)                      \
   do {                                                  \
     if (prof) prof->begin(name, static_cast<double>(bytes)); \
@@ -183,15 +191,19 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
       STEP_OP("gemv attn_out", L.attn_out.bytes(), gemv(out, stream_));
     }
     const int k = c.num_experts_per_tok;
+    const bool select_in_experts = select_in_expert_kernels(c);
     MoeRouteParams route{L.router, L.shared_gate_row, h_.ptr, L.post_norm, eps, k, moe_x_.ptr, moe_logits_.ptr,
                          counters_.ptr, topk_idx_.ptr, topk_w_.ptr, shared_gate_.ptr};
+    route.select_top_k = !select_in_experts;
     STEP_OP("moe_route", L.router.bytes() + L.shared_gate_row.bytes(), moe_route(route, stream_));
     MoeExpertInParams ein{L.expert_gate, L.expert_up, L.shared_gate, L.shared_up, moe_x_.ptr, topk_idx_.ptr, k,
                           act_.ptr};
+    if (select_in_experts) ein.router_logits = moe_logits_.ptr, ein.n_experts = c.num_experts;
     STEP_OP("moe_expert_in", k * (L.expert_gate.bytes() + L.expert_up.bytes()) + L.shared_gate.bytes() + L.shared_up.bytes(),
             moe_expert_in(ein, stream_));
     MoeExpertOutParams eout{L.expert_down, L.shared_down, act_.ptr, topk_idx_.ptr, topk_w_.ptr, shared_gate_.ptr, k,
                             h_.ptr};
+    if (select_in_experts) eout.router_logits = moe_logits_.ptr, eout.n_experts = c.num_experts;
     STEP_OP("moe_expert_out", k * L.expert_down.bytes() + L.shared_down.bytes(), moe_expert_out(eout, stream_));
   }
   GemvParams head{m.lm_head, h_.ptr, GemvPrologue::rms_norm, m.final_norm, nullptr, 0, eps, nullptr, logits_.ptr};

@@ -2,10 +2,12 @@
 //
 // moe_route: one kernel. Each block normalises h into shared memory (eqs 1-2) and computes the router logits of
 //   8 rows (a warp per row) of the 8-bit [E, H] router plus, in the block that owns row E, the shared-expert
-//   gate logit; block 0 also writes x. The last block to finish (atomic ticket after a __threadfence; it resets
-//   the counter for the next replay) takes the fp32 softmax over E, ranks every expert (rank = number of
-//   experts with a larger probability, or an equal one and a lower index: ties -> lower index) and writes the
-//   k best with renormalised weights. Moves E*H + H bytes (8-bit) + 4*(E+1)*H/64 bytes of scales: 0.5 MB.
+//   gate logit; block 0 also writes x. With select_top_k, the last block to finish (atomic ticket after a
+//   __threadfence; it resets the counter for the next replay) selects the experts (warp_route_top_k) and writes
+//   them; without, the expert kernels select (moe.cuh). Moves E*H + H bytes (8-bit) + 4*(E+1)*H/64 bytes of
+//   scales: 0.5 MB.
+// Selection (eq 22, warp_route_top_k): one warp; fp32 softmax over E, the k largest probabilities (ties -> lower
+//   index) by k rounds of a warp-wide maximum of unique 64-bit keys, weights renormalised over the k.
 // moe_expert_in: grid (pair tiles of I, slot 0..k; slot k = the shared expert). A warp takes P/2 (gate, up)
 //   row pairs of its slot's expert (P = 4 at H = 2048: 8 x 16-byte loads in flight per lane), dots them with x
 //   from shared memory and writes act = silu(gate . x) * (up . x). Moves (k+1) * 2 * I * (H/2 + H/16) bytes:
@@ -84,77 +86,72 @@ __device__ float router_dot(const QMatrix& m, int row, const RouterRow& r, const
   return warp_sum(sum);
 }
 
-__device__ float block_max(float v, float* red_s) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) red_s[warp] = v;
-  __syncthreads();
-  float m = red_s[0];
-  for (int w = 1; w < n_warps; ++w) m = fmaxf(m, red_s[w]);
-  return m;
-}
+// Lane r < top_k of the selecting warp: the expert of rank r and its renormalised routing weight.
+struct RouteChoice {
+  int idx;
+  float weight;
+};
 
-// Run by the last block: softmax over the E logits, top-k by rank, renormalised weights (eq 22). Only experts
-// with p >= T can be in the top k, T = the smallest of the warps' maxima (when there are >= k warps: those are
-// k distinct experts, so the k-th largest is >= T); they are ranked against each other only.
-__device__ void route_select(const MoeRouteParams& p, int n_experts, float* prob_s, int* cand_s, float* red_s) {
-  __shared__ int sel_idx[kMaxTopK], n_cand;
-  __shared__ float sel_p[kMaxTopK];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-  if (threadIdx.x < kMaxTopK) sel_idx[threadIdx.x] = 0, sel_p[threadIdx.x] = 0.0f;  // NaN logits: valid ids
-  if (threadIdx.x == 0) n_cand = 0;
+// Eq 22 by one warp: p = softmax(logits) in fp32 (expf(l - max) * (1 / sum), as the block version before it), the
+// top_k largest p with ties -> lower index, weights p / (sum of the k p in rank order), like cpu::route_top_k.
+// Lane l holds experts l*PER_LANE .. +PER_LANE-1 (E <= 32 * PER_LANE). Each expert's key is (bits of p) << 32 |
+// ~index: unique, and ordered like (p, -index) since p >= 0. A round takes the warp's largest key with two
+// redux.sync maxima (high words, then low words of the lanes holding the highest) and removes it. Logits are read
+// through L2: they were written by other blocks or kernels.
+template <int PER_LANE>
+__device__ RouteChoice warp_route_top_k(const float* logits, int n_experts, int top_k) {
+  using u64 = unsigned long long;
+  const int lane = threadIdx.x & 31;
+  float v[PER_LANE];
   float local_max = -INFINITY;
-  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
-    prob_s[e] = __ldcg(p.logits + e);  // written by other blocks: read through L2
-    local_max = fmaxf(local_max, prob_s[e]);
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = lane * PER_LANE + i;
+    v[i] = e < n_experts ? __ldcg(logits + e) : -INFINITY;
+    local_max = fmaxf(local_max, v[i]);
   }
-  const float max_logit = block_max(local_max, red_s);
-  float local_sum = 0.0f, local_pmax = 0.0f;
-  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) local_sum += (prob_s[e] = expf(prob_s[e] - max_logit));
-  const float inv_sum = 1.0f / block_sum(local_sum, red_s);
-  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) local_pmax = fmaxf(local_pmax, prob_s[e] *= inv_sum);
-  local_pmax = warp_max(local_pmax);
-  __syncthreads();  // red_s is free
-  if (lane == 0) red_s[warp] = local_pmax;
-  __syncthreads();
-  float threshold = -INFINITY;
-  if (n_warps >= p.top_k && n_experts >= static_cast<int>(blockDim.x)) {
-    threshold = red_s[0];
-    for (int w = 1; w < n_warps; ++w) threshold = fminf(threshold, red_s[w]);
+  const float max_logit = warp_max(local_max);
+  float local_sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    v[i] = lane * PER_LANE + i < n_experts ? expf(v[i] - max_logit) : 0.0f;
+    local_sum += v[i];
   }
-  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
-    if (prob_s[e] >= threshold) cand_s[atomicAdd(&n_cand, 1)] = e;
+  const float inv_sum = 1.0f / warp_sum(local_sum);
+  u64 key[PER_LANE];
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = lane * PER_LANE + i;
+    key[i] = e < n_experts ? (u64{__float_as_uint(v[i] * inv_sum)} << 32) | ~static_cast<uint32_t>(e) : 0ull;
   }
-  __syncthreads();
-  for (int c = threadIdx.x; c < n_cand; c += blockDim.x) {
-    const int e = cand_s[c];
-    const float pe = prob_s[e];
-    int rank = 0;
-#pragma unroll 8
-    for (int o = 0; o < n_cand; ++o) {
-      const int eo = cand_s[o];
-      rank += prob_s[eo] > pe || (prob_s[eo] == pe && eo < e);
-    }
-    if (rank < p.top_k) sel_idx[rank] = e, sel_p[rank] = pe;
+  RouteChoice mine{0, 0.0f};
+  float sum = 0.0f;
+  for (int r = 0; r < top_k; ++r) {
+    u64 best = key[0];
+#pragma unroll
+    for (int i = 1; i < PER_LANE; ++i) best = key[i] > best ? key[i] : best;
+    const uint32_t hi = __reduce_max_sync(0xffffffffu, static_cast<uint32_t>(best >> 32));
+    const uint32_t lo =
+        __reduce_max_sync(0xffffffffu, static_cast<uint32_t>(best >> 32) == hi ? static_cast<uint32_t>(best) : 0u);
+    const u64 win = (u64{hi} << 32) | lo;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) key[i] = key[i] == win ? 0ull : key[i];
+    const float prob = __uint_as_float(hi);
+    sum += prob;
+    if (lane == r) mine = RouteChoice{static_cast<int>(~lo), prob};
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float sum = 0.0f;
-    for (int i = 0; i < p.top_k; ++i) sum += sel_p[i];
-    for (int i = 0; i < p.top_k; ++i) p.topk_idx[i] = sel_idx[i], p.topk_w[i] = sel_p[i] / sum;
-  }
+  mine.weight /= sum;
+  return mine;
 }
 
 __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const __grid_constant__ MoeRouteParams p) {
-  extern __shared__ __align__(16) float smem[];  // x (padded, H), probabilities (E), candidates (E)
-  __shared__ float red_s[128];
+  extern __shared__ __align__(16) float x_s[];  // x (padded, H)
+  __shared__ float red_s[32];
   __shared__ bool is_last;
   const int n_experts = p.router.rows, hidden = p.router.cols, lane = threadIdx.x & 31;
   const int row = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);  // E = the shared-expert gate
   const QMatrix& m = row < n_experts ? p.router : p.shared_gate;
   const int m_row = row < n_experts ? row : 0;
-  float* x_s = smem;
 
   pdl_launch_dependents();
   RouterRow r;
@@ -169,14 +166,16 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const __grid_c
     if (lane == 0 && row < n_experts) p.logits[row] = logit;
     if (lane == 0 && row == n_experts) *p.shared_gate_value = sigmoidf_(logit);
   }
+  if (!p.select_top_k) return;
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1;
   __syncthreads();
-  if (!is_last) return;
+  if (!is_last || threadIdx.x >= 32) return;
   if (threadIdx.x == 0) *p.counter = 0;  // ready for the next launch / graph replay
-  float* prob_s = smem + xpad_floats(hidden);
-  route_select(p, n_experts, prob_s, reinterpret_cast<int*>(prob_s + n_experts), red_s);
+  const RouteChoice choice = n_experts <= 256 ? warp_route_top_k<8>(p.logits, n_experts, p.top_k)
+                                              : warp_route_top_k<kMaxExperts / 32>(p.logits, n_experts, p.top_k);
+  if (lane < p.top_k) p.topk_idx[lane] = choice.idx, p.topk_w[lane] = choice.weight;
 }
 
 // ---- moe_expert_in -------------------------------------------------------------------------------------------
@@ -190,10 +189,10 @@ __global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __g
   constexpr int kPairs = Lay::kPasses / 2;  // (gate, up) pairs per warp: passes [0, kPairs) gate, the rest up
   static_assert(Lay::kRowsPerPass == 1 && kPairs >= 1, "one row per pass");
   __shared__ __align__(16) float x_s[xpad_floats(H)];
+  __shared__ int expert_s;
   const int slot = blockIdx.y, lane = threadIdx.x & 31, n_rows = p.gate.rows;
   const bool shared = slot == p.top_k;
   const int pair0 = (blockIdx.x * kExpertWarps + (threadIdx.x >> 5)) * kPairs;
-  pdl_launch_dependents();
   // The shared expert's weights do not depend on the routing: fetch them before waiting for moe_route.
   Q4Chunk<H> c;
   auto load = [&](const QMatrix& gate, const QMatrix& up) {
@@ -205,12 +204,26 @@ __global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __g
   };
   if (shared) load(p.shared_gate, p.shared_up);
   pdl_wait();
-  if (!shared) {
-    const int expert = p.topk_idx[slot];
-    load(p.gate.expert(expert), p.up.expert(expert));
+  pdl_launch_dependents();  // only after the wait: moe_expert_out may read moe_route's logits early (moe.cuh)
+  constexpr int kXVecs = H / 4 / kExpertThreads;
+  float4 x_v[kXVecs];  // x into registers first: in flight while warp 0 selects
+#pragma unroll
+  for (int t = 0; t < kXVecs; ++t) x_v[t] = reinterpret_cast<const float4*>(p.x)[threadIdx.x + t * kExpertThreads];
+  if (!shared && p.router_logits) {
+    if (threadIdx.x < 32) {
+      const RouteChoice choice = warp_route_top_k<8>(p.router_logits, p.n_experts, p.top_k);
+      if (threadIdx.x == slot) expert_s = choice.idx;
+    }
+  } else if (!shared && threadIdx.x == 0) {
+    expert_s = p.topk_idx[slot];
   }
-  for (int e = threadIdx.x; e < H; e += blockDim.x) x_s[xpad(e)] = p.x[e];
+#pragma unroll
+  for (int t = 0; t < kXVecs; ++t) {
+    const int i = threadIdx.x + t * kExpertThreads;
+    *reinterpret_cast<float4*>(x_s + xpad(4 * i)) = x_v[t];
+  }
   __syncthreads();
+  if (!shared) load(p.gate.expert(expert_s), p.up.expert(expert_s));
 
   float part[Lay::kPasses];
   c.dot(x_s, lane, part);
@@ -231,6 +244,8 @@ __global__ void __launch_bounds__(32 * (kMaxTopK + 1)) moe_expert_out_kernel(
   using Lay = Q4Layout<I>;
   static_assert(Lay::kVecsPerLane == 1, "one 16-byte vector of the row per lane");
   __shared__ float part_s[kMaxTopK + 1][Lay::kRowsPerChunk];
+  __shared__ int idx_s[kMaxTopK];
+  __shared__ float w_s[kMaxTopK];
   const int slot = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
   const int row0 = blockIdx.x * Lay::kRowsPerChunk, n_rows = p.down.rows;
@@ -245,8 +260,19 @@ __global__ void __launch_bounds__(32 * (kMaxTopK + 1)) moe_expert_out_kernel(
     }
   };
   if (shared) load(p.shared_down);  // independent of the routing: before waiting for the previous kernels
-  pdl_wait();
-  if (!shared) load(p.down.expert(p.topk_idx[slot]));
+  if (p.router_logits) {  // moe_route has completed (moe.cuh): select and fetch the routed weights early too
+    if (threadIdx.x < 32) {
+      const RouteChoice choice = warp_route_top_k<8>(p.router_logits, p.n_experts, p.top_k);
+      if (threadIdx.x < p.top_k) idx_s[threadIdx.x] = choice.idx, w_s[threadIdx.x] = choice.weight;
+    }
+    __syncthreads();
+    if (!shared) load(p.down.expert(idx_s[slot]));
+    pdl_wait();
+  } else {
+    pdl_wait();
+    if (!shared) load(p.down.expert(p.topk_idx[slot]));
+    if (threadIdx.x < p.top_k) w_s[threadIdx.x] = p.topk_w[threadIdx.x];  // published by the barrier below
+  }
   const int out_row = row0 + static_cast<int>(threadIdx.x);
   const bool writer = threadIdx.x < Lay::kRowsPerChunk && out_row < n_rows;
   const float h_old = writer ? p.h[out_row] : 0.0f;
@@ -270,13 +296,18 @@ __global__ void __launch_bounds__(32 * (kMaxTopK + 1)) moe_expert_out_kernel(
   __syncthreads();
   if (writer) {
     float total = 0.0f;
-    for (int s = 0; s < p.top_k; ++s) total += p.topk_w[s] * part_s[s][threadIdx.x];
+    for (int s = 0; s < p.top_k; ++s) total += w_s[s] * part_s[s][threadIdx.x];
     total += *p.shared_gate_value * part_s[p.top_k][threadIdx.x];
     p.h[out_row] = h_old + total;
   }
 }
 
 // ---- launchers -----------------------------------------------------------------------------------------------
+
+// Either router logits to select from (E <= 256: warp_route_top_k<8>) or the selected expert ids.
+bool valid_selection(const float* logits, int n_experts, int top_k, const int* topk_idx) {
+  return logits ? n_experts >= top_k && n_experts <= 256 : topk_idx != nullptr;
+}
 
 bool is_q(const QMatrix& m, int bits, int rows, int cols) {
   return m.w && m.scales && m.biases && m.bits == bits && m.rows == rows && m.cols == cols &&
@@ -290,10 +321,9 @@ cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream) {
   if (!is_q(p.router, 8, n_experts, hidden) || !is_q(p.shared_gate, 8, 1, hidden)) return cudaErrorInvalidValue;
   if (n_experts < 1 || n_experts > kMaxExperts || hidden <= 0 || hidden % 512) return cudaErrorInvalidValue;
   if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > n_experts) return cudaErrorInvalidValue;
-  if (!p.h || !p.norm_w || !p.x || !p.logits || !p.counter || !p.topk_idx || !p.topk_w || !p.shared_gate_value) {
-    return cudaErrorInvalidValue;
-  }
-  const size_t smem = (xpad_floats(hidden) + 2 * n_experts) * sizeof(float);
+  if (!p.h || !p.norm_w || !p.x || !p.logits || !p.shared_gate_value) return cudaErrorInvalidValue;
+  if (p.select_top_k && (!p.counter || !p.topk_idx || !p.topk_w)) return cudaErrorInvalidValue;
+  const size_t smem = xpad_floats(hidden) * sizeof(float);
   if (smem > 48 * 1024) {
     CUDA_TRY(cudaFuncSetAttribute(moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
@@ -303,7 +333,8 @@ cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream) {
 
 cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) {
   const int n_rows = p.gate.rows, hidden = p.gate.cols;
-  if (p.top_k < 1 || p.top_k > kMaxTopK || !p.x || !p.topk_idx || !p.act) return cudaErrorInvalidValue;
+  if (p.top_k < 1 || p.top_k > kMaxTopK || !p.x || !p.act || !aligned16(p.x)) return cudaErrorInvalidValue;
+  if (!valid_selection(p.router_logits, p.n_experts, p.top_k, p.topk_idx)) return cudaErrorInvalidValue;
   if (!is_q(p.gate, 4, n_rows, hidden) || !is_q(p.up, 4, n_rows, hidden)) return cudaErrorInvalidValue;
   if (!is_q(p.shared_gate, 4, n_rows, hidden) || !is_q(p.shared_up, 4, n_rows, hidden)) {
     return cudaErrorInvalidValue;  // the shared expert must have the routed experts' shape (Is == I)
@@ -323,7 +354,8 @@ cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) {
 
 cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream) {
   const int n_rows = p.down.rows, inter = p.down.cols;
-  if (p.top_k < 1 || p.top_k > kMaxTopK || !p.act || !p.topk_idx || !p.topk_w || !p.shared_gate_value || !p.h) {
+  if (p.top_k < 1 || p.top_k > kMaxTopK || !p.act || !p.shared_gate_value || !p.h) return cudaErrorInvalidValue;
+  if (!valid_selection(p.router_logits, p.n_experts, p.top_k, p.topk_idx) || (!p.router_logits && !p.topk_w)) {
     return cudaErrorInvalidValue;
   }
   if (!is_q(p.down, 4, n_rows, inter) || !is_q(p.shared_down, 4, n_rows, inter)) return cudaErrorInvalidValue;

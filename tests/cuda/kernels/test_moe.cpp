@@ -327,6 +327,85 @@ TEST(CudaMoe, LayerChainMatchesCpu) {
   }
 }
 
+// The selection moved into the expert kernels (moe_route without top-k; moe_expert_in and moe_expert_out take the
+// softmax and top-k from the router logits themselves, moe_expert_out before waiting for moe_expert_in) must give
+// the same bits as the chain whose routing moe_route selects (checked against the CPU above and here): two layers
+// back to back on one stream, as in the decode graph, so that the second layer's early logits reads follow the
+// first layer's kernels.
+TEST(CudaMoe, LayerChainSelectingInTheExpertKernels) {
+  SKIP_WITHOUT_GPU();
+  const int E = 32, H = 2048, I = 512, k = 8, layers = 2;
+  HostQMatrix router = random_qmatrix(E, H, 8, 61), shared_gate = random_qmatrix(1, H, 8, 62);
+  ExpertSetup in_w = make_experts(E, H, I, k, 63, true), out_w = make_experts(E, H, I, k, 64, false);
+  const std::vector<float> h = random_vector(H, 65), norm_w = random_vector(H, 66, 0.1f, 1.0f);
+  DeviceBuffer<float> d_norm(norm_w), d_x(H), d_logits(E), d_w(k), d_sg(1), d_act((k + 1) * I);
+  DeviceBuffer<unsigned> d_counter(1);
+  DeviceBuffer<int> d_idx(k);
+  ASSERT_CUDA(d_counter.zero());
+  const QMatrix q_router = router.upload(), q_sgate = shared_gate.upload();
+  const QMatrix q_gate = stacked(in_w.gate, I), q_up = stacked(in_w.up, I), q_sg = in_w.s_gate.upload();
+  const QMatrix q_su = in_w.s_up.upload(), q_down = stacked(out_w.down, H), q_sd = out_w.s_down.upload();
+  struct ChainOut {
+    std::vector<float> h, logits, w;
+    std::vector<int> idx;
+  };
+  auto run = [&](bool in_experts) {
+    DeviceBuffer<float> d_h(h);
+    MoeRouteParams rp;
+    rp.router = q_router, rp.shared_gate = q_sgate, rp.h = d_h.get(), rp.norm_w = d_norm.get(), rp.top_k = k;
+    rp.x = d_x.get(), rp.logits = d_logits.get(), rp.shared_gate_value = d_sg.get();
+    rp.select_top_k = !in_experts;
+    if (!in_experts) rp.counter = d_counter.get(), rp.topk_idx = d_idx.get(), rp.topk_w = d_w.get();
+    MoeExpertInParams ip;
+    ip.gate = q_gate, ip.up = q_up, ip.shared_gate = q_sg, ip.shared_up = q_su, ip.x = d_x.get(), ip.top_k = k;
+    ip.act = d_act.get();
+    MoeExpertOutParams op;
+    op.down = q_down, op.shared_down = q_sd, op.act = d_act.get(), op.shared_gate_value = d_sg.get(), op.top_k = k;
+    op.h = d_h.get();
+    if (in_experts) {
+      ip.router_logits = op.router_logits = d_logits.get();
+      ip.n_experts = op.n_experts = E;
+    } else {
+      ip.topk_idx = op.topk_idx = d_idx.get();
+      op.topk_w = d_w.get();
+    }
+    cudaStream_t stream;
+    EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    std::vector<float> first_logits;
+    for (int layer = 0; layer < layers; ++layer) {
+      EXPECT_EQ(moe_route(rp, stream), cudaSuccess);
+      EXPECT_EQ(moe_expert_in(ip, stream), cudaSuccess);
+      EXPECT_EQ(moe_expert_out(op, stream), cudaSuccess);
+      if (layer == 0) {
+        EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        first_logits = d_logits.download();
+      }
+    }
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    return ChainOut{d_h.download(), first_logits, d_w.download(), d_idx.download()};
+  };
+  const ChainOut by_route = run(false);
+  ASSERT_CUDA(d_idx.zero());
+  ASSERT_CUDA(d_w.zero());
+  const ChainOut by_experts = run(true);
+  EXPECT_EQ(by_experts.logits, by_route.logits);
+  EXPECT_EQ(by_experts.idx, std::vector<int>(k, 0)) << "the expert kernels write no selection";
+  for (int r = 0; r < H; ++r) ASSERT_EQ(by_experts.h[r], by_route.h[r]) << "row " << r;
+  // The route-selected chain's second-layer routing against the CPU on its own logits.
+  const std::vector<float> logits = d_logits.download();
+  std::vector<float> probs(logits);
+  const float mx = *std::max_element(probs.begin(), probs.end());
+  double sum = 0;
+  for (float& v : probs) sum += (v = std::exp(v - mx));
+  for (float& v : probs) v = static_cast<float>(v / sum);
+  std::vector<int> idx(k);
+  std::vector<float> w(k);
+  cpu::route_top_k(probs.data(), E, k, idx.data(), w.data());
+  EXPECT_EQ(by_route.idx, idx);
+  for (int i = 0; i < k; ++i) EXPECT_NEAR(by_route.w[i], w[i], 1e-5 * w[i] + 1e-7);
+}
+
 TEST(CudaMoe, RejectsBadArguments) {
   SKIP_WITHOUT_GPU();
   MoeExpertInParams in;  // no weights at all
@@ -335,6 +414,20 @@ TEST(CudaMoe, RejectsBadArguments) {
   EXPECT_EQ(moe_expert_out(out, nullptr), cudaErrorInvalidValue);
   MoeRouteParams route;
   EXPECT_EQ(moe_route(route, nullptr), cudaErrorInvalidValue);
+  // Selection in the expert kernels is for up to 256 experts (one warp, 8 per lane).
+  ExpertSetup w = make_experts(4, 1024, 64, 2, 71, true);
+  DeviceBuffer<float> x(1024), act(3 * 64), logits(300);
+  EXPECT_EQ(x.zero(), cudaSuccess);
+  EXPECT_EQ(logits.zero(), cudaSuccess);
+  in.gate = stacked(w.gate, 64), in.up = stacked(w.up, 64), in.shared_gate = w.s_gate.upload();
+  in.shared_up = w.s_up.upload(), in.x = x.get(), in.top_k = 2, in.act = act.get();
+  in.router_logits = logits.get(), in.n_experts = 4;
+  EXPECT_EQ(moe_expert_in(in, nullptr), cudaSuccess);
+  in.n_experts = 300;
+  EXPECT_EQ(moe_expert_in(in, nullptr), cudaErrorInvalidValue);
+  in.router_logits = nullptr;  // and no topk_idx either
+  EXPECT_EQ(moe_expert_in(in, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
 // Full-size MoE (E = 256, H = 2048, I = 512, k = 8) from 453 MB of stacked experts, a different random expert set
