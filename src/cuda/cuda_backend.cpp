@@ -168,6 +168,7 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
       GdnStepParams g{proj_.ptr, s.conv[l]->ptr, L.conv_w, L.A_log, L.dt_bias, s.S[l]->ptr, s.pos.ptr,
                       c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim, c.linear_conv_kernel_dim, gdn_o_.ptr};
+      g.prefetch_state = true;  // S, the conv ring and pos are written by no kernel before it in a step
       STEP_OP("gdn_step", 2.0 * s.S[l]->bytes(), gdn_step(g, stream_));
       GemvParams out{L.gdn_out, gdn_o_.ptr, GemvPrologue::gated_rms_norm, L.gdn_norm,
                      proj_.ptr + c.linear_conv_dim(), c.linear_value_head_dim, eps, h_.ptr, h_.ptr};

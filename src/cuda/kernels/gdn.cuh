@@ -20,6 +20,11 @@ struct GdnStepParams {
   const int* pos = nullptr;       // device: position of this token
   int n_k = 16, n_v = 32, d_k = 128, d_v = 128, kernel = 4;
   float* o = nullptr;             // out [n_v * d_v]: S^T q_hat (before the gated norm)
+  // The kernel starts before its predecessor has finished (programmatic dependent launch) and waits for it before
+  // reading proj. With prefetch_state it also reads *pos, S and the conv ring before that wait: only valid when no
+  // kernel still in flight writes them (the decode graph: each layer's state is written by its own gdn_step
+  // once per step, and pos by advance_position at the end of the previous step).
+  bool prefetch_state = false;
 };
 
 cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream);
