@@ -184,6 +184,7 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
       AttnDecodeParams dec{q_.ptr, s.k[l]->ptr, s.v[l]->ptr, c.num_attention_heads, c.num_key_value_heads,
                            c.head_dim, s.pos.ptr, n_splits, 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
                            part_o_.ptr, part_ml_.ptr};
+      dec.prefetch_cache = true;  // rows < pos and pos itself are written by no kernel before attn_prep in a step
       STEP_OP("attn_decode", kv_bytes, attn_decode(dec, stream_));
       AttnCombineParams comb{part_o_.ptr, part_ml_.ptr, n_splits, c.num_attention_heads, c.head_dim, proj_.ptr,
                              attn_out_.ptr};

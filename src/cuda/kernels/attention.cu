@@ -25,6 +25,8 @@
 //   75.0 us), 32K 30.0 us (2.23 TB/s), 4K 12.7 us, 1K 10.7 us at n_splits 64-66 (= SMs / nkv), which is within 5%
 //   of the best split count at every context; a single block streams only ~60 GB/s, so splits must fill the SMs.
 //   158 registers, no spills; 211,200 B of shared memory (1 block per SM).
+//   Programmatic dependent launch: with prefetch_cache, pos and the first tiles of rows < pos are fetched before
+//   waiting for attn_prep (the tile holding row pos, only ever a warp's last, after it); q always after it.
 //
 // attn_combine (eqs 11-12): grid (nq, D/32); merges the splits with exp(m_s - M) weights, divides by the sum and
 //   multiplies by sigmoid(gate). Moves n_splits * nq * D * 4 bytes of partials.
@@ -116,17 +118,20 @@ __global__ void attn_prep_kernel(const __grid_constant__ AttnPrepParams p) {
   __shared__ float y_s[1024];
   __shared__ float scratch[32];
   const int D = p.head_dim, d = threadIdx.x, b = blockIdx.x;
-  const int pos = *p.pos;
   const bool is_q = b < p.nq;
   const int m = b - p.nq;  // kv head for the k/v blocks
   const float* src = is_q ? p.proj + static_cast<size_t>(b) * 2 * D : p.proj + static_cast<size_t>(p.nq) * 2 * D + m * D;
   const float* w = is_q ? p.q_norm : p.k_norm;
+  pdl_launch_dependents();
+  const float w_d = w[d];  // a weight: before waiting for the projection GEMV
+  pdl_wait();
+  const int pos = *p.pos;
 
   // Eq 9 (multiplier form, as cpu::rms_norm): y = x * (1 / sqrt(mean x^2 + eps)) * w.
   const float x = src[d];
   const float ss = block_sum(x * x, scratch);
   const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + p.eps);
-  float y = __fmul_rn(__fmul_rn(x, inv), w[d]);
+  float y = __fmul_rn(__fmul_rn(x, inv), w_d);
   y_s[d] = y;
   __syncthreads();
 
@@ -300,7 +305,38 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __gri
   __nv_bfloat16* tiles_s = q_s + 2 * kMaxGroup * kRowPitch;      // [kWarps][kStages][K, V][kTileElems]
   const int m = blockIdx.x, split = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = p.nq / p.nkv;
-  // q of the group into registers first (16-byte loads, independent of pos): a load-convert-store loop would make
+  pdl_launch_dependents();
+  if (!p.prefetch_cache) pdl_wait();
+  const int pos = *p.pos, n = pos + 1;
+  const int chunk = ((n + p.n_splits - 1) / p.n_splits + kTileRows - 1) / kTileRows * kTileRows;
+  const int row_begin = min(split * chunk, n), row_end = min(row_begin + chunk, n);
+
+  // Start the first tiles' copies before anything else so that their latency overlaps the q staging (and, with
+  // prefetch_cache, attn_prep). A tile holding row pos (appended by attn_prep; only the warp's last tile can) is
+  // deferred until after the wait, in a commit group of its own: its iteration waits for all groups.
+  __nv_bfloat16* warp_tiles = tiles_s + static_cast<size_t>(warp) * kStages * 2 * kTileElems;
+  const int n_tiles = (row_end - row_begin + kTileRows - 1) / kTileRows;
+  const int my_tiles = warp < n_tiles ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
+  auto tile_row = [&](int i) { return row_begin + (warp + i * kWarps) * kTileRows; };
+  int deferred = -1;
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) {
+    if (i < my_tiles) {
+      if (!p.prefetch_cache || min(tile_row(i) + kTileRows, row_end) <= pos) {
+        load_tile(p, m, tile_row(i), row_end, warp_tiles + i * 2 * kTileElems, warp_tiles + (i * 2 + 1) * kTileElems, lane);
+      } else {
+        deferred = i;
+      }
+    }
+    cp_async_commit();
+  }
+  if (p.prefetch_cache) pdl_wait();
+  if (deferred >= 0) {
+    load_tile(p, m, tile_row(deferred), row_end, warp_tiles + deferred * 2 * kTileElems,
+              warp_tiles + (deferred * 2 + 1) * kTileElems, lane);
+    cp_async_commit();
+  }
+  // q of the group into registers (16-byte loads, all issued before use): a load-convert-store loop would make
   // one dependent L2 round trip per iteration (SASS of the first version: 16 of them, ~5 us at every context).
   constexpr int kQVecs = kMaxGroup * kHeadDim / 4 / (kWarps * 32);
   float4 q_reg[kQVecs];
@@ -310,21 +346,6 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __gri
     q_reg[u] = idx / kHeadDim < group
                    ? *reinterpret_cast<const float4*>(p.q + static_cast<size_t>(m) * group * kHeadDim + idx)
                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  }
-  const int n = *p.pos + 1;
-  const int chunk = ((n + p.n_splits - 1) / p.n_splits + kTileRows - 1) / kTileRows * kTileRows;
-  const int row_begin = min(split * chunk, n), row_end = min(row_begin + chunk, n);
-
-  // Start the first tiles' copies before anything else so that their latency overlaps the q staging.
-  __nv_bfloat16* warp_tiles = tiles_s + static_cast<size_t>(warp) * kStages * 2 * kTileElems;
-  const int n_tiles = (row_end - row_begin + kTileRows - 1) / kTileRows;
-  const int my_tiles = warp < n_tiles ? (n_tiles - warp + kWarps - 1) / kWarps : 0;
-  auto tile_row = [&](int i) { return row_begin + (warp + i * kWarps) * kTileRows; };
-#pragma unroll
-  for (int i = 0; i < kStages - 1; ++i) {
-    if (i < my_tiles)
-      load_tile(p, m, tile_row(i), row_end, warp_tiles + i * 2 * kTileElems, warp_tiles + (i * 2 + 1) * kTileElems, lane);
-    cp_async_commit();
   }
 
   const float q_mul = p.scale * kLog2e;  // scores in log2 units: softmax via exp2
@@ -353,8 +374,12 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __gri
   const int kv_off = ((lane & 7) + (lane >> 4) * 8) * kRowPitch + ((lane >> 3) & 1) * 8;
   const uint32_t q_addr = smem_u32(q_s + a_off);
   for (int i = 0; i < my_tiles; ++i) {
-    cp_async_wait<kStages - 2>();  // tile i has landed (this lane's copies) ...
-    __syncwarp();                  // ... and every lane's; stage (i-1) % kStages is free again
+    if (i == my_tiles - 1) {
+      cp_async_wait<0>();  // the last tile (possibly the deferred one, committed out of order) has landed ...
+    } else {
+      cp_async_wait<kStages - 2>();  // tile i has landed (this lane's copies) ...
+    }
+    __syncwarp();  // ... and every lane's; stage (i-1) % kStages is free again
     const int next = i + kStages - 1;
     if (next < my_tiles) {
       __nv_bfloat16* dst = warp_tiles + (next % kStages) * 2 * kTileElems;
@@ -379,6 +404,8 @@ __global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __g
   __shared__ float acc_s[kCombineThreads / 32][32];
   const int j = blockIdx.x, D = p.head_dim, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int d = blockIdx.y * 32 + lane;
+  pdl_launch_dependents();
+  pdl_wait();  // everything read here comes from attn_decode or earlier kernels
 
   float mx = -INFINITY;
   for (int s = threadIdx.x; s < p.n_splits; s += blockDim.x) {
@@ -424,8 +451,7 @@ cudaError_t attn_prep(const AttnPrepParams& p, cudaStream_t stream) {
   if (!p.proj || !p.q_norm || !p.k_norm || !p.pos || !p.q || !p.k_cache || !p.v_cache) return cudaErrorInvalidValue;
   if (p.nq <= 0 || p.nkv <= 0 || p.head_dim <= 0 || p.head_dim > 1024 || p.head_dim % 32 != 0) return cudaErrorInvalidValue;
   if (p.rotary_dim < 0 || p.rotary_dim % 2 != 0 || p.rotary_dim > p.head_dim) return cudaErrorInvalidValue;
-  attn_prep_kernel<<<p.nq + p.nkv, p.head_dim, 0, stream>>>(p);
-  return cudaGetLastError();
+  return launch_pdl(attn_prep_kernel, dim3(p.nq + p.nkv), dim3(p.head_dim), 0, stream, p);
 }
 
 cudaError_t attn_decode(const AttnDecodeParams& p, cudaStream_t stream) {
@@ -435,16 +461,15 @@ cudaError_t attn_decode(const AttnDecodeParams& p, cudaStream_t stream) {
   if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0) return cudaErrorInvalidValue;  // float4 loads of q
   CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 static_cast<int>(kDecodeSmemBytes)));
-  attn_decode_kernel<<<dim3(p.nkv, p.n_splits), kWarps * 32, kDecodeSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_pdl(attn_decode_kernel, dim3(p.nkv, p.n_splits), dim3(kWarps * 32), kDecodeSmemBytes, stream, p);
 }
 
 cudaError_t attn_combine(const AttnCombineParams& p, cudaStream_t stream) {
   if (!p.part_o || !p.part_ml || !p.proj || !p.out) return cudaErrorInvalidValue;
   if (p.nq <= 0 || p.head_dim <= 0 || p.head_dim % 32 != 0) return cudaErrorInvalidValue;
   if (p.n_splits < 1 || p.n_splits > kMaxSplits) return cudaErrorInvalidValue;
-  attn_combine_kernel<<<dim3(p.nq, p.head_dim / 32), kCombineThreads, 2 * p.n_splits * sizeof(float), stream>>>(p);
-  return cudaGetLastError();
+  return launch_pdl(attn_combine_kernel, dim3(p.nq, p.head_dim / 32), dim3(kCombineThreads),
+                    2 * p.n_splits * sizeof(float), stream, p);
 }
 
 }  // namespace lily::cuda

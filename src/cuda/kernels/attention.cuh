@@ -7,7 +7,8 @@
 //                coalesced loads; writes unnormalised partial outputs and (max, sum) per split. Moves
 //                (*pos+1) * nkv * D * 2 * 2 bytes.
 //  attn_combine: merges the splits, divides by the softmax sum, multiplies by sigmoid(gate): out [nq*D].
-// Cache layout: K and V each [max_ctx, nkv, D] bf16.
+// Cache layout: K and V each [max_ctx, nkv, D] bf16. All three use programmatic dependent launch: each waits for
+// its predecessor before reading what that kernel (or an earlier one) wrote.
 #pragma once
 #include "cuda/kernels/common.cuh"
 
@@ -36,6 +37,11 @@ struct AttnDecodeParams {
   float scale = 0.0625f;     // 1/sqrt(D)
   float* part_o = nullptr;   // out [n_splits, nq, D] unnormalised
   float* part_ml = nullptr;  // out [n_splits, nq, 2]: running max and sum of exp
+  // The kernel starts before attn_prep has finished (programmatic dependent launch) and waits for it before reading
+  // q. With prefetch_cache it also reads *pos and starts copying cache rows < *pos before that wait: only valid when
+  // no kernel still in flight writes them (the decode graph: rows < pos were appended in earlier steps, pos is
+  // written by advance_position at the end of the previous step); row *pos, appended by attn_prep, comes after.
+  bool prefetch_cache = false;
 };
 
 struct AttnCombineParams {
