@@ -38,6 +38,7 @@ class LilyServer:
     def __init__(self, model, *args):
         self.model, self.args = model, list(args)
         self.proc, self.port, self.lines = None, None, []
+        self.first_health = None  # (status, body) of the first /health answer: 503 "loading" while it loads
         self._reader = None
 
     def start(self, timeout=90):
@@ -52,7 +53,9 @@ class LilyServer:
                 raise RuntimeError("lily serve did not start:\n" + "\n".join(self.lines))
             time.sleep(0.02)
         while True:
-            status, _ = self.request("GET", "/health")
+            status, body = self.request("GET", "/health")
+            if self.first_health is None and status is not None:
+                self.first_health = (status, json.loads(body))
             if status == 200:
                 return self
             if time.time() > deadline or self.proc.poll() is not None:

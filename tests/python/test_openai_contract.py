@@ -44,6 +44,9 @@ class Contract:
 
     # --- endpoints -------------------------------------------------------------------------------------------
     def test_health_models_page(self):
+        # The server listens before the model is loaded (the tokenizer alone takes about a second).
+        assert self.s.first_health == (503, {"status": "loading", "model": "tiny"}), self.s.first_health
+        assert any("5/5 ready" in line for line in self.s.lines), self.s.lines[:8]  # the progress bar's end
         status, body = self.s.request("GET", "/health")
         assert status == 200 and json.loads(body)["status"] == "ok", body
         models = self.client.models.list()

@@ -71,7 +71,7 @@ function assistantView() {
   think.open = true;
   think.innerHTML = '<summary>Reasoning</summary><div class="text"></div>';
   const answer = document.createElement("div");
-  answer.className = "cursor";
+  answer.className = "answer cursor";
   body.append(think, answer);
   think.style.display = "none";
   const stats = document.createElement("div");
