@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <set>
 #include <thread>
 
 #include "server/api_error.h"
@@ -308,7 +309,7 @@ Status HttpServer::listen() {
 
 size_t HttpServer::connections() const {
   std::lock_guard lock(mu_);
-  return n_connections_;
+  return open_fds_.size();
 }
 
 void HttpServer::shutdown() {
@@ -325,26 +326,32 @@ void HttpServer::run() {
     ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     {
       std::lock_guard lock(mu_);
-      if (n_connections_ >= options_.max_connections) {
+      if (open_fds_.size() >= options_.max_connections) {
         HttpExchange ex(fd, false, 1000);
         ex.send_json(503, error_body(server_error(503, "too many open connections", "too_many_connections")));
         ::close(fd);
         continue;
       }
-      ++n_connections_;
+      open_fds_.insert(fd);
     }
     std::thread([this, fd] {
       serve_connection(fd);
-      ::close(fd);
       std::lock_guard lock(mu_);
-      --n_connections_;
+      open_fds_.erase(fd);
+      ::close(fd);  // under the lock: run() never shuts down a number that was closed and reused
       cv_.notify_all();
     }).detach();
   }
   ::close(listen_fd_);
   listen_fd_ = -1;
+  // Busy connections finish their response; past the drain timeout their sockets are shut down, which ends
+  // any read, write or poll in progress, so no connection thread outlives the server.
   std::unique_lock lock(mu_);
-  cv_.wait_for(lock, std::chrono::seconds(10), [&] { return n_connections_ == 0; });
+  if (!cv_.wait_for(lock, std::chrono::milliseconds(options_.drain_timeout_ms),
+                    [&] { return open_fds_.empty(); })) {
+    for (int fd : open_fds_) ::shutdown(fd, SHUT_RDWR);
+    cv_.wait_for(lock, std::chrono::seconds(5), [&] { return open_fds_.empty(); });
+  }
 }
 
 bool HttpServer::read_request(int fd, std::string& buf, HttpRequest& req, HttpExchange& ex) {

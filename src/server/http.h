@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -75,8 +76,9 @@ struct HttpServerOptions {
   size_t max_body_bytes = 16u << 20;
   size_t max_header_bytes = 64u << 10;
   size_t max_connections = 512;
-  int idle_timeout_ms = 60000;  // keep-alive connection with no request
-  int io_timeout_ms = 30000;    // a started request or response that stalls
+  int idle_timeout_ms = 60000;   // keep-alive connection with no request
+  int io_timeout_ms = 30000;     // a started request or response that stalls
+  int drain_timeout_ms = 15000;  // after shutdown(): how long busy connections may take to finish
 };
 
 using HttpHandler = std::function<void(const HttpRequest&, HttpExchange&)>;
@@ -107,7 +109,7 @@ class HttpServer {
   std::atomic<bool> stopping_{false};
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  size_t n_connections_ = 0;
+  std::set<int> open_fds_;  // connections being served
 };
 
 // "200 OK", "413 Payload Too Large", ...

@@ -15,20 +15,26 @@
 
 namespace lily {
 
-Server::Server(ServerOptions options)
-    : options_(std::move(options)),
-      http_(options_.http, [this](const HttpRequest& req, HttpExchange& ex) { handle(req, ex); }),
-      scheduler_(std::make_unique<Scheduler>(options_.max_queue)) {
-  if (options_.served_model_name.empty()) {
-    options_.served_model_name =
-        std::filesystem::path(options_.model_dir).lexically_normal().filename().string();
-    if (options_.served_model_name.empty()) {
-      options_.served_model_name =
-          std::filesystem::path(options_.model_dir).parent_path().filename().string();
-    }
+namespace {
+
+// Defaults that depend on other options: the served name, and HTTP draining that outlasts the shutdown grace.
+ServerOptions resolved(ServerOptions o) {
+  o.http.drain_timeout_ms = o.shutdown_grace_ms + 5000;  // in-flight work ends (or is cancelled) first
+  if (o.served_model_name.empty()) {
+    std::filesystem::path dir = std::filesystem::path(o.model_dir).lexically_normal();
+    o.served_model_name =
+        dir.filename().empty() ? dir.parent_path().filename().string() : dir.filename().string();
   }
-  started_at_ = static_cast<int64_t>(std::time(nullptr));
+  return o;
 }
+
+}  // namespace
+
+Server::Server(ServerOptions options)
+    : options_(resolved(std::move(options))),
+      http_(options_.http, [this](const HttpRequest& req, HttpExchange& ex) { handle(req, ex); }),
+      scheduler_(std::make_unique<Scheduler>(options_.max_queue)),
+      started_at_(static_cast<int64_t>(std::time(nullptr))) {}
 
 Server::~Server() {
   shutdown();

@@ -200,6 +200,34 @@ TEST(HttpServerLifecycle, ShutdownClosesIdleConnectionsAndRunReturns) {
   EXPECT_EQ(c.read_all(), "");  // closed by the server
 }
 
+TEST(HttpServerLifecycle, BusyConnectionsAreCutAfterTheDrainTimeout) {
+  HttpServerOptions o;
+  o.port = 0;
+  o.drain_timeout_ms = 200;
+  std::atomic<bool> handler_done{false};
+  HttpServer server(o, [&](const HttpRequest&, HttpExchange& ex) {
+    ex.begin_stream(200, "text/plain");
+    ex.write("working");
+    auto deadline = Clock::now() + std::chrono::seconds(20);  // a handler that would outlive the server
+    while (!ex.client_gone() && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    ex.abandon();
+    handler_done = true;
+  });
+  ASSERT_TRUE(server.listen().ok());
+  std::thread t([&] { server.run(); });
+  Client c(server.port());
+  c.send("GET / HTTP/1.1\r\n\r\n");
+  c.read_until("working");
+  auto t0 = Clock::now();
+  server.shutdown();
+  t.join();
+  double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  EXPECT_GE(took, 0.15);
+  EXPECT_LT(took, 2.0);
+  EXPECT_TRUE(handler_done.load());
+  EXPECT_EQ(server.connections(), 0u);
+}
+
 TEST(HttpServerLifecycle, PortInUseIsAnError) {
   HttpServerOptions o;
   o.port = 0;
