@@ -172,7 +172,9 @@ __device__ __forceinline__ float block_sum(float v, float* red_s) {
   return total;
 }
 
-__host__ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+__host__ __device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
 
 // x_s (padded) = in, or in / RMS(in) * norm_w (eqs 1-2, multiplier form) when norm_w is given. Fast path (16-byte
 // aligned inputs, cols % 4 == 0, cols <= 16 * blockDim): each thread loads up to 4 float4 of in and of norm_w at
@@ -216,6 +218,10 @@ __device__ __forceinline__ void block_load_x(const float* in, const float* norm_
   __syncthreads();
 }
 
+// silu with the approximate division (MUFU.RCP + FMUL, 2 ulp): the IEEE one branches to a slow path per element,
+// which serialised the 16 exp/rcp chains of a thread in the gated prologue. x / inf = 0 for very negative x.
+__device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
+
 // Eq 19 per head of head_dim: x_s (padded) = norm_w[d] * o / RMS(o_head) * silu(z).
 // Fast path (head_dim = 16 L with L a power of two <= 32, 16-byte aligned inputs): each lane takes 16 consecutive
 // elements (4 float4 of o, z and norm_w, loaded at once), so a head is L adjacent lanes and its sum of squares is
@@ -226,8 +232,8 @@ __device__ __forceinline__ void block_load_x_gated(const float* o, const float* 
                                                    float eps, int cols, float* x_s) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
   const int lanes_per_head = head_dim / 16;
-  if (head_dim % 16 == 0 && lanes_per_head <= 32 && (lanes_per_head & (lanes_per_head - 1)) == 0 && aligned16(o) &&
-      aligned16(z) && aligned16(norm_w)) {
+  if (head_dim % 16 == 0 && lanes_per_head <= 32 && (lanes_per_head & (lanes_per_head - 1)) == 0 &&
+      aligned16(o) && aligned16(z) && aligned16(norm_w)) {
     const float4* o4 = reinterpret_cast<const float4*>(o);
     const float4* z4 = reinterpret_cast<const float4*>(z);
     const float4* w4 = reinterpret_cast<const float4*>(norm_w);
@@ -244,15 +250,19 @@ __device__ __forceinline__ void block_load_x_gated(const float* o, const float* 
         wv[q] = valid ? w4[d0 / 4 + q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
 #pragma unroll
-      for (int q = 0; q < 4; ++q) ss += (ov[q].x * ov[q].x + ov[q].y * ov[q].y) + (ov[q].z * ov[q].z + ov[q].w * ov[q].w);
-      for (int offset = 1; offset < lanes_per_head; offset <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, offset);
+      for (int q = 0; q < 4; ++q)
+        ss += (ov[q].x * ov[q].x + ov[q].y * ov[q].y) + (ov[q].z * ov[q].z + ov[q].w * ov[q].w);
+      for (int offset = 1; offset < lanes_per_head; offset <<= 1)
+        ss += __shfl_xor_sync(0xffffffffu, ss, offset);
       const float inv_rms = rsqrtf(ss / static_cast<float>(head_dim) + eps);
       if (valid) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           *reinterpret_cast<float4*>(x_s + xpad(e0 + 4 * q)) =
-              make_float4(wv[q].x * (ov[q].x * inv_rms) * siluf_(zv[q].x), wv[q].y * (ov[q].y * inv_rms) * siluf_(zv[q].y),
-                          wv[q].z * (ov[q].z * inv_rms) * siluf_(zv[q].z), wv[q].w * (ov[q].w * inv_rms) * siluf_(zv[q].w));
+              make_float4(wv[q].x * (ov[q].x * inv_rms) * silu_fast(zv[q].x),
+                          wv[q].y * (ov[q].y * inv_rms) * silu_fast(zv[q].y),
+                          wv[q].z * (ov[q].z * inv_rms) * silu_fast(zv[q].z),
+                          wv[q].w * (ov[q].w * inv_rms) * silu_fast(zv[q].w));
         }
       }
     }

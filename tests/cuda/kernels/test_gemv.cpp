@@ -41,9 +41,9 @@ std::vector<float> reference_x(const GemvCase& c, const std::vector<float>& in, 
 }
 
 void run_case(const GemvCase& c, uint32_t seed, int head_dim = 128) {
-  SCOPED_TRACE(testing::Message() << "rows " << c.rows << " cols " << c.cols << " bits " << c.bits << " prologue "
-                                  << static_cast<int>(c.prologue) << " residual " << c.residual << " head_dim "
-                                  << head_dim);
+  SCOPED_TRACE(testing::Message() << "rows " << c.rows << " cols " << c.cols << " bits " << c.bits
+                                  << " prologue " << static_cast<int>(c.prologue) << " residual "
+                                  << c.residual << " head_dim " << head_dim);
   const float eps = 1e-6f;
   HostQMatrix hm = random_qmatrix(c.rows, c.cols, c.bits, seed);
   const std::vector<float> in = random_vector(c.cols, seed + 1);
