@@ -147,6 +147,14 @@ bool select_in_expert_kernels(const ModelConfig& c) {
          (I == 512 || I == 1024) && c.shared_expert_intermediate_size == I;
 }
 
+// gdn_step applies the out_proj's gated RMSNorm itself (GdnStepParams::norm_w, a cluster per head) when the fast
+// kernel serves this geometry (its launcher's shapes); else the out_proj GEMV's prologue does.
+bool gated_norm_in_gdn_step(const ModelConfig& c) {
+  return c.linear_key_head_dim == 128 && c.linear_value_head_dim % 32 == 0 && c.linear_value_head_dim <= 256 &&
+         c.linear_num_key_heads > 0 && c.linear_num_value_heads % c.linear_num_key_heads == 0 &&
+         c.linear_conv_kernel_dim == 4;
+}
+
 #define STEP_OP(name, bytes, call)                      \
   do {                                                  \
     if (prof) prof->begin(name, static_cast<double>(bytes)); \
@@ -169,9 +177,12 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
                       c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim, c.linear_conv_kernel_dim, gdn_o_.ptr};
       g.prefetch_state = true;  // S, the conv ring and pos are written by no kernel before it in a step
+      const bool fused_norm = gated_norm_in_gdn_step(c);
+      if (fused_norm) g.gate_z = proj_.ptr + c.linear_conv_dim(), g.norm_w = L.gdn_norm, g.eps = eps;
       STEP_OP("gdn_step", 2.0 * s.S[l]->bytes(), gdn_step(g, stream_));
-      GemvParams out{L.gdn_out, gdn_o_.ptr, GemvPrologue::gated_rms_norm, L.gdn_norm,
-                     proj_.ptr + c.linear_conv_dim(), c.linear_value_head_dim, eps, h_.ptr, h_.ptr};
+      const GemvPrologue out_prologue = fused_norm ? GemvPrologue::none : GemvPrologue::gated_rms_norm;
+      GemvParams out{L.gdn_out, gdn_o_.ptr, out_prologue, L.gdn_norm, proj_.ptr + c.linear_conv_dim(),
+                     c.linear_value_head_dim, eps, h_.ptr, h_.ptr};
       STEP_OP("gemv gdn_out", L.gdn_out.bytes(), gemv(out, stream_));
     } else {
       GemvParams in{L.attn_in, h_.ptr, GemvPrologue::rms_norm, L.input_norm, nullptr, 0, eps, nullptr, proj_.ptr};

@@ -62,26 +62,33 @@ __device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
 // launch_pdl calls pdl_wait() (keeps completion transitive). A kernel that signals its dependents before its own
 // wait can have them running while its predecessor still runs: before their wait they may read only what no
 // kernel in flight writes.
-__device__ __forceinline__ void pdl_launch_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+__device__ __forceinline__ void pdl_launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
-// Launches kernel<<<grid, block, smem, stream>>>(p) allowing programmatic dependent launch (see pdl_wait()).
+// Launches kernel<<<grid, block, smem, stream>>>(p) allowing programmatic dependent launch (see pdl_wait()), in
+// thread block clusters of cluster_x blocks when cluster_x > 1 (grid.x must be a multiple).
 template <class Params>
 cudaError_t launch_pdl(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                       const Params& p) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+                       const Params& p, int cluster_x = 1) {
+  cudaLaunchAttribute attr[2];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(cluster_x);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  attr[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[1].val.programmaticStreamSerializationAllowed = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  if (cudaLaunchKernelEx(&cfg, kernel, p) != cudaSuccess) {  // attribute refused: plain stream order
+  cfg.attrs = cluster_x > 1 ? attr : attr + 1;
+  cfg.numAttrs = cluster_x > 1 ? 2 : 1;
+  if (cudaLaunchKernelEx(&cfg, kernel, p) != cudaSuccess) {  // PDL refused: stream order (clusters stay)
     (void)cudaGetLastError();
-    cfg.numAttrs = 0;
+    cfg.numAttrs -= 1;
     CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, p));
   }
   return cudaGetLastError();

@@ -17,7 +17,16 @@
 //   history) are loaded before waiting for the previous kernel; proj after.
 // Memory-bound: reads and writes S, n_v * d_k * d_v * 8 bytes (4 MiB at full size), plus ~0.2 MiB of proj/ring/
 //   conv weights: floor 0.98 us at 4.27 TB/s. Measured (H200, graph replay, 48 rotating states): 4.1 us a step
-//   (1.0 TB/s): launch plus one dependent load round trip dominate at this size. 60 registers, no spills.
+//   launched plainly (1.0 TB/s: launch plus one dependent load round trip dominate at this size); with programmatic
+//   dependent launch 4.56 us, 3.18 us with prefetch_state. 64 registers, no spills.
+// Eq 19 fused (norm_w set): block (h, c) is rank c of a cluster of the d_v / kCols blocks of head h; warp 0 sends
+//   its sum of o^2 over its kCols columns to every block of the cluster (distributed shared memory, slot = its
+//   rank; after a split arrive/wait cluster barrier that guarantees every block has started), one cluster
+//   barrier, then each block sums the slots in rank order (the same bits everywhere) and writes
+//   x = norm_w * (o / RMS) * silu(z) for its columns. No block touches remote memory after that barrier, so none
+//   waits for the others to exit.
+#include <cooperative_groups.h>
+
 #include <cmath>
 
 #include "cuda/kernels/gdn.cuh"
@@ -33,6 +42,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRowsPerThread = kDk / kWarps;
 constexpr int kConvChannels = 2 * kDk + kCols;  // q and k of the key head, this block's v columns
 constexpr int kChannelsPerThread = (kConvChannels + kThreads - 1) / kThreads;
+constexpr int kMaxClusterBlocks = 8;  // portable cluster size: d_v <= 8 * kCols
 
 __device__ __forceinline__ float silu_exact(float x) { return x / (1.0f + expf(-x)); }
 
@@ -47,7 +57,8 @@ struct ConvInputs {
 
 // The channels and conv weights (never written by kernels: fetched before waiting for the predecessor).
 template <int K>
-__device__ __forceinline__ void load_conv_weights(const GdnStepParams& p, int h, int kh, int j0, ConvInputs<K>& in) {
+__device__ __forceinline__ void load_conv_weights(const GdnStepParams& p, int h, int kh, int j0,
+                                                  ConvInputs<K>& in) {
   const int key_dim = p.n_k * kDk;
 #pragma unroll
   for (int u = 0; u < kChannelsPerThread; ++u) {
@@ -68,7 +79,8 @@ __device__ __forceinline__ void load_conv_history(const GdnStepParams& p, int po
   for (int u = 0; u < kChannelsPerThread; ++u) {
     if (threadIdx.x + u * kThreads >= kConvChannels) continue;
 #pragma unroll
-    for (int k = 0; k < K - 1; ++k) in.x[u][k] = p.conv_ring[static_cast<size_t>((pos + 1 + k) % K) * conv_dim + in.ch[u]];
+    for (int k = 0; k < K - 1; ++k)
+      in.x[u][k] = p.conv_ring[static_cast<size_t>((pos + 1 + k) % K) * conv_dim + in.ch[u]];
   }
 }
 
@@ -97,6 +109,7 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
   __shared__ float q_s[kDk], k_s[kDk], v_s[kCols];
   __shared__ float norm_s[3];  // 1/|q|, 1/|k|, raw q.k
   __shared__ float part_s[2][kWarps][kCols];
+  __shared__ float ss_s[kMaxClusterBlocks];  // eq 19: the cluster's per-block sums of o^2
   const int col_blocks = p.d_v / kCols;
   const int h = blockIdx.x / col_blocks, j0 = (blockIdx.x % col_blocks) * kCols;
   const int kh = h / (p.n_v / p.n_k);
@@ -105,11 +118,16 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
   // Every load first: the state strip (the bulk of the traffic), the conv inputs and the gate scalars; what no
   // kernel writes (and, with prefetch_state, the state) before waiting for the predecessor, proj after.
   pdl_launch_dependents();
+  // Eq 19 fused: arrive now on the cluster barrier that must precede any distributed shared memory access (every
+  // block of the cluster has started), wait for it just before the access (by then it costs nothing).
+  if (p.norm_w) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
   float* S = p.S + (static_cast<size_t>(h) * kDk + warp * kRowsPerThread) * p.d_v + j0 + lane;
   float s_reg[kRowsPerThread];
   ConvInputs<K> in;
   load_conv_weights<K>(p, h, kh, j0, in);
   const float dt_bias = p.dt_bias[h], A_log = p.A_log[h];
+  const size_t col = static_cast<size_t>(h) * p.d_v + j0 + lane;  // this lane's output column
+  const float w_norm = p.norm_w && warp == 0 ? p.norm_w[j0 + lane] : 0.0f;
   int pos = 0;
   auto load_state = [&]() {
     pos = *p.pos;
@@ -126,6 +144,7 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
   }
   const float* gates = p.proj + 2 * p.n_k * kDk + 2 * p.n_v * p.d_v;  // [b (n_v) | a (n_v)] after q|k|v and z
   const float b_logit = gates[h], a_in = gates[p.n_v + h] + dt_bias;
+  const float z = p.norm_w && warp == 0 ? p.gate_z[col] : 0.0f;
 
   conv_step<K>(p, in, pos, q_s, k_s, v_s);
   __syncthreads();
@@ -171,7 +190,23 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
   const float e = (v_s[lane] - kv) * beta;
 #pragma unroll
   for (int r = 0; r < kRowsPerThread; ++r) S[static_cast<size_t>(r) * p.d_v] = s_reg[r] + k_s[warp * kRowsPerThread + r] * e;
-  if (warp == 0) p.o[static_cast<size_t>(h) * p.d_v + j0 + lane] = sqv + e * kq;
+  const float o = sqv + e * kq;
+  if (!p.norm_w) {
+    if (warp == 0) p.o[col] = o;
+    return;
+  }
+  // Eq 19 over the cluster (header).
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const unsigned n_blocks = cluster.num_blocks();
+  const float ss = warp_sum(o * o);  // every warp holds the same o
+  asm volatile("barrier.cluster.wait.aligned;" ::: "memory");  // the arrival at the top: all blocks started
+  if (threadIdx.x < n_blocks) cluster.map_shared_rank(ss_s, threadIdx.x)[cluster.block_rank()] = ss;
+  cluster.sync();
+  float total = 0.0f;
+  for (unsigned r = 0; r < n_blocks; ++r) total += ss_s[r];
+  const float inv_rms = rsqrtf(total / static_cast<float>(p.d_v) + p.eps);
+  if (warp == 0) p.o[col] = w_norm * (o * inv_rms) * siluf_(z);
 }
 
 }  // namespace
@@ -181,7 +216,10 @@ cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream) {
   if (p.d_k != kDk || p.d_v <= 0 || p.d_v % kCols != 0) return cudaErrorInvalidValue;
   if (p.n_k <= 0 || p.n_v <= 0 || p.n_v % p.n_k != 0) return cudaErrorInvalidValue;
   if (p.kernel != 4) return cudaErrorInvalidValue;  // linear_conv_kernel_dim of the model; one instance
-  return launch_pdl(gdn_step_kernel<4>, dim3(p.n_v * (p.d_v / kCols)), dim3(kThreads), 0, stream, p);
+  const int col_blocks = p.d_v / kCols;
+  if (p.norm_w && (!p.gate_z || col_blocks > kMaxClusterBlocks)) return cudaErrorInvalidValue;
+  return launch_pdl(gdn_step_kernel<4>, dim3(p.n_v * col_blocks), dim3(kThreads), 0, stream, p,
+                    p.norm_w ? col_blocks : 1);
 }
 
 }  // namespace lily::cuda

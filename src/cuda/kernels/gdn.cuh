@@ -1,7 +1,7 @@
 // Fused Gated DeltaNet decode step (eqs 14-18) for one token: conv-state update + SiLU, l2norm of q and k,
 // beta = sigmoid(b), decay = exp(-exp(A_log) * softplus(a + dt_bias)), and the gated delta rule with the state
 // held in registers: S <- decay*S; e = (v - S^T k) * beta; S <- S + k e^T; o = S^T q_hat.
-// The gated RMSNorm with z (eq 19) is done by the out_proj GEMV prologue (it needs whole heads).
+// The gated RMSNorm with z (eq 19) is done here (norm_w set: a cluster per head) or by the out_proj GEMV prologue.
 // Memory-bound: reads and writes the fp32 state, n_v * d_k * d_v * 8 bytes (4 MiB per layer at full size).
 // The conv state is a ring of `kernel` pre-conv vectors indexed by position % kernel (zero-initialised), so
 // no block overwrites a vector another block still reads.
@@ -25,6 +25,12 @@ struct GdnStepParams {
   // kernel still in flight writes them (the decode graph: each layer's state is written by its own gdn_step
   // once per step, and pos by advance_position at the end of the previous step).
   bool prefetch_state = false;
+  // Optional eq 19 fused in: with norm_w, o receives x = norm_w * o / RMS(o_head) * silu(z) instead (the input of
+  // an out-projection GEMV without prologue). The d_v / 32 blocks of a head run as one thread block cluster and
+  // exchange their sums of squares through distributed shared memory; d_v <= 256.
+  const float* gate_z = nullptr;  // [n_v * d_v]: z (the fused projection's part after q|k|v)
+  const float* norm_w = nullptr;  // [d_v]
+  float eps = 1e-6f;
 };
 
 cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream);

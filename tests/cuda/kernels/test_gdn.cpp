@@ -101,8 +101,12 @@ struct GdnDevice {
 
 // prefetch_state: pos, S and the conv ring read before the wait for the previous kernel (the decode graph's mode;
 // valid here because every step is synchronised, as graph replays are).
-void check_steps_against_cpu(bool prefetch_state) {
+// fused_norm: eq 19 in the kernel (a cluster per head): o is then x = norm_w * o / RMS(o_head) * silu(z).
+void check_steps_against_cpu(bool prefetch_state, bool fused_norm = false) {
   SCOPED_TRACE(prefetch_state ? "state prefetched" : "state after the wait");
+  SCOPED_TRACE(fused_norm ? "gated norm fused" : "o");
+  const std::vector<float> norm_w = random_vector(kDv, 5, 0.1f, 1.0f);
+  const DeviceBuffer<float> d_norm(norm_w);
   GdnRef ref;
   ref.conv_w = random_vector(static_cast<size_t>(kConvDim) * kKernel, 1, 0.5f);
   ref.A_log = random_vector(kNv, 2, 0.7f, -0.5f);
@@ -122,11 +126,24 @@ void check_steps_against_cpu(bool prefetch_state) {
   for (int t = 0; t < kSteps; ++t) {
     SCOPED_TRACE("step " + std::to_string(t));
     projs.push_back(random_vector(kProjSize, 100 + t));
-    const auto o_ref = ref.step(projs.back());
+    auto o_ref = ref.step(projs.back());
+    if (fused_norm) {  // eq 19 in double on the CPU's o
+      for (int h = 0; h < kNv; ++h) {
+        double ss = 0;
+        for (int d = 0; d < kDv; ++d) ss += static_cast<double>(o_ref[h * kDv + d]) * o_ref[h * kDv + d];
+        const double inv = 1.0 / std::sqrt(ss / kDv + 1e-6);
+        for (int d = 0; d < kDv; ++d) {
+          const double z = projs.back()[kConvDim + h * kDv + d];
+          o_ref[h * kDv + d] =
+              static_cast<float>(norm_w[d] * o_ref[h * kDv + d] * inv * z / (1.0 + std::exp(-z)));
+        }
+      }
+    }
     ASSERT_CUDA(dev.proj.upload(projs.back()));
     ASSERT_CUDA(dev.o.zero());
     GdnStepParams p = dev.params(t);
     p.prefetch_state = prefetch_state;
+    if (fused_norm) p.gate_z = dev.proj.get() + kConvDim, p.norm_w = d_norm.get(), p.eps = 1e-6f;
     ASSERT_CUDA(gdn_step(p, nullptr));
     ASSERT_CUDA(cudaDeviceSynchronize());
     const auto o = dev.o.download();
@@ -166,6 +183,13 @@ TEST(CudaGdn, StepWithPrefetchedStateMatchesCpu) {
   check_steps_against_cpu(true);
 }
 
+// The out_proj's gated RMSNorm fused into the step (the decode graph's mode, with the state prefetched). x = o / RMS
+// * w * silu(z) has |x| ~ 1, o relative errors of ~1e-6 carry over: the same 1e-4 (abs + rel) bound holds.
+TEST(CudaGdn, StepWithFusedGatedNormMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  check_steps_against_cpu(true, true);
+}
+
 TEST(CudaGdn, RejectsBadShapes) {
   GdnStepParams p;  // null pointers
   EXPECT_EQ(gdn_step(p, nullptr), cudaErrorInvalidValue);
@@ -173,8 +197,8 @@ TEST(CudaGdn, RejectsBadShapes) {
 
 // One graph of `iters` chained steps over rotating states, replayed `replays` times: mean time of a step. (Chained
 // gdn_steps overlap with programmatic dependent launch; in the decode graph a GEMV precedes each.)
-void bench_steps(const GdnDevice& dev, float* states, size_t state_elems, int iters, int replays, int n_states,
-                 bool prefetch) {
+void bench_steps(const GdnDevice& dev, float* states, size_t state_elems, int iters, int replays,
+                 int n_states, bool prefetch, const float* norm_w = nullptr) {
   cudaStream_t stream;
   ASSERT_CUDA(cudaStreamCreate(&stream));
   cudaGraph_t graph;
@@ -183,6 +207,7 @@ void bench_steps(const GdnDevice& dev, float* states, size_t state_elems, int it
     GdnStepParams p = dev.params(0);
     p.S = states + (it % n_states) * state_elems;
     p.prefetch_state = prefetch;
+    if (norm_w) p.gate_z = dev.proj.get() + kConvDim, p.norm_w = norm_w;
     ASSERT_CUDA(gdn_step(p, stream));
   }
   ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
@@ -200,7 +225,10 @@ void bench_steps(const GdnDevice& dev, float* states, size_t state_elems, int it
   ASSERT_CUDA(cudaEventElapsedTime(&ms, t0, t1));
   const double us = ms * 1e3 / (iters * replays), bytes = state_elems * 8.0;
   printf("[gdn bench] gdn_step full size%s: %.2f us, %.1f GB/s on the state (floor %.2f us at 4.27 TB/s)\n",
-         prefetch ? ", state prefetched" : "", us, bytes / us * 1e-3, bytes / 4.27e6);
+         norm_w     ? ", state prefetched, gated norm fused"
+         : prefetch ? ", state prefetched"
+                    : "",
+         us, bytes / us * 1e-3, bytes / 4.27e6);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaEventDestroy(t0);
@@ -224,7 +252,10 @@ TEST(CudaGdnBench, StepFullSize) {
   dev.pos = DeviceBuffer<int>(std::vector<int>{7});
   ASSERT_CUDA(dev.proj.upload(random_vector(kProjSize, 4)));
   ASSERT_CUDA(dev.ring.zero());
-  for (bool prefetch : {false, true}) bench_steps(dev, states.get(), state_elems, kIters, kReplays, kStates, prefetch);
+  for (bool prefetch : {false, true})
+    bench_steps(dev, states.get(), state_elems, kIters, kReplays, kStates, prefetch);
+  const DeviceBuffer<float> norm_w(random_vector(kDv, 5, 0.1f, 1.0f));
+  bench_steps(dev, states.get(), state_elems, kIters, kReplays, kStates, true, norm_w.get());
 }
 }  // namespace
 }  // namespace lily::cuda
