@@ -323,7 +323,8 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __gri
   for (int i = 0; i < kStages - 1; ++i) {
     if (i < my_tiles) {
       if (!p.prefetch_cache || min(tile_row(i) + kTileRows, row_end) <= pos) {
-        load_tile(p, m, tile_row(i), row_end, warp_tiles + i * 2 * kTileElems, warp_tiles + (i * 2 + 1) * kTileElems, lane);
+        load_tile(p, m, tile_row(i), row_end, warp_tiles + i * 2 * kTileElems,
+                  warp_tiles + (i * 2 + 1) * kTileElems, lane);
       } else {
         deferred = i;
       }
@@ -461,7 +462,8 @@ cudaError_t attn_decode(const AttnDecodeParams& p, cudaStream_t stream) {
   if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0) return cudaErrorInvalidValue;  // float4 loads of q
   CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 static_cast<int>(kDecodeSmemBytes)));
-  return launch_pdl(attn_decode_kernel, dim3(p.nkv, p.n_splits), dim3(kWarps * 32), kDecodeSmemBytes, stream, p);
+  return launch_pdl(attn_decode_kernel, dim3(p.nkv, p.n_splits), dim3(kWarps * 32), kDecodeSmemBytes, stream,
+                    p);
 }
 
 cudaError_t attn_combine(const AttnCombineParams& p, cudaStream_t stream) {

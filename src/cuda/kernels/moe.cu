@@ -131,8 +131,8 @@ __device__ RouteChoice warp_route_top_k(const float* logits, int n_experts, int 
 #pragma unroll
     for (int i = 1; i < PER_LANE; ++i) best = key[i] > best ? key[i] : best;
     const uint32_t hi = __reduce_max_sync(0xffffffffu, static_cast<uint32_t>(best >> 32));
-    const uint32_t lo =
-        __reduce_max_sync(0xffffffffu, static_cast<uint32_t>(best >> 32) == hi ? static_cast<uint32_t>(best) : 0u);
+    const uint32_t lo = __reduce_max_sync(
+        0xffffffffu, static_cast<uint32_t>(best >> 32) == hi ? static_cast<uint32_t>(best) : 0u);
     const u64 win = (u64{hi} << 32) | lo;
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) key[i] = key[i] == win ? 0ull : key[i];
@@ -173,8 +173,9 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const __grid_c
   __syncthreads();
   if (!is_last || threadIdx.x >= 32) return;
   if (threadIdx.x == 0) *p.counter = 0;  // ready for the next launch / graph replay
-  const RouteChoice choice = n_experts <= 256 ? warp_route_top_k<8>(p.logits, n_experts, p.top_k)
-                                              : warp_route_top_k<kMaxExperts / 32>(p.logits, n_experts, p.top_k);
+  const RouteChoice choice = n_experts <= 256
+                                 ? warp_route_top_k<8>(p.logits, n_experts, p.top_k)
+                                 : warp_route_top_k<kMaxExperts / 32>(p.logits, n_experts, p.top_k);
   if (lane < p.top_k) p.topk_idx[lane] = choice.idx, p.topk_w[lane] = choice.weight;
 }
 
@@ -208,7 +209,8 @@ __global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __g
   constexpr int kXVecs = H / 4 / kExpertThreads;
   float4 x_v[kXVecs];  // x into registers first: in flight while warp 0 selects
 #pragma unroll
-  for (int t = 0; t < kXVecs; ++t) x_v[t] = reinterpret_cast<const float4*>(p.x)[threadIdx.x + t * kExpertThreads];
+  for (int t = 0; t < kXVecs; ++t)
+    x_v[t] = reinterpret_cast<const float4*>(p.x)[threadIdx.x + t * kExpertThreads];
   if (!shared && p.router_logits) {
     if (threadIdx.x < 32) {
       const RouteChoice choice = warp_route_top_k<8>(p.router_logits, p.n_experts, p.top_k);
@@ -354,8 +356,10 @@ cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) {
 
 cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream) {
   const int n_rows = p.down.rows, inter = p.down.cols;
-  if (p.top_k < 1 || p.top_k > kMaxTopK || !p.act || !p.shared_gate_value || !p.h) return cudaErrorInvalidValue;
-  if (!valid_selection(p.router_logits, p.n_experts, p.top_k, p.topk_idx) || (!p.router_logits && !p.topk_w)) {
+  if (p.top_k < 1 || p.top_k > kMaxTopK || !p.act || !p.shared_gate_value || !p.h)
+    return cudaErrorInvalidValue;
+  if (!valid_selection(p.router_logits, p.n_experts, p.top_k, p.topk_idx) ||
+      (!p.router_logits && !p.topk_w)) {
     return cudaErrorInvalidValue;
   }
   if (!is_q(p.down, 4, n_rows, inter) || !is_q(p.shared_down, 4, n_rows, inter)) return cudaErrorInvalidValue;

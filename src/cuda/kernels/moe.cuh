@@ -41,7 +41,7 @@ struct MoeExpertInParams {
   const int* topk_idx = nullptr;   // [top_k]
   int top_k = 8;
   float* act = nullptr;            // out [top_k + 1, I]; row top_k is the shared expert
-  const float* router_logits = nullptr;  // optional [n_experts]: select from these instead of reading topk_idx
+  const float* router_logits = nullptr;  // optional [n_experts]: select from these, not from topk_idx
   int n_experts = 0;                     // with router_logits, <= 256
 };
 

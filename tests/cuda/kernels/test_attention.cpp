@@ -239,7 +239,8 @@ void check_decode(int n, const std::vector<int>& splits, float ramp = 0.0f) {
     ASSERT_CUDA(run_decode(c, r, n_splits, 0, nullptr, nullptr, nullptr, true, true));
     ASSERT_CUDA(cudaDeviceSynchronize());
     const auto out_prefetched = r.out.download();
-    for (int i = 0; i < kNq * kD; ++i) ASSERT_EQ(out_prefetched[i], out[i]) << "prefetch_cache, element " << i;
+    for (int i = 0; i < kNq * kD; ++i)
+      ASSERT_EQ(out_prefetched[i], out[i]) << "prefetch_cache, element " << i;
   }
 }
 

@@ -357,10 +357,12 @@ TEST(CudaMoe, LayerChainSelectingInTheExpertKernels) {
     rp.select_top_k = !in_experts;
     if (!in_experts) rp.counter = d_counter.get(), rp.topk_idx = d_idx.get(), rp.topk_w = d_w.get();
     MoeExpertInParams ip;
-    ip.gate = q_gate, ip.up = q_up, ip.shared_gate = q_sg, ip.shared_up = q_su, ip.x = d_x.get(), ip.top_k = k;
+    ip.gate = q_gate, ip.up = q_up, ip.shared_gate = q_sg, ip.shared_up = q_su, ip.x = d_x.get(),
+    ip.top_k = k;
     ip.act = d_act.get();
     MoeExpertOutParams op;
-    op.down = q_down, op.shared_down = q_sd, op.act = d_act.get(), op.shared_gate_value = d_sg.get(), op.top_k = k;
+    op.down = q_down, op.shared_down = q_sd, op.act = d_act.get(), op.shared_gate_value = d_sg.get(),
+    op.top_k = k;
     op.h = d_h.get();
     if (in_experts) {
       ip.router_logits = op.router_logits = d_logits.get();
@@ -496,6 +498,19 @@ TEST(CudaMoeBench, FullSize) {
     return moe_expert_out(out_params(d_idx.get()), s);
   };
   print_bandwidth("moe route + in + out (one layer)", graph_time_us(whole, iters), route_bytes + in_bytes + out_bytes);
+  auto whole_selecting = [&](int i, cudaStream_t s) {  // the decode graph's mode: experts select
+    MoeRouteParams rp = route_params(i);
+    rp.select_top_k = false;
+    MoeExpertInParams ip = in_params(d_idx.get());
+    MoeExpertOutParams op = out_params(d_idx.get());
+    ip.router_logits = op.router_logits = logits.get();
+    ip.n_experts = op.n_experts = E;
+    CUDA_TRY(moe_route(rp, s));
+    CUDA_TRY(moe_expert_in(ip, s));
+    return moe_expert_out(op, s);
+  };
+  print_bandwidth("moe layer, selection in the expert kernels", graph_time_us(whole_selecting, iters),
+                  route_bytes + in_bytes + out_bytes);
 }
 
 }  // namespace
