@@ -7,6 +7,7 @@
 #include "cuda/cuda_sequence.h"
 #include "cuda/device_model.h"
 #include "cuda/kernels/attention.cuh"
+#include "cuda/kernels/dispatch.cuh"
 #include "cuda/kernels/embed.cuh"
 #include "cuda/kernels/gdn.cuh"
 #include "cuda/kernels/gemv.cuh"
@@ -172,55 +173,55 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
     const DeviceLayer& L = m.layers[l];
     if (L.type == LayerType::linear_attention) {
       GemvParams in{L.gdn_in, h_.ptr, GemvPrologue::rms_norm, L.input_norm, nullptr, 0, eps, nullptr, proj_.ptr};
-      STEP_OP("gemv gdn_in", L.gdn_in.bytes(), gemv(in, stream_));
+      STEP_OP("gemv gdn_in", L.gdn_in.bytes(), dispatch::gemv(in, stream_));
       GdnStepParams g{proj_.ptr, s.conv[l]->ptr, L.conv_w, L.A_log, L.dt_bias, s.S[l]->ptr, s.pos.ptr,
                       c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_value_head_dim, c.linear_conv_kernel_dim, gdn_o_.ptr};
       g.prefetch_state = true;  // S, the conv ring and pos are written by no kernel before it in a step
       const bool fused_norm = gated_norm_in_gdn_step(c);
       if (fused_norm) g.gate_z = proj_.ptr + c.linear_conv_dim(), g.norm_w = L.gdn_norm, g.eps = eps;
-      STEP_OP("gdn_step", 2.0 * s.S[l]->bytes(), gdn_step(g, stream_));
+      STEP_OP("gdn_step", 2.0 * s.S[l]->bytes(), dispatch::gdn_step(g, stream_));
       const GemvPrologue out_prologue = fused_norm ? GemvPrologue::none : GemvPrologue::gated_rms_norm;
       GemvParams out{L.gdn_out, gdn_o_.ptr, out_prologue, L.gdn_norm, proj_.ptr + c.linear_conv_dim(),
                      c.linear_value_head_dim, eps, h_.ptr, h_.ptr};
-      STEP_OP("gemv gdn_out", L.gdn_out.bytes(), gemv(out, stream_));
+      STEP_OP("gemv gdn_out", L.gdn_out.bytes(), dispatch::gemv(out, stream_));
     } else {
       GemvParams in{L.attn_in, h_.ptr, GemvPrologue::rms_norm, L.input_norm, nullptr, 0, eps, nullptr, proj_.ptr};
-      STEP_OP("gemv attn_in", L.attn_in.bytes(), gemv(in, stream_));
+      STEP_OP("gemv attn_in", L.attn_in.bytes(), dispatch::gemv(in, stream_));
       AttnPrepParams prep{proj_.ptr, L.q_norm, L.k_norm, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                           c.rotary_dim(), static_cast<float>(c.rope_theta), eps, s.pos.ptr, q_.ptr,
                           s.k[l]->ptr, s.v[l]->ptr};
-      STEP_OP("attn_prep", 0, attn_prep(prep, stream_));
+      STEP_OP("attn_prep", 0, dispatch::attn_prep(prep, stream_));
       const double kv_bytes = 2.0 * (s.n + 1) * c.num_key_value_heads * c.head_dim * 2;
       AttnDecodeParams dec{q_.ptr, s.k[l]->ptr, s.v[l]->ptr, c.num_attention_heads, c.num_key_value_heads,
                            c.head_dim, s.pos.ptr, n_splits, 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
                            part_o_.ptr, part_ml_.ptr};
       dec.prefetch_cache = true;  // rows < pos and pos itself are written by no kernel before attn_prep in a step
-      STEP_OP("attn_decode", kv_bytes, attn_decode(dec, stream_));
+      STEP_OP("attn_decode", kv_bytes, dispatch::attn_decode(dec, stream_));
       AttnCombineParams comb{part_o_.ptr, part_ml_.ptr, n_splits, c.num_attention_heads, c.head_dim, proj_.ptr,
                              attn_out_.ptr};
-      STEP_OP("attn_combine", 0, attn_combine(comb, stream_));
+      STEP_OP("attn_combine", 0, dispatch::attn_combine(comb, stream_));
       GemvParams out{L.attn_out, attn_out_.ptr, GemvPrologue::none, nullptr, nullptr, 0, eps, h_.ptr, h_.ptr};
-      STEP_OP("gemv attn_out", L.attn_out.bytes(), gemv(out, stream_));
+      STEP_OP("gemv attn_out", L.attn_out.bytes(), dispatch::gemv(out, stream_));
     }
     const int k = c.num_experts_per_tok;
     const bool select_in_experts = select_in_expert_kernels(c);
     MoeRouteParams route{L.router, L.shared_gate_row, h_.ptr, L.post_norm, eps, k, moe_x_.ptr, moe_logits_.ptr,
                          counters_.ptr, topk_idx_.ptr, topk_w_.ptr, shared_gate_.ptr};
     route.select_top_k = !select_in_experts;
-    STEP_OP("moe_route", L.router.bytes() + L.shared_gate_row.bytes(), moe_route(route, stream_));
+    STEP_OP("moe_route", L.router.bytes() + L.shared_gate_row.bytes(), dispatch::moe_route(route, stream_));
     MoeExpertInParams ein{L.expert_gate, L.expert_up, L.shared_gate, L.shared_up, moe_x_.ptr, topk_idx_.ptr, k,
                           act_.ptr};
     if (select_in_experts) ein.router_logits = moe_logits_.ptr, ein.n_experts = c.num_experts;
     STEP_OP("moe_expert_in", k * (L.expert_gate.bytes() + L.expert_up.bytes()) + L.shared_gate.bytes() + L.shared_up.bytes(),
-            moe_expert_in(ein, stream_));
+            dispatch::moe_expert_in(ein, stream_));
     MoeExpertOutParams eout{L.expert_down, L.shared_down, act_.ptr, topk_idx_.ptr, topk_w_.ptr, shared_gate_.ptr, k,
                             h_.ptr};
     if (select_in_experts) eout.router_logits = moe_logits_.ptr, eout.n_experts = c.num_experts;
-    STEP_OP("moe_expert_out", k * L.expert_down.bytes() + L.shared_down.bytes(), moe_expert_out(eout, stream_));
+    STEP_OP("moe_expert_out", k * L.expert_down.bytes() + L.shared_down.bytes(), dispatch::moe_expert_out(eout, stream_));
   }
   GemvParams head{m.lm_head, h_.ptr, GemvPrologue::rms_norm, m.final_norm, nullptr, 0, eps, nullptr, logits_.ptr};
-  STEP_OP("gemv lm_head", m.lm_head.bytes(), gemv(head, stream_));
+  STEP_OP("gemv lm_head", m.lm_head.bytes(), dispatch::gemv(head, stream_));
   if (sampling) {
     SampleParams sp{logits_.ptr, c.vocab_size, sampling->temperature, sampling->top_k, sampling->top_p,
                     sampling->min_p, sampling->seed, s.pos.ptr, sample_scratch_.ptr, counters_.ptr + 1,
