@@ -2,7 +2,7 @@
 # Installs what lily needs to build and test on Debian, idempotently: only what is missing.
 set -euo pipefail
 
-apt_pkgs=(build-essential cmake pkg-config python3 python3-pip nlohmann-json3-dev libcpp-httplib-dev libpcre2-dev
+apt_pkgs=(build-essential cmake pkg-config python3 python3-pip nlohmann-json3-dev libpcre2-dev
           libutf8proc-dev libcli11-dev libgtest-dev libbenchmark-dev)
 missing=()
 for p in "${apt_pkgs[@]}"; do

@@ -108,21 +108,27 @@ void Server::load_model() {
   Result<ModelWeights> weights = ModelWeights::load(dir);
   if (!weights.ok()) return fail(weights.status());
   auto shared = std::make_shared<const ModelWeights>(std::move(weights).value());
-  progress.stage("creating the backend");
-  Result<std::unique_ptr<Backend>> backend = make_backend(shared, options_.backend);
-  if (!backend.ok()) return fail(backend.status());
-  progress.stage("loading the tokenizer");
-  Result<Tokenizer> tokenizer = Tokenizer::load(dir + "/tokenizer.json");
-  if (!tokenizer.ok()) return fail(tokenizer.status());
-  progress.stage("reading generation_config.json");
-  Result<SamplingDefaults> defaults = load_generation_config(dir);
-  if (!defaults.ok()) return fail(defaults.status());
   const ModelConfig& config = shared->config;
   int ctx = options_.ctx_size > 0 ? options_.ctx_size : config.max_position_embeddings;
   if (ctx > config.max_position_embeddings) {
     return fail(invalid_argument("--ctx-size %d exceeds the model's max_position_embeddings %d", ctx,
                                  config.max_position_embeddings));
   }
+  progress.stage("creating the backend");
+  BackendOptions backend_options = options_.backend;
+  // The CUDA backend allocates each sequence's KV cache for the whole context up front (20 KiB a token at full
+  // size): without --ctx-size it gets its default capacity, and the served context is what it can hold.
+  if (options_.ctx_size > 0) backend_options.max_context = ctx;
+  Result<std::unique_ptr<Backend>> backend = make_backend(shared, backend_options);
+  if (!backend.ok()) return fail(backend.status());
+  if (std::string((*backend)->name()) == "cuda" && options_.ctx_size <= 0)
+    ctx = static_cast<int>(std::min<int64_t>(ctx, backend_options.max_context));
+  progress.stage("loading the tokenizer");
+  Result<Tokenizer> tokenizer = Tokenizer::load(dir + "/tokenizer.json");
+  if (!tokenizer.ok()) return fail(tokenizer.status());
+  progress.stage("reading generation_config.json");
+  Result<SamplingDefaults> defaults = load_generation_config(dir);
+  if (!defaults.ok()) return fail(defaults.status());
   progress.stage(std::string("starting the engine on ") + (*backend)->name());
   EngineOptions engine_options = options_.engine;
   engine_options.max_context = ctx;
