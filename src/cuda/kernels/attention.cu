@@ -135,17 +135,7 @@ __global__ void attn_prep_kernel(const __grid_constant__ AttnPrepParams p) {
   y_s[d] = y;
   __syncthreads();
 
-  // Eq 10: NeoX half split on the first rotary_dim dims; products rounded separately like the CPU code.
-  const int half = p.rotary_dim / 2;
-  if (d < p.rotary_dim) {
-    const int i = d < half ? d : d - half;
-    const float inv_freq = static_cast<float>(1.0 / pow(static_cast<double>(p.rope_theta), (2.0 * i) / p.rotary_dim));
-    const float ang = static_cast<float>(pos) * inv_freq;
-    float s, c;
-    sincosf(ang, &s, &c);
-    y = d < half ? __fsub_rn(__fmul_rn(y_s[d], c), __fmul_rn(y_s[d + half], s))
-                 : __fadd_rn(__fmul_rn(y_s[d], c), __fmul_rn(y_s[d - half], s));
-  }
+  y = rope_element(y_s, d, p.rotary_dim, p.rope_theta, pos);  // eq 10
 
   if (is_q) {
     p.q[static_cast<size_t>(b) * D + d] = y;

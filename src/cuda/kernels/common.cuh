@@ -53,6 +53,18 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Eq 10 for element d of a normalised head y_s (shared memory): NeoX half split on the first rotary_dim dims,
+// inv_freq in fp32 from a double power and products rounded separately, exactly as the CPU reference.
+__device__ __forceinline__ float rope_element(const float* y_s, int d, int rotary_dim, float rope_theta, int pos) {
+  if (d >= rotary_dim) return y_s[d];
+  const int half = rotary_dim / 2, i = d < half ? d : d - half;
+  const float inv_freq = static_cast<float>(1.0 / pow(static_cast<double>(rope_theta), (2.0 * i) / rotary_dim));
+  float s, c;
+  sincosf(static_cast<float>(pos) * inv_freq, &s, &c);
+  return d < half ? __fsub_rn(__fmul_rn(y_s[d], c), __fmul_rn(y_s[d + half], s))
+                  : __fadd_rn(__fmul_rn(y_s[d], c), __fmul_rn(y_s[d - half], s));
+}
+
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
 __device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
 

@@ -40,19 +40,8 @@ __global__ void __launch_bounds__(gen::kThreads) attn_prep_generic_kernel(const 
   const float inv = 1.0f / sqrtf(gen::block_sum(ss, red_s) / static_cast<float>(D) + p.eps);
   for (int d = threadIdx.x; d < D; d += blockDim.x) y_s[d] = src[d] * inv * w[d];
   __syncthreads();
-  const int half = p.rotary_dim / 2;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float y = y_s[d];
-    if (d < p.rotary_dim) {
-      const int i = d < half ? d : d - half;
-      const float inv_freq = static_cast<float>(1.0 / pow(static_cast<double>(p.rope_theta), (2.0 * i) / p.rotary_dim));
-      const float ang = static_cast<float>(pos) * inv_freq;
-      float s, c;
-      sincosf(ang, &s, &c);
-      // Products rounded separately (no FMA contraction), as the CPU code.
-      y = d < half ? __fsub_rn(__fmul_rn(y_s[d], c), __fmul_rn(y_s[d + half], s))
-                   : __fadd_rn(__fmul_rn(y_s[d], c), __fmul_rn(y_s[d - half], s));
-    }
+    const float y = rope_element(y_s, d, p.rotary_dim, p.rope_theta, pos);  // eq 10
     if (is_q) {
       p.q[static_cast<size_t>(b) * D + d] = y;
     } else {
