@@ -9,10 +9,7 @@ seconds=${1:-60}
 build=${2:-build-fuzz}
 jobs=${JOBS:-2}
 
-if ! command -v clang++ >/dev/null; then
-  echo "fuzz.sh: clang++ not found (Debian: apt-get install clang libclang-rt-14-dev)" >&2
-  exit 1
-fi
+command -v clang++ >/dev/null || bash scripts/install_deps.sh --fuzz
 cmake -S . -B "$build" -DLILY_FUZZ=ON -DLILY_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_C_COMPILER=clang -DCMAKE_CXX_COMPILER=clang++ >/dev/null
 cmake --build "$build" -j "$jobs" --target fuzz_safetensors fuzz_safetensors_seeds

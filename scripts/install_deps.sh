@@ -4,6 +4,8 @@ set -euo pipefail
 
 apt_pkgs=(build-essential cmake pkg-config python3 python3-pip nlohmann-json3-dev libpcre2-dev
           libutf8proc-dev libcli11-dev libgtest-dev libbenchmark-dev)
+# --fuzz: also clang with its sanitizer/libFuzzer runtime (scripts/fuzz.sh).
+if [ "${1:-}" = "--fuzz" ]; then apt_pkgs+=(clang libclang-rt-14-dev); fi
 missing=()
 for p in "${apt_pkgs[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
