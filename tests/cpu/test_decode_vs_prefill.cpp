@@ -13,6 +13,7 @@
 #include "cpu/cpu_backend.h"
 #include "model/quantize_checkpoint.h"
 #include "model/synth.h"
+#include "common/temp_dir.h"
 
 #include <unistd.h>
 
@@ -21,19 +22,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  explicit TempDir(const std::string& tag) {
-    path_ = fs::temp_directory_path() / ("lily_test_dp_" + tag + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string str() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
+using testing::TempDir;
 
 std::shared_ptr<const ModelWeights> synth_and_load(const TempDir& dir, CheckpointLayout layout, uint64_t seed) {
   SynthOptions o;

@@ -14,6 +14,7 @@
 #include "model/synth.h"
 #include "model/weights.h"
 #include "util/bf16.h"
+#include "common/temp_dir.h"
 
 #include <unistd.h>
 
@@ -22,19 +23,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-class TempDir {
- public:
-  explicit TempDir(const std::string& tag) {
-    path_ = fs::temp_directory_path() / ("lily_test_q_" + tag + "_" + std::to_string(::getpid()));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string str() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
+using testing::TempDir;
 
 // Compares a quantized Linear with its bf16 original row by row. Per element, the error is at most |s| (|s|/2 from
 // rounding, up to |s| for far-edge values clamped after the edge snap, see test_quant.cpp) plus the bf16 rounding

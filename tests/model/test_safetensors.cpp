@@ -1,6 +1,7 @@
 // safetensors tests: round trip through write_safetensors / write_sharded and TensorStore::open_dir (sharded with
 // an index, and a single file), and every kind of malformed input giving an error that names the file and tensor.
 #include "model/safetensors.h"
+#include "common/temp_dir.h"
 
 #include <gtest/gtest.h>
 
@@ -19,22 +20,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-class TempDir {
- public:
-  TempDir() {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("lily_test_st_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  std::string operator/(const std::string& name) const { return (path_ / name).string(); }
-  std::string str() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
+using testing::TempDir;
 
 // A byte pattern that depends on the tensor and the byte index, so a misplaced tensor is caught.
 uint8_t pattern(size_t tensor, size_t i) { return static_cast<uint8_t>(tensor * 131 + i * 7 + (i >> 8)); }

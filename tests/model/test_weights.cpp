@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include "model/synth.h"
+#include "common/temp_dir.h"
 
 #include <unistd.h>
 
@@ -22,22 +23,7 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-class TempDir {
- public:
-  explicit TempDir(const std::string& tag) {
-    static int counter = 0;
-    path_ = fs::temp_directory_path() /
-            ("lily_test_w_" + tag + "_" + std::to_string(::getpid()) + "_" + std::to_string(counter++));
-    fs::remove_all(path_);
-    fs::create_directories(path_);
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const fs::path& path() const { return path_; }
-  std::string str() const { return path_.string(); }
-
- private:
-  fs::path path_;
-};
+using testing::TempDir;
 
 // Small shards so that a corrupted copy rewrites a few MB, not the whole checkpoint.
 constexpr size_t kShardBytes = 4u << 20;
