@@ -24,7 +24,7 @@ struct AttnPrefillParams {
   __nv_bfloat16* k_cache = nullptr;  // [capacity, nkv, D]
   __nv_bfloat16* v_cache = nullptr;
   __nv_bfloat16* out = nullptr;   // [T, nq*D]
-  void* scratch = nullptr;        // attn_prefill_scratch_bytes(...) bytes
+  void* scratch = nullptr;        // attn_prefill_scratch_bytes(...) bytes, 16-byte aligned; starts with q bf16 [T, nq, D]
   size_t scratch_bytes = 0;
 };
 
