@@ -27,6 +27,8 @@ struct GdnPrefillParams {
   __nv_bfloat16* out = nullptr;   // [T, n_v * d_v]: norm_w * o / RMS(o_head) * silu(z)
   void* scratch = nullptr;        // gdn_prefill_scratch_bytes(...) bytes
   size_t scratch_bytes = 0;
+  // Columns of S per warp in the sequential scan (2, 4 or 8; 0: the default, 4). For benchmarks.
+  int scan_cols_per_warp = 0;
 };
 
 size_t gdn_prefill_scratch_bytes(int T, int n_k, int n_v, int d_k, int d_v);
