@@ -27,8 +27,9 @@ struct GdnPrefillParams {
   __nv_bfloat16* out = nullptr;   // [T, n_v * d_v]: norm_w * o / RMS(o_head) * silu(z)
   void* scratch = nullptr;        // gdn_prefill_scratch_bytes(...) bytes
   size_t scratch_bytes = 0;
-  // Columns of S per warp in the sequential scan (2, 4 or 8; 0: the default, 4). For benchmarks.
-  int scan_cols_per_warp = 0;
+  // The sequential scan's thread layout, for benchmarks and tests (gdn_prefill.cu): 0 the default; 1, 2, 3: the 32
+  // lanes of a warp span d_k, 2, 4 or 8 columns per warp; 4, 5, 6: 4, 8 or 16 lanes per column.
+  int scan_variant = 0;
 };
 
 size_t gdn_prefill_scratch_bytes(int T, int n_k, int n_v, int d_k, int d_v);

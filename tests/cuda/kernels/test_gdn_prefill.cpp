@@ -27,6 +27,7 @@ using test::kTiny;
 using test::random_vector;
 
 constexpr int kK = 4;  // conv kernel
+constexpr int kVariants[] = {1, 2, 3, 4, 5, 6};  // GdnPrefillParams::scan_variant (0, the default, is one of them)
 
 struct Weights {
   std::vector<float> conv_w, A_log, dt_bias, norm_w;
@@ -153,8 +154,11 @@ struct DeviceGdn {
         scratch(gdn_prefill_scratch_bytes(max_T, geo.n_k, geo.n_v, geo.d_k, geo.d_v)),
         out(static_cast<size_t>(max_T) * geo.value_dim()) {}
 
+  int variant = 0;  // scan layout
+
   GdnPrefillParams params(const float* proj, int T, int pos0, __nv_bfloat16* dst) const {
     GdnPrefillParams p;
+    p.scan_variant = variant;
     p.proj = proj;
     p.T = T;
     p.pos0 = pos0;
@@ -217,17 +221,23 @@ void check_against_reference(const Geometry& g, int T, int pos0, bool random_sta
   SCOPED_TRACE(std::string(g.name) + " T=" + std::to_string(T) + " pos0=" + std::to_string(pos0) +
                (random_start ? " random start state" : " zero start state"));
   const Weights w = random_weights(g, seed);
-  State st = random_start ? random_state(g, seed + 10) : zero_state(g);
+  const State st0 = random_start ? random_state(g, seed + 10) : zero_state(g);
   const auto proj = random_vector(static_cast<size_t>(T) * g.gdn_proj(), seed + 20);
-  DeviceGdn dev(g, w, st, T);
   const DeviceBuffer<float> d_proj(proj);
-  ASSERT_CUDA(dev.prefill(d_proj.get(), T, pos0));
-  ASSERT_CUDA(cudaDeviceSynchronize());
+  State st = st0;
   const auto x_ref = reference(g, w, proj, T, pos0, st);
-  const double ex = compare(dev.output(T), x_ref, kOutAbs, kOutRel, "out", g.value_dim());
-  const double es = compare(dev.S.download(), st.S, kStateTol, kStateTol, "S", g.d_v);
-  EXPECT_EQ(ring_mismatches(dev.ring.download(), st.ring), 0u) << "conv ring";
-  printf("[gdn_prefill] %-4s T=%4d pos0=%2d: max |out - ref| %.2e, max |S - ref| %.2e\n", g.name, T, pos0, ex, es);
+  for (int variant : kVariants) {
+    SCOPED_TRACE("scan variant " + std::to_string(variant));
+    DeviceGdn dev(g, w, st0, T);
+    dev.variant = variant;
+    ASSERT_CUDA(dev.prefill(d_proj.get(), T, pos0));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    const double ex = compare(dev.output(T), x_ref, kOutAbs, kOutRel, "out", g.value_dim());
+    const double es = compare(dev.S.download(), st.S, kStateTol, kStateTol, "S", g.d_v);
+    EXPECT_EQ(ring_mismatches(dev.ring.download(), st.ring), 0u) << "conv ring";
+    printf("[gdn_prefill] %-4s T=%4d pos0=%2d variant %d: max |out - ref| %.2e, max |S - ref| %.2e\n", g.name, T, pos0,
+           variant, ex, es);
+  }
 }
 
 TEST(CudaGdnPrefill, MatchesReferenceFull) {
@@ -245,13 +255,14 @@ TEST(CudaGdnPrefill, MatchesReferenceTiny) {
 }
 
 // T rows through gdn_prefill against T calls of dispatch::gdn_step (the decode path) from the same state.
-void check_against_decode(const Geometry& g, int T, int pos0, uint32_t seed) {
-  SCOPED_TRACE(std::string(g.name) + " T=" + std::to_string(T));
+void check_against_decode(const Geometry& g, int T, int pos0, uint32_t seed, int variant) {
+  SCOPED_TRACE(std::string(g.name) + " T=" + std::to_string(T) + " variant " + std::to_string(variant));
   const Weights w = random_weights(g, seed);
   const State st = random_state(g, seed + 10);
   const auto proj = random_vector(static_cast<size_t>(T) * g.gdn_proj(), seed + 20);
   const DeviceBuffer<float> d_proj(proj);
   DeviceGdn pre(g, w, st, T), dec(g, w, st, T);
+  pre.variant = variant;
   ASSERT_CUDA(pre.prefill(d_proj.get(), T, pos0));
 
   std::vector<int> positions(T);
@@ -292,27 +303,31 @@ void check_against_decode(const Geometry& g, int T, int pos0, uint32_t seed) {
   const double ex = compare(pre.output(T), x_dec, kOutAbs, kOutRel, "out vs decode", g.value_dim());
   const double es = compare(pre.S.download(), dec.S.download(), kStateTol, kStateTol, "S vs decode", g.d_v);
   EXPECT_EQ(ring_mismatches(pre.ring.download(), dec.ring.download()), 0u) << "conv ring vs decode";
-  printf("[gdn_prefill] %-4s T=%d vs %d decode steps%s: max |out diff| %.2e, max |S diff| %.2e\n", g.name, T, T,
-         fused ? " (gated norm fused)" : "", ex, es);
+  printf("[gdn_prefill] %-4s T=%d variant %d vs %d decode steps%s: max |out diff| %.2e, max |S diff| %.2e\n", g.name,
+         T, variant, T, fused ? " (gated norm fused)" : "", ex, es);
 }
 
 TEST(CudaGdnPrefill, MatchesDecodeSteps) {
   SKIP_WITHOUT_GPU();
-  check_against_decode(kFull, 70, 37, 300);
-  check_against_decode(kFull, 3, 1, 301);
-  check_against_decode(kTiny, 70, 37, 302);
+  for (int variant : kVariants) {
+    check_against_decode(kFull, 70, 37, 300, variant);
+    check_against_decode(kFull, 3, 1, 301, variant);
+    check_against_decode(kTiny, 70, 37, 302, variant);
+  }
 }
 
 // Two chunks (T1 at pos0, T2 at pos0 + T1) against one chunk of T1 + T2: the same arithmetic row by row, so the
 // results should agree to the bit; asserted within 1e-6 relative, the bit-identical fraction printed.
-void check_chunks(const Geometry& g, int T1, int T2, uint32_t seed) {
-  SCOPED_TRACE(std::string(g.name) + " T1=" + std::to_string(T1) + " T2=" + std::to_string(T2));
+void check_chunks(const Geometry& g, int T1, int T2, uint32_t seed, int variant) {
+  SCOPED_TRACE(std::string(g.name) + " T1=" + std::to_string(T1) + " T2=" + std::to_string(T2) + " variant " +
+               std::to_string(variant));
   const int T = T1 + T2, pos0 = 37;
   const Weights w = random_weights(g, seed);
   const State st = random_state(g, seed + 10);
   const auto proj = random_vector(static_cast<size_t>(T) * g.gdn_proj(), seed + 20);
   const DeviceBuffer<float> d_proj(proj);
   DeviceGdn one(g, w, st, T), two(g, w, st, T);
+  one.variant = two.variant = variant;
   ASSERT_CUDA(one.prefill(d_proj.get(), T, pos0));
   ASSERT_CUDA(two.prefill(d_proj.get(), T1, pos0));
   ASSERT_CUDA(two.prefill(d_proj.get() + static_cast<size_t>(T1) * g.gdn_proj(), T2, pos0 + T1, T1));
@@ -323,23 +338,48 @@ void check_chunks(const Geometry& g, int T1, int T2, uint32_t seed) {
   EXPECT_EQ(ring_mismatches(two.ring.download(), one.ring.download()), 0u) << "conv ring, two chunks vs one";
   size_t same = 0;
   for (size_t i = 0; i < s1.size(); ++i) same += s1[i] == s2[i];
-  printf("[gdn_prefill] %-4s %d+%d rows vs %d: %zu of %zu S elements bit-identical, outputs %s\n", g.name, T1, T2, T,
-         same, s1.size(), x1 == x2 ? "bit-identical" : "differ");
+  printf("[gdn_prefill] %-4s variant %d, %d+%d rows vs %d: %zu of %zu S elements bit-identical, outputs %s\n", g.name,
+         variant, T1, T2, T, same, s1.size(), x1 == x2 ? "bit-identical" : "differ");
 }
 
 TEST(CudaGdnPrefill, TwoChunksEqualOne) {
   SKIP_WITHOUT_GPU();
-  check_chunks(kFull, 100, 61, 400);
-  check_chunks(kFull, 2, 70, 401);
-  check_chunks(kTiny, 33, 1, 402);
+  for (int variant : kVariants) {
+    check_chunks(kFull, 100, 61, 400, variant);
+    check_chunks(kFull, 2, 70, 401, variant);
+    check_chunks(kTiny, 33, 1, 402, variant);
+  }
 }
 
 TEST(CudaGdnPrefill, RejectsBadShapes) {
   GdnPrefillParams p;  // null pointers
   EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
+  float dummy[4];
+  __nv_bfloat16 out[4];
+  p.proj = p.conv_w = p.A_log = p.dt_bias = p.norm_w = dummy;
+  p.conv_ring = p.S = dummy;
+  p.out = out;
+  p.scratch = dummy;
+  p.scratch_bytes = ~size_t{0};
+  p.T = 1;
+  p.d_k = 96;  // only 64 and 128
+  EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
+  p.d_k = 128, p.d_v = 48;  // d_v a multiple of 32
+  EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
+  p.d_v = 128, p.kernel = 3;
+  EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
+  p.kernel = 4, p.n_v = 24;  // n_v a multiple of n_k
+  EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
+  p.n_v = 32, p.T = 0;
+  EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
+  p.T = 1, p.scan_variant = 7;
+  EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
+  p.scan_variant = 0, p.scratch_bytes = 16;
+  EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
 }
 
 // Milliseconds per layer at full geometry (30 such layers in the model), for each scan layout; inputs ~ N(0, 1).
+// Variant 0 (the default) is variant 5.
 TEST(CudaGdnPrefillBench, FullGeometry) {
   SKIP_WITHOUT_GPU();
   const Geometry& g = kFull;
@@ -348,16 +388,16 @@ TEST(CudaGdnPrefillBench, FullGeometry) {
   DeviceGdn dev(g, w, random_state(g, 510), kMaxT);
   const DeviceBuffer<float> d_proj(random_vector(static_cast<size_t>(kMaxT) * g.gdn_proj(), 520));
   for (int T : {64, 512, 4096})
-    for (int cpw : {2, 4, 8}) {
+    for (int variant : kVariants) {
       const double us = test::graph_time_us(
           [&](int, cudaStream_t s) {
             GdnPrefillParams p = dev.params(d_proj.get(), T, 37, reinterpret_cast<__nv_bfloat16*>(dev.out.get()));
-            p.scan_cols_per_warp = cpw;
+            p.scan_variant = variant;
             return gdn_prefill(p, s);
           },
           5, 5);
-      printf("[gdn_prefill bench] full T=%4d, scan %d columns/warp: %.3f ms per layer, %.0f tok/s per layer, "
-             "x30 layers %.2f ms\n", T, cpw, us * 1e-3, T / (us * 1e-6), 30 * us * 1e-3);
+      printf("[gdn_prefill bench] full T=%4d, scan variant %d: %.3f ms per layer (%.1f ns per row), x30 layers %.2f ms\n",
+             T, variant, us * 1e-3, us * 1e3 / T, 30 * us * 1e-3);
     }
 }
 
