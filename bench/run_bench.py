@@ -140,8 +140,8 @@ class HFRunner:
                         res.mark("transformers", m, n, self.unreachable[n])
                 continue
             est = self.estimate(n, prev)
-            if est > args.hf_cap_s:
-                status = f"not reached (cap: estimated {est:.0f} s > {args.hf_cap_s:.0f} s per call)"
+            if n not in self.last_call and est > args.hf_cap_s:  # the cap applies to lengths not yet measured
+                status = f"not reached (cap: estimated {est:.3g} s > {args.hf_cap_s:g} s per call)"
                 for m in lengths:
                     if m >= n:
                         self.unreachable[m] = status
@@ -326,6 +326,9 @@ def main():
             if e == "lily":
                 j, err, wall = run_lily(args, lily, model_dir, modes, work, rnd, deadline - time.monotonic())
                 if err:
+                    for m in modes:
+                        for n in (args.prefill_lengths if m == "prefill" else args.decode_contexts):
+                            res.mark("lily", m, n, f"failed: {err[:300]}")
                     notes.append(f"round {rnd}: lily: {err}")
                     common.log(notes[-1])
                     complete = False
@@ -354,8 +357,11 @@ def main():
         if out_of_budget:
             break
     if "transformers" in engines:
+        by_status = {}
         for n, status in sorted(hf.unreachable.items()):
-            notes.append(f"transformers at {n}: {status}")
+            by_status.setdefault(status, []).append(str(n))
+        for status, ns in by_status.items():
+            notes.append(f"transformers at {', '.join(ns)}: {status}")
     save(rounds_done)
     print_table(result)
     common.log(f"done: {rounds_done} complete rounds in {time.monotonic() - t_start:.0f} s -> {args.out}")

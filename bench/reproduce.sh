@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# Reproduces the benchmark and fidelity report (issue 7) on a GPU machine from a clean clone:
+#   1. build   lily with CUDA (cmake preset `cuda`) unless build-cuda/lily exists;
+#   2. synth   the synthetic checkpoints: full (mlx 4-bit, ~20 GB) for the benchmark, full4 (mlx 4-bit and hf
+#              bf16) for the fidelity check; each is written once and reused while present;
+#   3. bench   bench/run_bench.py: lily vs transformers side by side, alternating rounds -> $OUT/bench.json;
+#   4. fidelity bench/fidelity.py: teacher-forced perplexity / top-1 agreement -> $OUT/fidelity.json;
+#   5. plot    bench/plot.py -> $OUT/bench.png (from every $OUT/bench*.json).
+#
+# Usage: bench/reproduce.sh [--out DIR] [--work DIR] [--steps build,synth,bench,fidelity,plot] [--budget-s N]
+#                           [--sha SHA] [--bench-preset full] [--fidelity-preset full4]
+#                           [-- extra arguments for run_bench.py]
+# Defaults: --out bench/results, --work /tmp/lily_bench, every step, no budget. Environment: LILY (binary,
+# default build-cuda/lily), PYTHON (default /opt/torch/.venv/bin/python3 if present), FIDELITY_ARGS (extra
+# arguments for fidelity.py). A CPU-only check of the whole chain on the tiny model (with a CPU build, whose
+# `lily bench` refuses to run, bench needs --engines transformers):
+#   LILY=build/lily FIDELITY_ARGS="--mlx-backend cpu --positions 192" bench/reproduce.sh --steps synth,bench,\
+#     fidelity,plot --bench-preset tiny --fidelity-preset tiny --out /tmp/r -- --engines transformers \
+#     --prefill-lengths 256,1k --decode-contexts 256,1k
+# On a machine whose commands are limited to 10 minutes, run the steps one per call, e.g.
+#   bench/reproduce.sh --steps build,synth
+#   bench/reproduce.sh --steps bench --budget-s 500 -- --prefill-lengths 256,512,1k,2k,4k,8k,16k,32k,64k,128k
+#   bench/reproduce.sh --steps fidelity,plot
+# and, for runs over different lengths, merge them: python3 bench/run_bench.py --merge a.json b.json --out c.json
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="$REPO/bench/results"
+WORK="/tmp/lily_bench"
+STEPS="build,synth,bench,fidelity,plot"
+BUDGET=""
+SHA=""
+BENCH_PRESET=full
+FID_PRESET=full4
+EXTRA=()
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --out) OUT="$2"; shift 2 ;;
+    --work) WORK="$2"; shift 2 ;;
+    --steps) STEPS="$2"; shift 2 ;;
+    --budget-s) BUDGET="$2"; shift 2 ;;
+    --sha) SHA="$2"; shift 2 ;;
+    --bench-preset) BENCH_PRESET="$2"; shift 2 ;;
+    --fidelity-preset) FID_PRESET="$2"; shift 2 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    *) echo "reproduce.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+if [[ -z "${PYTHON:-}" ]]; then
+  if [[ -x /opt/torch/.venv/bin/python3 ]]; then PYTHON=/opt/torch/.venv/bin/python3; else PYTHON=python3; fi
+fi
+LILY="${LILY:-$REPO/build-cuda/lily}"
+mkdir -p "$OUT" "$WORK"
+SHA_ARGS=()
+[[ -n "$SHA" ]] && SHA_ARGS=(--sha "$SHA")
+has() { [[ ",$STEPS," == *",$1,"* ]]; }
+say() { echo "== reproduce.sh [$(date -u +%H:%M:%S)] $*"; }
+
+if has build; then
+  if [[ -x "$LILY" || "$LILY" != "$REPO/build-cuda/lily" ]]; then
+    say "build: $LILY present"
+  else
+    say "build: cmake --preset cuda && cmake --build build-cuda --target lily"
+    (cd "$REPO" && cmake --preset cuda >/dev/null && cmake --build build-cuda --target lily -j "$(nproc)")
+  fi
+fi
+[[ -x "$LILY" ]] || { echo "reproduce.sh: no $LILY (run the build step)" >&2; exit 1; }
+say "lily: $LILY; python: $PYTHON ($("$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'))"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+
+if has synth; then
+  for spec in "$BENCH_PRESET:mlx" "$FID_PRESET:mlx" "$FID_PRESET:hf"; do
+    say "synth: ${spec%%:*} (${spec##*:})"
+    "$PYTHON" -c "import sys; sys.path.insert(0, '$REPO/bench'); import common; \
+common.ensure_checkpoint('$LILY', '${spec%%:*}', '${spec##*:}', '$WORK/${spec%%:*}_${spec##*:}')"
+  done
+  df -h "$WORK" | tail -1
+fi
+
+if has bench; then
+  say "bench: run_bench.py -> $OUT/bench.json"
+  BUDGET_ARGS=()
+  [[ -n "$BUDGET" ]] && BUDGET_ARGS=(--budget-s "$BUDGET")
+  "$PYTHON" "$REPO/bench/run_bench.py" --lily "$LILY" --work "$WORK" --preset "$BENCH_PRESET" --out "$OUT/bench.json" \
+    "${BUDGET_ARGS[@]}" "${SHA_ARGS[@]}" "${EXTRA[@]}"
+fi
+
+if has fidelity; then
+  say "fidelity: fidelity.py -> $OUT/fidelity.json"
+  # shellcheck disable=SC2086
+  "$PYTHON" "$REPO/bench/fidelity.py" --lily "$LILY" --work "$WORK" --preset "$FID_PRESET" \
+    --out "$OUT/fidelity.json" "${SHA_ARGS[@]}" ${FIDELITY_ARGS:-}
+fi
+
+if has plot; then
+  shopt -s nullglob
+  runs=("$OUT"/bench*.json)
+  if [[ ${#runs[@]} -gt 0 ]]; then
+    say "plot: ${runs[*]} -> $OUT/bench.png"
+    "$PYTHON" "$REPO/bench/plot.py" "${runs[@]}" --out "$OUT/bench.png"
+  else
+    say "plot: no $OUT/bench*.json yet"
+  fi
+fi
+say "done; results in $OUT"
