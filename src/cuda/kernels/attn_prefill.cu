@@ -20,8 +20,20 @@
 //   FLOPs: 4 * nq * D * sum_t (pos0 + t + 1); the cache is read once per query tile: nkv * ceil(T / (128/g))
 //   tiles x (pos0 + t_last + 1) rows x D x 4 bytes (K and V; from L2 after the first tile reads them).
 //   Shared memory: Q 128 x (D+8) + 2 stages x (K, V) 64 x (D+8) bf16 = 202,752 B at D = 256 (one block per SM).
-//   Not split over the KV range: a chunk of T rows gives nkv * T/16 blocks (512 at T = 4096), enough to fill the
-//   132 SMs for T >= ~1K; shorter chunks leave SMs idle.
+//   KV split (flash-decoding style) only for short chunks: T rows give nkv * ceil(T / (128/g)) blocks (512 at
+//   T = 4096, full geometry), which fill the 132 SMs from T ~ 1K on; below that each block's tile range is split
+//   n_splits = min(132 / blocks, tiles / 4, 64) ways (e.g. T = 100 after a 100K-row cache: 14 blocks x 9 splits
+//   instead of 14 blocks walking 1,600 tiles each), the splits write unnormalised O and (max, sum) to the scratch,
+//   and attn_prefill_combine merges them (weights exp2(m_s - M)), divides, gates and rounds to bf16.
+//   Measured (H200, graph replay, prep included, full geometry; TFLOP/s of the useful causal FLOPs): T 4096 at
+//   pos0 0 0.87 ms (158), pos0 28672 8.2 ms (252), pos0 126976 33.3 ms (260 = 33% of 790); T 512 at pos0 0
+//   0.072 ms (30); T 64 at pos0 65536 0.29 ms (235; 4.37 ms unsplit); T 1 at pos0 131000 0.16 ms (8.6 ms unsplit).
+//   255 registers, no spills. Tried and dropped: splitting the P V phase by dims over warp quads (P through shared
+//   memory) halves that phase's ldmatrix traffic but measured 4% slower (an extra barrier a tile), so the kernel
+//   is bound by latency and synchronisation more than by shared-memory bandwidth; the next step is wgmma.
+// Scratch: q bf16 [T, nq, D], then room for the partials: n_splits * T <= min(64 T, 132 * 128 / nq) rows of
+//   nq * (D + 2) floats (17.4 MB at the full geometry); non-decreasing in T.
+#include <algorithm>
 #include <cmath>
 
 #include "cuda/kernels/attn_prefill.cuh"
@@ -36,6 +48,27 @@ constexpr int kBlockM = kWarps * 16;  // (query head, query row) pairs per block
 constexpr int kBlockN = 64;           // cache rows per tile
 constexpr int kStages = 2;
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kTargetBlocks = 132;  // the H200's SMs (one flash block each): below this many blocks, split the KV
+constexpr int kMinSplitTiles = 4;   // a KV split covers at least 4 tiles (256 cache rows)
+constexpr int kMaxSplits = 64;
+
+// The flash kernel's arguments: the caller's parameters and, with n_splits > 1, the partials in the scratch.
+struct FlashArgs {
+  AttnPrefillParams p;
+  int n_splits = 1;
+  float* part_o = nullptr;   // [n_splits, T, nq, D]: unnormalised O of each split
+  float* part_ml = nullptr;  // [n_splits, T, nq, 2]: running max (log2 units) and sum of each split
+};
+
+int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Splits of the KV range: only when the (query tile, kv head) blocks leave SMs idle, never below kMinSplitTiles
+// tiles a split. n_splits * T <= min(kMaxSplits * T, kTargetBlocks * 128 / nq) (T / ceil(T / rows) <= rows).
+int n_splits_for(int T, int pos0, int nq, int nkv) {
+  const int blocks = ceil_div(T, kBlockM / (nq / nkv)) * nkv;
+  const int by_sms = kTargetBlocks / blocks, by_len = ceil_div(pos0 + T, kBlockN) / kMinSplitTiles;
+  return std::max(1, std::min(std::min(by_sms, by_len), kMaxSplits));
+}
 
 template <int D>
 struct Layout {
@@ -104,6 +137,13 @@ size_t q_scratch_bytes(int T, int nq, int head_dim) {
   return (static_cast<size_t>(T) * nq * head_dim * sizeof(__nv_bfloat16) + 255) / 256 * 256;
 }
 
+// The bound on n_splits * T above: non-decreasing in T, so a scratch sized for the largest chunk serves every
+// smaller one.
+size_t partial_bytes(int T, int nq, int head_dim) {
+  const size_t rows = std::min<size_t>(static_cast<size_t>(T) * kMaxSplits, size_t{kTargetBlocks} * kBlockM / nq);
+  return rows * nq * (head_dim + 2) * sizeof(float);
+}
+
 // ---- prep ----------------------------------------------------------------------------------------------------
 
 __global__ void attn_prefill_prep_kernel(const __grid_constant__ AttnPrefillParams p) {
@@ -143,19 +183,24 @@ __global__ void attn_prefill_prep_kernel(const __grid_constant__ AttnPrefillPara
 // ---- flash attention -----------------------------------------------------------------------------------------
 
 template <int D>
-__global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const __grid_constant__ AttnPrefillParams p) {
+__global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const __grid_constant__ FlashArgs args) {
+  const AttnPrefillParams& p = args.p;
   using L = Layout<D>;
   constexpr int kPitch = L::kPitch, kChunks = L::kChunks;
   extern __shared__ __align__(16) unsigned char smem[];
   __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(smem);  // [kBlockM][kPitch]: row = h * rows_t + query row
   __nv_bfloat16* kv_s = q_s + L::kQElems;                        // [kStages][K, V][kBlockN][kPitch]
   const int group = p.nq / p.nkv, rows_t = kBlockM / group;      // query rows per block
-  const int m = blockIdx.y;
-  const int tq0 = (gridDim.x - 1 - blockIdx.x) * rows_t;  // the latest (heaviest) query tiles first
+  // Block = (query tile, kv head m, split); in order of decreasing work: the latest query tile of every kv head
+  // first. Split s takes tiles [s*chunk, (s+1)*chunk) of the block's range.
+  const int split = static_cast<int>(blockIdx.x) % args.n_splits, bm = static_cast<int>(blockIdx.x) / args.n_splits;
+  const int m = bm % p.nkv, n_qtiles = gridDim.x / (p.nkv * args.n_splits);
+  const int tq0 = (n_qtiles - 1 - bm / p.nkv) * rows_t;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n_total = p.pos0 + p.T;  // valid cache rows
   const int kv_end = min(p.pos0 + tq0 + rows_t, n_total);
-  const int n_tiles = (kv_end + kBlockN - 1) / kBlockN;
+  const int n_tiles = (kv_end + kBlockN - 1) / kBlockN, chunk = (n_tiles + args.n_splits - 1) / args.n_splits;
+  const int tile_begin = min(split * chunk, n_tiles), tile_end = min(tile_begin + chunk, n_tiles);
   const size_t kv_row_stride = static_cast<size_t>(p.nkv) * D;
   pdl_launch_dependents();
   pdl_wait();  // q and the new cache rows come from the prep
@@ -179,7 +224,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
       cp_async_16(smem_u32(v_dst + r * kPitch + col), p.v_cache + off, valid);
     }
   };
-  load_tile(0, 0);
+  if (tile_begin < tile_end) load_tile(tile_begin, 0);
   cp_async_commit();
 
   // This warp: head h_w of the group, query rows tw0 .. tw0+15. Lane (g = lane/4, t4 = lane%4) holds rows g and
@@ -204,14 +249,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
     for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // l_run: this lane's part of the row sum
 
-  for (int i = 0; i < n_tiles; ++i) {
-    if (i + 1 < n_tiles) load_tile(i + 1, (i + 1) % kStages);
+  for (int i = tile_begin; i < tile_end; ++i) {
+    const int stage = (i - tile_begin) % kStages;
+    if (i + 1 < tile_end) load_tile(i + 1, (stage + 1) % kStages);
     cp_async_commit();
     cp_async_wait<1>();  // tile i (and q) landed for this thread ...
     __syncthreads();     // ... and for all
     const int k0 = i * kBlockN;
     if (warp_active && k0 <= lim_last) {  // else every row of the warp is masked
-      const __nv_bfloat16* k_tile = kv_s + static_cast<size_t>(i % kStages) * 2 * L::kTileElems;
+      const __nv_bfloat16* k_tile = kv_s + static_cast<size_t>(stage) * 2 * L::kTileElems;
       const uint32_t k_addr = smem_u32(k_tile + k_off), v_addr = smem_u32(k_tile + L::kTileElems + a_off);
 
       // S = Q K^T: 16 rows x 64 cache rows (8 n-tiles).
@@ -265,12 +311,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
           s[nt][e] = pe;
           l_run[e / 2] += pe;
         }
+      // Rescale O only when a running max of the warp grew (rare once the rows have seen many keys).
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt) {
-        o[nt][0] *= alpha[0];
-        o[nt][1] *= alpha[0];
-        o[nt][2] *= alpha[1];
-        o[nt][3] *= alpha[1];
+        for (int nt = 0; nt < D / 8; ++nt) {
+          o[nt][0] *= alpha[0];
+          o[nt][1] *= alpha[0];
+          o[nt][2] *= alpha[1];
+          o[nt][3] *= alpha[1];
+        }
       }
 
       // O += P V: the A fragment of k-step kk is the S accumulators of n-tiles 2kk, 2kk+1.
@@ -288,11 +337,12 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
         }
       }
     }
-    __syncthreads();  // stage i % kStages is free for tile i + 2
+    __syncthreads();  // the stage is free for tile i + 2
   }
   cp_async_wait<0>();
 
-  // Epilogue (eq 12's gate): out = O / l * sigmoid(gate), bf16.
+  // Epilogue (eq 12's gate): out = O / l * sigmoid(gate), bf16; or, split, O, max and sum to the partials (a row
+  // that sees no cache row of this split writes max -inf, sum 0, O 0).
   if (!warp_active) return;
   const int j = m * group + h_w;
   const size_t proj_stride = static_cast<size_t>(p.nq) * 2 * D + size_t{2} * p.nkv * D;
@@ -303,6 +353,15 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     const int t = tw0 + g + 8 * r;
     if (t >= p.T) continue;
+    if (args.n_splits > 1) {
+      const size_t row = (static_cast<size_t>(split) * p.T + t) * p.nq + j;
+      float* dst = args.part_o + row * D;
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt)
+        *reinterpret_cast<float2*>(dst + nt * 8 + 2 * t4) = make_float2(o[nt][2 * r], o[nt][2 * r + 1]);
+      if (t4 == 0) *reinterpret_cast<float2*>(args.part_ml + row * 2) = make_float2(m_run[r], l);
+      continue;
+    }
     const float inv_l = 1.0f / l;
     const float* gate = p.proj + static_cast<size_t>(t) * proj_stride + static_cast<size_t>(j) * 2 * D + D;
     __nv_bfloat16* dst = p.out + (static_cast<size_t>(t) * p.nq + j) * D;
@@ -317,21 +376,55 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
   }
 }
 
+// Merges the KV splits of one (query row t, head j) per block: weights exp2(m_s - M), o = sum w_s o_s / sum w_s l_s,
+// times sigmoid(gate), bf16. Moves n_splits * T * nq * (D + 2) * 4 bytes of partials.
+__global__ void attn_prefill_combine_kernel(const __grid_constant__ FlashArgs args) {
+  const AttnPrefillParams& p = args.p;
+  const int D = p.head_dim;
+  const size_t tj = blockIdx.x, plane = static_cast<size_t>(p.T) * p.nq;  // tj = t * nq + j
+  const int t = static_cast<int>(tj / p.nq), j = static_cast<int>(tj % p.nq);
+  pdl_launch_dependents();
+  pdl_wait();
+  float mx = -INFINITY;
+  for (int s = 0; s < args.n_splits; ++s) mx = fmaxf(mx, args.part_ml[(s * plane + tj) * 2]);
+  const float* gate = p.proj + static_cast<size_t>(t) * (static_cast<size_t>(p.nq) * 2 * D + size_t{2} * p.nkv * D) +
+                      static_cast<size_t>(j) * 2 * D + D;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float o = 0.0f, l = 0.0f;
+    for (int s = 0; s < args.n_splits; ++s) {
+      const float2 ml = *reinterpret_cast<const float2*>(args.part_ml + (s * plane + tj) * 2);
+      const float w = ml.x == -INFINITY ? 0.0f : exp2f(ml.x - mx);  // a split without visible rows weighs nothing
+      l += w * ml.y;
+      o += w * args.part_o[(s * plane + tj) * D + d];
+    }
+    p.out[tj * D + d] = __float2bfloat16_rn(o / l * (1.0f / (1.0f + expf(-gate[d]))));
+  }
+}
+
 template <int D>
 cudaError_t launch_flash(const AttnPrefillParams& p, cudaStream_t stream) {
   const size_t smem = Layout<D>::kSmemBytes;
   CUDA_TRY(cudaFuncSetAttribute(attn_prefill_flash_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 static_cast<int>(smem)));
+  FlashArgs args;
+  args.p = p;
+  args.n_splits = n_splits_for(p.T, p.pos0, p.nq, p.nkv);
+  if (args.n_splits > 1) {
+    args.part_o = reinterpret_cast<float*>(static_cast<char*>(p.scratch) + q_scratch_bytes(p.T, p.nq, D));
+    args.part_ml = args.part_o + static_cast<size_t>(args.n_splits) * p.T * p.nq * D;
+  }
   const int rows_t = kBlockM / (p.nq / p.nkv);
-  const dim3 grid((p.T + rows_t - 1) / rows_t, p.nkv);
-  return launch_pdl(attn_prefill_flash_kernel<D>, grid, dim3(kThreads), smem, stream, p);
+  const dim3 grid(ceil_div(p.T, rows_t) * p.nkv * args.n_splits);
+  CUDA_TRY(launch_pdl(attn_prefill_flash_kernel<D>, grid, dim3(kThreads), smem, stream, args));
+  if (args.n_splits == 1) return cudaSuccess;
+  return launch_pdl(attn_prefill_combine_kernel, dim3(p.T * p.nq), dim3(D), 0, stream, args);
 }
 
 }  // namespace
 
 size_t attn_prefill_scratch_bytes(int T, int nq, int head_dim) {
   if (T <= 0 || nq <= 0 || head_dim <= 0) return 0;
-  return q_scratch_bytes(T, nq, head_dim);
+  return q_scratch_bytes(T, nq, head_dim) + partial_bytes(T, nq, head_dim);
 }
 
 cudaError_t attn_prefill(const AttnPrefillParams& p, cudaStream_t stream) {

@@ -223,12 +223,14 @@ TEST(CudaAttnPrefill, MatchesCpuFromEmptyCache) {
 TEST(CudaAttnPrefill, MatchesCpuAfterEarlierChunks) {
   SKIP_WITHOUT_GPU();
   for (const Geometry& g : kGeometries)
-    for (auto [T, pos0] : {std::pair{300, 1000}, std::pair{5, 37}, std::pair{1, 130}, std::pair{70, 4096}})
+    for (auto [T, pos0] : {std::pair{300, 1000}, std::pair{5, 37}, std::pair{1, 130}, std::pair{70, 4096},
+                           std::pair{100, 12000}})
       check_case(g, T, pos0);
 }
 
 // The same rows in one call or in two chunks: the tiles are aligned to absolute cache rows and each row's mask and
-// softmax depend only on its position, so the outputs and the cache are the same bits.
+// softmax depend only on its position, so the outputs and the cache are the same bits. (Sizes where neither call
+// splits the KV range; a split merges partial sums in another order, which the reference tests cover.)
 TEST(CudaAttnPrefill, ChunkedEqualsSingle) {
   SKIP_WITHOUT_GPU();
   for (const Geometry& g : kGeometries) {
@@ -381,7 +383,8 @@ TEST(CudaAttnPrefillBench, Timing) {
   printf("[prefill bench] full geometry (nq 16, nkv 2, D 256), prep + flash, vs 790 TFLOP/s dense bf16\n");
   printf("%6s %7s %10s %10s %8s\n", "T", "pos0", "ms", "TFLOP/s", "of_peak");
   for (auto [T, pos0] : {std::pair{4096, 0}, std::pair{4096, 28672}, std::pair{4096, 126976}, std::pair{512, 0},
-                         std::pair{1024, 0}, std::pair{2048, 0}}) {
+                         std::pair{1024, 0}, std::pair{2048, 0}, std::pair{256, 0}, std::pair{64, 65536},
+                         std::pair{1, 131000}}) {
     AttnPrefillParams p;
     p.proj = proj.get();
     p.T = T;
