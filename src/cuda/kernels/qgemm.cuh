@@ -61,6 +61,7 @@ struct MoePrefillParams {
   int top_k = 8;
   void* scratch = nullptr;       // moe_prefill_scratch_bytes(...) bytes of device memory
   size_t scratch_bytes = 0;
+  int tile_rows = 0;             // rows of a grouped expert tile: 64 or 128; 0 picks from T * top_k / E
 };
 
 // Scratch moe_prefill needs for T rows (linear in T; the caller bounds T by chunking).
