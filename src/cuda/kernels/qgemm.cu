@@ -4,16 +4,14 @@
 // GEMM tile: one block computes a BM x BN tile of C = A W^T (A bf16 [M, K] row-major, W an MLX 4- or 8-bit
 // QMatrix [N, K]), K in steps of 64 = one quantisation group:
 //  - cp.async brings the A tile (BM x 64 bf16) and the packed W tile (BN x 64 x bits/8 bytes) into a
-//  STAGES-deep
-//    ring of shared-memory buffers, so the loads of the next steps overlap the math of this one;
+//    kStages-deep ring of shared-memory buffers, so the loads of the next steps overlap this one's math;
 //  - the block expands the packed W tile ONCE into a bf16 tile in shared memory (value = scale * q + bias in
-//  fp32,
-//    rounded to bf16: a relative error of at most 2^-8 per weight, like a bf16 activation), the group's scale
-//    and bias fetched one step ahead into registers; a 4-bit code becomes the float 0.5 + q/256 by one byte
-//    permute (quant_dot.cuh), so value = (256 s) f + (b - 128 s), an 8-bit code the float 2^23 + q;
+//    fp32, rounded to bf16: a relative error of at most 2^-8 per weight, like a bf16 activation), step k+1's
+//    tile into one of two buffers while the warps multiply step k's; the group's scale and bias are fetched
+//    a step ahead into registers. A 4-bit code becomes the float 0.5 + q/256 by one byte permute
+//    (quant_dot.cuh), so value = (256 s) f + (b - 128 s); an 8-bit code becomes the float 2^23 + q;
 //  - each warp multiplies its TM x TN sub-tile with mma.sync.m16n8k16 (bf16 in, fp32 accumulate), fragments
-//  read
-//    with ldmatrix from XOR-swizzled rows (16-byte chunk c of row r stored at c ^ (r & 7): conflict-free).
+//    read with ldmatrix from XOR-swizzled rows (16-byte chunk c of row r stored at c ^ (r & 7)).
 // FLOPs 2 M N K; bytes N K bits/8 (+ N K / 16 of scales and biases) + M K 2 (L2 keeps A for the columns of
 // blocks) + the output. The bf16 weight array never exists in device memory.
 // Grouped mode (moe_prefill): blocks along x are the entries of a device-side tile list (expert, first row,
@@ -23,21 +21,17 @@
 // bf16(silu(g) * u).
 //
 // moe_prefill for T rows, one stream, no host synchronisation:
-//  1 rms_norm_rows: x = bf16(RMSNorm(h) * norm_w)                                          (eq 5's ZN)
-//  2 qgemm: router logits [T, E] fp32 (8-bit)                                             (eq 21)
-//  3 moe_route_rows: per row one warp: fp32 softmax, top-k (ties -> lower index), weights renormalised in
-//  rank
-//    order (as lily::cpu::route_top_k), the shared-expert gate sg = sigmoid(w_seg . x), rows-per-expert
-//    histogram
-//                                                                                           (eqs 21, 22, 24)
+//  1 rms_norm_rows: x = bf16(RMSNorm(h) * norm_w)                                  (eq 5's ZN, eqs 1-2)
+//  2 qgemm: router logits [T, E] fp32 (8-bit)                                                     (eq 21)
+//  3 moe_route_rows, one warp a row: fp32 softmax, top-k (ties -> lower index), weights renormalised in
+//    rank order (as lily::cpu::route_top_k), the shared-expert gate sg = sigmoid(w_seg . x), the histogram
+//    of rows per expert                                                                  (eqs 21, 22, 24)
 //  4 moe_tile_map: prefix scan of the histogram to offsets, the tile list of every expert's rows
-//  5 moe_scatter: (row, slot) pairs into expert order (slot position within an expert is arbitrary: a GEMM
-//  row's
-//    result does not depend on the other rows of its tile, so the output stays deterministic)
-//  6 grouped swiglu over the routed rows -> act [T k, I] bf16; 7 grouped down -> y [T k, H] fp32      (eq 23)
-//  8 shared expert: dense swiglu -> [T, Is] bf16, down -> [T, H] fp32                                 (eq 24)
-//  9 moe_combine: h[t] += sum_s w_s y[t, s] + sg[t] y_shared[t] in slot order (deterministic)          (eq
-//  25)
+//  5 moe_scatter: (row, slot) pairs into expert order (the order within an expert is arbitrary: a GEMM
+//    row's result does not depend on the other rows of its tile, so the output stays deterministic)
+//  6 grouped swiglu over the routed rows -> act [T k, I] bf16; 7 grouped down -> y [T k, H] fp32   (eq 23)
+//  8 shared expert: dense swiglu -> [T, Is] bf16, down -> [T, H] fp32                             (eq 24)
+//  9 moe_combine: h[t] += sum_s w_s y[t, s] + sg[t] y_shared[t] in slot order (deterministic)     (eq 25)
 #include <algorithm>
 
 #include "cuda/kernels/qgemm.cuh"
@@ -250,8 +244,8 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[m][i][j][q] = 0.0f;
 
-          // Step kt multiplies with bf16 W buffer kt & 1 while the block expands step kt+1 into the other
-          // one: one barrier a step, and the warps' dequantisation interleaves with their mma.
+  // Step kt multiplies with bf16 W buffer kt & 1 while the block expands step kt+1 into the other one: one
+  // barrier a step, and the warps' dequantisation interleaves with their mma.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < KT) load_stage(s, s);
@@ -372,10 +366,10 @@ cudaError_t launch_tiles(const TileArgs& a, int bits, int x_tiles, cudaStream_t 
 }
 
 // Tile shapes: 128 x 128 (warps 2 x 4 of 64 x 32) for many rows, 64 x 128 (2 x 4 of 32 x 32) for few; the
-// swiglu tiles hold 64 columns of each of gate and up (128 x 64: 4 x 2 warps of 32 x 32; 64 x 64: 2 x 4 of 32
-// x 16). Two blocks per SM (128 registers a thread), so that one block's dequantisation and barriers overlap
-// the other's mma. A dense GEMM takes 128-row tiles only when they still fill the 132 SMs once: a K loop runs
-// serially within a block, so a small grid is bound by one block's latency.
+// swiglu tiles hold 64 columns of each of gate and up (128 x 64: 4 x 2 warps of 32 x 32; 64 x 64: 2 x 4 warps
+// of 32 x 16). Two blocks per SM (128 registers a thread), so that one block's dequantisation and barriers
+// overlap the other's mma. A dense GEMM takes 128-row tiles only when they still fill the 132 SMs once: a K
+// loop runs serially within a block, so a small grid is bound by one block's latency.
 int dense_tile_rows(int M, int N, int bn) {
   return static_cast<long>((M + 127) / 128) * ((N + bn - 1) / bn) >= 132 ? 128 : 64;
 }
@@ -414,8 +408,8 @@ struct NormArgs {
   __nv_bfloat16* out;
 };
 
-// One block per row: sum of squares in fp32 (per-thread partials, warp and block sums), then bf16(x / RMS *
-// w).
+// One block per row: sum of squares in fp32 (per-thread partials, warp and block sums), then
+// bf16(x / RMS * w).
 __global__ void __launch_bounds__(256) rms_norm_rows_kernel(const NormArgs p) {
   __shared__ float part_s[8];
   pdl_wait();
@@ -591,8 +585,8 @@ struct CombineArgs {
   int H, k;
 };
 
-// Eq 25 plus the residual: h[t] += sum_s w_s y[pos(t, s)] + sg[t] ys[t], slots in rank order, 4 columns a
-// thread.
+// Eq 25 plus the residual: h[t] += sum_s w_s y[pos(t, s)] + sg[t] ys[t], slots in rank order, 4 columns
+// a thread.
 __global__ void __launch_bounds__(256) moe_combine_kernel(const CombineArgs p) {
   __shared__ int pos_s[kMaxTopK];
   __shared__ float w_s[kMaxTopK];
@@ -733,9 +727,9 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   const MoeScratch s = carve(p.scratch, T, H, I, Is, E, k);
-  // Tile rows from the rows an expert gets on average (T k / E). Measured (H200, full geometry, cold weights):
-  // T = 512 (16 rows an expert) 759 us with 64-row tiles, 974 us with 128; T = 4096 (128 rows) 1802 us with 64,
-  // 1640 us with 128. The crossover lies between; 128-row tiles from 64 rows an expert.
+  // Tile rows from the rows an expert gets on average (T k / E). Measured (H200, full geometry, cold
+  // weights): T = 512 (16 rows an expert) 759 us with 64-row tiles, 974 us with 128; T = 4096 (128 rows)
+  // 1802 us with 64, 1640 us with 128. The crossover lies between; 128-row tiles from 64 rows an expert.
   const int tile_rows = p.tile_rows ? p.tile_rows : (static_cast<long>(T) * k >= 64L * E ? 128 : 64);
 
   CUDA_TRY(rms_norm_rows(p.h, p.norm_w, T, H, p.eps, s.x, stream));
