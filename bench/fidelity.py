@@ -93,9 +93,9 @@ def compare(lily_logits, ref_logits, ids):
     }
 
 
-def reference_logits(model_dir, ids, dtype, device):
-    common.log(f"transformers ({dtype}) on {model_dir}")
-    ref = hf_reference.load_reference(model_dir, device, getattr(torch, dtype))
+def reference_logits(model_dir, ids, dtype, device, experts):
+    common.log(f"transformers ({dtype}, experts {experts}) on {model_dir}")
+    ref = hf_reference.load_reference(model_dir, device, getattr(torch, dtype), experts_implementation=experts)
     t0 = time.perf_counter()
     logits = ref.logits(ids).numpy()
     info = dict(ref.info, forward_s=time.perf_counter() - t0)
@@ -122,6 +122,8 @@ def main():
     ap.add_argument("--hf-dtypes", default="bfloat16,float32",
                     help="transformers compute dtypes, comma-separated (the first is the headline)")
     ap.add_argument("--device", default=None, help="torch device (default cuda when available)")
+    ap.add_argument("--hf-experts", default="eager",
+                    help="transformers experts_implementation (eager: one F.linear per expert, any dtype)")
     ap.add_argument("--threads", type=int, default=0, help="lily CPU threads (0: all)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: 4bit, bf16")
     ap.add_argument("--sha", help="git SHA to stamp when git is not available")
@@ -158,7 +160,8 @@ def main():
             else:
                 # Each checkpoint samples its own sequence: the mlx and hf synthetic weights are different.
                 common.log(f"sampling {args.positions + 1} ids from transformers ({dtypes[0]}) on {model_dir}")
-                ref = hf_reference.load_reference(model_dir, device, getattr(torch, dtypes[0]))
+                ref = hf_reference.load_reference(model_dir, device, getattr(torch, dtypes[0]),
+                                                  experts_implementation=args.hf_experts)
                 ids = ref.sample(args.positions + 1, args.seed)
                 how = (f"sampled at temperature 1 from transformers {dtypes[0]} on this checkpoint "
                        f"(torch.Generator seed {args.seed})")
@@ -174,7 +177,7 @@ def main():
                      "lily_forward_s": lily_json["forward_s"], "lily_perplexity_reported": lily_json["perplexity"],
                      "ids": {"n": len(ids), "how": how, "ids": ids}, "vs": {}}
             for dtype in dtypes:
-                ref_logits, info = reference_logits(model_dir, ids, dtype, device)
+                ref_logits, info = reference_logits(model_dir, ids, dtype, device, args.hf_experts)
                 c = compare(lily_logits, ref_logits, ids)
                 c["reference"] = info
                 entry["vs"][f"transformers_{dtype}"] = c

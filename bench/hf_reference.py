@@ -114,8 +114,11 @@ class _Tensors:
         from safetensors import safe_open
 
         self.handles, self.where = [], {}
-        # safetensors cannot place tensors on every device type; load on cpu then move when it refuses.
-        load_device = "cpu" if device.type == "cpu" else str(device)
+        # Straight onto the GPU when there is one (no host copy of the full model); else the CPU.
+        if device.type == "cuda":
+            load_device = f"cuda:{torch.cuda.current_device() if device.index is None else device.index}"
+        else:
+            load_device = "cpu"
         for f in _checkpoint_files(model_dir):
             h = safe_open(f, framework="pt", device=load_device)
             self.handles.append(h)

@@ -362,6 +362,7 @@ def main():
             by_status.setdefault(status, []).append(str(n))
         for status, ns in by_status.items():
             notes.append(f"transformers at {', '.join(ns)}: {status}")
+    result["gpu_at_end"] = common.gpu_info()  # clocks after the run, against the stamp's before
     save(rounds_done)
     print_table(result)
     common.log(f"done: {rounds_done} complete rounds in {time.monotonic() - t_start:.0f} s -> {args.out}")
