@@ -16,7 +16,7 @@
 //   (rows >= pos0+T are zero-filled, never read). Per tile and warp: S = Q K^T (A = Q from shared memory,
 //   B = K tile via ldmatrix), online-softmax update, O += P V with P taken straight from the S accumulators
 //   (rounded to bf16) and B = V via ldmatrix.trans; O is 16 x D fp32 in registers. Epilogue: O / l * sigmoid(gate)
-//   -> bf16 out [T, nq*D]. Query tiles are issued heaviest (latest) first.
+//   -> fp16 out [T, nq*D]. Query tiles are issued heaviest (latest) first.
 //   FLOPs: 4 * nq * D * sum_t (pos0 + t + 1); the cache is read once per query tile: nkv * ceil(T / (128/g))
 //   tiles x (pos0 + t_last + 1) rows x D x 4 bytes (K and V; from L2 after the first tile reads them).
 //   Shared memory: Q 128 x (D+8) + 2 stages x (K, V) 64 x (D+8) bf16 = 202,752 B at D = 256 (one block per SM).
@@ -364,14 +364,14 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
     }
     const float inv_l = 1.0f / l;
     const float* gate = p.proj + static_cast<size_t>(t) * proj_stride + static_cast<size_t>(j) * 2 * D + D;
-    __nv_bfloat16* dst = p.out + (static_cast<size_t>(t) * p.nq + j) * D;
+    __half* dst = p.out + (static_cast<size_t>(t) * p.nq + j) * D;
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
       const int d = nt * 8 + 2 * t4;
       const float2 gv = *reinterpret_cast<const float2*>(gate + d);
       const float y0 = o[nt][2 * r] * inv_l * (1.0f / (1.0f + expf(-gv.x)));
       const float y1 = o[nt][2 * r + 1] * inv_l * (1.0f / (1.0f + expf(-gv.y)));
-      *reinterpret_cast<uint32_t*>(dst + d) = pack_bf16x2(y0, y1);
+      *reinterpret_cast<__half2*>(dst + d) = __floats2half2_rn(y0, y1);
     }
   }
 }
@@ -397,7 +397,7 @@ __global__ void attn_prefill_combine_kernel(const __grid_constant__ FlashArgs ar
       l += w * ml.y;
       o += w * args.part_o[(s * plane + tj) * D + d];
     }
-    p.out[tj * D + d] = __float2bfloat16_rn(o / l * (1.0f / (1.0f + expf(-gate[d]))));
+    p.out[tj * D + d] = __float2half_rn(o / l * (1.0f / (1.0f + expf(-gate[d]))));
   }
 }
 

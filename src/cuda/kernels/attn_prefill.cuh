@@ -4,9 +4,11 @@
 //                     appended to the bf16 cache at rows pos0 .. pos0+T-1, q (bf16, normalised, rotated) to scratch.
 //  flash attention:   causal, GQA (nq/nkv query heads share a KV head), row t attends cache rows 0 .. pos0+t (the
 //                     KV of earlier chunks plus the new rows), online softmax in fp32 on tensor cores (mma.sync
-//                     bf16); out = softmax(q K^T * scale) V * sigmoid(gate), bf16 [T, nq*D] (the out_proj's A).
+//                     bf16); out = softmax(q K^T * scale) V * sigmoid(gate), fp16 [T, nq*D] (the out_proj's A).
 // FLOPs: 4 * nq * D * sum_t (pos0 + t + 1); moves the cache rows once per query tile.
 #pragma once
+#include <cuda_fp16.h>
+
 #include "cuda/kernels/common.cuh"
 
 namespace lily::cuda {
@@ -23,7 +25,7 @@ struct AttnPrefillParams {
   float scale = 0.0625f;          // 1/sqrt(D)
   __nv_bfloat16* k_cache = nullptr;  // [capacity, nkv, D]
   __nv_bfloat16* v_cache = nullptr;
-  __nv_bfloat16* out = nullptr;   // [T, nq*D]
+  __half* out = nullptr;          // [T, nq*D] (fp16: the A operand of the out_proj qgemm)
   void* scratch = nullptr;        // attn_prefill_scratch_bytes(...) bytes, 16-byte aligned; starts with q bf16 [T, nq, D]
   size_t scratch_bytes = 0;
 };

@@ -1,27 +1,27 @@
 // Prefill matrix path (qgemm.cuh): GEMMs on tensor cores with the MLX weight dequantisation fused in,
 // row-wise RMSNorm, and the MoE block for many rows (eqs 20-25 of shared/MODEL.md).
 //
-// GEMM tile: one block computes a BM x BN tile of C = A W^T (A bf16 [M, K] row-major, W an MLX 4- or 8-bit
+// GEMM tile: one block computes a BM x BN tile of C = A W^T (A fp16 [M, K] row-major, W an MLX 4- or 8-bit
 // QMatrix [N, K]), K in steps of 64 = one quantisation group:
-//  - cp.async brings the A tile (BM x 64 bf16) and the packed W tile (BN x 64 x bits/8 bytes) into a
+//  - cp.async brings the A tile (BM x 64 fp16) and the packed W tile (BN x 64 x bits/8 bytes) into a
 //    kStages-deep ring of shared-memory buffers, so the loads of the next steps overlap this one's math;
-//  - the block expands the packed W tile ONCE into a bf16 tile in shared memory (value = scale * q + bias in
-//    fp32, rounded to bf16: a relative error of at most 2^-8 per weight, like a bf16 activation), step k+1's
+//  - the block expands the packed W tile ONCE into a fp16 tile in shared memory (value = scale * q + bias in
+//    fp32, rounded to fp16: a relative error of at most 2^-11 per weight, like an fp16 activation), step k+1's
 //    tile into one of two buffers while the warps multiply step k's; the group's scale and bias are fetched
 //    a step ahead into registers. A 4-bit code becomes the float 0.5 + q/256 by one byte permute
 //    (quant_dot.cuh), so value = (256 s) f + (b - 128 s); an 8-bit code becomes the float 2^23 + q;
-//  - each warp multiplies its TM x TN sub-tile with mma.sync.m16n8k16 (bf16 in, fp32 accumulate), fragments
+//  - each warp multiplies its TM x TN sub-tile with mma.sync.m16n8k16 (fp16 in, fp32 accumulate), fragments
 //    read with ldmatrix from XOR-swizzled rows (16-byte chunk c of row r stored at c ^ (r & 7)).
 // FLOPs 2 M N K; bytes N K bits/8 (+ N K / 16 of scales and biases) + M K 2 (L2 keeps A for the columns of
-// blocks) + the output. The bf16 weight array never exists in device memory.
+// blocks) + the output. The fp16 weight array never exists in device memory.
 // Grouped mode (moe_prefill): blocks along x are the entries of a device-side tile list (expert, first row,
 // rows); the grid is launched for the longest possible list and blocks past its device-side length exit. The
 // A rows of a tile are gathered through an index array; the weights are matrix `expert` of a stacked QMatrix.
 // qgemm_swiglu runs the gate and up matrices as the two MATS of one tile (two accumulators) and writes
-// bf16(silu(g) * u).
+// fp16(silu(g) * u).
 //
 // moe_prefill for T rows, one stream, no host synchronisation:
-//  1 rms_norm_rows: x = bf16(RMSNorm(h) * norm_w)                                  (eq 5's ZN, eqs 1-2)
+//  1 rms_norm_rows: x = fp16(RMSNorm(h) * norm_w)                                  (eq 5's ZN, eqs 1-2)
 //  2 qgemm: router logits [T, E] fp32 (8-bit)                                                     (eq 21)
 //  3 moe_route_rows, one warp a row: fp32 softmax, top-k (ties -> lower index), weights renormalised in
 //    rank order (as lily::cpu::route_top_k), the shared-expert gate sg = sigmoid(w_seg . x), the histogram
@@ -29,10 +29,12 @@
 //  4 moe_tile_map: prefix scan of the histogram to offsets, the tile list of every expert's rows
 //  5 moe_scatter: (row, slot) pairs into expert order (the order within an expert is arbitrary: a GEMM
 //    row's result does not depend on the other rows of its tile, so the output stays deterministic)
-//  6 grouped swiglu over the routed rows -> act [T k, I] bf16; 7 grouped down -> y [T k, H] fp32   (eq 23)
-//  8 shared expert: dense swiglu -> [T, Is] bf16, down -> [T, H] fp32                             (eq 24)
+//  6 grouped swiglu over the routed rows -> act [T k, I] fp16; 7 grouped down -> y [T k, H] fp32   (eq 23)
+//  8 shared expert: dense swiglu -> [T, Is] fp16, down -> [T, H] fp32                             (eq 24)
 //  9 moe_combine: h[t] += sum_s w_s y[t, s] + sg[t] y_shared[t] in slot order (deterministic)     (eq 25)
 #include <algorithm>
+
+#include <cuda_fp16.h>
 
 #include "cuda/kernels/qgemm.cuh"
 #include "cuda/kernels/quant_dot.cuh"
@@ -56,15 +58,15 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
                : "r"(a));
 }
 
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
       "{%0, %1, %2, %3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Element offset of 16-byte chunk `chunk` (8 bf16) of row `row` in a swizzled [rows, 64] bf16 tile.
+// Element offset of 16-byte chunk `chunk` (8 fp16) of row `row` in a swizzled [rows, 64] fp16 tile.
 __device__ __forceinline__ int swz(int row, int chunk) {
   return row * kGroup + ((chunk ^ (row & 7)) << 3);
 }
@@ -76,8 +78,8 @@ __device__ __forceinline__ float byte_as_float(uint32_t v) {
   return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7650 | i)) - 8388608.0f;
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
@@ -86,7 +88,7 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 
 struct TileArgs {
   QMatrix w[2];  // MATS matrices [N, K] (stacked in grouped mode)
-  const __nv_bfloat16* a = nullptr;
+  const __half* a = nullptr;
   int M = 0, N = 0, K = 0;  // M: rows of the dense GEMM (unused in grouped mode)
   GemmOut out = GemmOut::f32;
   void* c = nullptr;
@@ -106,14 +108,14 @@ struct Tile {
   static constexpr int MT = TM / 16, NT = TN / 8;
   static constexpr int kPackedRowBytes = kGroup * BITS / 8;    // 32 or 64
   static constexpr int kPackedChunks = kPackedRowBytes / 16;   // 2 or 4
-  static constexpr int kAStage = BM * kGroup;                  // bf16 elements
+  static constexpr int kAStage = BM * kGroup;                  // fp16 elements
   static constexpr int kWStage = MATS * BN * kPackedRowBytes;  // bytes
   static constexpr int kUnits = MATS * BN * 2;                 // dequant units of 32 elements
   static constexpr int kUnitsPerThread = kUnits / kThreads;
   static constexpr int kAChunks = BM * 8 / kThreads;
   static constexpr int kWChunks = MATS * BN * kPackedChunks;
   static constexpr size_t kSmem = size_t{kStages} * (kAStage * 2 + kWStage) +
-                                  size_t{2} * MATS * BN * kGroup * 2;  // bf16 W tile: 2 buffers
+                                  size_t{2} * MATS * BN * kGroup * 2;  // fp16 W tile: 2 buffers
   static_assert(TM % 16 == 0 && TN % 16 == 0, "warp tile");
   static_assert(kUnits % kThreads == 0 && (BM * 8) % kThreads == 0, "work split");
 };
@@ -122,9 +124,9 @@ template <int BM, int BN, int WM, int WN, int BITS, int MATS>
 __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileArgs p) {
   using C = Tile<BM, BN, WM, WN, BITS, MATS>;
   extern __shared__ __align__(128) unsigned char smem[];
-  __nv_bfloat16* a_s = reinterpret_cast<__nv_bfloat16*>(smem);
+  __half* a_s = reinterpret_cast<__half*>(smem);
   unsigned char* w_s = smem + size_t{kStages} * C::kAStage * 2;
-  __nv_bfloat16* b_s = reinterpret_cast<__nv_bfloat16*>(w_s + size_t{kStages} * C::kWStage);
+  __half* b_s = reinterpret_cast<__half*>(w_s + size_t{kStages} * C::kWStage);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wm = warp / WN, wn = warp % WN;
@@ -149,7 +151,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
   const int K = p.K, KT = K / kGroup;
 
   // This thread's A chunks: source row pointers (nullptr past the tile's rows: zero-filled).
-  const __nv_bfloat16* a_src[C::kAChunks];
+  const __half* a_src[C::kAChunks];
 #pragma unroll
   for (int i = 0; i < C::kAChunks; ++i) {
     const int id = tid + i * C::kThreads, r = id >> 3;
@@ -163,7 +165,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
   const size_t wpr = static_cast<size_t>(K) * BITS / 32, gpr = K / kGroup;
 
   auto load_stage = [&](int kt, int stage) {
-    __nv_bfloat16* as = a_s + stage * C::kAStage;
+    __half* as = a_s + stage * C::kAStage;
 #pragma unroll
     for (int i = 0; i < C::kAChunks; ++i) {
       const int id = tid + i * C::kThreads, r = id >> 3;
@@ -202,7 +204,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
     for (int i = 0; i < C::kUnitsPerThread; ++i) {
       const int u = tid + i * C::kThreads, m = u / (2 * BN), r = (u >> 1) % BN, half = u & 1;
       const unsigned char* src = ws + (m * BN + r) * C::kPackedRowBytes + half * (C::kPackedRowBytes / 2);
-      __nv_bfloat16* dst = b_s + (buf * MATS + m) * BN * kGroup;
+      __half* dst = b_s + (buf * MATS + m) * BN * kGroup;
       const float sc = sc_r[i], bi = bi_r[i];
       if constexpr (BITS == 4) {
         const uint4 v = *reinterpret_cast<const uint4*>(src);
@@ -211,10 +213,10 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
         for (int j = 0; j < 4; ++j) {  // word j: elements 8j..8j+7 -> chunk 4 half + j
           const uint32_t lo = words[j] & 0x0F0F0F0Fu, hi = (words[j] >> 4) & 0x0F0F0F0Fu;
           uint4 o;
-          o.x = pack_bf16(fmaf(nibble_as_float<0>(lo), sc, bi), fmaf(nibble_as_float<0>(hi), sc, bi));
-          o.y = pack_bf16(fmaf(nibble_as_float<1>(lo), sc, bi), fmaf(nibble_as_float<1>(hi), sc, bi));
-          o.z = pack_bf16(fmaf(nibble_as_float<2>(lo), sc, bi), fmaf(nibble_as_float<2>(hi), sc, bi));
-          o.w = pack_bf16(fmaf(nibble_as_float<3>(lo), sc, bi), fmaf(nibble_as_float<3>(hi), sc, bi));
+          o.x = pack_f16(fmaf(nibble_as_float<0>(lo), sc, bi), fmaf(nibble_as_float<0>(hi), sc, bi));
+          o.y = pack_f16(fmaf(nibble_as_float<1>(lo), sc, bi), fmaf(nibble_as_float<1>(hi), sc, bi));
+          o.z = pack_f16(fmaf(nibble_as_float<2>(lo), sc, bi), fmaf(nibble_as_float<2>(hi), sc, bi));
+          o.w = pack_f16(fmaf(nibble_as_float<3>(lo), sc, bi), fmaf(nibble_as_float<3>(hi), sc, bi));
           *reinterpret_cast<uint4*>(dst + swz(r, half * 4 + j)) = o;
         }
       } else {
@@ -224,10 +226,10 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
         for (int j = 0; j < 4; ++j) {  // words 2j, 2j+1: elements 8j..8j+7 -> chunk 4 half + j
           const uint32_t w0 = words[2 * j], w1 = words[2 * j + 1];
           uint4 o;
-          o.x = pack_bf16(fmaf(byte_as_float<0>(w0), sc, bi), fmaf(byte_as_float<1>(w0), sc, bi));
-          o.y = pack_bf16(fmaf(byte_as_float<2>(w0), sc, bi), fmaf(byte_as_float<3>(w0), sc, bi));
-          o.z = pack_bf16(fmaf(byte_as_float<0>(w1), sc, bi), fmaf(byte_as_float<1>(w1), sc, bi));
-          o.w = pack_bf16(fmaf(byte_as_float<2>(w1), sc, bi), fmaf(byte_as_float<3>(w1), sc, bi));
+          o.x = pack_f16(fmaf(byte_as_float<0>(w0), sc, bi), fmaf(byte_as_float<1>(w0), sc, bi));
+          o.y = pack_f16(fmaf(byte_as_float<2>(w0), sc, bi), fmaf(byte_as_float<3>(w0), sc, bi));
+          o.z = pack_f16(fmaf(byte_as_float<0>(w1), sc, bi), fmaf(byte_as_float<1>(w1), sc, bi));
+          o.w = pack_f16(fmaf(byte_as_float<2>(w1), sc, bi), fmaf(byte_as_float<3>(w1), sc, bi));
           *reinterpret_cast<uint4*>(dst + swz(r, half * 4 + j)) = o;
         }
       }
@@ -244,7 +246,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[m][i][j][q] = 0.0f;
 
-  // Step kt multiplies with bf16 W buffer kt & 1 while the block expands step kt+1 into the other one: one
+  // Step kt multiplies with fp16 W buffer kt & 1 while the block expands step kt+1 into the other one: one
   // barrier a step, and the warps' dequantisation interleaves with their mma.
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -259,14 +261,14 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
 
   for (int kt = 0; kt < KT; ++kt) {
     cp_async_wait<kStages - 3>();
-    __syncthreads();  // step kt+1 landed and step kt's bf16 W tile is complete; step kt-1's buffers are free
+    __syncthreads();  // step kt+1 landed and step kt's fp16 W tile is complete; step kt-1's buffers are free
     if (kt + kStages - 1 < KT) load_stage(kt + kStages - 1, (kt + kStages - 1) % kStages);
     cp_async_commit();
     if (kt + 1 < KT) {
       dequant((kt + 1) % kStages, (kt + 1) & 1);
       if (kt + 2 < KT) load_scales(kt + 2);
     }
-    const __nv_bfloat16* as = a_s + (kt % kStages) * C::kAStage;
+    const __half* as = a_s + (kt % kStages) * C::kAStage;
 #pragma unroll
     for (int kk = 0; kk < kGroup / 16; ++kk) {
       uint32_t af[C::MT][4];
@@ -277,7 +279,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
       }
 #pragma unroll
       for (int m = 0; m < MATS; ++m) {
-        const __nv_bfloat16* bs = b_s + ((kt & 1) * MATS + m) * BN * kGroup;
+        const __half* bs = b_s + ((kt & 1) * MATS + m) * BN * kGroup;
 #pragma unroll
         for (int jp = 0; jp < C::NT / 2; ++jp) {
           uint32_t bf[4];
@@ -285,8 +287,8 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
           ldmatrix_x4(bf, bs + swz(n, kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
           for (int i = 0; i < C::MT; ++i) {
-            mma_bf16(acc[m][i][2 * jp], af[i], bf[0], bf[1]);
-            mma_bf16(acc[m][i][2 * jp + 1], af[i], bf[2], bf[3]);
+            mma_f16(acc[m][i][2 * jp], af[i], bf[0], bf[1]);
+            mma_f16(acc[m][i][2 * jp + 1], af[i], bf[2], bf[3]);
           }
         }
       }
@@ -298,7 +300,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
   // Epilogue: c0, c1 at (row lane/4, cols 2 (lane%4) + {0, 1}); c2, c3 eight rows below. Column pairs are
   // stored together where the row stride and base allow it.
   const int ldc = p.ldc;
-  const bool f32_out = MATS == 1 && p.out != GemmOut::bf16;
+  const bool f32_out = MATS == 1 && p.out != GemmOut::f16;
   const bool pairs = ldc % 2 == 0 && (reinterpret_cast<uintptr_t>(p.c) & (f32_out ? 7 : 3)) == 0;
 #pragma unroll
   for (int i = 0; i < C::MT; ++i) {
@@ -318,8 +320,8 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
         }
         if (pairs && n + 1 < p.N) {
           if (!f32_out) {
-            *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.c) + crow + n) =
-                __floats2bfloat162_rn(v[0], v[1]);
+            *reinterpret_cast<__half2*>(static_cast<__half*>(p.c) + crow + n) =
+                __floats2half2_rn(v[0], v[1]);
           } else {
             float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.c) + crow + n);
             if (p.out == GemmOut::add_f32) {
@@ -335,7 +337,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
         for (int q = 0; q < 2; ++q) {
           if (n + q >= p.N) continue;
           if (!f32_out) {
-            static_cast<__nv_bfloat16*>(p.c)[crow + n + q] = __float2bfloat16_rn(v[q]);
+            static_cast<__half*>(p.c)[crow + n + q] = __float2half_rn(v[q]);
           } else if (p.out == GemmOut::add_f32) {
             static_cast<float*>(p.c)[crow + n + q] += v[q];
           } else {
@@ -405,11 +407,11 @@ struct NormArgs {
   const float* w;
   int n;
   float eps;
-  __nv_bfloat16* out;
+  __half* out;
 };
 
 // One block per row: sum of squares in fp32 (per-thread partials, warp and block sums), then
-// bf16(x / RMS * w).
+// fp16(x / RMS * w).
 __global__ void __launch_bounds__(256) rms_norm_rows_kernel(const NormArgs p) {
   __shared__ float part_s[8];
   pdl_wait();
@@ -424,8 +426,8 @@ __global__ void __launch_bounds__(256) rms_norm_rows_kernel(const NormArgs p) {
   for (int i = 0; i < 8; ++i) total += part_s[i];
   const float inv = rsqrtf(total / p.n + p.eps);
   pdl_launch_dependents();
-  __nv_bfloat16* out = p.out + static_cast<size_t>(blockIdx.x) * p.n;
-  for (int i = threadIdx.x; i < p.n; i += 256) out[i] = __float2bfloat16_rn(in[i] * inv * p.w[i]);
+  __half* out = p.out + static_cast<size_t>(blockIdx.x) * p.n;
+  for (int i = threadIdx.x; i < p.n; i += 256) out[i] = __float2half_rn(in[i] * inv * p.w[i]);
 }
 
 // ---- MoE routing, tile map, scatter, combine
@@ -433,7 +435,7 @@ __global__ void __launch_bounds__(256) rms_norm_rows_kernel(const NormArgs p) {
 
 struct RouteArgs {
   const float* logits;     // [T, E]
-  const __nv_bfloat16* x;  // [T, H]
+  const __half* x;  // [T, H]
   QMatrix shared_gate;     // 8-bit [1, H]
   int T, E, k, H;
   int* topk_idx;  // [T, k]
@@ -496,7 +498,7 @@ __global__ void __launch_bounds__(256) moe_route_rows_kernel(const RouteArgs p) 
     atomicAdd(p.counts + my_idx, 1);
   }
   // Shared-expert gate logit: lane takes words lane, lane + 32, ... (4 elements each).
-  const __nv_bfloat16* x = p.x + static_cast<size_t>(t) * p.H;
+  const __half* x = p.x + static_cast<size_t>(t) * p.H;
   const int words = p.H / 4;
   float dot = 0.0f;
   for (int j = lane; j < words; j += 32) {
@@ -505,8 +507,8 @@ __global__ void __launch_bounds__(256) moe_route_rows_kernel(const RouteArgs p) 
     const float s = bf16_bits_to_float(ld_bf16_bits(p.shared_gate.scales + g));
     const float b = bf16_bits_to_float(ld_bf16_bits(p.shared_gate.biases + g));
     const uint2 xv = *reinterpret_cast<const uint2*>(x + 4 * j);
-    const __nv_bfloat162 x01 = *reinterpret_cast<const __nv_bfloat162*>(&xv.x);
-    const __nv_bfloat162 x23 = *reinterpret_cast<const __nv_bfloat162*>(&xv.y);
+    const __half2 x01 = *reinterpret_cast<const __half2*>(&xv.x);
+    const __half2 x23 = *reinterpret_cast<const __half2*>(&xv.y);
     const float xs[4] = {__low2float(x01), __high2float(x01), __low2float(x23), __high2float(x23)};
 #pragma unroll
     for (int q = 0; q < 4; ++q)
@@ -617,7 +619,7 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const CombineArgs p) {
 
 // Scratch layout of moe_prefill (each array 256-byte aligned).
 struct MoeScratch {
-  __nv_bfloat16* x;
+  __half* x;
   float* logits;
   int* topk_idx;
   float* topk_w;
@@ -630,9 +632,9 @@ struct MoeScratch {
   int* tile_rows;
   int* token_of;
   int* pos_of;
-  __nv_bfloat16* act;
+  __half* act;
   float* y;
-  __nv_bfloat16* act_s;
+  __half* act_s;
   float* ys;
   size_t bytes;
 };
@@ -651,7 +653,7 @@ MoeScratch carve(void* base, int T, int H, int I, int Is, int E, int k) {
     return ptr;
   };
   const size_t Tz = T, rows = size_t{1} * T * k, tiles = max_tiles(T, E, k);
-  s.x = static_cast<__nv_bfloat16*>(take(Tz * H * 2));
+  s.x = static_cast<__half*>(take(Tz * H * 2));
   s.logits = static_cast<float*>(take(Tz * E * 4));
   s.topk_idx = static_cast<int*>(take(rows * 4));
   s.topk_w = static_cast<float*>(take(rows * 4));
@@ -664,9 +666,9 @@ MoeScratch carve(void* base, int T, int H, int I, int Is, int E, int k) {
   s.tile_rows = static_cast<int*>(take(tiles * 4));
   s.token_of = static_cast<int*>(take(rows * 4));
   s.pos_of = static_cast<int*>(take(rows * 4));
-  s.act = static_cast<__nv_bfloat16*>(take(rows * I * 2));
+  s.act = static_cast<__half*>(take(rows * I * 2));
   s.y = static_cast<float*>(take(rows * H * 4));
-  s.act_s = static_cast<__nv_bfloat16*>(take(Tz * Is * 2));
+  s.act_s = static_cast<__half*>(take(Tz * Is * 2));
   s.ys = static_cast<float*>(take(Tz * H * 4));
   s.bytes = off;
   return s;
@@ -677,7 +679,7 @@ MoeScratch carve(void* base, int T, int H, int I, int Is, int E, int k) {
 cudaError_t qgemm(const QGemmParams& p, cudaStream_t stream) {
   const int ldc = p.ldc ? p.ldc : p.w.rows;
   if (!valid_qmatrix(p.w) || !p.a || !p.c || p.M < 1 || ldc < p.w.rows || !aligned16(p.a) ||
-      (p.out != GemmOut::f32 && p.out != GemmOut::bf16 && p.out != GemmOut::add_f32)) {
+      (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32)) {
     return cudaErrorInvalidValue;
   }
   TileArgs a;
@@ -694,12 +696,12 @@ cudaError_t qgemm_swiglu(const QGemmSwigluParams& p, cudaStream_t stream) {
   }
   TileArgs a;
   a.w[0] = p.gate, a.w[1] = p.up;
-  a.a = p.a, a.M = p.M, a.N = p.gate.rows, a.K = p.gate.cols, a.out = GemmOut::bf16, a.c = p.act;
+  a.a = p.a, a.M = p.M, a.N = p.gate.rows, a.K = p.gate.cols, a.out = GemmOut::f16, a.c = p.act;
   a.ldc = p.gate.rows;
   return launch_dense_swiglu(a, p.gate.bits, dense_tile_rows(p.M, a.N, 64), stream);
 }
 
-cudaError_t rms_norm_rows(const float* in, const float* w, int T, int n, float eps, __nv_bfloat16* out,
+cudaError_t rms_norm_rows(const float* in, const float* w, int T, int n, float eps, __half* out,
                           cudaStream_t stream) {
   if (!in || !w || !out || T < 1 || n < 1) return cudaErrorInvalidValue;
   return launch_pdl(rms_norm_rows_kernel, dim3(T), dim3(256), 0, stream, NormArgs{in, w, n, eps, out});
@@ -758,7 +760,7 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
 
   TileArgs sh;
   sh.w[0] = p.shared_gate_proj, sh.w[1] = p.shared_up, sh.a = s.x, sh.M = T, sh.N = Is, sh.K = H;
-  sh.out = GemmOut::bf16, sh.c = s.act_s, sh.ldc = Is;
+  sh.out = GemmOut::f16, sh.c = s.act_s, sh.ldc = Is;
   CUDA_TRY(launch_dense_swiglu(sh, p.shared_up.bits, dense_tile_rows(T, Is, 64), stream));
   TileArgs sd;
   sd.w[0] = sd.w[1] = p.shared_down, sd.a = s.act_s, sd.M = T, sd.N = H, sd.K = Is, sd.out = GemmOut::f32;

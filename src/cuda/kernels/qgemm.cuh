@@ -1,12 +1,12 @@
 // Prefill matrix path (issue 6): fused-dequant GEMM on tensor cores and the MoE block for many rows.
 //
-// qgemm:        C[M, N] = A[M, K] . W[N, K]^T with A bf16 row-major activations and W an MLX affine QMatrix (4- or
-//               8-bit, group 64): each weight tile is expanded to bf16 in shared memory once and multiplied against
-//               the activation rows with mma.sync (fp32 accumulation). The bf16 weight array never exists in device
+// qgemm:        C[M, N] = A[M, K] . W[N, K]^T with A fp16 row-major activations and W an MLX affine QMatrix (4- or
+//               8-bit, group 64): each weight tile is expanded to fp16 in shared memory once and multiplied against
+//               the activation rows with mma.sync (fp32 accumulation). The fp16 weight array never exists in device
 //               memory. Does 2*M*N*K FLOPs; moves N*K*bits/8 weight bytes (+ scales/biases) and M*K*2 + M*N*4 bytes.
-// qgemm_swiglu: act[M, I] = silu(A W_gate^T) * (A W_up^T), bf16 out (eq 23/25's expert input), one kernel.
+// qgemm_swiglu: act[M, I] = silu(A W_gate^T) * (A W_up^T), fp16 out (eq 23/25's expert input), one kernel.
 // moe_prefill:  the whole MoE block (eqs 20-25) for T rows with routing on the GPU and no host synchronisation:
-//               x = RMSNorm(h) (bf16), router GEMM (8-bit), fp32 softmax / top-k (ties: lower index) /
+//               x = RMSNorm(h) (fp16), router GEMM (8-bit), fp32 softmax / top-k (ties: lower index) /
 //               renormalise, histogram of rows per expert, prefix scan to offsets, scatter of (row, slot) into expert
 //               order, block map of the tiles the grouped GEMM runs; grouped qgemm_swiglu over the routed rows,
 //               grouped down projection; the shared expert (dense swiglu + down, sigmoid gate); then
@@ -14,19 +14,21 @@
 // Shapes: K a multiple of 64; any M >= 1 and N >= 1 (tails handled). Launchers return cudaErrorInvalidValue for
 // shapes they do not take, never crash.
 #pragma once
+#include <cuda_fp16.h>
+
 #include "cuda/kernels/common.cuh"
 
 namespace lily::cuda {
 
 enum class GemmOut : int {
   f32 = 0,      // c is float[M, ldc]: C = A W^T
-  bf16 = 1,     // c is bf16[M, ldc]
+  f16 = 1,      // c is fp16 [M, ldc]
   add_f32 = 2,  // c is float[M, ldc]: C += A W^T (the residual add)
 };
 
 struct QGemmParams {
   QMatrix w;                            // [N, K]
-  const __nv_bfloat16* a = nullptr;     // [M, K] row-major
+  const __half* a = nullptr;     // [M, K] row-major
   int M = 0;
   GemmOut out = GemmOut::f32;
   void* c = nullptr;
@@ -35,17 +37,17 @@ struct QGemmParams {
 
 struct QGemmSwigluParams {
   QMatrix gate, up;                     // [I, K] each
-  const __nv_bfloat16* a = nullptr;     // [M, K]
+  const __half* a = nullptr;     // [M, K]
   int M = 0;
-  __nv_bfloat16* act = nullptr;         // out [M, I]
+  __half* act = nullptr;         // out [M, I]
 };
 
 cudaError_t qgemm(const QGemmParams& p, cudaStream_t stream);
 cudaError_t qgemm_swiglu(const QGemmSwigluParams& p, cudaStream_t stream);
 
-// out[t, :] = bf16(in[t, :] / RMS(in[t, :]) * w) for T rows of n (eqs 1-2 multiplier form; the A operand of a
+// out[t, :] = fp16(in[t, :] / RMS(in[t, :]) * w) for T rows of n (eqs 1-2 multiplier form; the A operand of a
 // prefill GEMM).
-cudaError_t rms_norm_rows(const float* in, const float* w, int T, int n, float eps, __nv_bfloat16* out,
+cudaError_t rms_norm_rows(const float* in, const float* w, int T, int n, float eps, __half* out,
                           cudaStream_t stream);
 
 struct MoePrefillParams {

@@ -1,6 +1,7 @@
 // Shared helpers of the CUDA kernel op tests: skip without a GPU, RAII device buffers, random MLX-quantized
 // matrices (made with mlx_quantize from random floats) with a host copy for CPU references.
 #pragma once
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -77,6 +78,14 @@ inline float bf16_bits_to_float(uint16_t b) {
   float f;
   std::memcpy(&f, &u, sizeof f);
   return f;
+}
+
+// fp16 (the prefill path's activations) to and from its bits, round to nearest even.
+inline uint16_t to_f16_bits(float v) { return static_cast<__half_raw>(__float2half_rn(v)).x; }
+inline float f16_bits_to_float(uint16_t b) {
+  __half_raw r;
+  r.x = b;
+  return __half2float(__half(r));
 }
 
 // A quantized matrix on the host (MLX layout, shared/MODEL.md 2.4) that can be uploaded as a QMatrix. The

@@ -21,6 +21,7 @@ namespace lily::cuda {
 namespace {
 
 using test::bf16_bits_to_float;
+using test::f16_bits_to_float;
 using test::DeviceBuffer;
 using test::Geometry;
 using test::random_vector;
@@ -39,7 +40,7 @@ struct Prefill {
   DeviceBuffer<float> d_proj, d_qn, d_kn;
   DeviceBuffer<uint16_t> d_k, d_v, d_out;
   DeviceBuffer<unsigned char> d_scratch;
-  std::vector<uint16_t> k_init, k, v, q, out;  // caches [cap, nkv, D], q [T, nq, D], out [T, nq*D] (bf16 bits)
+  std::vector<uint16_t> k_init, k, v, q, out;  // caches [cap, nkv, D], q [T, nq, D], out [T, nq*D] (k, v, q bf16 bits; out fp16 bits)
 
   size_t row_elems() const { return static_cast<size_t>(g.nkv) * g.head_dim; }
 
@@ -75,7 +76,7 @@ struct Prefill {
     p.scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
     p.k_cache = reinterpret_cast<__nv_bfloat16*>(d_k.get());
     p.v_cache = reinterpret_cast<__nv_bfloat16*>(d_v.get());
-    p.out = reinterpret_cast<__nv_bfloat16*>(d_out.get());
+    p.out = reinterpret_cast<__half*>(d_out.get());
     p.scratch = d_scratch.get();
     p.scratch_bytes = d_scratch.size();
     return p;
@@ -180,7 +181,7 @@ std::vector<int> sample_rows(int T, uint32_t seed) {
 }
 
 // The kernel rounds p to bf16 for the P V product (2^-9 relative per term: at most 2^-9 * o_abs after the division)
-// and the output to bf16 (2^-9 |out|); everything else is fp32 (scores to ~1e-6). Twice that bound.
+// and the output to fp16 (2^-11 |out|); everything else is fp32 (scores to ~1e-6). About twice that bound.
 void check_attention(const Prefill& pf) {
   const Geometry& g = pf.g;
   const int D = g.head_dim;
@@ -189,7 +190,7 @@ void check_attention(const Prefill& pf) {
     for (int j = 0; j < g.nq; ++j) {
       const RowRef ref = attention_row_ref(pf, t, j);
       for (int d = 0; d < D; ++d) {
-        const double got = bf16_bits_to_float(pf.out[(static_cast<size_t>(t) * g.nq + j) * D + d]);
+        const double got = f16_bits_to_float(pf.out[(static_cast<size_t>(t) * g.nq + j) * D + d]);
         const double err = std::fabs(got - ref.out[d]);
         const double tol = (std::fabs(ref.out[d]) + ref.o_abs[d] * ref.sig[d]) / 256 + 1e-6;
         max_err = std::max(max_err, std::isnan(err) ? INFINITY : err);
@@ -259,7 +260,7 @@ TEST(CudaAttnPrefill, ChunkedEqualsSingle) {
 // Row t of a prefill against the decode path at pos0 + t over the cache the prefill wrote: attn_prep writes the same
 // K/V bits and a q whose bf16 rounding is the prefill's q; attn_decode + attn_combine (fp32 q, split into hi+lo
 // bf16, so scores to ~2^-17) then differ from the prefill's output by the prefill's bf16 q (score error ds_r, known
-// exactly here: softmax moves by at most 2 max|ds| * o_abs), its bf16 p and bf16 output (as check_attention), and
+// exactly here: softmax moves by at most 2 max|ds| * o_abs), its bf16 p and fp16 output (as check_attention), and
 // the decode's own 1e-4.
 TEST(CudaAttnPrefill, MatchesDecodePath) {
   SKIP_WITHOUT_GPU();
@@ -322,7 +323,7 @@ TEST(CudaAttnPrefill, MatchesDecodePath) {
           }
           const RowRef ref = attention_row_ref(pf, t, j);
           for (int d = 0; d < D; ++d) {
-            const double got = bf16_bits_to_float(pf.out[(static_cast<size_t>(t) * g.nq + j) * D + d]);
+            const double got = f16_bits_to_float(pf.out[(static_cast<size_t>(t) * g.nq + j) * D + d]);
             const double err = std::fabs(got - dec[j * D + d]);
             const double tol = std::fabs(dec[j * D + d]) / 256 + (1.0 / 256 + 2 * ds) * ref.o_abs[d] * ref.sig[d] + 1e-4;
             max_err = std::max(max_err, std::isnan(err) ? INFINITY : err);
@@ -341,7 +342,8 @@ TEST(CudaAttnPrefill, RejectsBadShapes) {
   EXPECT_EQ(attn_prefill(p, nullptr), cudaErrorInvalidValue);
   alignas(16) static float dummy[64];
   p.proj = p.q_norm = p.k_norm = dummy;
-  p.k_cache = p.v_cache = p.out = reinterpret_cast<__nv_bfloat16*>(dummy);
+  p.k_cache = p.v_cache = reinterpret_cast<__nv_bfloat16*>(dummy);
+  p.out = reinterpret_cast<__half*>(dummy);
   p.scratch = dummy;
   p.scratch_bytes = sizeof dummy;
   p.T = 1;
@@ -393,7 +395,7 @@ TEST(CudaAttnPrefillBench, Timing) {
     p.nq = g.nq, p.nkv = g.nkv, p.head_dim = D, p.rotary_dim = g.rotary_dim, p.rope_theta = test::kTheta;
     p.k_cache = reinterpret_cast<__nv_bfloat16*>(k.get());
     p.v_cache = reinterpret_cast<__nv_bfloat16*>(v.get());
-    p.out = reinterpret_cast<__nv_bfloat16*>(out.get());
+    p.out = reinterpret_cast<__half*>(out.get());
     p.scratch = scratch.get();
     p.scratch_bytes = scratch.size();
     const double us = test::graph_time_us([&](int, cudaStream_t s) { return attn_prefill(p, s); }, 2, 5);

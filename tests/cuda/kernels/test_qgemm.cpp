@@ -1,18 +1,21 @@
 // qgemm / qgemm_swiglu / rms_norm_rows / moe_prefill (src/cuda/kernels/qgemm.cu) against CPU references on
 // fresh random MLX-quantized weights, and the prefill GEMM / MoE timings (print only).
 //
-// Tolerances from the arithmetic: the kernels round each dequantized weight to bf16 (the reference does the
-// same, so a weight differs only where the two fp32 dequantisations straddle a bf16 rounding midpoint: at
-// most one bf16 ulp, 2^-7 relative, of one or two terms) and accumulate in fp32 (~2e-5 of the sum of |terms|,
-// see test_gemv). A is bf16 in both. In the MoE block the GPU's bf16 x may differ from the reference's by an
+// Tolerances from the arithmetic: the kernels round each dequantized weight to fp16 (the reference does the
+// same, so a weight differs only where the two fp32 dequantisations straddle an fp16 rounding midpoint: at
+// most one fp16 ulp, 2^-10 relative, of one or two terms) and accumulate in fp32 (~2e-5 of the sum of |terms|,
+// see test_gemv). A is fp16 in both. In the MoE block the GPU's fp16 x may differ from the reference's by an
 // ulp where x sits at a rounding midpoint (bounded per element below), and the expert activation is rounded
-// to bf16 (2^-8 relative).
+// to fp16 (2^-11 relative).
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <numeric>
 #include <random>
 #include <vector>
+
+#include <cuda_fp16.h>
 
 #include "cpu/blocks.h"
 #include "cuda/kernels/qgemm.cuh"
@@ -23,15 +26,13 @@ namespace lily::cuda::test {
 namespace {
 
 constexpr double kAcc = 3e-5;        // fp32 accumulation, relative to the sum of |terms|
-constexpr double kBf16 = 1.0 / 256;  // bf16 rounding, relative (unit roundoff 2^-8)
-constexpr double kUlp = 1.0 / 128;   // one bf16 ulp, relative (worst case)
+constexpr double kF16 = 1.0 / 2048;  // fp16 rounding, relative (unit roundoff 2^-11)
+constexpr double kUlp = 1.0 / 1024;  // one fp16 ulp, relative (worst case, normal numbers)
 
-float bf16_round(float v) {
-  return bf16_bits_to_float(to_bf16_bits(v));
-}
+float f16_round(float v) { return f16_bits_to_float(to_f16_bits(v)); }
 
-// Row `row` of m, dequantized and rounded to bf16 exactly as the GEMM kernels see it.
-void dequant_row_bf16(const HostQMatrix& m, size_t row, std::vector<float>& out) {
+// Row `row` of m, dequantized and rounded to fp16 exactly as the GEMM kernels see it.
+void dequant_row_f16(const HostQMatrix& m, size_t row, std::vector<float>& out) {
   out.resize(m.cols);
   const size_t wpr = m.words_per_row(), gpr = m.groups_per_row();
   const int per_word = 32 / m.bits, words_per_group = kQuantGroup / per_word;
@@ -44,7 +45,7 @@ void dequant_row_bf16(const HostQMatrix& m, size_t row, std::vector<float>& out)
     for (int i = 0; i < words_per_group; ++i) {
       uint32_t w = words[g * words_per_group + i];
       for (int j = 0; j < per_word; ++j, w >>= m.bits)
-        *o++ = bf16_round(s * static_cast<float>(w & mask) + b);
+        *o++ = f16_round(s * static_cast<float>(w & mask) + b);
     }
   }
 }
@@ -87,15 +88,13 @@ HostQMatrix fast_qmatrix(int rows, int cols, int bits, uint32_t seed) {
   return m;
 }
 
-std::vector<uint16_t> to_bf16(const std::vector<float>& v) {
+std::vector<uint16_t> to_f16(const std::vector<float>& v) {
   std::vector<uint16_t> b(v.size());
-  for (size_t i = 0; i < v.size(); ++i) b[i] = to_bf16_bits(v[i]);
+  for (size_t i = 0; i < v.size(); ++i) b[i] = to_f16_bits(v[i]);
   return b;
 }
 
-const __nv_bfloat16* as_bf16(const DeviceBuffer<uint16_t>& b) {
-  return reinterpret_cast<const __nv_bfloat16*>(b.get());
-}
+const __half* as_f16(const DeviceBuffer<uint16_t>& b) { return reinterpret_cast<const __half*>(b.get()); }
 
 // ---- qgemm
 // -----------------------------------------------------------------------------------------------------
@@ -105,24 +104,24 @@ void check_qgemm(int M, int N, int K, int bits, GemmOut out, uint32_t seed) {
                                   << static_cast<int>(out));
   HostQMatrix w = random_qmatrix(N, K, bits, seed);
   std::vector<float> a = random_vector(static_cast<size_t>(M) * K, seed + 1);
-  for (float& v : a) v = bf16_round(v);
+  for (float& v : a) v = f16_round(v);
   const int ldc = N + (M % 2) * 3;  // exercise a row stride other than N
   const std::vector<float> c0 = random_vector(static_cast<size_t>(M) * ldc, seed + 2);
-  DeviceBuffer<uint16_t> d_a(to_bf16(a)), d_cb(to_bf16(c0));
+  DeviceBuffer<uint16_t> d_a(to_f16(a)), d_cb(to_f16(c0));
   DeviceBuffer<float> d_cf(c0);
   QGemmParams p;
   p.w = w.upload();
-  p.a = as_bf16(d_a);
+  p.a = as_f16(d_a);
   p.M = M;
   p.out = out;
-  p.c = out == GemmOut::bf16 ? static_cast<void*>(d_cb.get()) : static_cast<void*>(d_cf.get());
+  p.c = out == GemmOut::f16 ? static_cast<void*>(d_cb.get()) : static_cast<void*>(d_cf.get());
   p.ldc = ldc;
   ASSERT_CUDA(qgemm(p, nullptr));
   ASSERT_CUDA(cudaDeviceSynchronize());
   std::vector<float> got(static_cast<size_t>(M) * ldc);
-  if (out == GemmOut::bf16) {
+  if (out == GemmOut::f16) {
     const std::vector<uint16_t> b = d_cb.download();
-    for (size_t i = 0; i < b.size(); ++i) got[i] = bf16_bits_to_float(b[i]);
+    for (size_t i = 0; i < b.size(); ++i) got[i] = f16_bits_to_float(b[i]);
   } else {
     got = d_cf.download();
   }
@@ -131,20 +130,20 @@ void check_qgemm(int M, int N, int K, int bits, GemmOut out, uint32_t seed) {
   for (int r = 0; r < M; ++r)
     if (M <= 80 || r < 8 || r >= M - 8 || r % (M / 24) == 0) rows.push_back(r);
   std::vector<std::vector<float>> wr(N);
-  for (int n = 0; n < N; ++n) dequant_row_bf16(w, n, wr[n]);
+  for (int n = 0; n < N; ++n) dequant_row_f16(w, n, wr[n]);
   int bad = 0;
   for (int r : rows) {
     for (int n = 0; n < ldc; ++n) {
       const size_t i = static_cast<size_t>(r) * ldc + n;
       if (n >= N) {  // past N: untouched
-        const float want = out == GemmOut::bf16 ? bf16_round(c0[i]) : c0[i];
+        const float want = out == GemmOut::f16 ? f16_round(c0[i]) : c0[i];
         if (got[i] != want && bad++ < 5) ADD_FAILURE() << "wrote past N at row " << r << " col " << n;
         continue;
       }
       const Dot d = dot_row(wr[n], &a[static_cast<size_t>(r) * K]);
       double ref = d.dot, tol = d.tol();
       if (out == GemmOut::add_f32) ref += c0[i], tol += 1e-6 * std::fabs(c0[i]);
-      if (out == GemmOut::bf16) tol += kBf16 * std::fabs(ref);
+      if (out == GemmOut::f16) tol += kF16 * std::fabs(ref);
       if (!(std::fabs(got[i] - ref) <= tol) && bad++ < 5) {
         ADD_FAILURE() << "row " << r << " col " << n << ": got " << got[i] << " want " << ref << " tol "
                       << tol;
@@ -186,29 +185,29 @@ TEST(CudaQgemm, SwigluMatchesCpu) {
     HostQMatrix g = random_qmatrix(c.I, c.K, c.bits, seed += 3),
                 u = random_qmatrix(c.I, c.K, c.bits, seed + 1);
     std::vector<float> a = random_vector(static_cast<size_t>(c.M) * c.K, seed + 2);
-    for (float& v : a) v = bf16_round(v);
-    DeviceBuffer<uint16_t> d_a(to_bf16(a)), d_act(static_cast<size_t>(c.M) * c.I);
+    for (float& v : a) v = f16_round(v);
+    DeviceBuffer<uint16_t> d_a(to_f16(a)), d_act(static_cast<size_t>(c.M) * c.I);
     QGemmSwigluParams p;
     p.gate = g.upload();
     p.up = u.upload();
-    p.a = as_bf16(d_a);
+    p.a = as_f16(d_a);
     p.M = c.M;
-    p.act = reinterpret_cast<__nv_bfloat16*>(d_act.get());
+    p.act = reinterpret_cast<__half*>(d_act.get());
     ASSERT_CUDA(qgemm_swiglu(p, nullptr));
     ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<uint16_t> got = d_act.download();
     std::vector<float> gr, ur;
     int bad = 0;
     for (int n = 0; n < c.I; ++n) {
-      dequant_row_bf16(g, n, gr);
-      dequant_row_bf16(u, n, ur);
+      dequant_row_f16(g, n, gr);
+      dequant_row_f16(u, n, ur);
       for (int r = 0; r < c.M; ++r) {
         const Dot dg = dot_row(gr, &a[static_cast<size_t>(r) * c.K]),
                   du = dot_row(ur, &a[static_cast<size_t>(r) * c.K]);
         const double ref = silu_d(dg.dot) * du.dot;
-        const double tol = kBf16 * std::fabs(ref) + 1.1 * std::fabs(du.dot) * dg.tol() +
+        const double tol = kF16 * std::fabs(ref) + 1.1 * std::fabs(du.dot) * dg.tol() +
                            std::fabs(silu_d(dg.dot)) * du.tol() + 1e-7;
-        const float v = bf16_bits_to_float(got[static_cast<size_t>(r) * c.I + n]);
+        const float v = f16_bits_to_float(got[static_cast<size_t>(r) * c.I + n]);
         if (!(std::fabs(v - ref) <= tol) && bad++ < 5) {
           ADD_FAILURE() << "row " << r << " col " << n << ": got " << v << " want " << ref;
         }
@@ -227,14 +226,15 @@ TEST(CudaQgemm, RmsNormRowsMatchesCpu) {
     DeviceBuffer<float> d_in(in), d_w(w);
     DeviceBuffer<uint16_t> d_out(static_cast<size_t>(T) * n);
     ASSERT_CUDA(rms_norm_rows(d_in.get(), d_w.get(), T, n, kEps,
-                              reinterpret_cast<__nv_bfloat16*>(d_out.get()), nullptr));
+                              reinterpret_cast<__half*>(d_out.get()), nullptr));
     ASSERT_CUDA(cudaDeviceSynchronize());
     const std::vector<uint16_t> got = d_out.download();
     for (int t = 0; t < T; ++t) {
       const std::vector<float> ref = rms_norm_ref(&in[static_cast<size_t>(t) * n], w.data(), n);
       for (int i = 0; i < n; ++i) {
-        const float v = bf16_bits_to_float(got[static_cast<size_t>(t) * n + i]);
-        ASSERT_NEAR(v, ref[i], kUlp * std::fabs(ref[i]) + 1e-30) << "row " << t << " col " << i;
+        const float v = f16_bits_to_float(got[static_cast<size_t>(t) * n + i]);
+        // One ulp relative, or the subnormal spacing 2^-24 for the smallest values.
+        ASSERT_NEAR(v, ref[i], kUlp * std::fabs(ref[i]) + 6e-8) << "row " << t << " col " << i;
       }
     }
   }
@@ -247,7 +247,7 @@ TEST(CudaQgemm, RejectsBadShapes) {
   DeviceBuffer<float> c(4 * 16);
   QGemmParams p;
   p.w = w.upload();
-  p.a = as_bf16(a);
+  p.a = as_f16(a);
   p.M = 4;
   p.c = c.get();
   EXPECT_EQ(qgemm(p, nullptr), cudaSuccess);
@@ -319,19 +319,19 @@ std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int t
 // differently.
 bool check_moe_row(const MoeModel& m, const float* h, const float* got, int t, double& worst) {
   const int H = m.H, E = m.E, I = m.I, k = m.k;
-  // x = bf16(RMSNorm(h) * w); x_err: one ulp where x is within 1e-5 of a bf16 rounding midpoint, else 0.
+  // x = fp16(RMSNorm(h) * w); x_err: one ulp where x is within 1e-5 of an fp16 rounding midpoint, else 0.
   const std::vector<float> xf = rms_norm_ref(h, m.norm_w.data(), H);
   std::vector<float> x(H);
   std::vector<double> x_err(H);
   for (int i = 0; i < H; ++i) {
-    x[i] = bf16_round(xf[i]);
-    const double ulp = std::ldexp(1.0, std::ilogb(x[i] != 0 ? x[i] : 1e-30f) - 7);
+    x[i] = f16_round(xf[i]);
+    const double ulp = std::max(std::ldexp(1.0, std::ilogb(x[i] != 0 ? x[i] : 1e-30f) - 10), std::ldexp(1.0, -24));
     x_err[i] = std::fabs(std::fabs(xf[i] - x[i]) - ulp / 2) < 1e-5 * std::fabs(xf[i]) + 1e-30 ? ulp : 0.0;
   }
   std::vector<float> wr;
   std::vector<double> logit(E), logit_tol(E);
   for (int e = 0; e < E; ++e) {
-    dequant_row_bf16(m.router, e, wr);
+    dequant_row_f16(m.router, e, wr);
     const Dot d = dot_row(wr, x.data(), x_err.data());
     logit[e] = d.dot, logit_tol[e] = d.tol();
   }
@@ -371,17 +371,17 @@ bool check_moe_row(const MoeModel& m, const float* h, const float* got, int t, d
     const HostQMatrix& D = shared ? m.s_down : m.down;
     const size_t e = shared ? 0 : idx[s];
     for (int j = 0; j < I; ++j) {
-      dequant_row_bf16(G, e * I + j, wg);
-      dequant_row_bf16(U, e * I + j, wu);
+      dequant_row_f16(G, e * I + j, wg);
+      dequant_row_f16(U, e * I + j, wu);
       const Dot g = dot_row(wg, x.data(), x_err.data()), u = dot_row(wu, x.data(), x_err.data());
       const double a = silu_d(g.dot) * u.dot;
       act[j] = static_cast<float>(a);
       act_err[j] =
-          kBf16 * std::fabs(a) + 1.1 * std::fabs(u.dot) * g.tol() + std::fabs(silu_d(g.dot)) * u.tol();
+          kF16 * std::fabs(a) + 1.1 * std::fabs(u.dot) * g.tol() + std::fabs(silu_d(g.dot)) * u.tol();
     }
     const double w = shared ? sg : wt[s];
     for (int r = 0; r < H; ++r) {
-      dequant_row_bf16(D, e * H + r, wr);
+      dequant_row_f16(D, e * H + r, wr);
       const Dot y = dot_row(wr, act.data(), act_err.data());
       ref[r] += w * y.dot;
       tol[r] += w * y.tol() + (shared ? sg_tol : (w_rel + 1e-6) * w) * std::fabs(y.dot);
@@ -508,7 +508,7 @@ TEST(CudaQgemmBench, DenseShapes) {
                           {"shared down", 2048, 512, 4},   {"router q8", 256, 2048, 8},
                           {"lm_head", 248320, 2048, 4}};
   const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
-  const DeviceBuffer<uint16_t> a = bench_pool(size_t{4096} * 4096 * 2, 7);  // small random bf16 activations
+  const DeviceBuffer<uint16_t> a = bench_pool(size_t{4096} * 4096 * 2, 7);  // random fp16 activations in +-[1, 1.25)
   DeviceBuffer<float> c(size_t{512} * 248320);
   std::printf("\nqgemm, cold weights (a different copy per call), CUDA-graph replay:\n");
   for (const Shape& s : shapes) {
@@ -520,7 +520,7 @@ TEST(CudaQgemmBench, DenseShapes) {
           [&](int i, cudaStream_t st) {
             QGemmParams p;
             p.w = bench_qmatrix(pool, s.N, s.K, s.bits, i);
-            p.a = as_bf16(a);
+            p.a = as_f16(a);
             p.M = M;
             p.c = c.get();
             return qgemm(p, st);
@@ -537,9 +537,9 @@ TEST(CudaQgemmBench, DenseShapes) {
           QGemmSwigluParams p;
           p.gate = bench_qmatrix(pool, 512, 2048, 4, 2 * i);
           p.up = bench_qmatrix(pool, 512, 2048, 4, 2 * i + 1);
-          p.a = as_bf16(a);
+          p.a = as_f16(a);
           p.M = M;
-          p.act = reinterpret_cast<__nv_bfloat16*>(c.get());
+          p.act = reinterpret_cast<__half*>(c.get());
           return qgemm_swiglu(p, st);
         },
         10);
@@ -597,7 +597,7 @@ TEST(CudaMoePrefillBench, FullGeometry) {
           QGemmSwigluParams p;
           p.gate = bench_qmatrix(pool, I, H, 4, 2 * i);
           p.up = bench_qmatrix(pool, I, H, 4, 2 * i + 1);
-          p.a = as_bf16(a), p.M = T * k, p.act = reinterpret_cast<__nv_bfloat16*>(act.get());
+          p.a = as_f16(a), p.M = T * k, p.act = reinterpret_cast<__half*>(act.get());
           return qgemm_swiglu(p, st);
         },
         3);
@@ -605,7 +605,7 @@ TEST(CudaMoePrefillBench, FullGeometry) {
         [&](int i, cudaStream_t st) {
           QGemmParams p;
           p.w = bench_qmatrix(pool, H, I, 4, i);
-          p.a = as_bf16(act), p.M = T * k, p.c = y.get();
+          p.a = as_f16(act), p.M = T * k, p.c = y.get();
           return qgemm(p, st);
         },
         3);
