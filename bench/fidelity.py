@@ -16,7 +16,7 @@ in %, top-1 agreement (argmax equal), the mean |difference| of the target log-pr
 the next-token distributions and the relative logit error ||lily - ref|| / ||ref||.
 
 Usage (GPU machine):  python3 bench/fidelity.py --work /tmp/lily_bench --out bench/results/fidelity.json
-Local CPU check:      python3 bench/fidelity.py --preset tiny --mlx-backend cpu --positions 192 --out /tmp/f.json
+Local CPU check:      python3 bench/fidelity.py --preset tiny --positions 192 --out /tmp/f.json  (no GPU: all on CPU)
 """
 
 import argparse
@@ -117,7 +117,8 @@ def main():
     ap.add_argument("--ids", default="random,sampled",
                     help="id sequences, comma-separated: random (uniform ids) and/or sampled (drawn from the "
                          "reference model at temperature 1, so that perplexity is meaningful)")
-    ap.add_argument("--mlx-backend", default="cuda", help="lily backend for the 4-bit checkpoint")
+    ap.add_argument("--mlx-backend", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="lily backend for the 4-bit checkpoint (default cuda when a GPU is visible, else cpu)")
     ap.add_argument("--bf16-backend", default="cpu", help="lily backend for the bf16 checkpoint (cpu: unquantized)")
     ap.add_argument("--hf-dtypes", default="bfloat16,float32",
                     help="transformers compute dtypes, comma-separated (the first is the headline)")

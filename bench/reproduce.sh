@@ -17,6 +17,8 @@
 #   LILY=build/lily FIDELITY_ARGS="--mlx-backend cpu --positions 192" bench/reproduce.sh --steps synth,bench,\
 #     fidelity,plot --bench-preset tiny --fidelity-preset tiny --out /tmp/r -- --engines transformers \
 #     --prefill-lengths 256,1k --decode-contexts 256,1k
+# Step `smoke` (not in the default list) runs the whole chain on the tiny model in about a minute, with the real
+# binary, to catch an environment problem before the long steps: bench/reproduce.sh --steps smoke --out $OUT
 # On a machine whose commands are limited to 10 minutes, run the steps one per call, e.g.
 #   bench/reproduce.sh --steps build,synth
 #   bench/reproduce.sh --steps bench --budget-s 500 -- --prefill-lengths 256,512,1k,2k,4k,8k,16k,32k,64k,128k
@@ -43,7 +45,7 @@ while [[ $# -gt 0 ]]; do
     --bench-preset) BENCH_PRESET="$2"; shift 2 ;;
     --fidelity-preset) FID_PRESET="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "reproduce.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -69,6 +71,15 @@ fi
 [[ -x "$LILY" ]] || { echo "reproduce.sh: no $LILY (run the build step)" >&2; exit 1; }
 say "lily: $LILY; python: $PYTHON ($("$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'))"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+
+if has smoke; then
+  say "smoke: the chain on the tiny model -> $OUT/smoke_*"
+  "$PYTHON" "$REPO/bench/run_bench.py" --lily "$LILY" --work "$WORK" --preset tiny --rounds 2 \
+    --prefill-lengths 256,1k --decode-contexts 256,1k --hf-steps 4 --out "$OUT/smoke_bench.json" "${SHA_ARGS[@]}"
+  "$PYTHON" "$REPO/bench/fidelity.py" --lily "$LILY" --work "$WORK" --preset tiny --positions 192 \
+    --out "$OUT/smoke_fidelity.json" "${SHA_ARGS[@]}"
+  "$PYTHON" "$REPO/bench/plot.py" "$OUT/smoke_bench.json" --out "$OUT/smoke_bench.png"
+fi
 
 if has synth; then
   for spec in "$BENCH_PRESET:mlx" "$FID_PRESET:mlx" "$FID_PRESET:hf"; do
