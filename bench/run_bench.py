@@ -103,7 +103,8 @@ def run_lily(args, lily, model_dir, modes, work, rnd, timeout):
     wall = time.perf_counter() - t0
     if r.returncode != 0 or not jpath.exists():
         return None, f"lily bench failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-2000:]}", wall
-    sys.stderr.write(r.stdout)
+    log = work / f"lily_bench_round{rnd}.log"
+    log.write_text(r.stdout + r.stderr)  # the per-kernel tables; kept out of the console
     return json.loads(jpath.read_text()), None, wall
 
 
@@ -341,7 +342,8 @@ def main():
                     for m in modes:
                         for row in j.get(m, []):
                             res.add("lily", m, row[KEY[m]], row["tok_per_s"])
-                    common.log(f"lily round {rnd}: {wall:.1f} s wall (load included)")
+                    common.log(f"lily round {rnd}: {wall:.1f} s wall (load included); output in "
+                               f"{work / f'lily_bench_round{rnd}.log'}")
             else:
                 if hf.ref.device.type == "cuda":
                     import torch
