@@ -8,7 +8,7 @@
 #   5. plot    bench/plot.py -> $OUT/bench.png (from every $OUT/bench*.json).
 #
 # Usage: bench/reproduce.sh [--out DIR] [--work DIR] [--steps build,synth,bench,fidelity,plot] [--budget-s N]
-#                           [--sha SHA] [--bench-preset full] [--fidelity-preset full4]
+#                           [--sha SHA] [--bench-preset full] [--fidelity-preset full4] [--bench-name bench]
 #                           [-- extra arguments for run_bench.py]
 # Defaults: --out bench/results, --work /tmp/lily_bench, every step, no budget. Environment: LILY (binary,
 # default build-cuda/lily), PYTHON (default /opt/torch/.venv/bin/python3 if present), FIDELITY_ARGS (extra
@@ -21,9 +21,13 @@
 # binary, to catch an environment problem before the long steps: bench/reproduce.sh --steps smoke --out $OUT
 # On a machine whose commands are limited to 10 minutes, run the steps one per call, e.g.
 #   bench/reproduce.sh --steps build,synth
-#   bench/reproduce.sh --steps bench --budget-s 500 -- --prefill-lengths 256,512,1k,2k,4k,8k,16k,32k,64k,128k
-#   bench/reproduce.sh --steps fidelity,plot
-# and, for runs over different lengths, merge them: python3 bench/run_bench.py --merge a.json b.json --out c.json
+#   bench/reproduce.sh --steps fidelity
+#   bench/reproduce.sh --steps bench --budget-s 500 --bench-name bench_short -- --prefill-lengths 256,512,1k,2k,4k,8k \
+#     --decode-contexts 256,512,1k,2k,4k,8k
+#   bench/reproduce.sh --steps bench,plot --budget-s 500 --bench-name bench_long -- --prefill-lengths 16k,32k,64k,128k \
+#     --decode-contexts 16k,32k,64k,128k
+# (plot draws every $OUT/bench*.json together; run_bench.py --merge a.json b.json --out c.json makes one file).
+# Where each call's output folder is fresh, give every call the same persistent --out and copy it out at the end.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -34,6 +38,7 @@ BUDGET=""
 SHA=""
 BENCH_PRESET=full
 FID_PRESET=full4
+BENCH_NAME=bench
 EXTRA=()
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -44,8 +49,9 @@ while [[ $# -gt 0 ]]; do
     --sha) SHA="$2"; shift 2 ;;
     --bench-preset) BENCH_PRESET="$2"; shift 2 ;;
     --fidelity-preset) FID_PRESET="$2"; shift 2 ;;
+    --bench-name) BENCH_NAME="$2"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "reproduce.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -91,10 +97,10 @@ common.ensure_checkpoint('$LILY', '${spec%%:*}', '${spec##*:}', '$WORK/${spec%%:
 fi
 
 if has bench; then
-  say "bench: run_bench.py -> $OUT/bench.json"
+  say "bench: run_bench.py -> $OUT/$BENCH_NAME.json"
   BUDGET_ARGS=()
   [[ -n "$BUDGET" ]] && BUDGET_ARGS=(--budget-s "$BUDGET")
-  "$PYTHON" "$REPO/bench/run_bench.py" --lily "$LILY" --work "$WORK" --preset "$BENCH_PRESET" --out "$OUT/bench.json" \
+  "$PYTHON" "$REPO/bench/run_bench.py" --lily "$LILY" --work "$WORK" --preset "$BENCH_PRESET" --out "$OUT/$BENCH_NAME.json" \
     "${BUDGET_ARGS[@]}" "${SHA_ARGS[@]}" "${EXTRA[@]}"
 fi
 
