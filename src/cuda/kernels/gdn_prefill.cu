@@ -20,6 +20,24 @@
 //        the two sums and every lane has e (2 log2(L) shuffles, no broadcast).
 //    The row inputs are staged 16 rows at a time into shared memory by cp.async, double buffered (one barrier per
 //    16 rows), and the next row's k/q are read while the current row reduces. o goes to scratch [T, n_v*d_v] fp32.
+// 2'. Or eq 18 chunk by chunk (scan_variant 7-10; the default from kChunkedMinT rows): the WY / UT-transform form
+//    of the gated delta rule over chunks of 64 rows, G_i = sum of g up to row i within the chunk, S the state at
+//    the chunk's start. Unrolling the rows, e = U - W S with (I + A) e = beta v - beta exp(G) k S,
+//    A[i][j] = beta_i (k_i . k_j) exp(G_i - G_j) (j < i), T = (I + A)^-1, W = T (beta exp(G) k), U = T (beta v);
+//    o_i = exp(G_i) q_i S + sum_{j <= i} exp(G_i - G_j) (q_i . k_j) e_j (= S_i^T q_i, decay before the update, as
+//    the sequential form); S <- exp(G_63) S + sum_j exp(G_63 - G_j) k_j e_j^T. gdn_chunk_prep_kernel forms A, T
+//    (forward substitution, fp32), W, U and P = (q k^T) o mask o exp(G_i - G_j) per (chunk, value head), in
+//    parallel; gdn_chunk_scan_kernel runs the chunks in order per (value head, 32 columns of S; 4 or 8 warps)
+//    with S in registers. Products on the tensor cores (mma.sync m16n8k8, fp32 accumulation), S, T and the sums in
+//    fp32; the operands in tf32 (variants 7, 8) or 3xTF32 (9, 10: hi*hi + hi*lo + lo*hi, fp32 accuracy for 3x
+//    the tensor-core work; the default, as tf32 puts o ~1e-2 of its RMS off: the products' terms cancel). FLOPs
+//    per chunk and value head ~2 * 64 * d * (64 + 64 + 64 + 3 d) (~13 MFLOP at d = 128: 27 GFLOP at T = 4096,
+//    x3 in 3xTF32); the scan kernel reads W, q, k (3 x 32 KB) and P (16 KB) per chunk and column block.
+//    Measured on the H200 (ncu, T = 4097, full geometry): gdn_chunk_prep 196 us (tf32) / 278 us (3xTF32),
+//    gdn_chunk_scan 334 us (tf32, 4 warps) / 565 us (3xTF32, 8 warps), against 1.19-1.39 ms for the sequential
+//    scan; the whole call at T = 256 and up is faster chunked (10: 0.093 ms vs 0.099 ms at 256, 1.03 vs 1.38 ms
+//    at 4096), slower below. Both chunk kernels are latency bound (the 64-step substitution by 2 warps; one
+//    block of 4-8 warps per SM through 3 dependent products per chunk), far from the tensor cores' rate.
 // 3. gdn_norm, block per row: eq 19 x = norm_w * o / RMS(o_head) * silu(z) in bf16 (as gdn.cu's fused norm), and the
 //    rows t >= T-K copy their pre-conv vector into ring slot (pos0+t) mod K (after kernel 1 has read the ring).
 //
@@ -27,8 +45,7 @@
 // read and written once per call. The scan does 8 FLOPs per element of S per row, 4.2 MFLOP per row (17 GFLOP at
 // T = 4096) as 4 dependent fp32 instructions per element (2 dot FMAs, a multiply and an FMA for the update): at
 // 128 FP32 lanes x 132 SMs that is >= 124 cycles per row, ~0.27 ms at T = 4096 even with perfect issue; the row
-// chain (dots, shuffle levels, e, update) is latency bound on top of that. The chunked (WY / UT-transform)
-// formulation on tensor cores is not implemented.
+// chain (dots, shuffle levels, e, update) is latency bound on top of that, hence the chunked form for long T.
 
 #include <cmath>
 
@@ -43,7 +60,9 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kCols = 32;                     // columns of S per scan block
 constexpr int kRowsPerStage = 16;             // rows staged into shared memory at a time
 constexpr int kKernel = 4;
-constexpr int kScanVariants = 6;  // GdnPrefillParams::scan_variant
+constexpr int kScanVariants = 10;  // GdnPrefillParams::scan_variant
+constexpr int kChunk = 64;        // rows per chunk of the chunked formulation
+constexpr int kChunkedMinT = 256; // the default (scan_variant 0) takes the chunked path (10) from this many rows
 
 __device__ __forceinline__ float silu_exact(float x) { return x / (1.0f + expf(-x)); }
 
@@ -62,15 +81,21 @@ struct Scratch {
   float* q;      // [T, n_k, d_k] q_hat (with 1/sqrt(d_k))
   float* k;      // [T, n_k, d_k] k_hat
   float* v;      // [T, n_v*d_v] conv output of v
-  float4* gates; // [T, n_v] {beta, decay, k_hat.q_hat, 0}
+  float4* gates; // [T, n_v] {beta, decay, k_hat.q_hat, g = log decay}
   float* o;      // [T, n_v*d_v] S^T q_hat before the norm
+  // The chunked path (nc = ceil(T / 64) chunks; row r of a chunk is row 64c + r, rows >= T zero):
+  float* w;      // [nc, n_v, 64, d_k] W = T (beta exp(G) k_hat)
+  float* pqk;    // [nc, n_v, 64, 64] (q_hat k_hat^T) o causal mask o exp(G_i - G_j)
+  float* gk;     // [nc, n_v, 128] exp(G_i) | exp(G_63 - G_i)
 };
 
 size_t align256(size_t b) { return (b + 255) / 256 * 256; }
 
 Scratch carve(void* base, int T, int n_k, int n_v, int d_k, int d_v, size_t* total) {
-  const size_t qk = align256(sizeof(float) * T * n_k * d_k), vo = align256(sizeof(float) * T * n_v * d_v),
-               g = align256(sizeof(float4) * T * n_v);
+  const size_t rows = static_cast<size_t>(T), padded = static_cast<size_t>((T + kChunk - 1) / kChunk) * kChunk;
+  const size_t qk = align256(sizeof(float) * rows * n_k * d_k), vo = align256(sizeof(float) * rows * n_v * d_v),
+               g = align256(sizeof(float4) * rows * n_v), w = align256(sizeof(float) * padded * n_v * d_k),
+               pqk = align256(sizeof(float) * padded * n_v * kChunk), gk = align256(sizeof(float) * padded * n_v * 2);
   char* p = static_cast<char*>(base);
   Scratch s;
   s.q = reinterpret_cast<float*>(p);
@@ -78,7 +103,10 @@ Scratch carve(void* base, int T, int n_k, int n_v, int d_k, int d_v, size_t* tot
   s.v = reinterpret_cast<float*>(p + 2 * qk);
   s.gates = reinterpret_cast<float4*>(p + 2 * qk + vo);
   s.o = reinterpret_cast<float*>(p + 2 * qk + vo + g);
-  if (total) *total = 2 * qk + 2 * vo + g;
+  s.w = reinterpret_cast<float*>(p + 2 * qk + 2 * vo + g);
+  s.pqk = reinterpret_cast<float*>(p + 2 * qk + 2 * vo + g + w);
+  s.gk = reinterpret_cast<float*>(p + 2 * qk + 2 * vo + g + w + pqk);
+  if (total) *total = 2 * qk + 2 * vo + g + w + pqk + gk;
   return s;
 }
 
@@ -152,8 +180,8 @@ __global__ void __launch_bounds__(kThreads) gdn_prep_kernel(const __grid_constan
     const float beta = 1.0f / (1.0f + expf(-gates[h]));
     const float a_in = gates[p.n_v + h] + p.dt_bias[h];
     const float softplus = a_in > 20.0f ? a_in : log1pf(expf(a_in));
-    const float decay = expf(-expf(p.A_log[h]) * softplus);
-    s.gates[static_cast<size_t>(t) * p.n_v + h] = make_float4(beta, decay, norm_s[rr][2], 0.0f);
+    const float g = -expf(p.A_log[h]) * softplus;
+    s.gates[static_cast<size_t>(t) * p.n_v + h] = make_float4(beta, expf(g), norm_s[rr][2], g);
   }
 }
 
@@ -392,6 +420,413 @@ __global__ void __launch_bounds__(32 * L) gdn_scan_cols_kernel(const __grid_cons
     for (int u = 0; u < 4; ++u) S_g[static_cast<size_t>(m * 4 * L + g * 4 + u) * p.d_v] = S[m][u];
 }
 
+// ---- kernels 2a/2b: the chunked formulation on the tensor cores -----------------------------------------------
+// x rounded to tf32 (10 mantissa bits), to nearest with ties away from zero: cvt.rna.tf32.f32's result for finite x,
+// in two integer instructions instead of a conversion.
+__device__ __forceinline__ uint32_t tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
+// An mma.sync m16n8k8 operand fragment (A: N = 4, B: N = 2) in tf32, and with kSplit its rounding remainder too
+// (3xTF32: a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi, ~fp32 accuracy for 3 tensor-core products).
+template <bool kSplit, int N>
+struct Frag {
+  uint32_t hi[N], lo[N];
+  __device__ __forceinline__ explicit Frag(const float (&x)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      hi[i] = tf32(x[i]);
+      lo[i] = kSplit ? tf32(x[i] - __uint_as_float(hi[i])) : 0u;
+    }
+  }
+};
+
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// d += a b for one 16x8x8 tile, fp32 accumulation. Fragments (g = lane / 4, t = lane % 4): a = A[g][t], A[g+8][t],
+// A[g][t+4], A[g+8][t+4]; b = B[t][g], B[t+4][g]; d = D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1].
+template <bool kSplit>
+__device__ __forceinline__ void mma(float (&d)[4], const Frag<kSplit, 4>& a, const Frag<kSplit, 2>& b) {
+  if constexpr (kSplit) {
+    mma_tf32(d, a.lo, b.hi);
+    mma_tf32(d, a.hi, b.lo);
+  }
+  mma_tf32(d, a.hi, b.hi);
+}
+
+// Shared-memory row strides (floats): a tile read as a row-major A operand or a transposed B operand has a
+// stride = 4 mod 32, one read as a row-major B operand or a transposed A operand 8 mod 32 (conflict-free fragments).
+constexpr int kLdT = kChunk + 4;  // [64][64] tiles: A (I + A)^-1, P
+
+template <int D>
+constexpr size_t chunk_prep_smem() {
+  return sizeof(float) * (2 * kChunk * (D + 4) + 2 * kChunk * kLdT + 2 * kChunk);
+}
+
+// Block (chunk c, value head h): the parts of chunk c that do not depend on the state (eq 18 over the chunk's 64
+// rows, G = cumulative sum of g over the chunk, rows past T have k = q = v = 0, beta = 0, g = 0):
+//   A[i][j] = beta_i (k_i . k_j) exp(G_i - G_j) (j < i), T = (I + A)^-1 by forward substitution in fp32;
+//   W = T (beta exp(G) k) -> scratch w; U = T (beta v) -> over v (rows < T); P = (q k^T) exp(G_i - G_j) (j <= i)
+//   -> scratch pqk; exp(G_i), exp(G_63 - G_i) -> scratch gk. The products on the tensor cores.
+template <int D, bool kSplit>
+__global__ void __launch_bounds__(kThreads) gdn_chunk_prep_kernel(const __grid_constant__ GdnPrefillParams p, Scratch s) {
+  constexpr int LD = D + 4;
+  using FA = Frag<kSplit, 4>;
+  using FB = Frag<kSplit, 2>;
+  extern __shared__ __align__(16) float smem[];
+  float* k_s = smem;                  // [64][LD] k_hat, then beta exp(G) k_hat
+  float* q_s = k_s + kChunk * LD;     // [64][LD] q_hat, then beta v
+  float* a_s = q_s + kChunk * LD;     // [64][kLdT] A
+  float* t_s = a_s + kChunk * kLdT;   // [64][kLdT] T
+  float* G = t_s + kChunk * kLdT;     // [64]
+  float* beta = G + kChunk;           // [64]
+  const int c = blockIdx.x, h = blockIdx.y, kh = h / (p.n_v / p.n_k);
+  const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+  const size_t value_dim = static_cast<size_t>(p.n_v) * D;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+
+  for (int i = threadIdx.x; i < kChunk * D / 4; i += kThreads) {
+    const int r = i / (D / 4), d = i % (D / 4) * 4;
+    float4 q4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), k4 = q4;
+    if (r < n) {
+      const size_t off = (static_cast<size_t>(t0 + r) * p.n_k + kh) * D + d;
+      q4 = *reinterpret_cast<const float4*>(s.q + off);
+      k4 = *reinterpret_cast<const float4*>(s.k + off);
+    }
+    *reinterpret_cast<float4*>(q_s + r * LD + d) = q4;
+    *reinterpret_cast<float4*>(k_s + r * LD + d) = k4;
+  }
+  if (warp == 0) {  // G: lane l holds rows 2l, 2l+1; inclusive scan of the pair sums over the lanes
+    float2 gg = make_float2(0.0f, 0.0f), bb = gg;
+    if (2 * lane < n) {
+      const float4 x = s.gates[static_cast<size_t>(t0 + 2 * lane) * p.n_v + h];
+      gg.x = x.w, bb.x = x.x;
+    }
+    if (2 * lane + 1 < n) {
+      const float4 x = s.gates[static_cast<size_t>(t0 + 2 * lane + 1) * p.n_v + h];
+      gg.y = x.w, bb.y = x.x;
+    }
+    float incl = gg.x + gg.y;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += y;
+    }
+    float excl = __shfl_up_sync(0xffffffffu, incl, 1);
+    if (lane == 0) excl = 0.0f;
+    G[2 * lane] = excl + gg.x;
+    G[2 * lane + 1] = (excl + gg.x) + gg.y;
+    beta[2 * lane] = bb.x, beta[2 * lane + 1] = bb.y;
+  }
+  __syncthreads();
+
+  // A (warps 0-3, k k^T) and P (warps 4-7, q k^T): warp rows 16 mt.., the 8 column tiles up to the diagonal.
+  {
+    const int r0 = (warp & 3) * 16;
+    const float* a_src = warp < 4 ? k_s : q_s;
+    float acc[kChunk / 8][4] = {};
+    for (int k0 = 0; k0 < D; k0 += 8) {
+      const FA af({a_src[(r0 + g) * LD + k0 + t], a_src[(r0 + g + 8) * LD + k0 + t], a_src[(r0 + g) * LD + k0 + t + 4],
+                   a_src[(r0 + g + 8) * LD + k0 + t + 4]});
+#pragma unroll
+      for (int nt = 0; nt < kChunk / 8; ++nt)
+        if (nt * 8 < r0 + 16) mma(acc[nt], af, FB({k_s[(nt * 8 + g) * LD + k0 + t], k_s[(nt * 8 + g) * LD + k0 + t + 4]}));
+    }
+    float* pqk = s.pqk + (static_cast<size_t>(c) * p.n_v + h) * kChunk * kChunk;
+#pragma unroll
+    for (int nt = 0; nt < kChunk / 8; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = r0 + g + hf * 8, j = nt * 8 + 2 * t;
+        const float x0 = acc[nt][2 * hf], x1 = acc[nt][2 * hf + 1];
+        if (warp < 4) {
+          a_s[i * kLdT + j] = j < i ? beta[i] * expf(G[i] - G[j]) * x0 : 0.0f;
+          a_s[i * kLdT + j + 1] = j + 1 < i ? beta[i] * expf(G[i] - G[j + 1]) * x1 : 0.0f;
+        } else {
+          const float2 v2 = make_float2(j <= i ? expf(G[i] - G[j]) * x0 : 0.0f,
+                                        j + 1 <= i ? expf(G[i] - G[j + 1]) * x1 : 0.0f);
+          *reinterpret_cast<float2*>(pqk + i * kChunk + j) = v2;
+        }
+      }
+  }
+  __syncthreads();
+
+  if (warp < 2) {
+    // T = (I + A)^-1, column `col` per thread: T[i][col] = [i == col] - sum_{j < i} A[i][j] T[j][col] (T[j][col] = 0
+    // for j < col, so the sum may run over every j < i).
+    const int col = threadIdx.x;
+    float x[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma unroll
+      for (int j = 0; j + 4 <= i; j += 4) {
+        const float4 a = *reinterpret_cast<const float4*>(a_s + i * kLdT + j);
+        s0 = fmaf(a.x, x[j], s0), s1 = fmaf(a.y, x[j + 1], s1), s2 = fmaf(a.z, x[j + 2], s2), s3 = fmaf(a.w, x[j + 3], s3);
+      }
+#pragma unroll
+      for (int j = i / 4 * 4; j < i; ++j) s0 = fmaf(a_s[i * kLdT + j], x[j], s0);
+      x[i] = i == col ? 1.0f : i < col ? 0.0f : -((s0 + s1) + (s2 + s3));
+    }
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) t_s[i * kLdT + col] = x[i];
+  } else {
+    // Meanwhile: beta v over q_s, beta exp(G) k over k_s, and the decay factors for the scan.
+    for (int i = threadIdx.x - 64; i < kChunk * D / 4; i += kThreads - 64) {
+      const int r = i / (D / 4), d = i % (D / 4) * 4;
+      float4 v4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      if (r < n) v4 = *reinterpret_cast<const float4*>(s.v + static_cast<size_t>(t0 + r) * value_dim + h * D + d);
+      const float b = beta[r], bg = b * expf(G[r]);
+      *reinterpret_cast<float4*>(q_s + r * LD + d) = make_float4(b * v4.x, b * v4.y, b * v4.z, b * v4.w);
+      float4* k4 = reinterpret_cast<float4*>(k_s + r * LD + d);
+      const float4 kk = *k4;
+      *k4 = make_float4(bg * kk.x, bg * kk.y, bg * kk.z, bg * kk.w);
+    }
+    float* gk = s.gk + (static_cast<size_t>(c) * p.n_v + h) * 2 * kChunk;
+    for (int i = threadIdx.x - 64; i < kChunk; i += kThreads - 64) {
+      gk[i] = expf(G[i]);
+      gk[kChunk + i] = expf(G[kChunk - 1] - G[i]);
+    }
+  }
+  __syncthreads();
+
+  // W = T (beta exp(G) k) (warps 0-3) and U = T (beta v) (warps 4-7); T is lower triangular, so rows 16 mt.. need
+  // columns j < 16 (mt + 1) only.
+  {
+    const int r0 = (warp & 3) * 16;
+    const float* b_src = warp < 4 ? k_s : q_s;
+    float acc[D / 8][4] = {};
+    for (int k0 = 0; k0 < r0 + 16; k0 += 8) {
+      const FA af({t_s[(r0 + g) * kLdT + k0 + t], t_s[(r0 + g + 8) * kLdT + k0 + t], t_s[(r0 + g) * kLdT + k0 + t + 4],
+                   t_s[(r0 + g + 8) * kLdT + k0 + t + 4]});
+#pragma unroll
+      for (int nt = 0; nt < D / 8; ++nt)
+        mma(acc[nt], af, FB({b_src[(k0 + t) * LD + nt * 8 + g], b_src[(k0 + t + 4) * LD + nt * 8 + g]}));
+    }
+    float* w = s.w + (static_cast<size_t>(c) * p.n_v + h) * kChunk * D;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = r0 + g + hf * 8, j = nt * 8 + 2 * t;
+        const float2 v2 = make_float2(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+        if (warp < 4) *reinterpret_cast<float2*>(w + i * D + j) = v2;
+        else if (i < n) *reinterpret_cast<float2*>(s.v + static_cast<size_t>(t0 + i) * value_dim + h * D + j) = v2;
+      }
+  }
+}
+
+constexpr int kChunkCols = 32;  // columns of S per block of the chunked scan
+
+template <int D>
+constexpr size_t chunk_scan_smem() {
+  constexpr int LDC = kChunkCols + 8;
+  return sizeof(float) * (2 * kChunk * (D + 4) + kChunk * (D + 8) + kChunk * kLdT + 2 * kChunk * LDC + D * LDC +
+                          2 * kChunk);
+}
+
+// Block (value head h, columns j0 .. j0 + 32 of S), NW = 4 or 8 warps: the chunks in order with the state
+// S[:, j0..] in registers (fp32, the accumulator fragments of its update) and a copy in shared memory as an operand:
+//   V' = U - W S; O = (exp(G) q) S + P V' -> scratch o; S <- exp(G_63) S + (exp(G_63 - G) k)^T V'.
+// Warp (mt = warp % 4, ch = warp / 4) owns rows 16 mt.. of V' and O and rows D/4 mt.. of S, columns CW ch.. of the
+// block's (CW = 32 / (NW / 4)). The inputs of chunk c + 1 arrive by cp.async in two groups while chunk c computes:
+// W, U during O and the state update, q, P, k and the exp factors during V'.
+template <int D, int NW, bool kSplit>
+__global__ void __launch_bounds__(NW * 32) gdn_chunk_scan_kernel(const __grid_constant__ GdnPrefillParams p, Scratch s) {
+  constexpr int kNThreads = NW * 32, NC = kChunkCols, CW = NC / (NW / 4), NT = CW / 8;
+  constexpr int LDA = D + 4, LDK = D + 8, LDC = NC + 8, MS = D / 64;
+  using FA = Frag<kSplit, 4>;
+  using FB = Frag<kSplit, 2>;
+  extern __shared__ __align__(16) float smem[];
+  float* w_s = smem;                  // [64][LDA] W
+  float* q_s = w_s + kChunk * LDA;    // [64][LDA] q_hat
+  float* k_s = q_s + kChunk * LDA;    // [64][LDK] k_hat
+  float* p_s = k_s + kChunk * LDK;    // [64][kLdT] P
+  float* u_s = p_s + kChunk * kLdT;   // [64][LDC] U
+  float* v_s = u_s + kChunk * LDC;    // [64][LDC] V'
+  float* s_s = v_s + kChunk * LDC;    // [D][LDC] S
+  float* gk_s = s_s + D * LDC;        // [128] exp(G_i) | exp(G_63 - G_i)
+  const int col_blocks = D / NC, h = blockIdx.x / col_blocks, j0 = blockIdx.x % col_blocks * NC;
+  const int kh = h / (p.n_v / p.n_k), nc = (p.T + kChunk - 1) / kChunk;
+  const size_t value_dim = static_cast<size_t>(p.n_v) * D;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int r0 = (warp & 3) * 16, rs = (warp & 3) * 16 * MS, c0 = warp / 4 * CW;
+  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+  auto load_wu = [&](int c) {
+    if (c < nc) {
+      const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+      const float* w = s.w + (static_cast<size_t>(c) * p.n_v + h) * kChunk * D;
+      for (int i = threadIdx.x; i < kChunk * D / 4; i += kNThreads) {
+        const int r = i / (D / 4), d = i % (D / 4) * 4;
+        cp_async16(w_s + r * LDA + d, w + r * D + d);
+      }
+      for (int i = threadIdx.x; i < kChunk * NC / 4; i += kNThreads) {
+        const int r = i / (NC / 4), d = i % (NC / 4) * 4;
+        if (r < n) cp_async16(u_s + r * LDC + d, s.v + static_cast<size_t>(t0 + r) * value_dim + h * D + j0 + d);
+        else *reinterpret_cast<float4*>(u_s + r * LDC + d) = zero4;
+      }
+    }
+    cp_async_commit();
+  };
+  auto load_qpk = [&](int c) {
+    if (c < nc) {
+      const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+      for (int i = threadIdx.x; i < kChunk * D / 4; i += kNThreads) {
+        const int r = i / (D / 4), d = i % (D / 4) * 4;
+        if (r < n) {
+          const size_t off = (static_cast<size_t>(t0 + r) * p.n_k + kh) * D + d;
+          cp_async16(q_s + r * LDA + d, s.q + off);
+          cp_async16(k_s + r * LDK + d, s.k + off);
+        } else {
+          *reinterpret_cast<float4*>(q_s + r * LDA + d) = zero4;
+          *reinterpret_cast<float4*>(k_s + r * LDK + d) = zero4;
+        }
+      }
+      const float* pqk = s.pqk + (static_cast<size_t>(c) * p.n_v + h) * kChunk * kChunk;
+      for (int i = threadIdx.x; i < kChunk * kChunk / 4; i += kNThreads) {
+        const int r = i / (kChunk / 4), d = i % (kChunk / 4) * 4;
+        cp_async16(p_s + r * kLdT + d, pqk + r * kChunk + d);
+      }
+      const float* gk = s.gk + (static_cast<size_t>(c) * p.n_v + h) * 2 * kChunk;
+      for (int i = threadIdx.x; i < 2 * kChunk / 4; i += kNThreads) cp_async16(gk_s + i * 4, gk + i * 4);
+    }
+    cp_async_commit();
+  };
+
+  load_wu(0);
+  load_qpk(0);
+  float S[MS][NT][4];  // S[rs + 16 ms + g (+8)][j0 + c0 + 8 nt + 2t (+1)]
+  float* S_g = p.S + static_cast<size_t>(h) * D * D + j0 + c0;
+  auto store_state = [&]() {
+#pragma unroll
+    for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+          *reinterpret_cast<float2*>(s_s + (rs + 16 * ms + g + 8 * hf) * LDC + c0 + 8 * nt + 2 * t) =
+              make_float2(S[ms][nt][2 * hf], S[ms][nt][2 * hf + 1]);
+  };
+#pragma unroll
+  for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float2 x = *reinterpret_cast<const float2*>(S_g + static_cast<size_t>(rs + 16 * ms + g + 8 * hf) * D + 8 * nt + 2 * t);
+        S[ms][nt][2 * hf] = x.x, S[ms][nt][2 * hf + 1] = x.y;
+      }
+  store_state();
+
+  for (int c = 0; c < nc; ++c) {
+    const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+    cp_async_wait<1>();  // W, U of chunk c
+    __syncthreads();     // ... and S in s_s visible to every warp
+    {  // V' = U - W S
+      float acc[NT][4] = {};
+#pragma unroll 4
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        const FA af({w_s[(r0 + g) * LDA + k0 + t], w_s[(r0 + g + 8) * LDA + k0 + t], w_s[(r0 + g) * LDA + k0 + t + 4],
+                     w_s[(r0 + g + 8) * LDA + k0 + t + 4]});
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma(acc[nt], af, FB({s_s[(k0 + t) * LDC + c0 + 8 * nt + g], s_s[(k0 + t + 4) * LDC + c0 + 8 * nt + g]}));
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int off = (r0 + g + 8 * hf) * LDC + c0 + 8 * nt + 2 * t;
+          const float2 u = *reinterpret_cast<const float2*>(u_s + off);
+          *reinterpret_cast<float2*>(v_s + off) = make_float2(u.x - acc[nt][2 * hf], u.y - acc[nt][2 * hf + 1]);
+        }
+    }
+    __syncthreads();  // V' complete; w_s, u_s free
+    load_wu(c + 1);
+    cp_async_wait<1>();  // q, k, P, exp factors of chunk c
+    __syncthreads();
+    {  // O = (exp(G) q) S + P V' (P lower triangular: columns j < r0 + 16)
+      float acc[NT][4] = {};
+      const float gm0 = gk_s[r0 + g], gm1 = gk_s[r0 + g + 8];
+#pragma unroll 4
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        const FA af({q_s[(r0 + g) * LDA + k0 + t] * gm0, q_s[(r0 + g + 8) * LDA + k0 + t] * gm1,
+                     q_s[(r0 + g) * LDA + k0 + t + 4] * gm0, q_s[(r0 + g + 8) * LDA + k0 + t + 4] * gm1});
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma(acc[nt], af, FB({s_s[(k0 + t) * LDC + c0 + 8 * nt + g], s_s[(k0 + t + 4) * LDC + c0 + 8 * nt + g]}));
+      }
+#pragma unroll 2
+      for (int k0 = 0; k0 < r0 + 16; k0 += 8) {
+        const FA af({p_s[(r0 + g) * kLdT + k0 + t], p_s[(r0 + g + 8) * kLdT + k0 + t], p_s[(r0 + g) * kLdT + k0 + t + 4],
+                     p_s[(r0 + g + 8) * kLdT + k0 + t + 4]});
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma(acc[nt], af, FB({v_s[(k0 + t) * LDC + c0 + 8 * nt + g], v_s[(k0 + t + 4) * LDC + c0 + 8 * nt + g]}));
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = r0 + g + 8 * hf;
+          if (i < n)
+            *reinterpret_cast<float2*>(s.o + static_cast<size_t>(t0 + i) * value_dim + h * D + j0 + c0 + 8 * nt + 2 * t) =
+                make_float2(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+        }
+    }
+    {  // S <- exp(G_63) S + (exp(G_63 - G) k)^T V'
+      const float decay = gk_s[kChunk - 1];
+#pragma unroll
+      for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) S[ms][nt][e] *= decay;
+#pragma unroll 2
+      for (int k0 = 0; k0 < kChunk; k0 += 8) {
+        const float f0 = gk_s[kChunk + k0 + t], f1 = gk_s[kChunk + k0 + t + 4];
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms) {
+          const int d = rs + 16 * ms + g;
+          const FA af({k_s[(k0 + t) * LDK + d] * f0, k_s[(k0 + t) * LDK + d + 8] * f0, k_s[(k0 + t + 4) * LDK + d] * f1,
+                       k_s[(k0 + t + 4) * LDK + d + 8] * f1});
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            mma(S[ms][nt], af, FB({v_s[(k0 + t) * LDC + c0 + 8 * nt + g], v_s[(k0 + t + 4) * LDC + c0 + 8 * nt + g]}));
+        }
+      }
+    }
+    __syncthreads();  // every warp done with s_s, q_s, k_s, p_s, v_s
+    store_state();
+    load_qpk(c + 1);
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<float2*>(S_g + static_cast<size_t>(rs + 16 * ms + g + 8 * hf) * D + 8 * nt + 2 * t) =
+            make_float2(S[ms][nt][2 * hf], S[ms][nt][2 * hf + 1]);
+}
+
+template <int D, int NW, bool kSplit>
+cudaError_t launch_chunked(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream) {
+  constexpr size_t kPrepSmem = chunk_prep_smem<D>(), kScanSmem = chunk_scan_smem<D>();
+  CUDA_TRY(cudaFuncSetAttribute(gdn_chunk_prep_kernel<D, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kPrepSmem)));
+  CUDA_TRY(cudaFuncSetAttribute(gdn_chunk_scan_kernel<D, NW, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kScanSmem)));
+  gdn_chunk_prep_kernel<D, kSplit><<<dim3((p.T + kChunk - 1) / kChunk, p.n_v), kThreads, kPrepSmem, stream>>>(p, s);
+  CUDA_TRY(cudaGetLastError());
+  gdn_chunk_scan_kernel<D, NW, kSplit><<<p.n_v * (D / kChunkCols), NW * 32, kScanSmem, stream>>>(p, s);
+  return cudaGetLastError();
+}
+
 // ---- kernel 3: gated RMSNorm (eq 19) and the conv ring ---------------------------------------------------------
 __global__ void __launch_bounds__(kThreads) gdn_norm_kernel(const __grid_constant__ GdnPrefillParams p, Scratch s) {
   const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -419,13 +854,18 @@ template <int DK>
 cudaError_t launch(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream) {
   gdn_prep_kernel<DK><<<dim3((p.T + kPrepRows - 1) / kPrepRows, p.n_k), kThreads, 0, stream>>>(p, s);
   CUDA_TRY(cudaGetLastError());
+  const int variant = p.scan_variant != 0 ? p.scan_variant : p.T >= kChunkedMinT && p.d_v == DK ? 10 : 5;
   const dim3 grid(p.n_v * (p.d_v / kCols));
-  switch (p.scan_variant) {
+  switch (variant) {
     case 1: gdn_scan_kernel<DK, 2><<<grid, 32 * kCols / 2, 0, stream>>>(p, s); break;
     case 2: gdn_scan_kernel<DK, 4><<<grid, 32 * kCols / 4, 0, stream>>>(p, s); break;
     case 3: gdn_scan_kernel<DK, 8><<<grid, 32 * kCols / 8, 0, stream>>>(p, s); break;
     case 4: gdn_scan_cols_kernel<DK, 4><<<grid, 32 * 4, 0, stream>>>(p, s); break;
     case 6: gdn_scan_cols_kernel<DK, 16><<<grid, 32 * 16, 0, stream>>>(p, s); break;
+    case 7: CUDA_TRY((launch_chunked<DK, 4, false>(p, s, stream))); break;
+    case 8: CUDA_TRY((launch_chunked<DK, 8, false>(p, s, stream))); break;
+    case 9: CUDA_TRY((launch_chunked<DK, 4, true>(p, s, stream))); break;
+    case 10: CUDA_TRY((launch_chunked<DK, 8, true>(p, s, stream))); break;
     default: gdn_scan_cols_kernel<DK, 8><<<grid, 32 * 8, 0, stream>>>(p, s); break;
   }
   CUDA_TRY(cudaGetLastError());
@@ -447,6 +887,7 @@ cudaError_t gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (p.T < 1 || p.pos0 < 0 || p.kernel != kKernel) return cudaErrorInvalidValue;
   if (p.scan_variant < 0 || p.scan_variant > kScanVariants) return cudaErrorInvalidValue;
+  if (p.scan_variant >= 7 && p.d_v != p.d_k) return cudaErrorInvalidValue;  // the chunked path: d_v = d_k
   if (p.d_k != 64 && p.d_k != 128) return cudaErrorInvalidValue;
   if (p.d_v <= 0 || p.d_v % kCols != 0) return cudaErrorInvalidValue;
   if (p.n_k <= 0 || p.n_v <= 0 || p.n_v % p.n_k != 0) return cudaErrorInvalidValue;

@@ -2,7 +2,8 @@
 // out_proj's A operand:
 //  conv over the chunk (depthwise causal, kernel 4) continuing from the carried conv ring + SiLU; l2norm of q and
 //  k; beta = sigmoid(b), g = -exp(A_log) * softplus(a + dt_bias); the gated delta rule over the T rows
-//  (S <- exp(g) S; e = (v - S^T k) beta; S <- S + k e^T; o = S^T q / sqrt(d_k) as the CPU reference orders it);
+//  (S <- exp(g) S; e = (v - S^T k) beta; S <- S + k e^T; o = S^T q / sqrt(d_k) as the CPU reference orders it),
+//  row by row or, for long T, chunk by chunk on the tensor cores;
 //  the gated RMSNorm with z (eq 19). The recurrent state S and the conv ring carry to the next chunk / decode step.
 // The conv ring is the decode kernels' convention (gdn.cuh): `kernel` pre-conv vectors, the vector of position p in
 // slot p % kernel; after the call it holds positions pos0+T-kernel .. pos0+T-1 exactly as T decode steps would.
@@ -27,8 +28,11 @@ struct GdnPrefillParams {
   __nv_bfloat16* out = nullptr;   // [T, n_v * d_v]: norm_w * o / RMS(o_head) * silu(z)
   void* scratch = nullptr;        // gdn_prefill_scratch_bytes(...) bytes
   size_t scratch_bytes = 0;
-  // The sequential scan's thread layout, for benchmarks and tests (gdn_prefill.cu): 0 the default; 1, 2, 3: the 32
-  // lanes of a warp span d_k, 2, 4 or 8 columns per warp; 4, 5, 6: 4, 8 or 16 lanes per column.
+  // The recurrence's kernels, for benchmarks and tests (gdn_prefill.cu). 1-6, the sequential scan: 1, 2, 3: the 32
+  // lanes of a warp span d_k, 2, 4 or 8 columns per warp; 4, 5, 6: 4, 8 or 16 lanes per column. 7-10: the chunked
+  // (WY / UT-transform) formulation on the tensor cores (needs d_v = d_k), 4 or 8 warps per 32 columns of S:
+  // 7, 8 in tf32 (~1e-2 of the head's RMS off), 9, 10 in 3xTF32 (fp32 accuracy). 0, the default: 10 from 256
+  // rows on (the crossover measured on the H200) when d_v = d_k, else 5.
   int scan_variant = 0;
 };
 
