@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine: every CUDA test (kernel op tests and end-to-end against the CPU reference) and the
-# decode benchmark, then prints a summary table. Build first (here or there) with:
+# benchmark (prefill and decode, `lily bench`), then prints a summary table. Build first (here or there) with:
 #   cmake --preset cuda && cmake --build build-cuda -j
 # Usage: scripts/gpu_check.sh [build-dir] [out-dir]
 set -uo pipefail
@@ -25,6 +25,6 @@ printf '%-28s %s\n' "kernel op tests" "$(status $k_rc) ($(grep -c '^\[       OK'
 printf '%-28s %s\n' "end-to-end vs CPU" "$(status $e_rc) ($(grep -E '^\[  (PASSED|FAILED)' "$out/e2e_tests.log" | tr '\n' ' '))"
 grep -h -E '^\[(tiny|small|full4)\]' "$out/e2e_tests.log" | sed 's/^/  /'
 grep -h -E 'FAILED|Failure|Expected|Which is' "$out/kernel_tests.log" "$out/e2e_tests.log" | head -20 | sed 's/^/  /'
-printf '%-28s %s\n' "decode benchmark" "$(status $b_rc)"
+printf '%-28s %s\n' "benchmark (prefill, decode)" "$(status $b_rc)"
 cat "$out/bench.log"
 exit $((k_rc | e_rc | b_rc))

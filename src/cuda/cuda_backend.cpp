@@ -1,5 +1,6 @@
 #include "cuda/cuda_backend.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -7,11 +8,14 @@
 #include "cuda/cuda_sequence.h"
 #include "cuda/device_model.h"
 #include "cuda/kernels/attention.cuh"
+#include "cuda/kernels/attn_prefill.cuh"
 #include "cuda/kernels/dispatch.cuh"
 #include "cuda/kernels/embed.cuh"
 #include "cuda/kernels/gdn.cuh"
+#include "cuda/kernels/gdn_prefill.cuh"
 #include "cuda/kernels/gemv.cuh"
 #include "cuda/kernels/moe.cuh"
+#include "cuda/kernels/qgemm.cuh"
 #include "cuda/kernels/sample.cuh"
 #include "engine/backend_factory.h"
 
@@ -22,18 +26,19 @@ namespace {
 constexpr int kMaxSplits = 256;
 constexpr int kRingSize = 1024;
 constexpr int kSampleScratch = 2 * 1024 * 64;
+constexpr int kHeadRows = 128;  // prefill rows whose logits one lm_head GEMM computes (LogitsRows::all)
 
 // Records an event pair around each kernel when profiling an eager (non-graph) step.
 struct Profiler {
   struct Entry {
     std::string name;
-    double bytes;
+    double bytes, flops;
     cudaEvent_t start, stop;
   };
   std::vector<Entry> entries;
   cudaStream_t stream;
-  void begin(const std::string& name, double bytes) {
-    Entry e{name, bytes, nullptr, nullptr};
+  void begin(const std::string& name, double bytes, double flops = 0) {
+    Entry e{name, bytes, flops, nullptr, nullptr};
     cudaEventCreate(&e.start);
     cudaEventCreate(&e.stop);
     cudaEventRecord(e.start, stream);
@@ -42,6 +47,21 @@ struct Profiler {
   void end() { cudaEventRecord(entries.back().stop, stream); }
   ~Profiler() {
     for (auto& e : entries) cudaEventDestroy(e.start), cudaEventDestroy(e.stop);
+  }
+  // Totals per kernel kind (call after the stream has finished).
+  std::vector<KernelTiming> totals() const {
+    std::vector<KernelTiming> out;
+    for (auto& e : entries) {
+      float ms = 0;
+      cudaEventElapsedTime(&ms, e.start, e.stop);
+      auto it = std::find_if(out.begin(), out.end(), [&](const KernelTiming& k) { return k.name == e.name; });
+      if (it == out.end()) it = out.insert(out.end(), KernelTiming{e.name, 0, 0, 0, 0});
+      it->ms += ms;
+      it->bytes += e.bytes;
+      it->flops += e.flops;
+      it->launches += 1;
+    }
+    return out;
   }
 };
 
@@ -66,6 +86,12 @@ class CudaBackend final : public CudaBackendApi {
   Status set_context_for_bench(SequenceState& seq, int64_t n) override;
   Result<double> time_decode(SequenceState& seq, int steps) override;
   Result<std::vector<KernelTiming>> profile_step(SequenceState& seq) override;
+  Result<double> time_prefill(SequenceState& seq, int64_t n, std::vector<KernelTiming>* profile) override;
+  size_t prefill_scratch_bytes() const override { return prefill_bytes_; }
+  size_t device_bytes_in_use() const override {
+    size_t free_b = 0, total_b = 0;
+    return cudaMemGetInfo(&free_b, &total_b) == cudaSuccess ? total_b - free_b : 0;
+  }
   size_t weight_bytes_per_token() const override { return model_->decode_weight_bytes(); }
   std::string device_name() const override { return device_name_; }
 
@@ -74,6 +100,10 @@ class CudaBackend final : public CudaBackendApi {
   Result<cudaGraphExec_t> graph_for(CudaSequence& s, const DeviceSampling* sampling);
   Status run_step(CudaSequence& s, const DeviceSampling* sampling);
   Result<CudaSequence*> check_sequence(SequenceState& base, int64_t new_tokens);
+  bool prefill_supported() const;
+  Status ensure_prefill_scratch();
+  Status prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof);
+  Status prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits, Profiler* prof);
 
   std::shared_ptr<const ModelWeights> weights_;
   CudaBackendOptions options_;
@@ -87,6 +117,11 @@ class CudaBackend final : public CudaBackendApi {
   DeviceArray<unsigned> counters_;  // [0]: moe_route, [1]: sample
   int* ring_ = nullptr;             // host-mapped
   int* ring_dev_ = nullptr;
+  // Prefill scratch, sized by options_.prefill_chunk rows (allocated on the first prefill).
+  DeviceArray<float> ph_, pproj_, plogits_;
+  DeviceArray<__half> pxb_, pob_;  // fp16 A operands of the prefill GEMMs
+  DeviceArray<unsigned char> pscratch_;
+  size_t prefill_bytes_ = 0;
 };
 
 Status CudaBackend::init() {
@@ -156,11 +191,12 @@ bool gated_norm_in_gdn_step(const ModelConfig& c) {
          c.linear_conv_kernel_dim == 4;
 }
 
-#define STEP_OP(name, bytes, call)                      \
-  do {                                                  \
-    if (prof) prof->begin(name, static_cast<double>(bytes)); \
-    CUDA_RETURN(call, name);                            \
-    if (prof) prof->end();                              \
+// Enqueues `call`; when profiling, between events, recording the bytes it must move (and the FLOPs, optional).
+#define STEP_OP(name, bytes, call, ...)                                                \
+  do {                                                                                 \
+    if (prof) prof->begin(name, static_cast<double>(bytes) __VA_OPT__(, __VA_ARGS__)); \
+    CUDA_RETURN(call, name);                                                           \
+    if (prof) prof->end();                                                             \
   } while (0)
 
 // One decode step (eqs 4-6 with every block), reading the input token from token_in_ and the position from s.pos.
@@ -232,6 +268,129 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
   return ok_status();
 }
 
+// The prefill kernels' shapes (qgemm: K a multiple of 64; gdn_prefill: d_k = d_v in {64, 128}, conv kernel 4;
+// attn_prefill: head_dim in {64, 128, 256}): every preset of the model family. Other geometries (and
+// prefill_chunk = 0) run prompts token by token through the decode step.
+bool CudaBackend::prefill_supported() const {
+  const ModelConfig& c = config();
+  const bool dims64 = c.hidden_size % 64 == 0 && c.moe_intermediate_size % 64 == 0 &&
+                      c.shared_expert_intermediate_size % 64 == 0 && c.linear_value_dim() % 64 == 0 &&
+                      (c.num_attention_heads * c.head_dim) % 64 == 0;
+  const bool gdn = c.linear_key_head_dim == c.linear_value_head_dim &&
+                   (c.linear_key_head_dim == 64 || c.linear_key_head_dim == 128) && c.linear_conv_kernel_dim == 4;
+  const bool attn = c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256;
+  return options_.prefill_chunk > 0 && dims64 && gdn && attn;
+}
+
+Status CudaBackend::ensure_prefill_scratch() {
+  if (prefill_bytes_ > 0) return ok_status();
+  const ModelConfig& c = config();
+  const int C = options_.prefill_chunk, H = c.hidden_size, D = c.head_dim, nq = c.num_attention_heads;
+  size_t proj_cols = 0;
+  for (const DeviceLayer& l : model_->layers)
+    proj_cols = std::max<size_t>(proj_cols, l.type == LayerType::full_attention ? l.attn_in.rows : l.gdn_in.rows);
+  const size_t mixer_cols = std::max<size_t>(c.linear_value_dim(), static_cast<size_t>(nq) * D);
+  const size_t scratch = std::max({moe_prefill_scratch_bytes(C, H, c.moe_intermediate_size,
+                                                             c.shared_expert_intermediate_size, c.num_experts,
+                                                             c.num_experts_per_tok),
+                                   gdn_prefill_scratch_bytes(C, c.linear_num_key_heads, c.linear_num_value_heads,
+                                                             c.linear_key_head_dim, c.linear_value_head_dim),
+                                   attn_prefill_scratch_bytes(C, nq, D)});
+  RETURN_IF_ERROR(ph_.alloc(static_cast<size_t>(C) * H));
+  RETURN_IF_ERROR(pproj_.alloc(static_cast<size_t>(C) * proj_cols));
+  RETURN_IF_ERROR(pxb_.alloc(static_cast<size_t>(C) * std::max<size_t>(H, mixer_cols)));
+  RETURN_IF_ERROR(pob_.alloc(static_cast<size_t>(C) * mixer_cols));
+  RETURN_IF_ERROR(pscratch_.alloc(scratch));
+  RETURN_IF_ERROR(plogits_.alloc(static_cast<size_t>(std::min(C, kHeadRows)) * c.vocab_size));
+  prefill_bytes_ = ph_.bytes() + pproj_.bytes() + pxb_.bytes() + pob_.bytes() + pscratch_.bytes() + plogits_.bytes();
+  return ok_status();
+}
+
+// One chunk of T <= prefill_chunk rows at positions s.n .. s.n+T-1 (eqs 4-5 for every layer): the residual stream
+// ph_ [T, H] in fp32, each block's input normalised to fp16 for the tensor-core GEMMs (fp16, not bf16: its
+// 2^-11 rounding keeps the prefill within the decode path's accuracy; normalised activations stay far from its
+// 65504 range). Leaves the final residual
+// rows in ph_ for the lm_head.
+Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof) {
+  const ModelConfig& c = config();
+  const DeviceModel& m = *model_;
+  const float eps = c.rms_norm_eps;
+  const int H = c.hidden_size, pos0 = static_cast<int>(s.n), k = c.num_experts_per_tok;
+  const double rows = T;
+  STEP_OP("embed", rows * m.embed.bytes() / m.embed.rows, embed_rows(m.embed, tokens, T, ph_.ptr, stream_));
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const DeviceLayer& L = m.layers[l];
+    STEP_OP("rms_norm", rows * H * 6, rms_norm_rows(ph_.ptr, L.input_norm, T, H, eps, pxb_.ptr, stream_));
+    const QMatrix& in = L.type == LayerType::linear_attention ? L.gdn_in : L.attn_in;
+    const QMatrix& out = L.type == LayerType::linear_attention ? L.gdn_out : L.attn_out;
+    QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0};
+    if (L.type == LayerType::linear_attention) {
+      STEP_OP("qgemm gdn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
+      GdnPrefillParams g{pproj_.ptr, T, pos0, s.conv[l]->ptr, L.conv_w, L.A_log, L.dt_bias, s.S[l]->ptr,
+                         c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                         c.linear_value_head_dim, c.linear_conv_kernel_dim, L.gdn_norm, eps, pob_.ptr,
+                         pscratch_.ptr, pscratch_.bytes(), options_.gdn_scan_variant};
+      STEP_OP("gdn_prefill", 2.0 * s.S[l]->bytes(), gdn_prefill(g, stream_),
+              4.0 * rows * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim);
+      QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0};
+      STEP_OP("qgemm gdn_out", out.bytes(), qgemm(gout, stream_), 2.0 * rows * out.rows * out.cols);
+    } else {
+      STEP_OP("qgemm attn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
+      AttnPrefillParams a{pproj_.ptr, T, pos0, L.q_norm, L.k_norm, c.num_attention_heads, c.num_key_value_heads,
+                          c.head_dim, c.rotary_dim(), static_cast<float>(c.rope_theta), eps,
+                          1.0f / std::sqrt(static_cast<float>(c.head_dim)), s.k[l]->ptr, s.v[l]->ptr, pob_.ptr,
+                          pscratch_.ptr, pscratch_.bytes()};
+      // Causal: row t attends pos0 + t + 1 rows.
+      const double attended = rows * pos0 + rows * (rows + 1) / 2;
+      STEP_OP("attn_prefill", 0, attn_prefill(a, stream_), 4.0 * c.num_attention_heads * c.head_dim * attended);
+      QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0};
+      STEP_OP("qgemm attn_out", out.bytes(), qgemm(gout, stream_), 2.0 * rows * out.rows * out.cols);
+    }
+    MoePrefillParams moe{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,
+                         L.shared_up, L.shared_down, ph_.ptr, L.post_norm, eps, T, k, pscratch_.ptr,
+                         pscratch_.bytes()};
+    const double moe_flops = 2.0 * rows * H *
+                             (3.0 * k * c.moe_intermediate_size + 3.0 * c.shared_expert_intermediate_size +
+                              c.num_experts + 1);
+    STEP_OP("moe_prefill", 0, moe_prefill(moe, stream_), moe_flops);
+  }
+  s.n += T;
+  return ok_status();
+}
+
+// Prefills the T tokens in tokens_ (device) in chunks; logits of the rows asked for go to the host.
+Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits,
+                            Profiler* prof) {
+  RETURN_IF_ERROR(ensure_prefill_scratch());
+  const ModelConfig& c = config();
+  const DeviceModel& m = *model_;
+  const int64_t V = c.vocab_size, C = options_.prefill_chunk;
+  const int H = c.hidden_size;
+  for (int64_t off = 0; off < T; off += C) {
+    const int Tc = static_cast<int>(std::min<int64_t>(C, T - off));
+    RETURN_IF_ERROR(prefill_chunk(s, tokens_.ptr + off, Tc, prof));
+    if (rows == LogitsRows::all) {  // the lm_head for every row, kHeadRows at a time
+      for (int r = 0; r < Tc; r += kHeadRows) {
+        const int R = std::min(kHeadRows, Tc - r);
+        STEP_OP("rms_norm", R * H * 6.0,
+                rms_norm_rows(ph_.ptr + static_cast<size_t>(r) * H, m.final_norm, R, H, c.rms_norm_eps, pxb_.ptr, stream_));
+        QGemmParams head{m.lm_head, pxb_.ptr, R, GemmOut::f32, plogits_.ptr, 0};
+        STEP_OP("qgemm lm_head", m.lm_head.bytes(), qgemm(head, stream_), 2.0 * R * V * H);
+        CUDA_RETURN(cudaMemcpyAsync(logits->data() + (off + r) * V, plogits_.ptr, R * V * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream_), "logits");
+      }
+    } else if (rows == LogitsRows::last && off + Tc == T) {  // one row: the decode GEMV
+      GemvParams head{m.lm_head, ph_.ptr + static_cast<size_t>(Tc - 1) * H, GemvPrologue::rms_norm, m.final_norm,
+                      nullptr, 0, c.rms_norm_eps, nullptr, logits_.ptr};
+      STEP_OP("gemv lm_head", m.lm_head.bytes(), dispatch::gemv(head, stream_));
+      CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+                  "logits");
+    }
+  }
+  CUDA_RETURN(set_position(s.pos.ptr, static_cast<int>(s.n), stream_), "position");
+  return ok_status();
+}
+
 // The graph for this sequence, split count and sampling configuration (captured on first use).
 Result<cudaGraphExec_t> CudaBackend::graph_for(CudaSequence& s, const DeviceSampling* sp) {
   const int n_splits = attention_splits(s.n + 1);
@@ -273,6 +432,11 @@ Status CudaBackend::forward(SequenceState& base, std::span<const int32_t> tokens
   if (tokens_.n < static_cast<size_t>(T)) RETURN_IF_ERROR(tokens_.alloc(static_cast<size_t>(std::max<int64_t>(T, 4096))));
   CUDA_RETURN(cudaMemcpy(tokens_.ptr, tokens.data(), T * sizeof(int), cudaMemcpyHostToDevice), "upload tokens");
   if (rows != LogitsRows::none) logits->resize(static_cast<size_t>((rows == LogitsRows::all ? T : 1) * V));
+  if (T > 1 && prefill_supported()) {
+    RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr));
+    CUDA_RETURN(cudaStreamSynchronize(stream_), "prefill");
+    return ok_status();
+  }
   for (int64_t t = 0; t < T; ++t) {
     CUDA_RETURN(cudaMemcpyAsync(token_in_.ptr, tokens_.ptr + t, sizeof(int), cudaMemcpyDeviceToDevice, stream_), "token");
     RETURN_IF_ERROR(run_step(*s, nullptr));
@@ -346,6 +510,42 @@ Result<double> CudaBackend::time_decode(SequenceState& base, int steps) {
   return static_cast<double>(ms) / steps;
 }
 
+Result<double> CudaBackend::time_prefill(SequenceState& base, int64_t n, std::vector<KernelTiming>* profile) {
+  auto* s = dynamic_cast<CudaSequence*>(&base);
+  if (!s || s->owner != this) return invalid_argument("sequence state is not from this CUDA backend");
+  if (!prefill_supported()) return error(ErrorCode::unsupported, "the prefill kernels do not take this geometry");
+  for (size_t l = 0; l < s->conv.size(); ++l) {  // an empty sequence
+    if (!s->conv[l]) continue;
+    CUDA_RETURN(cudaMemset(s->conv[l]->ptr, 0, s->conv[l]->bytes()), "reset");
+    CUDA_RETURN(cudaMemset(s->S[l]->ptr, 0, s->S[l]->bytes()), "reset");
+  }
+  s->n = 0;
+  ASSIGN_OR_RETURN(s, check_sequence(base, n));
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  std::mt19937 rng(static_cast<uint32_t>(n));
+  std::uniform_int_distribution<int32_t> pick(0, static_cast<int32_t>(config().vocab_size) - 1);
+  for (auto& id : ids) id = pick(rng);
+  if (!profile) {
+    std::vector<float> logits;
+    CUDA_RETURN(cudaDeviceSynchronize(), "prefill timing");
+    const auto t0 = std::chrono::steady_clock::now();
+    RETURN_IF_ERROR(forward(*s, ids, LogitsRows::last, &logits));
+    return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+  const int64_t T = std::min<int64_t>(n, options_.prefill_chunk);
+  if (tokens_.n < static_cast<size_t>(T)) RETURN_IF_ERROR(tokens_.alloc(static_cast<size_t>(T)));
+  CUDA_RETURN(cudaMemcpy(tokens_.ptr, ids.data(), T * sizeof(int), cudaMemcpyHostToDevice), "upload tokens");
+  RETURN_IF_ERROR(ensure_prefill_scratch());
+  Profiler prof;
+  prof.stream = stream_;
+  RETURN_IF_ERROR(prefill_chunk(*s, tokens_.ptr, static_cast<int>(T), &prof));
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "profile");
+  *profile = prof.totals();
+  double ms = 0;
+  for (auto& k : *profile) ms += k.ms;
+  return ms;
+}
+
 Result<std::vector<KernelTiming>> CudaBackend::profile_step(SequenceState& base) {
   ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, 1));
   Profiler prof;
@@ -354,17 +554,7 @@ Result<std::vector<KernelTiming>> CudaBackend::profile_step(SequenceState& base)
   RETURN_IF_ERROR(enqueue_step(*s, attention_splits(s->n + 1), &greedy, &prof));
   s->n += 1;
   CUDA_RETURN(cudaStreamSynchronize(stream_), "profile");
-  std::vector<KernelTiming> out;
-  for (auto& e : prof.entries) {
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e.start, e.stop);
-    auto it = std::find_if(out.begin(), out.end(), [&](const KernelTiming& k) { return k.name == e.name; });
-    if (it == out.end()) it = out.insert(out.end(), KernelTiming{e.name, 0, 0, 0});
-    it->ms += ms;
-    it->bytes += e.bytes;
-    it->launches += 1;
-  }
-  return out;
+  return prof.totals();
 }
 
 }  // namespace

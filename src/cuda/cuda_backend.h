@@ -1,7 +1,8 @@
 // The CUDA backend for batch-1 decode on the H200: the whole step (embedding, 40 layers, lm_head, sampling) is
 // one CUDA graph replayed per token; positions live in device memory so the same graph serves every step, and the
-// sampled token is written straight into the next step's input slot. Prompts currently run through the same step
-// token by token (the tensor-core prefill path is issue 6).
+// sampled token is written straight into the next step's input slot. Prompts of more than one token take the
+// prefill path: chunks of up to `prefill_chunk` rows through tensor-core GEMMs (qgemm.cuh), the Gated DeltaNet scan
+// (gdn_prefill.cuh) and flash attention (attn_prefill.cuh); scratch memory is sized by the chunk, not the prompt.
 #pragma once
 #include <memory>
 #include <string>
@@ -13,6 +14,8 @@ namespace lily::cuda {
 
 struct CudaBackendOptions {
   int64_t max_context = 32768;  // KV capacity of each sequence
+  int prefill_chunk = 4096;     // rows per prefill chunk; 0: prompts run token by token through the decode step
+  int gdn_scan_variant = 0;     // GdnPrefillParams::scan_variant (0: the kernel's own choice by length)
 };
 
 // One kernel launch of a profiled step.
@@ -20,6 +23,7 @@ struct KernelTiming {
   std::string name;
   double ms = 0;
   double bytes = 0;  // bytes the kernel must move
+  double flops = 0;  // useful FLOPs it must do (prefill)
   int launches = 0;
 };
 
@@ -32,6 +36,14 @@ class CudaBackendApi : public Backend {
   virtual Result<double> time_decode(SequenceState& seq, int steps) = 0;
   // One step with an event around every kernel: per-kernel-kind totals.
   virtual Result<std::vector<KernelTiming>> profile_step(SequenceState& seq) = 0;
+  // Empties `seq` (zero recurrent state, no tokens), then prefills n random tokens with the logits of the last
+  // row copied to the host, as a prompt would: wall milliseconds. With profile, one event pair per kernel launch
+  // of the first chunk instead (slower), summed by kind into *profile.
+  virtual Result<double> time_prefill(SequenceState& seq, int64_t n, std::vector<KernelTiming>* profile) = 0;
+  // Device memory of the prefill path's scratch (fixed by prefill_chunk; 0 before the first prefill).
+  virtual size_t prefill_scratch_bytes() const = 0;
+  // Device memory in use on this GPU now (cudaMemGetInfo: total - free), all allocations of the process included.
+  virtual size_t device_bytes_in_use() const = 0;
   virtual size_t weight_bytes_per_token() const = 0;
   virtual std::string device_name() const = 0;
 };

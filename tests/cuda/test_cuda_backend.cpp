@@ -2,7 +2,9 @@
 //  - greedy tokens identical for 64 steps on the tiny and small synthetic models;
 //  - full width, 4 layers (3 Gated DeltaNet + 1 attention, 256 experts, full vocabulary), teacher-forced over 256
 //    positions: top-1 agreement >= 99% and relative logit error <= 2e-2;
-//  - checkpoint/restore and device sampling reproducibility.
+//  - checkpoint/restore and device sampling reproducibility;
+//  - the prefill path (issue 6): chunked prompts against the CPU reference and against the token-by-token decode
+//    path, decode after a chunked prefill equal to decode after a single prefill, a prompt longer than a chunk.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -39,6 +41,27 @@ std::vector<int32_t> random_tokens(int n, int vocab, uint32_t seed) {
 }
 
 int32_t argmax(const float* p, int64_t n) { return static_cast<int32_t>(std::max_element(p, p + n) - p); }
+
+struct Agreement {
+  double top1 = 0, rel = 0;
+};
+
+// Top-1 agreement and relative L2 logit error of `got` against `ref` ([T, V] each).
+Agreement compare_logits(const std::vector<float>& ref, const std::vector<float>& got, int64_t V) {
+  EXPECT_EQ(ref.size(), got.size());
+  const int64_t T = static_cast<int64_t>(std::min(ref.size(), got.size())) / V;
+  int agree = 0;
+  double num = 0, den = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    agree += argmax(&ref[t * V], V) == argmax(&got[t * V], V);
+    for (int64_t i = 0; i < V; ++i) {
+      const double d = got[t * V + i] - ref[t * V + i];
+      num += d * d;
+      den += static_cast<double>(ref[t * V + i]) * ref[t * V + i];
+    }
+  }
+  return {static_cast<double>(agree) / std::max<int64_t>(T, 1), std::sqrt(num / den)};
+}
 
 std::vector<int32_t> greedy(Backend& b, const std::vector<int32_t>& prompt, int steps) {
   auto seq = b.new_sequence();
@@ -90,22 +113,98 @@ TEST(CudaBackend, TeacherForcedFullWidthFourLayers) {
   auto s1 = cpu.new_sequence();
   ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
   auto s2 = (*cuda)->new_sequence();
-  ASSERT_TRUE((*cuda)->forward(*s2, tokens, LogitsRows::all, &got).ok());
-  int agree = 0;
-  double num = 0, den = 0;
-  for (int t = 0; t < T; ++t) {
-    agree += argmax(&ref[t * V], V) == argmax(&got[t * V], V);
-    for (int64_t i = 0; i < V; ++i) {
-      double d = got[t * V + i] - ref[t * V + i];
-      num += d * d;
-      den += static_cast<double>(ref[t * V + i]) * ref[t * V + i];
-    }
+  ASSERT_TRUE((*cuda)->forward(*s2, tokens, LogitsRows::all, &got).ok());  // the prefill path (one chunk)
+  const Agreement a = compare_logits(ref, got, V);
+  std::printf("[full4] teacher-forced %d positions (prefill): top-1 agreement %.2f%%, relative logit error %.3g\n", T,
+              100 * a.top1, a.rel);
+  EXPECT_GE(a.top1, 0.99);
+  EXPECT_LE(a.rel, 2e-2);
+  // The same positions through the decode step, one token at a time.
+  auto step = cuda::make_cuda_backend(w, {1024, 0});
+  ASSERT_TRUE(step.ok()) << step.status().message();
+  auto s3 = (*step)->new_sequence();
+  ASSERT_TRUE((*step)->forward(*s3, tokens, LogitsRows::all, &got).ok());
+  const Agreement d = compare_logits(ref, got, V);
+  std::printf("[full4] teacher-forced %d positions (decode steps): top-1 agreement %.2f%%, relative logit error %.3g\n",
+              T, 100 * d.top1, d.rel);
+  EXPECT_GE(d.top1, 0.99);
+  EXPECT_LE(d.rel, 2e-2);
+}
+
+// The Gated DeltaNet scan variants of the prefill (gdn_prefill.cuh) on the full4 model: the default (3xTF32
+// chunked from 256 rows, fp32-accurate), the sequential scan (5) and plain tf32 chunks (7), each against the
+// CPU reference by the same criteria.
+TEST(CudaBackend, GdnScanVariantsFullWidthFourLayers) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("full4");
+  CpuBackend cpu(w);
+  const int T = 512;
+  const int64_t V = w->config.vocab_size;
+  auto tokens = random_tokens(T, static_cast<int>(V), 15);
+  std::vector<float> ref, got;
+  auto s1 = cpu.new_sequence();
+  ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
+  for (int variant : {0, 5, 7}) {
+    auto cuda = cuda::make_cuda_backend(w, {1024, 4096, variant});
+    ASSERT_TRUE(cuda.ok()) << cuda.status().message();
+    auto s2 = (*cuda)->new_sequence();
+    ASSERT_TRUE((*cuda)->forward(*s2, tokens, LogitsRows::all, &got).ok());
+    const Agreement a = compare_logits(ref, got, V);
+    std::printf("[full4] %d positions, gdn scan variant %d: top-1 agreement %.2f%%, relative logit error %.3g\n", T,
+                variant, 100 * a.top1, a.rel);
+    EXPECT_GE(a.top1, 0.99) << variant;
+    EXPECT_LE(a.rel, 2e-2) << variant;
   }
-  double rel = std::sqrt(num / den), agreement = static_cast<double>(agree) / T;
-  std::printf("[full4] teacher-forced %d positions: top-1 agreement %.2f%%, relative logit error %.3g\n", T,
-              100 * agreement, rel);
-  EXPECT_GE(agreement, 0.99);
-  EXPECT_LE(rel, 2e-2);
+}
+
+// Prompts across chunk boundaries (chunk 64: 1, 63, 64, 65 and 200 tokens) against the CPU reference.
+TEST(CudaBackend, ChunkedPrefillMatchesCpuSmall) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("small");
+  CpuBackend cpu(w);
+  auto cuda = cuda::make_cuda_backend(w, {1024, 64});
+  ASSERT_TRUE(cuda.ok()) << cuda.status().message();
+  const int64_t V = w->config.vocab_size;
+  for (int T : {1, 63, 64, 65, 200}) {
+    auto tokens = random_tokens(T, static_cast<int>(V), 100 + T);
+    std::vector<float> ref, got;
+    auto s1 = cpu.new_sequence();
+    ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
+    auto s2 = (*cuda)->new_sequence();
+    ASSERT_TRUE((*cuda)->forward(*s2, tokens, LogitsRows::all, &got).ok());
+    const Agreement a = compare_logits(ref, got, V);
+    std::printf("[small] prompt %d, chunk 64: top-1 agreement %.2f%%, relative logit error %.3g\n", T, 100 * a.top1,
+                a.rel);
+    EXPECT_GE(a.top1, 0.99) << T;
+    EXPECT_LE(a.rel, 2e-2) << T;
+  }
+}
+
+// Decode after a chunked prefill equals decode after a single prefill (and after the token-by-token path).
+TEST(CudaBackend, DecodeAfterChunkedPrefillEqualsSinglePrefill) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("small");
+  auto one = cuda::make_cuda_backend(w, {2048, 4096});
+  auto chunked = cuda::make_cuda_backend(w, {2048, 64});
+  auto steps = cuda::make_cuda_backend(w, {2048, 0});
+  ASSERT_TRUE(one.ok() && chunked.ok() && steps.ok());
+  auto prompt = random_tokens(300, w->config.vocab_size, 21);
+  const auto a = greedy(**one, prompt, 32), b = greedy(**chunked, prompt, 32), c = greedy(**steps, prompt, 32);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(a, c);
+}
+
+// A prompt longer than one chunk (4097 rows: a full chunk and one row) on the tiny model against the CPU.
+TEST(CudaBackend, PromptLongerThanAChunkTiny) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("tiny");
+  CpuBackend cpu(w);
+  auto cuda = cuda::make_cuda_backend(w, {8192, 4096});
+  ASSERT_TRUE(cuda.ok()) << cuda.status().message();
+  auto prompt = random_tokens(4097, w->config.vocab_size, 8);
+  const auto a = greedy(cpu, prompt, 16), b = greedy(**cuda, prompt, 16);
+  EXPECT_EQ(a, b);
+  EXPECT_GT((*cuda)->prefill_scratch_bytes(), 0u);
 }
 
 TEST(CudaBackend, CheckpointRestoreAndDeviceSampling) {

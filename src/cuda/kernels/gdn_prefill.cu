@@ -38,10 +38,10 @@
 //    scan; the whole call at T = 256 and up is faster chunked (10: 0.093 ms vs 0.099 ms at 256, 1.03 vs 1.38 ms
 //    at 4096), slower below. Both chunk kernels are latency bound (the 64-step substitution by 2 warps; one
 //    block of 4-8 warps per SM through 3 dependent products per chunk), far from the tensor cores' rate.
-// 3. gdn_norm, block per row: eq 19 x = norm_w * o / RMS(o_head) * silu(z) in bf16 (as gdn.cu's fused norm), and the
+// 3. gdn_norm, block per row: eq 19 x = norm_w * o / RMS(o_head) * silu(z) in fp16 (as gdn.cu's fused norm), and the
 //    rows t >= T-K copy their pre-conv vector into ring slot (pos0+t) mod K (after kernel 1 has read the ring).
 //
-// Traffic (full geometry, per row): proj 49 KB read, scratch ~2 * 49 KB written and read, 8 KB bf16 out; S (2 MiB)
+// Traffic (full geometry, per row): proj 49 KB read, scratch ~2 * 49 KB written and read, 8 KB fp16 out; S (2 MiB)
 // read and written once per call. The scan does 8 FLOPs per element of S per row, 4.2 MFLOP per row (17 GFLOP at
 // T = 4096) as 4 dependent fp32 instructions per element (2 dot FMAs, a multiply and an FMA for the update): at
 // 128 FP32 lanes x 132 SMs that is >= 124 cycles per row, ~0.27 ms at T = 4096 even with perfect issue; the row
@@ -834,14 +834,14 @@ __global__ void __launch_bounds__(kThreads) gdn_norm_kernel(const __grid_constan
   const size_t stride = static_cast<size_t>(conv_dim) + value_dim + 2 * p.n_v;
   const float* z = p.proj + static_cast<size_t>(t) * stride + conv_dim;
   const float* o = s.o + static_cast<size_t>(t) * value_dim;
-  __nv_bfloat16* out = p.out + static_cast<size_t>(t) * value_dim;
+  __half* out = p.out + static_cast<size_t>(t) * value_dim;
   for (int h = warp; h < p.n_v; h += kWarps) {
     float ss = 0.0f;
     for (int j = lane; j < p.d_v; j += 32) ss += o[h * p.d_v + j] * o[h * p.d_v + j];
     ss = warp_sum(ss);
     const float inv_rms = rsqrtf(ss / static_cast<float>(p.d_v) + p.eps);
     for (int j = lane; j < p.d_v; j += 32)
-      out[h * p.d_v + j] = __float2bfloat16(p.norm_w[j] * (o[h * p.d_v + j] * inv_rms) * siluf_(z[h * p.d_v + j]));
+      out[h * p.d_v + j] = __float2half_rn(p.norm_w[j] * (o[h * p.d_v + j] * inv_rms) * siluf_(z[h * p.d_v + j]));
   }
   if (t >= p.T - kKernel) {  // the last K pre-conv vectors into the ring
     float* slot = p.conv_ring + static_cast<size_t>((p.pos0 + t) % kKernel) * conv_dim;

@@ -9,6 +9,8 @@
 // slot p % kernel; after the call it holds positions pos0+T-kernel .. pos0+T-1 exactly as T decode steps would.
 // Moves the proj rows (T * (2*conv_dim... ) * 4 bytes) and S twice; FLOPs ~ 4 * T * n_v * d_k * d_v.
 #pragma once
+#include <cuda_fp16.h>
+
 #include "cuda/kernels/common.cuh"
 
 namespace lily::cuda {
@@ -25,7 +27,7 @@ struct GdnPrefillParams {
   int n_k = 16, n_v = 32, d_k = 128, d_v = 128, kernel = 4;
   const float* norm_w = nullptr;  // [d_v] gated RMSNorm weight (linear_attn.norm, plain multiplier)
   float eps = 1e-6f;
-  __nv_bfloat16* out = nullptr;   // [T, n_v * d_v]: norm_w * o / RMS(o_head) * silu(z)
+  __half* out = nullptr;          // [T, n_v * d_v]: norm_w * o / RMS(o_head) * silu(z)
   void* scratch = nullptr;        // gdn_prefill_scratch_bytes(...) bytes
   size_t scratch_bytes = 0;
   // The recurrence's kernels, for benchmarks and tests (gdn_prefill.cu). 1-6, the sequential scan: 1, 2, 3: the 32

@@ -19,7 +19,6 @@
 namespace lily::cuda {
 namespace {
 
-using test::bf16_bits_to_float;
 using test::DeviceBuffer;
 using test::Geometry;
 using test::kFull;
@@ -160,7 +159,7 @@ struct DeviceGdn {
 
   int variant = 0;  // scan layout
 
-  GdnPrefillParams params(const float* proj, int T, int pos0, __nv_bfloat16* dst) const {
+  GdnPrefillParams params(const float* proj, int T, int pos0, __half* dst) const {
     GdnPrefillParams p;
     p.scan_variant = variant;
     p.proj = proj;
@@ -181,13 +180,13 @@ struct DeviceGdn {
   }
   // Prefill of T rows; out rows [0, T) of `out` at row offset out_row.
   cudaError_t prefill(const float* proj, int T, int pos0, int out_row = 0) {
-    auto* dst = reinterpret_cast<__nv_bfloat16*>(out.get()) + static_cast<size_t>(out_row) * g.value_dim();
+    auto* dst = reinterpret_cast<__half*>(out.get()) + static_cast<size_t>(out_row) * g.value_dim();
     return gdn_prefill(params(proj, T, pos0, dst), nullptr);
   }
   std::vector<float> output(int T) const {
     const auto bits = out.download();
     std::vector<float> x(static_cast<size_t>(T) * g.value_dim());
-    for (size_t i = 0; i < x.size(); ++i) x[i] = bf16_bits_to_float(bits[i]);
+    for (size_t i = 0; i < x.size(); ++i) x[i] = test::f16_bits_to_float(bits[i]);
     return x;
   }
 };
@@ -217,7 +216,7 @@ size_t ring_mismatches(const std::vector<float>& got, const std::vector<float>& 
 
 // Tolerances. S: fp32 on both sides, differing in summation order and FMA contraction (a few 1e-7 relative per
 // op; the state is contractive, |k_hat| = 1, beta < 1, decay < 1, so errors do not grow with T): 1e-4 abs + rel as
-// test_gdn.cpp. Output: bf16 rounding (<= 2^-9 relative) of x = w * o / RMS * silu(z), |x| ~ 1, whose fp32 error
+// test_gdn.cpp. Output: fp16 rounding (<= 2^-11 relative) of x = w * o / RMS * silu(z), |x| ~ 1, whose fp32 error
 // is ~1e-5 of the head's RMS times |w silu(z)| (< 5): 2^-8 relative + 5e-4 absolute.
 constexpr double kStateTol = 1e-4, kOutRel = 1.0 / 256, kOutAbs = 5e-4;
 // The chunked path in tf32 (variants 7, 8: operands rounded to 2^-11 relative, fp32 sums): the products' terms
@@ -376,7 +375,7 @@ TEST(CudaGdnPrefill, RejectsBadShapes) {
   GdnPrefillParams p;  // null pointers
   EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
   float dummy[4];
-  __nv_bfloat16 out[4];
+  __half out[4];
   p.proj = p.conv_w = p.A_log = p.dt_bias = p.norm_w = dummy;
   p.conv_ring = p.S = dummy;
   p.out = out;
@@ -415,7 +414,7 @@ TEST(CudaGdnPrefillBench, FullGeometry) {
     for (int variant : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}) {
       const double us = test::graph_time_us(
           [&](int, cudaStream_t s) {
-            GdnPrefillParams p = dev.params(d_proj.get(), T, 37, reinterpret_cast<__nv_bfloat16*>(dev.out.get()));
+            GdnPrefillParams p = dev.params(d_proj.get(), T, 37, reinterpret_cast<__half*>(dev.out.get()));
             p.scan_variant = variant;
             return gdn_prefill(p, s);
           },
