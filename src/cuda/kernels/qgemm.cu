@@ -11,26 +11,37 @@
 //    a step ahead into registers. A 4-bit code becomes the float 0.5 + q/256 by one byte permute
 //    (quant_dot.cuh), so value = (256 s) f + (b - 128 s); an 8-bit code becomes the float 2^23 + q;
 //  - each warp multiplies its TM x TN sub-tile with mma.sync.m16n8k16 (fp16 in, fp32 accumulate), fragments
-//    read with ldmatrix from XOR-swizzled rows (16-byte chunk c of row r stored at c ^ (r & 7)).
+//    read with ldmatrix from XOR-swizzled rows (16-byte chunk c of row r stored at c ^ (r & 7)); 16-row
+//    sub-tiles past the tile's rows skip their ldmatrix and mma (a partly filled expert tile costs the tensor
+//    pipe only its rows; the dequantisation is shared by all warps either way).
 // FLOPs 2 M N K; bytes N K bits/8 (+ N K / 16 of scales and biases) + M K 2 (L2 keeps A for the columns of
 // blocks) + the output. The fp16 weight array never exists in device memory.
 // Grouped mode (moe_prefill): blocks along x are the entries of a device-side tile list (expert, first row,
 // rows); the grid is launched for the longest possible list and blocks past its device-side length exit. The
-// A rows of a tile are gathered through an index array; the weights are matrix `expert` of a stacked QMatrix.
+// A rows of a tile are gathered through an index array; the weights are matrix `expert` of a stacked QMatrix,
+// or the separate matrices ws of the one list expert `shared_expert` (moe_prefill's shared expert).
+// Split-K (dense mode, the router): blockIdx.z takes K range z K/S .. (z+1) K/S and writes its partial C to
+// c + z M ldc; the consumer sums the S partials in a fixed order.
 // qgemm_swiglu runs the gate and up matrices as the two MATS of one tile (two accumulators) and writes
 // fp16(silu(g) * u).
 //
 // moe_prefill for T rows, one stream, no host synchronisation:
 //  1 rms_norm_rows: x = fp16(RMSNorm(h) * norm_w)                                  (eq 5's ZN, eqs 1-2)
-//  2 qgemm: router logits [T, E] fp32 (8-bit)                                                     (eq 21)
-//  3 moe_route_rows, one warp a row: fp32 softmax, top-k (ties -> lower index), weights renormalised in
+//  2 qgemm: router logits [T, E] fp32 (8-bit), K split in S parts so the small grid fills the SMs (eq 21)
+//  3 moe_route_rows, one warp a row: logits = the S partials summed in order z = 0..S-1; fp32 softmax, top-k
+//    (ties -> lower index), weights renormalised in
 //    rank order (as lily::cpu::route_top_k), the shared-expert gate sg = sigmoid(w_seg . x), the histogram
 //    of rows per expert                                                                  (eqs 21, 22, 24)
-//  4 moe_tile_map: prefix scan of the histogram to offsets, the tile list of every expert's rows
+//  4 moe_tile_map: prefix scan of the histogram to offsets, the tile list: the shared expert's tiles (rows
+//    T k .. T k + T - 1, list expert E) first, then every routed expert's rows
 //  5 moe_scatter: (row, slot) pairs into expert order (the order within an expert is arbitrary: a GEMM
-//    row's result does not depend on the other rows of its tile, so the output stays deterministic)
-//  6 grouped swiglu over the routed rows -> act [T k, I] fp16; 7 grouped down -> y [T k, H] fp32   (eq 23)
-//  8 shared expert: dense swiglu -> [T, Is] fp16, down -> [T, H] fp32                             (eq 24)
+//    row's result does not depend on the other rows of its tile, so the output stays deterministic); the
+//    shared expert's rows T k + t gather token t
+//  6 grouped swiglu over the routed and shared rows -> act [T k + T, I] fp16; 7 grouped down -> y
+//    [T k + T, H] fp32: the routed experts (eq 23) and the shared expert (eq 24) in the same two launches, so
+//    the shared expert's full tiles share the grid with the routed ones' partial tiles
+//  8 (only where the shared expert's shapes or bits differ from the routed experts') shared expert as dense
+//    launches: swiglu -> [T, Is] fp16, down -> [T, H] fp32                                         (eq 24)
 //  9 moe_combine: h[t] += sum_s w_s y[t, s] + sg[t] y_shared[t] in slot order (deterministic)     (eq 25)
 #include <algorithm>
 
@@ -99,6 +110,10 @@ struct TileArgs {
   const int* tile_row0 = nullptr;
   const int* tile_rows = nullptr;
   const int* gather = nullptr;  // A row of output row r is gather[r] (nullptr: r)
+  QMatrix ws[2];                // the matrices of tile-list expert `shared_expert` (the shared expert)
+  int shared_expert = -1;
+  // dense mode: K is split into k_splits equal parts (blockIdx.z); part z writes C to c + z M ldc (f32)
+  int k_splits = 1;
 };
 
 template <int BM, int BN, int WM, int WN, int BITS, int MATS>
@@ -141,14 +156,17 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
     row0 = __ldcg(p.tile_row0 + blockIdx.x);
     rows = __ldcg(p.tile_rows + blockIdx.x);
 #pragma unroll
-    for (int m = 0; m < MATS; ++m) w[m] = p.w[m].expert(e);
+    for (int m = 0; m < MATS; ++m) w[m] = e == p.shared_expert ? p.ws[m] : p.w[m].expert(e);
   } else {
     row0 = blockIdx.x * BM;
     rows = min(BM, p.M - row0);
 #pragma unroll
     for (int m = 0; m < MATS; ++m) w[m] = p.w[m];
   }
-  const int K = p.K, KT = K / kGroup;
+  const int K = p.K, KT = K / kGroup / p.k_splits, kt0 = blockIdx.z * KT;
+  // Rows of this warp's sub-tile that hold data: sub-tiles (16 rows) past them skip ldmatrix and mma, so a
+  // partly filled tile costs the tensor pipe only its rows (the warp still dequantises its share).
+  const int live = rows - wm * C::TM;
 
   // This thread's A chunks: source row pointers (nullptr past the tile's rows: zero-filled).
   const __half* a_src[C::kAChunks];
@@ -169,7 +187,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
 #pragma unroll
     for (int i = 0; i < C::kAChunks; ++i) {
       const int id = tid + i * C::kThreads, r = id >> 3;
-      cp_async_16(as + swz(r, id & 7), a_src[i] ? a_src[i] + kt * kGroup : p.a, a_src[i] != nullptr);
+      cp_async_16(as + swz(r, id & 7), a_src[i] ? a_src[i] + (kt0 + kt) * kGroup : p.a, a_src[i] != nullptr);
     }
     unsigned char* ws = w_s + stage * C::kWStage;
     for (int id = tid; id < C::kWChunks; id += C::kThreads) {
@@ -177,7 +195,8 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
       const int r = rem / C::kPackedChunks, ch = rem % C::kPackedChunks;
       const bool valid = n0 + r < p.N;
       const uint32_t* base = m == 0 ? w[0].w : w[MATS - 1].w;
-      const uint32_t* src = base + (valid ? (n0 + r) * wpr + kt * (kGroup * BITS / 32) + ch * 4 : 0);
+      const uint32_t* src =
+          base + (valid ? (n0 + r) * wpr + (kt0 + kt) * (kGroup * BITS / 32) + ch * 4 : 0);
       cp_async_16(ws + (m * BN + r) * C::kPackedRowBytes + ch * 16, src, valid);
     }
   };
@@ -190,7 +209,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
       const int u = tid + i * C::kThreads, m = u / (2 * BN), r = (u >> 1) % BN;
       float s = 0.0f, b = 0.0f;
       if (n0 + r < p.N) {
-        const size_t g = (n0 + r) * gpr + kt;
+        const size_t g = (n0 + r) * gpr + kt0 + kt;
         s = bf16_bits_to_float(ld_bf16_bits((m == 0 ? w[0].scales : w[MATS - 1].scales) + g));
         b = bf16_bits_to_float(ld_bf16_bits((m == 0 ? w[0].biases : w[MATS - 1].biases) + g));
       }
@@ -268,6 +287,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
       dequant((kt + 1) % kStages, (kt + 1) & 1);
       if (kt + 2 < KT) load_scales(kt + 2);
     }
+    if (live <= 0) continue;  // warp-uniform
     const __half* as = a_s + (kt % kStages) * C::kAStage;
 #pragma unroll
     for (int kk = 0; kk < kGroup / 16; ++kk) {
@@ -275,7 +295,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
 #pragma unroll
       for (int i = 0; i < C::MT; ++i) {
         const int r = wm * C::TM + i * 16 + (lane & 15);
-        ldmatrix_x4(af[i], as + swz(r, kk * 2 + (lane >> 4)));
+        if (i * 16 < live) ldmatrix_x4(af[i], as + swz(r, kk * 2 + (lane >> 4)));
       }
 #pragma unroll
       for (int m = 0; m < MATS; ++m) {
@@ -287,6 +307,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
           ldmatrix_x4(bf, bs + swz(n, kk * 2 + ((lane >> 3) & 1)));
 #pragma unroll
           for (int i = 0; i < C::MT; ++i) {
+            if (i * 16 >= live) continue;
             mma_f16(acc[m][i][2 * jp], af[i], bf[0], bf[1]);
             mma_f16(acc[m][i][2 * jp + 1], af[i], bf[2], bf[3]);
           }
@@ -301,7 +322,9 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
   // stored together where the row stride and base allow it.
   const int ldc = p.ldc;
   const bool f32_out = MATS == 1 && p.out != GemmOut::f16;
-  const bool pairs = ldc % 2 == 0 && (reinterpret_cast<uintptr_t>(p.c) & (f32_out ? 7 : 3)) == 0;
+  const size_t z_off = blockIdx.z * static_cast<size_t>(p.M) * ldc;  // split-K part z (f32 only)
+  void* const cz = f32_out ? static_cast<void*>(static_cast<float*>(p.c) + z_off) : p.c;
+  const bool pairs = ldc % 2 == 0 && (reinterpret_cast<uintptr_t>(cz) & (f32_out ? 7 : 3)) == 0;
 #pragma unroll
   for (int i = 0; i < C::MT; ++i) {
 #pragma unroll
@@ -320,10 +343,10 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
         }
         if (pairs && n + 1 < p.N) {
           if (!f32_out) {
-            *reinterpret_cast<__half2*>(static_cast<__half*>(p.c) + crow + n) =
+            *reinterpret_cast<__half2*>(static_cast<__half*>(cz) + crow + n) =
                 __floats2half2_rn(v[0], v[1]);
           } else {
-            float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.c) + crow + n);
+            float2* dst = reinterpret_cast<float2*>(static_cast<float*>(cz) + crow + n);
             if (p.out == GemmOut::add_f32) {
               const float2 old = *dst;
               *dst = make_float2(old.x + v[0], old.y + v[1]);
@@ -337,11 +360,11 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
         for (int q = 0; q < 2; ++q) {
           if (n + q >= p.N) continue;
           if (!f32_out) {
-            static_cast<__half*>(p.c)[crow + n + q] = __float2half_rn(v[q]);
+            static_cast<__half*>(cz)[crow + n + q] = __float2half_rn(v[q]);
           } else if (p.out == GemmOut::add_f32) {
-            static_cast<float*>(p.c)[crow + n + q] += v[q];
+            static_cast<float*>(cz)[crow + n + q] += v[q];
           } else {
-            static_cast<float*>(p.c)[crow + n + q] = v[q];
+            static_cast<float*>(cz)[crow + n + q] = v[q];
           }
         }
       }
@@ -352,8 +375,11 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
 // Launch of one tile configuration over `x_tiles` row tiles.
 template <int BM, int BN, int WM, int WN, int MATS>
 cudaError_t launch_tiles(const TileArgs& a, int bits, int x_tiles, cudaStream_t stream) {
-  const dim3 grid(x_tiles, (a.N + BN - 1) / BN), block(WM * WN * 32);
-  if (grid.y > 65535u || x_tiles < 1) return cudaErrorInvalidValue;
+  const dim3 grid(x_tiles, (a.N + BN - 1) / BN, a.k_splits), block(WM * WN * 32);
+  if (grid.y > 65535u || x_tiles < 1 || a.k_splits < 1 || a.k_splits > 64 ||
+      (a.K / kGroup) % a.k_splits != 0) {
+    return cudaErrorInvalidValue;
+  }
   if (bits == 4) {
     using C = Tile<BM, BN, WM, WN, 4, MATS>;
     auto* k = qgemm_tile_kernel<BM, BN, WM, WN, 4, MATS>;
@@ -434,10 +460,10 @@ __global__ void __launch_bounds__(256) rms_norm_rows_kernel(const NormArgs p) {
 // -----------------------------------------------------------------
 
 struct RouteArgs {
-  const float* logits;     // [T, E]
+  const float* logits;     // [splits, T, E]: partial sums over equal parts of H
   const __half* x;  // [T, H]
   QMatrix shared_gate;     // 8-bit [1, H]
-  int T, E, k, H;
+  int T, E, k, H, splits;
   int* topk_idx;  // [T, k]
   float* topk_w;  // [T, k]
   float* sg;      // [T]
@@ -459,7 +485,12 @@ __global__ void __launch_bounds__(256) moe_route_rows_kernel(const RouteArgs p) 
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int e = lane * kPer + i;
-    v[i] = e < p.E ? lg[e] : -INFINITY;
+    float l = -INFINITY;
+    if (e < p.E) {
+      l = lg[e];
+      for (int z = 1; z < p.splits; ++z) l += lg[static_cast<size_t>(z) * p.T * p.E + e];  // fixed order
+    }
+    v[i] = l;
     mx = fmaxf(mx, v[i]);
   }
   mx = warp_max(mx);
@@ -521,6 +552,8 @@ __global__ void __launch_bounds__(256) moe_route_rows_kernel(const RouteArgs p) 
 struct MapArgs {
   const int* counts;  // [E]
   int E, tile_rows;
+  int shared_rows;    // T where the shared expert runs in the grouped launches (tile-list expert E), else 0
+  int shared_row0;    // its first row (T k)
   int* cursor;       // out [E]: offsets (the scatter's running positions)
   int* tile_count;   // out [1]
   int* tile_expert;  // out [max_tiles]
@@ -529,10 +562,17 @@ struct MapArgs {
 };
 
 // One block of 256 threads (thread e = expert e): exclusive scans of the counts and of the tiles per expert.
+// The shared expert's tiles (if any) come first in the list: full tiles, started before the routed tails.
 __global__ void __launch_bounds__(kMaxExperts) moe_tile_map_kernel(const MapArgs p) {
   __shared__ int warp_rows[8], warp_tiles[8];
   pdl_wait();
   const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+  const int shared_tiles = (p.shared_rows + p.tile_rows - 1) / p.tile_rows;
+  for (int i = e; i < shared_tiles; i += kMaxExperts) {
+    p.tile_expert[i] = p.E;
+    p.tile_row0[i] = p.shared_row0 + i * p.tile_rows;
+    p.tile_rows_out[i] = min(p.tile_rows, p.shared_rows - i * p.tile_rows);
+  }
   const int n = e < p.E ? p.counts[e] : 0, tiles = (n + p.tile_rows - 1) / p.tile_rows;
   int inc_rows = n, inc_tiles = tiles;
 #pragma unroll
@@ -544,7 +584,7 @@ __global__ void __launch_bounds__(kMaxExperts) moe_tile_map_kernel(const MapArgs
   __syncthreads();
   int base_rows = 0, base_tiles = 0;
   for (int w = 0; w < warp; ++w) base_rows += warp_rows[w], base_tiles += warp_tiles[w];
-  const int row_off = base_rows + inc_rows - n, tile_off = base_tiles + inc_tiles - tiles;
+  const int row_off = base_rows + inc_rows - n, tile_off = shared_tiles + base_tiles + inc_tiles - tiles;
   if (e < p.E) p.cursor[e] = row_off;
   for (int i = 0; i < tiles; ++i) {
     p.tile_expert[tile_off + i] = e;
@@ -552,7 +592,7 @@ __global__ void __launch_bounds__(kMaxExperts) moe_tile_map_kernel(const MapArgs
     p.tile_rows_out[tile_off + i] = min(p.tile_rows, n - i * p.tile_rows);
   }
   if (e == kMaxExperts - 1) {
-    int total = 0;
+    int total = shared_tiles;
     for (int w = 0; w < 8; ++w) total += warp_tiles[w];
     *p.tile_count = total;
   }
@@ -563,15 +603,19 @@ struct ScatterArgs {
   const int* topk_idx;  // [T k]
   int n;                // T k
   int k;
+  int shared_rows;  // T where the shared expert's rows follow the routed ones (token_of[n + t] = t), else 0
   int* cursor;    // [E]
-  int* token_of;  // out [T k]: the token of each expert-ordered row
+  int* token_of;  // out [T k (+ T)]: the token of each expert-ordered row
   int* pos_of;    // out [T k]: the expert-ordered row of (t, s)
 };
 
 __global__ void __launch_bounds__(256) moe_scatter_kernel(const ScatterArgs p) {
   pdl_wait();
   const int i = blockIdx.x * 256 + threadIdx.x;
-  if (i >= p.n) return;
+  if (i >= p.n) {
+    if (i < p.n + p.shared_rows) p.token_of[i] = i - p.n;
+    return;
+  }
   const int pos = atomicAdd(p.cursor + p.topk_idx[i], 1);
   p.token_of[pos] = i / p.k;
   p.pos_of[i] = pos;
@@ -639,8 +683,11 @@ struct MoeScratch {
   size_t bytes;
 };
 
+constexpr int kMaxRouterSplits = 8;
+
+// Longest tile list: routed rows in the smallest tiles, a partial tile per expert, the shared expert's rows.
 int max_tiles(int T, int E, int k) {
-  return (T * k + kMinTileRows - 1) / kMinTileRows + E;
+  return (T * k + kMinTileRows - 1) / kMinTileRows + E + (T + kMinTileRows - 1) / kMinTileRows;
 }
 
 MoeScratch carve(void* base, int T, int H, int I, int Is, int E, int k) {
@@ -654,7 +701,7 @@ MoeScratch carve(void* base, int T, int H, int I, int Is, int E, int k) {
   };
   const size_t Tz = T, rows = size_t{1} * T * k, tiles = max_tiles(T, E, k);
   s.x = static_cast<__half*>(take(Tz * H * 2));
-  s.logits = static_cast<float*>(take(Tz * E * 4));
+  s.logits = static_cast<float*>(take(size_t{kMaxRouterSplits} * Tz * E * 4));
   s.topk_idx = static_cast<int*>(take(rows * 4));
   s.topk_w = static_cast<float*>(take(rows * 4));
   s.sg = static_cast<float*>(take(Tz * 4));
@@ -664,12 +711,19 @@ MoeScratch carve(void* base, int T, int H, int I, int Is, int E, int k) {
   s.tile_expert = static_cast<int*>(take(tiles * 4));
   s.tile_row0 = static_cast<int*>(take(tiles * 4));
   s.tile_rows = static_cast<int*>(take(tiles * 4));
-  s.token_of = static_cast<int*>(take(rows * 4));
+  s.token_of = static_cast<int*>(take((rows + Tz) * 4));
   s.pos_of = static_cast<int*>(take(rows * 4));
-  s.act = static_cast<__half*>(take(rows * I * 2));
-  s.y = static_cast<float*>(take(rows * H * 4));
-  s.act_s = static_cast<__half*>(take(Tz * Is * 2));
-  s.ys = static_cast<float*>(take(Tz * H * 4));
+  if (I == Is) {  // the shared expert's act / y rows follow the routed ones (rows T k .. T k + T - 1)
+    s.act = static_cast<__half*>(take((rows + Tz) * I * 2));
+    s.y = static_cast<float*>(take((rows + Tz) * H * 4));
+    s.act_s = s.act ? s.act + rows * I : nullptr;
+    s.ys = s.y ? s.y + rows * H : nullptr;
+  } else {
+    s.act = static_cast<__half*>(take(rows * I * 2));
+    s.y = static_cast<float*>(take(rows * H * 4));
+    s.act_s = static_cast<__half*>(take(Tz * Is * 2));
+    s.ys = static_cast<float*>(take(Tz * H * 4));
+  }
   s.bytes = off;
   return s;
 }
@@ -730,42 +784,62 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   }
   const MoeScratch s = carve(p.scratch, T, H, I, Is, E, k);
   // Tile rows from the rows an expert gets on average (T k / E). Measured (H200, full geometry, cold
-  // weights): T = 512 (16 rows an expert) 759 us with 64-row tiles, 974 us with 128; T = 4096 (128 rows)
-  // 1802 us with 64, 1640 us with 128. The crossover lies between; 128-row tiles from 64 rows an expert.
-  const int tile_rows = p.tile_rows ? p.tile_rows : (static_cast<long>(T) * k >= 64L * E ? 128 : 64);
+  // weights, 64-row / 128-row tiles): T = 512 (16 rows an expert) 611 / 769 us; T = 1024 (32) 727 / 882 us;
+  // T = 2048 (64) 1048 / 1090 us; T = 4096 (128) 1793 / 1637 us. 128-row tiles from 96 rows an expert.
+  const int tile_rows = p.tile_rows ? p.tile_rows : (static_cast<long>(T) * k >= 96L * E ? 128 : 64);
+
+  // The shared expert runs as tile-list expert E of the grouped launches (its tiles fill the grouped grid's
+  // tail) where its matrices have the routed experts' shapes and bits; else as dense launches after them.
+  const bool fold = p.shared_in_grouped && Is == I && p.shared_gate_proj.bits == p.gate.bits &&
+                    p.shared_down.bits == p.down.bits;
+  const int shared_rows = fold ? T : 0;
 
   CUDA_TRY(rms_norm_rows(p.h, p.norm_w, T, H, p.eps, s.x, stream));
-  QGemmParams rp;
-  rp.w = p.router, rp.a = s.x, rp.M = T, rp.out = GemmOut::f32, rp.c = s.logits, rp.ldc = E;
-  CUDA_TRY(qgemm(rp, stream));
+  // Router: a few row tiles of a 2048-deep K loop would leave most SMs idle, so K is split into equal parts
+  // (partial logits summed in a fixed order by moe_route_rows) until the grid covers the SMs twice.
+  TileArgs r;
+  r.w[0] = r.w[1] = p.router, r.a = s.x, r.M = T, r.N = E, r.K = H, r.out = GemmOut::f32, r.c = s.logits;
+  r.ldc = E;
+  const int r_rows = dense_tile_rows(T, E, 128);
+  const long r_blocks = static_cast<long>((T + r_rows - 1) / r_rows) * ((E + 127) / 128);
+  while (r.k_splits < kMaxRouterSplits && (H / kGroup) % (2 * r.k_splits) == 0 &&
+         r_blocks * r.k_splits * 2 <= 2 * 132) {
+    r.k_splits *= 2;
+  }
+  CUDA_TRY(launch_dense(r, 8, r_rows, stream));
   CUDA_TRY(cudaMemsetAsync(s.counts, 0, sizeof(int) * E, stream));
-  RouteArgs ra{s.logits, s.x, p.shared_gate, T, E, k, H, s.topk_idx, s.topk_w, s.sg, s.counts};
+  RouteArgs ra{s.logits, s.x, p.shared_gate, T, E, k, H, r.k_splits, s.topk_idx, s.topk_w, s.sg, s.counts};
   CUDA_TRY(launch_pdl(moe_route_rows_kernel, dim3((T + 7) / 8), dim3(256), 0, stream, ra));
-  MapArgs ma{s.counts, E, tile_rows, s.cursor, s.tile_count, s.tile_expert, s.tile_row0, s.tile_rows};
+  MapArgs ma{s.counts,  E,           tile_rows,   shared_rows, T * k,
+             s.cursor, s.tile_count, s.tile_expert, s.tile_row0, s.tile_rows};
   CUDA_TRY(launch_pdl(moe_tile_map_kernel, dim3(1), dim3(kMaxExperts), 0, stream, ma));
-  ScatterArgs sa{s.topk_idx, T * k, k, s.cursor, s.token_of, s.pos_of};
-  CUDA_TRY(launch_pdl(moe_scatter_kernel, dim3((T * k + 255) / 256), dim3(256), 0, stream, sa));
+  ScatterArgs sa{s.topk_idx, T * k, k, shared_rows, s.cursor, s.token_of, s.pos_of};
+  CUDA_TRY(launch_pdl(moe_scatter_kernel, dim3((T * k + shared_rows + 255) / 256), dim3(256), 0, stream, sa));
 
-  const int tiles = (T * k + tile_rows - 1) / tile_rows + E;
+  const int tiles = (T * k + tile_rows - 1) / tile_rows + E + (shared_rows + tile_rows - 1) / tile_rows;
   TileArgs g;
   g.w[0] = p.gate, g.w[1] = p.up, g.a = s.x, g.N = I, g.K = H, g.c = s.act, g.ldc = I;
   g.tile_count = s.tile_count, g.tile_expert = s.tile_expert, g.tile_row0 = s.tile_row0,
   g.tile_rows = s.tile_rows;
   g.gather = s.token_of;
+  g.ws[0] = p.shared_gate_proj, g.ws[1] = p.shared_up, g.shared_expert = fold ? E : -1;
   CUDA_TRY(launch_grouped(g, p.gate.bits, tile_rows, tiles, true, stream));
   TileArgs d = g;
   d.w[0] = d.w[1] = p.down, d.a = s.act, d.N = H, d.K = I, d.out = GemmOut::f32, d.c = s.y, d.ldc = H;
   d.gather = nullptr;
+  d.ws[0] = d.ws[1] = p.shared_down;
   CUDA_TRY(launch_grouped(d, p.down.bits, tile_rows, tiles, false, stream));
 
-  TileArgs sh;
-  sh.w[0] = p.shared_gate_proj, sh.w[1] = p.shared_up, sh.a = s.x, sh.M = T, sh.N = Is, sh.K = H;
-  sh.out = GemmOut::f16, sh.c = s.act_s, sh.ldc = Is;
-  CUDA_TRY(launch_dense_swiglu(sh, p.shared_up.bits, dense_tile_rows(T, Is, 64), stream));
-  TileArgs sd;
-  sd.w[0] = sd.w[1] = p.shared_down, sd.a = s.act_s, sd.M = T, sd.N = H, sd.K = Is, sd.out = GemmOut::f32;
-  sd.c = s.ys, sd.ldc = H;
-  CUDA_TRY(launch_dense(sd, p.shared_down.bits, dense_tile_rows(T, H, 128), stream));
+  if (!fold) {
+    TileArgs sh;
+    sh.w[0] = p.shared_gate_proj, sh.w[1] = p.shared_up, sh.a = s.x, sh.M = T, sh.N = Is, sh.K = H;
+    sh.out = GemmOut::f16, sh.c = s.act_s, sh.ldc = Is;
+    CUDA_TRY(launch_dense_swiglu(sh, p.shared_up.bits, dense_tile_rows(T, Is, 64), stream));
+    TileArgs sd;
+    sd.w[0] = sd.w[1] = p.shared_down, sd.a = s.act_s, sd.M = T, sd.N = H, sd.K = Is, sd.out = GemmOut::f32;
+    sd.c = s.ys, sd.ldc = H;
+    CUDA_TRY(launch_dense(sd, p.shared_down.bits, dense_tile_rows(T, H, 128), stream));
+  }
 
   CombineArgs ca{p.h, s.y, s.ys, s.topk_w, s.pos_of, s.sg, H, k};
   return launch_pdl(moe_combine_kernel, dim3(T), dim3(256), 0, stream, ca);

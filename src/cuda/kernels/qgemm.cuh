@@ -8,8 +8,8 @@
 // moe_prefill:  the whole MoE block (eqs 20-25) for T rows with routing on the GPU and no host synchronisation:
 //               x = RMSNorm(h) (fp16), router GEMM (8-bit), fp32 softmax / top-k (ties: lower index) /
 //               renormalise, histogram of rows per expert, prefix scan to offsets, scatter of (row, slot) into expert
-//               order, block map of the tiles the grouped GEMM runs; grouped qgemm_swiglu over the routed rows,
-//               grouped down projection; the shared expert (dense swiglu + down, sigmoid gate); then
+//               order, block map of the tiles the grouped GEMM runs; grouped qgemm_swiglu over the routed rows
+//               and the shared expert's (one more expert of the tile list), grouped down projection; then
 //               h[t] += sum_s w_s * y[t, s] + sg[t] * y_shared[t] in a fixed order (deterministic).
 // Shapes: K a multiple of 64; any M >= 1 and N >= 1 (tails handled). Launchers return cudaErrorInvalidValue for
 // shapes they do not take, never crash.
@@ -64,6 +64,9 @@ struct MoePrefillParams {
   void* scratch = nullptr;       // moe_prefill_scratch_bytes(...) bytes of device memory
   size_t scratch_bytes = 0;
   int tile_rows = 0;             // rows of a grouped expert tile: 64 or 128; 0 picks from T * top_k / E
+  // true: the shared expert runs inside the grouped launches (as one more expert, where its shapes and bits
+  // match the routed experts'); false: as separate dense launches (kept to measure the difference)
+  bool shared_in_grouped = true;
 };
 
 // Scratch moe_prefill needs for T rows (linear in T; the caller bounds T by chunking).

@@ -298,8 +298,9 @@ struct MoeModel {
   }
 };
 
-// h after moe_prefill for the rows h (T = h.size() / H), tile_rows as given.
-std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int tile_rows = 0) {
+// h after moe_prefill for the rows h (T = h.size() / H), tile_rows and the shared expert's path as given.
+std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int tile_rows = 0,
+                           bool shared_in_grouped = true) {
   const int T = static_cast<int>(h.size() / m.H);
   DeviceBuffer<float> d_h(h), d_norm(m.norm_w);
   const size_t bytes = moe_prefill_scratch_bytes(T, m.H, m.I, m.I, m.E, m.k);
@@ -309,6 +310,7 @@ std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int t
   p.shared_gate_proj = m.q_sg, p.shared_up = m.q_su, p.shared_down = m.q_sd;
   p.h = d_h.get(), p.norm_w = d_norm.get(), p.eps = kEps, p.T = T, p.top_k = m.k;
   p.scratch = scratch.get(), p.scratch_bytes = bytes, p.tile_rows = tile_rows;
+  p.shared_in_grouped = shared_in_grouped;
   EXPECT_EQ(moe_prefill(p, nullptr), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return d_h.download();
@@ -407,12 +409,13 @@ std::vector<int> rows_to_check(int T, int spread) {
   return rows;
 }
 
-void check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int tile_rows = 0) {
+void check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int tile_rows = 0,
+               bool shared_in_grouped = true) {
   const int T = static_cast<int>(h.size() / m.H);
   SCOPED_TRACE(testing::Message() << "H " << m.H << " E " << m.E << " I " << m.I << " k " << m.k << " T " << T
-                                  << " tile_rows " << tile_rows);
-  const std::vector<float> got = run_moe(m, h, tile_rows);
-  const std::vector<float> again = run_moe(m, h, tile_rows);
+                                  << " tile_rows " << tile_rows << " shared grouped " << shared_in_grouped);
+  const std::vector<float> got = run_moe(m, h, tile_rows, shared_in_grouped);
+  const std::vector<float> again = run_moe(m, h, tile_rows, shared_in_grouped);
   EXPECT_TRUE(got == again) << "moe_prefill must be deterministic";
   int checked = 0, skipped = 0;
   double worst = 0;
@@ -421,9 +424,9 @@ void check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int t
     (check_moe_row(m, &h[off], &got[off], t, worst) ? checked : skipped)++;
   }
   std::printf(
-      "moe_prefill H %d E %d T %d tile_rows %d: %d rows checked, %d skipped (k-th/(k+1)-th logit within "
+      "moe_prefill H %d E %d T %d tile_rows %d%s: %d rows checked, %d skipped (k-th/(k+1)-th logit within "
       "the error), largest |error| / tolerance %.3f\n",
-      m.H, m.E, T, tile_rows, checked, skipped, worst);
+      m.H, m.E, T, tile_rows, shared_in_grouped ? "" : " (shared expert dense)", checked, skipped, worst);
   EXPECT_GT(checked, 0);
 }
 
@@ -433,6 +436,7 @@ TEST(CudaMoePrefill, TinyGeometry) {
   m.upload();
   for (int T : {1, 63, 64, 65, 300}) check_moe(m, random_vector(static_cast<size_t>(T) * m.H, 901 + T), 24);
   check_moe(m, random_vector(size_t{300} * m.H, 950), 8, 128);
+  check_moe(m, random_vector(size_t{300} * m.H, 951), 8, 0, false);
 }
 
 TEST(CudaMoePrefill, SmallGeometry) {
@@ -450,6 +454,7 @@ TEST(CudaMoePrefill, FullGeometry) {
   const std::vector<float> h = random_vector(size_t{4097} * m.H, 1200);
   check_moe(m, h, 16);
   check_moe(m, h, 4, 128);  // the other tile size on the same rows
+  check_moe(m, random_vector(size_t{65} * m.H, 1201), 4, 0, false);
 }
 
 // Uneven loads: every row shares one dominant direction, and router row 7 is planted on it, so expert 7 takes
@@ -554,12 +559,17 @@ TEST(CudaMoePrefillBench, FullGeometry) {
   const int E = 256, H = 2048, I = 512, k = 8;
   const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
   std::printf("\nmoe_prefill full geometry (E 256, H 2048, I 512, k 8), cold weights, CUDA-graph replay:\n");
-  for (int T : {4096, 512}) {
+  for (int T : {4096, 2048, 1024, 512}) {
     const size_t bytes = moe_prefill_scratch_bytes(T, H, I, I, E, k);
     DeviceBuffer<unsigned char> scratch(bytes);
     DeviceBuffer<float> h(random_vector(static_cast<size_t>(T) * H, 1400)),
         norm_w(random_vector(H, 1401, 0.1f, 1.0f));
-    for (int tile_rows : {0, 64, 128}) {
+    struct Variant {
+      int tile_rows;
+      bool shared_in_grouped;
+    };
+    for (const Variant v : {Variant{0, true}, Variant{64, true}, Variant{128, true}, Variant{0, false}}) {
+      const int tile_rows = v.tile_rows;
       const int iters = 3;
       const double us = graph_time_us(
           [&](int i, cudaStream_t st) {
@@ -577,14 +587,15 @@ TEST(CudaMoePrefillBench, FullGeometry) {
             p.shared_down = bench_qmatrix(pool, H, I, 4, base + 7);
             p.h = h.get(), p.norm_w = norm_w.get(), p.T = T, p.top_k = k;
             p.scratch = scratch.get(), p.scratch_bytes = bytes, p.tile_rows = tile_rows;
+            p.shared_in_grouped = v.shared_in_grouped;
             return moe_prefill(p, st);
           },
           iters, 3);
       const double flops = 2.0 * T * (k + 1) * 3.0 * H * I;  // routed + shared expert
       std::printf(
-          "  T %5d tile_rows %3d%s: %9.1f us  %6.2f us/token  experts %6.1f TFLOP/s (%4.1f%% of 790)\n", T,
-          tile_rows, tile_rows ? "" : " (auto)", us, us / T, flops / (us * 1e6),
-          100 * flops / (us * 1e6) / 790);
+          "  T %5d tile_rows %3d%s%s: %9.1f us  %6.2f us/token  experts %6.1f TFLOP/s (%4.1f%% of 790)\n", T,
+          tile_rows, tile_rows ? "" : " (auto)", v.shared_in_grouped ? "" : " shared expert dense", us,
+          us / T, flops / (us * 1e6), 100 * flops / (us * 1e6) / 790);
     }
     // The same expert FLOPs as two dense GEMMs over T k rows (perfectly even loads, no gather): what the
     // grouped GEMMs would take if routing cost nothing.
