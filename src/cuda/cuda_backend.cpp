@@ -80,6 +80,9 @@ class CudaBackend final : public CudaBackendApi {
   std::unique_ptr<SequenceState> new_sequence() override;
   Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
                  std::vector<float>* logits) override;
+  int preferred_prefill_tokens() const override {
+    return options_.prefill_chunk > 0 ? options_.prefill_chunk : Backend::preferred_prefill_tokens();
+  }
   bool has_device_sampling() const override { return true; }
   Status generate_on_device(SequenceState& seq, int32_t first, const DeviceSampling& sampling, int max_new,
                             const std::function<bool(int32_t)>& on_token) override;

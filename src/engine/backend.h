@@ -55,6 +55,9 @@ class Backend {
   // Consumes `tokens` at positions n_tokens().. of `seq`. Writes logits [rows, vocab_size] for the rows asked.
   virtual Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
                          std::vector<float>* logits) = 0;
+  // Prompt tokens this backend takes best in one forward call: the engine's default prefill piece (the CUDA
+  // backend's prefill chunk; the CPU backend's activations scale with it).
+  virtual int preferred_prefill_tokens() const { return 512; }
 
   // The device-side decode loop: consumes `first`, samples the next token on the device, feeds it back, and so
   // on; on_token(id) is called for each new token and returns false to stop. The last token emitted is not

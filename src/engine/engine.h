@@ -19,7 +19,8 @@ namespace lily {
 struct EngineOptions {
   size_t session_cache_bytes = 8ull << 30;  // LRU budget for cached sequences and their checkpoints
   int checkpoint_interval = 2048;           // also checkpoint every N prompt tokens of long prompts
-  int prefill_chunk = 512;                  // prompt tokens per backend forward call
+  int prefill_chunk = 0;                    // prompt tokens per backend forward call; 0: the backend's
+                                            // preferred_prefill_tokens()
   // Tokens a sequence may hold; 0: the model's max_position_embeddings (set it to the backend's KV capacity
   // when that is smaller, as the CUDA backend's is).
   int64_t max_context = 0;

@@ -24,6 +24,7 @@ class DeviceLoopBackend final : public Backend {
     ++forward_calls;
     return cpu_->forward(seq, tokens, rows, logits);
   }
+  int preferred_prefill_tokens() const override { return preferred_prefill; }
   bool has_device_sampling() const override { return true; }
   Status generate_on_device(SequenceState& seq, int32_t first, const DeviceSampling& s, int max_new,
                             const std::function<bool(int32_t)>& on_token) override {
@@ -42,6 +43,7 @@ class DeviceLoopBackend final : public Backend {
     return ok_status();
   }
   int device_calls = 0, forward_calls = 0;
+  int preferred_prefill = 512;
 
  private:
   std::unique_ptr<Backend> cpu_;
@@ -53,8 +55,9 @@ struct DeviceEngine {
   std::unique_ptr<Engine> engine;
 };
 
-DeviceEngine device_engine(int64_t capacity) {
+DeviceEngine device_engine(int64_t capacity, int preferred_prefill = 512) {
   auto b = std::make_unique<DeviceLoopBackend>(capacity);
+  b->preferred_prefill = preferred_prefill;
   DeviceLoopBackend* raw = b.get();
   return {raw, std::make_unique<Engine>(std::move(b), tiny_model().tokenizer, EngineOptions{})};
 }
@@ -63,6 +66,21 @@ std::vector<int32_t> prompt_of(int n, int salt) {
   std::vector<int32_t> p;
   for (int i = 0; i < n; ++i) p.push_back(500 + 389 * salt + 13 * i);
   return p;
+}
+
+// With the default EngineOptions the engine prefills in pieces of the backend's preferred size (the CUDA
+// backend's prefill chunk), and the result does not depend on the piece size.
+TEST(EngineDevicePath, PrefillPiecesFollowTheBackend) {
+  auto dev = device_engine(1 << 20, 7);
+  EXPECT_EQ(dev.engine->options().prefill_chunk, 7);
+  GenerationRequest req = greedy_request(prompt_of(20, 3), 4);
+  req.reuse_cache = false;
+  GenerationResult d = run(*dev.engine, req);
+  EXPECT_EQ(dev.backend->forward_calls, 3);  // 19 prompt tokens before the device loop: 7 + 7 + 5
+  auto one = device_engine(1 << 20, 512);
+  GenerationResult o = run(*one.engine, req);
+  EXPECT_EQ(one.backend->forward_calls, 1);
+  EXPECT_EQ(d.tokens, o.tokens);
 }
 
 TEST(EngineDevicePath, GreedyStopsAndCacheMatchTheHostPath) {
