@@ -87,6 +87,9 @@ def plot(engines, stamps, out, title):
     gpu = (s.get("gpu") or {}).get("name", "CPU")
     sub = f"{gpu}, driver {(s.get('gpu') or {}).get('driver', '-')}; commit {str(s.get('git_sha', '?'))[:12]}; " \
           f"{s.get('date_utc', '')}; transformers {s.get('transformers', '?')}, torch {s.get('torch', '?')}"
+    m = next((x for x in stamps if x.get("mlx_lm")), None)
+    if m:
+        sub += f"; mlx {m.get('mlx')}, mlx-lm {m.get('mlx_lm')} on {m.get('mlx_device')}"
     fig.suptitle(f"{title}\n{sub}", fontsize=10)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     fig.savefig(out, dpi=130, bbox_inches="tight")

@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
-"""lily against transformers, side by side in one run, on the same synthetic full-geometry weights (issue 7).
+"""lily against transformers (and MLX-LM), side by side in one run, on the same synthetic full-geometry weights
+(issue 7).
 
 The checkpoint is written once with `lily synth --preset full --layout mlx` (skipped when present). lily runs
 it as is (4-bit); transformers runs the same weights dequantized to bf16 (bench/hf_reference.py), kept loaded in
-this process for the whole run. Each round runs both engines, the order alternating (even rounds lily first,
-odd rounds transformers first) so that drift (clocks, temperature) does not favour one side:
+this process for the whole run; MLX-LM (`--engines lily,transformers,mlx_lm`, bench/mlx_reference.py) runs the
+very same 4-bit checkpoint bytes. Each round runs every engine, the order alternating (even rounds in the
+--engines order, odd rounds reversed: lily first, then last) so that drift (clocks, temperature) does not favour
+one side:
 
   lily:          one `lily bench --model DIR --mode ... --lengths ... --contexts ... --reps 1 --json F` per round
                  (prefill of random ids at each length, its own warm-up; decode: `--steps` graph-replayed steps at
@@ -12,10 +15,15 @@ odd rounds transformers first) so that drift (clocks, temperature) does not favo
   transformers:  for each length L ascending, one prefill of L random ids (timed with CUDA events, cache kept,
                  logits of the last row only), then `--hf-steps` greedy decode steps through that cache (timed):
                  the prefill figure at L and the decode figure at context L come from the same call. A warm-up
-                 (prefill 256 + 2 steps) runs once after loading.
+                 (prefill 256 + 2 steps) runs once after loading;
+  mlx_lm:        one `python3 bench/mlx_reference.py --model DIR bench ...` per round (its own process: loads the
+                 checkpoint with mlx_lm.utils.load_model, warms up, then per length L ascending mlx-lm's own
+                 generate_step: prefill of L random ids in pieces of 2,048 until the first token, then
+                 `--mlx-steps` greedy decode steps at context L), on mlx's default device (gpu with mlx-cuda).
 
 Per length: median, min and max over the rounds. A transformers length whose estimated time (from the previous
-length, or from the same length in the previous round) exceeds --hf-cap-s is recorded as "not reached (cap)",
+length, or from the same length in the previous round) exceeds --hf-cap-s (mlx_lm: --mlx-cap-s, from the previous
+length) is recorded as "not reached (cap)",
 and so are the longer ones; an out-of-memory error is recorded as such. --budget-s bounds the whole run: a round
 (or a length) that would not fit is skipped and the JSON says so. The JSON is rewritten after every engine run, so
 a run killed by its time limit keeps what it measured.
@@ -38,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 STANDARD = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072]
-ENGINES = ("lily", "transformers")
+ENGINES = ("lily", "transformers", "mlx_lm")
+STICKY = ("not reached", "out of memory", "failed")  # an mlx_lm length with such a status is not tried again
 MODES = ("prefill", "decode")
 KEY = {"prefill": "length", "decode": "context"}
 
@@ -106,6 +115,36 @@ def run_lily(args, lily, model_dir, modes, work, rnd, timeout):
     log = work / f"lily_bench_round{rnd}.log"
     log.write_text(r.stdout + r.stderr)  # the per-kernel tables; kept out of the console
     return json.loads(jpath.read_text()), None, wall
+
+
+def run_mlx(args, model_dir, lengths_p, lengths_d, work, rnd, timeout):
+    """One `mlx_reference.py bench` subprocess; returns (its JSON dict or None, error string or None, wall s).
+    Its JSON is rewritten after every length, so a run killed at the budget keeps what it measured."""
+    jpath = work / f"mlx_bench_round{rnd}.json"
+    jpath.unlink(missing_ok=True)
+    cmd = [args.mlx_python, str(Path(__file__).resolve().parent / "mlx_reference.py"), "--model", str(model_dir),
+           "--prefill-step", str(args.mlx_prefill_step), "bench", "--steps", str(args.mlx_steps),
+           "--cap-s", str(args.mlx_cap_s), "--json", str(jpath)]
+    if lengths_p:
+        cmd += ["--prefill-lengths", ",".join(map(str, lengths_p))]
+    if lengths_d:
+        cmd += ["--decode-contexts", ",".join(map(str, lengths_d))]
+    if math.isfinite(timeout):
+        cmd += ["--budget-s", f"{max(1.0, timeout - 5):.0f}"]
+    common.log("mlx_lm: " + " ".join(cmd))
+    t0 = time.perf_counter()
+    err = None
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True,
+                           timeout=max(1.0, timeout) if math.isfinite(timeout) else None)
+        (work / f"mlx_bench_round{rnd}.log").write_text(r.stdout + r.stderr)
+        if r.returncode != 0:
+            err = f"mlx_reference.py failed ({r.returncode}): {(r.stderr or r.stdout).strip()[-2000:]}"
+    except subprocess.TimeoutExpired:
+        err = f"timed out after {timeout:.0f} s (budget)"
+    wall = time.perf_counter() - t0
+    j = json.loads(jpath.read_text()) if jpath.exists() else None
+    return j, err, wall
 
 
 class HFRunner:
@@ -195,10 +234,12 @@ def merge(paths, out):
     merged["merged_from"] = [{"file": str(p), "stamp": r.get("stamp"), "notes": r.get("notes")}
                              for p, r in zip(paths, runs)]
     for e in ENGINES:
+        if not any(r.get("engines", {}).get(e) for r in runs):
+            continue
         for m in MODES:
             best = {}
             for r in runs:
-                for row in r.get("engines", {}).get(e, {}).get(m, []):
+                for row in r.get("engines", {}).get(e, {}).get(m, []) or []:
                     n = row[KEY[m]]
                     if n not in best or len(row.get("reps", [])) > len(best[n].get("reps", [])):
                         best[n] = row
@@ -208,24 +249,28 @@ def merge(paths, out):
 
 
 def print_table(result):
+    engines = [e for e in ENGINES if e in result["engines"]]
+    others = [e for e in engines if e != "lily"] if "lily" in engines else []
     for m in MODES:
         print(f"\n{m}: tok/s, median [min, max] over rounds")
-        print(f"| {KEY[m]} | lily | transformers | lily / transformers |")
-        print("|---|---|---|---|")
-        rows = {e: {r[KEY[m]]: r for r in result["engines"][e][m]} for e in ENGINES}
-        for n in sorted(set(rows["lily"]) | set(rows["transformers"])):
+        print("| " + " | ".join([KEY[m]] + engines + [f"lily / {o}" for o in others]) + " |")
+        print("|---" * (1 + len(engines) + len(others)) + "|")
+        rows = {e: {r[KEY[m]]: r for r in result["engines"][e].get(m, [])} for e in engines}
+        for n in sorted(set().union(*rows.values())):
             cells = []
-            for e in ENGINES:
+            for e in engines:
                 r = rows[e].get(n)
                 if r and r.get("tok_per_s") is not None:
                     cells.append(f"{r['tok_per_s']:.1f} [{r['tok_per_s_min']:.1f}, {r['tok_per_s_max']:.1f}] "
                                  f"(n={len(r['reps'])})")
                 else:
                     cells.append(r["status"] if r else "-")
-            a, b = rows["lily"].get(n), rows["transformers"].get(n)
-            ratio = (f"{a['tok_per_s'] / b['tok_per_s']:.1f}x" if a and b and a.get("tok_per_s") and b.get("tok_per_s")
-                     else "")
-            print(f"| {n} | {cells[0]} | {cells[1]} | {ratio} |")
+            a = rows.get("lily", {}).get(n)
+            for o in others:
+                b = rows[o].get(n)
+                cells.append(f"{a['tok_per_s'] / b['tok_per_s']:.1f}x" if a and b and a.get("tok_per_s")
+                             and b.get("tok_per_s") else "")
+            print(f"| {n} | " + " | ".join(cells) + " |")
 
 
 def main():
@@ -245,7 +290,13 @@ def main():
     ap.add_argument("--hf-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--hf-experts", default=None, help="transformers experts_implementation (default: its own)")
     ap.add_argument("--device", default=None, help="torch device (default cuda when available)")
-    ap.add_argument("--engines", default="lily,transformers")
+    ap.add_argument("--mlx-steps", type=int, default=32, help="decode steps per context for mlx_lm")
+    ap.add_argument("--mlx-cap-s", type=float, default=60.0, help="longest mlx_lm call (prefill + decode)")
+    ap.add_argument("--mlx-prefill-step", type=int, default=2048, help="mlx-lm's prefill_step_size")
+    ap.add_argument("--mlx-python", default=sys.executable,
+                    help="python for bench/mlx_reference.py (default this one; mlx and mlx-lm on its path)")
+    ap.add_argument("--engines", default="lily,transformers", help="comma-separated: lily, transformers, mlx_lm; "
+                    "the order of even rounds (odd rounds reversed)")
     ap.add_argument("--budget-s", type=float, default=None, help="wall-clock budget of the whole run")
     ap.add_argument("--sha", help="git SHA to stamp when git is not available")
     ap.add_argument("--out", required=True, help="output JSON")
@@ -258,7 +309,9 @@ def main():
     t_start = time.monotonic()
     deadline = t_start + args.budget_s if args.budget_s else math.inf
     modes = [m for m in MODES if m in args.modes.split(",")]
-    engines = [e for e in ENGINES if e in args.engines.split(",")]
+    engines = [e for e in args.engines.split(",") if e]
+    if not engines or len(set(engines)) != len(engines) or any(e not in ENGINES for e in engines):
+        sys.exit(f"--engines: distinct names among {', '.join(ENGINES)}")
     if not args.prefill_lengths or "prefill" not in modes:
         args.prefill_lengths = [] if "prefill" not in modes else args.prefill_lengths
     if "decode" not in modes:
@@ -274,18 +327,20 @@ def main():
     result = {"stamp": common.stamp(args.sha), "config": {
         "rounds": args.rounds, "modes": modes, "prefill_lengths": args.prefill_lengths,
         "decode_contexts": args.decode_contexts, "lily_steps": args.lily_steps, "hf_steps": args.hf_steps,
-        "hf_cap_s": args.hf_cap_s, "budget_s": args.budget_s, "order": "even rounds lily first, odd rounds "
-        "transformers first"}, "engines": {}, "notes": notes}
+        "hf_cap_s": args.hf_cap_s, "mlx_steps": args.mlx_steps, "mlx_cap_s": args.mlx_cap_s,
+        "mlx_prefill_step": args.mlx_prefill_step, "budget_s": args.budget_s, "engines": engines,
+        "order": f"even rounds {', '.join(engines)}; odd rounds {', '.join(engines[::-1])}"},
+        "engines": {}, "notes": notes}
     res = Results()
 
     def save(rounds_done):
         result["rounds_done"] = rounds_done
         result["wall_s"] = time.monotonic() - t_start
-        for e in ENGINES:
+        for e in engines:
             result["engines"].setdefault(e, {})
             for m in MODES:
                 result["engines"][e][m] = res.table(e, m, args.prefill_lengths if m == "prefill"
-                                                    else args.decode_contexts) if e in engines else []
+                                                    else args.decode_contexts)
         common.write_json(args.out, result)
 
     if args.model:
@@ -294,7 +349,8 @@ def main():
         model_dir = common.ensure_checkpoint(lily, args.preset, "mlx", work / f"{args.preset}_mlx")
     result["model"] = {"dir": str(model_dir), "preset": None if args.model else args.preset,
                        "lily": "4-bit mlx checkpoint as is",
-                       "transformers": f"same weights dequantized (w = scale*q + bias) to {args.hf_dtype}"}
+                       "transformers": f"same weights dequantized (w = scale*q + bias) to {args.hf_dtype}",
+                       "mlx_lm": "the same 4-bit checkpoint bytes (mlx_lm.utils.load_model), checkpoint dtype"}
 
     hf = None
     if "transformers" in engines:
@@ -344,6 +400,48 @@ def main():
                             res.add("lily", m, row[KEY[m]], row["tok_per_s"])
                     common.log(f"lily round {rnd}: {wall:.1f} s wall (load included); output in "
                                f"{work / f'lily_bench_round{rnd}.log'}")
+            elif e == "mlx_lm":
+                mlx_unreachable = {}  # length -> sticky status from earlier rounds
+                for m in modes:
+                    for row in res.status["mlx_lm"][m].items():
+                        if row[1].startswith(STICKY):
+                            mlx_unreachable[row[0]] = row[1]
+                want_p = [n for n in args.prefill_lengths if n not in mlx_unreachable]
+                want_d = [n for n in args.decode_contexts if n not in mlx_unreachable]
+                if want_p or want_d:
+                    j, err, wall = run_mlx(args, model_dir, want_p, want_d, work, rnd, deadline - time.monotonic())
+                    if j is None and err is None:
+                        err = "mlx_reference.py wrote no JSON"
+                else:
+                    j, err, wall = {}, None, 0.0
+                if j:
+                    result["engines"].setdefault("mlx_lm", {})["info"] = j["info"]
+                    result["stamp"].update(mlx=j["info"].get("mlx_version"), mlx_lm=j["info"].get("mlx_lm_version"),
+                                           mlx_device=j["info"].get("device"))
+                    for m in modes:
+                        for row in j.get(m, []):
+                            res.add("mlx_lm", m, row[KEY[m]], row["tok_per_s"])
+                    for n, status in j.get("status", {}).items():
+                        for m, lens in (("prefill", want_p), ("decode", want_d)):
+                            if int(n) in lens:
+                                res.mark("mlx_lm", m, int(n), status)
+                        if status.startswith("skipped"):
+                            complete, out_of_budget = False, True
+                if err:
+                    notes.append(f"round {rnd}: mlx_lm: {err}")
+                    common.log(notes[-1])
+                    complete = False
+                    out_of_budget = out_of_budget or "budget" in err
+                    measured = {(m, row[KEY[m]]) for m in modes for row in (j or {}).get(m, [])}
+                    for m, lens in (("prefill", want_p), ("decode", want_d)):
+                        for n in lens:
+                            if (m, n) not in measured:
+                                res.mark("mlx_lm", m, n, f"failed: {err[:300]}")
+                common.log(f"mlx_lm round {rnd}: {wall:.1f} s wall (load included); output in "
+                           f"{work / f'mlx_bench_round{rnd}.log'}")
+                for m in modes:
+                    for n, status in mlx_unreachable.items():
+                        res.mark("mlx_lm", m, n, status)
             else:
                 if hf.ref.device.type == "cuda":
                     import torch
@@ -364,6 +462,14 @@ def main():
             by_status.setdefault(status, []).append(str(n))
         for status, ns in by_status.items():
             notes.append(f"transformers at {', '.join(ns)}: {status}")
+    if "mlx_lm" in engines:
+        by_status = {}
+        for m in modes:
+            for n, status in sorted(res.status["mlx_lm"][m].items()):
+                if status.startswith(STICKY):
+                    by_status.setdefault(status, set()).add(n)
+        for status, ns in by_status.items():
+            notes.append(f"mlx_lm at {', '.join(map(str, sorted(ns)))}: {status}")
     result["gpu_at_end"] = common.gpu_info()  # clocks after the run, against the stamp's before
     save(rounds_done)
     print_table(result)
