@@ -6,14 +6,18 @@
 #   3. bench   bench/run_bench.py: lily vs transformers side by side, alternating rounds -> $OUT/bench.json;
 #   4. fidelity bench/fidelity.py: teacher-forced perplexity / top-1 agreement -> $OUT/fidelity.json;
 #   5. plot    bench/plot.py -> $OUT/bench.png (from every $OUT/bench*.json).
+# With --mlx, MLX-LM runs as the third engine of the bench step (the same 4-bit checkpoint bytes; its CUDA build
+# must be importable: scripts/carry_wheels.sh installs it on the GPU machine, then PYTHONPATH=/tmp/site), and
+# step mlxcheck (bench/mlx_reference.py check) compares MLX-LM's logits with `lily score` on the fidelity preset
+# -> $OUT/mlx_check.json. Step smoke adds MLX-LM by itself when mlx_lm can be imported.
 #
 # Usage: bench/reproduce.sh [--out DIR] [--work DIR] [--steps build,synth,bench,fidelity,plot] [--budget-s N]
 #                           [--sha SHA] [--bench-preset full] [--fidelity-preset full4] [--bench-name bench]
-#                           [-- extra arguments for run_bench.py]
-# Defaults: --out bench/results, --work /tmp/lily_bench, every step, no budget. Environment: LILY (binary,
-# default build-cuda/lily), PYTHON (default /opt/torch/.venv/bin/python3 if present), FIDELITY_ARGS (extra
-# arguments for fidelity.py). A CPU-only check of the whole chain on the tiny model (with a CPU build, whose
-# `lily bench` refuses to run, bench needs --engines transformers):
+#                           [--mlx] [-- extra arguments for run_bench.py]
+# Defaults: --out bench/results, --work /tmp/lily_bench, every step (with --mlx also mlxcheck), no budget.
+# Environment: LILY (binary, default build-cuda/lily), PYTHON (default /opt/torch/.venv/bin/python3 if present),
+# FIDELITY_ARGS (extra arguments for fidelity.py). A CPU-only check of the whole chain on the tiny model (with a
+# CPU build, whose `lily bench` refuses to run, bench needs --engines transformers):
 #   LILY=build/lily FIDELITY_ARGS="--mlx-backend cpu --positions 192" bench/reproduce.sh --steps synth,bench,\
 #     fidelity,plot --bench-preset tiny --fidelity-preset tiny --out /tmp/r -- --engines transformers \
 #     --prefill-lengths 256,1k --decode-contexts 256,1k
@@ -40,22 +44,26 @@ BENCH_PRESET=full
 FID_PRESET=full4
 BENCH_NAME=bench
 EXTRA=()
+MLX=0
+STEPS_GIVEN=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --out) OUT="$2"; shift 2 ;;
     --work) WORK="$2"; shift 2 ;;
-    --steps) STEPS="$2"; shift 2 ;;
+    --steps) STEPS="$2"; STEPS_GIVEN=1; shift 2 ;;
     --budget-s) BUDGET="$2"; shift 2 ;;
     --sha) SHA="$2"; shift 2 ;;
     --bench-preset) BENCH_PRESET="$2"; shift 2 ;;
     --fidelity-preset) FID_PRESET="$2"; shift 2 ;;
     --bench-name) BENCH_NAME="$2"; shift 2 ;;
+    --mlx) MLX=1; shift ;;
     --) shift; EXTRA=("$@"); break ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 0 ;;
     *) echo "reproduce.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
 
+[[ $MLX == 1 && $STEPS_GIVEN == 0 ]] && STEPS="$STEPS,mlxcheck"
 if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x /opt/torch/.venv/bin/python3 ]]; then PYTHON=/opt/torch/.venv/bin/python3; else PYTHON=python3; fi
 fi
@@ -77,11 +85,24 @@ fi
 [[ -x "$LILY" ]] || { echo "reproduce.sh: no $LILY (run the build step)" >&2; exit 1; }
 say "lily: $LILY; python: $PYTHON ($("$PYTHON" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.cuda.is_available())'))"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+MLX_OK=0
+if "$PYTHON" -c 'import mlx.core, mlx_lm' 2>/dev/null; then
+  MLX_OK=1
+  say "mlx: $("$PYTHON" -c 'import mlx.core as mx, mlx_lm
+print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "on", mx.default_device())')"
+elif [[ $MLX == 1 ]]; then
+  echo "reproduce.sh: --mlx, but $PYTHON cannot import mlx and mlx_lm (scripts/carry_wheels.sh; PYTHONPATH)" >&2; exit 1
+fi
+ENGINE_ARGS=()
+[[ $MLX == 1 ]] && ENGINE_ARGS=(--engines "lily,transformers,mlx_lm")
+SMOKE_ENGINES=lily,transformers
+[[ $MLX_OK == 1 ]] && SMOKE_ENGINES=lily,transformers,mlx_lm
 
 if has smoke; then
   say "smoke: the chain on the tiny model -> $OUT/smoke_*"
   "$PYTHON" "$REPO/bench/run_bench.py" --lily "$LILY" --work "$WORK" --preset tiny --rounds 2 \
-    --prefill-lengths 256,1k --decode-contexts 256,1k --hf-steps 4 --out "$OUT/smoke_bench.json" "${SHA_ARGS[@]}"
+    --prefill-lengths 256,1k --decode-contexts 256,1k --hf-steps 4 --mlx-steps 4 --engines "$SMOKE_ENGINES" \
+    --out "$OUT/smoke_bench.json" "${SHA_ARGS[@]}"
   "$PYTHON" "$REPO/bench/fidelity.py" --lily "$LILY" --work "$WORK" --preset tiny --positions 192 \
     --out "$OUT/smoke_fidelity.json" "${SHA_ARGS[@]}"
   "$PYTHON" "$REPO/bench/plot.py" "$OUT/smoke_bench.json" --out "$OUT/smoke_bench.png"
@@ -101,7 +122,7 @@ if has bench; then
   BUDGET_ARGS=()
   [[ -n "$BUDGET" ]] && BUDGET_ARGS=(--budget-s "$BUDGET")
   "$PYTHON" "$REPO/bench/run_bench.py" --lily "$LILY" --work "$WORK" --preset "$BENCH_PRESET" --out "$OUT/$BENCH_NAME.json" \
-    "${BUDGET_ARGS[@]}" "${SHA_ARGS[@]}" "${EXTRA[@]}"
+    "${BUDGET_ARGS[@]}" "${SHA_ARGS[@]}" "${ENGINE_ARGS[@]}" "${EXTRA[@]}"
 fi
 
 if has fidelity; then
@@ -109,6 +130,14 @@ if has fidelity; then
   # shellcheck disable=SC2086
   "$PYTHON" "$REPO/bench/fidelity.py" --lily "$LILY" --work "$WORK" --preset "$FID_PRESET" \
     --out "$OUT/fidelity.json" "${SHA_ARGS[@]}" ${FIDELITY_ARGS:-}
+fi
+
+if has mlxcheck; then
+  say "mlxcheck: mlx_reference.py check (MLX-LM vs lily score, $FID_PRESET mlx 4-bit) -> $OUT/mlx_check.json"
+  BACKEND=cpu
+  command -v nvidia-smi >/dev/null && BACKEND=cuda
+  "$PYTHON" "$REPO/bench/mlx_reference.py" --model "$WORK/${FID_PRESET}_mlx" check --lily "$LILY" --backend "$BACKEND" \
+    --positions 256 --work "$WORK" --json "$OUT/mlx_check.json"
 fi
 
 if has plot; then
