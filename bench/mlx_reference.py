@@ -229,16 +229,17 @@ def check_against_lily(ref, model_dir, lily, positions, seed, backend, work):
 
 
 def smoke(ref, golden_dir=None):
-    """Device, one short prefill + decode, and (when a golden directory with golden.json and logits.f32 is given:
-    tests/fixtures/golden/mlx_small, mlx-lm's own fp32 forward on the CPU) the logits against those."""
+    """Device, one short prefill + decode, and (when a golden directory is given: tests/fixtures/golden/mlx_small,
+    mlx-lm's own fp32 forward on the CPU over golden.json's token_ids) the logits against that logits file."""
     out = {"info": ref.info}
     ref.prefill_and_decode(256, 2)  # warm-up
     p, d = ref.prefill_and_decode(256, 16, seed=2)
     out["prefill_256_tok_per_s"], out["decode_16_at_256_tok_per_s"] = 256 / p, 16 / d
     if golden_dir:
         g = json.loads((Path(golden_dir) / "golden.json").read_text())
-        ids = g["prompt_ids"]
-        want = np.fromfile(Path(golden_dir) / "logits.f32", dtype="<f4").reshape(len(ids), -1)
+        ids = g["token_ids"]
+        want = np.fromfile(Path(golden_dir) / g["logits_file"], dtype="<f4").reshape(g["n_positions"],
+                                                                                     g["vocab_size"])
         got = ref.logits(ids)
         out["golden_relative_logit_error"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
         out["golden_top1_agreement_pct"] = 100.0 * float((got.argmax(-1) == want.argmax(-1)).mean())
