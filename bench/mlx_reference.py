@@ -18,8 +18,8 @@ Timing follows mlx-lm's own generate loop, `mlx_lm.generate.generate_step` (gree
 Both run on mlx's default device (`mx.default_device()`: gpu with the CUDA build, cpu with mlx[cpu]); the stream
 is drained (mx.synchronize) before each timed region.
 
-Use as a module (`load_reference(dir)` -> MLXReference with prefill_and_decode / logits / release, as
-bench/hf_reference.py), or as a program:
+Use as a module (`load_reference(dir)` -> MLXReference with prefill / decode / prefill_and_decode / logits /
+release, as bench/hf_reference.py's HFReference), or as a program:
   mlx_reference.py --model DIR smoke                 # device, one prefill + decode, logits vs a golden file
   mlx_reference.py --model DIR bench --prefill-lengths 256,1k --decode-contexts 256,1k --steps 32 --json F
   mlx_reference.py --model DIR check --lily build/lily --positions 192 --dtype float32   # logits vs lily score
@@ -31,6 +31,7 @@ import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -65,11 +66,37 @@ def device_info():
     return info
 
 
+def gpu_memory_guard(model_dir, margin=8 << 30):
+    """On mlx's GPU device: mlx's CUDA backend puts arrays made on the host (the loaded weights) in managed
+    memory when the device supports it, and managed memory must never exceed what the card has free (a GPU
+    shared with the transformers process of run_bench.py can hang otherwise). Refuse to load unless the free
+    memory (nvidia-smi) holds the checkpoint plus `margin`; then cap mlx's memory limit (the point where its
+    allocator gives cached buffers back) at the free memory less the margin. Returns a dict for `info`."""
+    mx = _mlx()
+    if mx.default_device() != mx.gpu:
+        return {}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free,memory.total", "--format=csv,noheader,nounits",
+                              "-i", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.split(",")
+        free, total = int(out[0]) << 20, int(out[1]) << 20
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as e:
+        raise RuntimeError(f"cannot read the GPU's free memory with nvidia-smi ({e}): not loading") from e
+    need = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    if free < need + margin:
+        raise RuntimeError(f"GPU memory: {free / 2**30:.1f} GiB free < {need / 2**30:.1f} GiB of weights + "
+                           f"{margin / 2**30:.0f} GiB: not loading (mlx allocates them in managed memory)")
+    limit = min(mx.get_memory_limit() if hasattr(mx, "get_memory_limit") else free, free - margin)
+    mx.set_memory_limit(limit)
+    return {"gpu_free_at_start_bytes": free, "gpu_total_bytes": total, "mlx_memory_limit_bytes": limit}
+
+
 class MLXReference:
     def __init__(self, model_dir, dtype=None, prefill_step=2048):
         mx = _mlx()
         from mlx_lm.utils import load_model
 
+        guard = gpu_memory_guard(model_dir)
         t0 = time.perf_counter()
         self.model, self.config = load_model(Path(model_dir))
         if dtype == "float32":
@@ -91,7 +118,7 @@ class MLXReference:
             "weight_bytes": n_bytes,
             "load_s": load_s,
             "layers": int(text["num_hidden_layers"]),
-        })
+        }, **guard)
 
     def _ids(self, n, seed):
         mx = _mlx()
@@ -104,9 +131,10 @@ class MLXReference:
         mx.synchronize()
         mx.synchronize(generation_stream)
 
-    def prefill_and_decode(self, n, steps, seed=0):
-        """Prefill n random ids (timed until the first token is evaluated), then `steps` greedy decode steps at
-        context n (timed): (prefill s, decode s or None)."""
+    def prefill(self, n, seed=0, max_steps=1 << 20):
+        """One prefill of n random ids through mlx-lm's generate_step, timed until the first token is evaluated;
+        returns (seconds, the running generator (it holds the cache), first token). The generator may go on for
+        `max_steps` decode steps (`decode`)."""
         from mlx_lm.generate import generate_step
         from mlx_lm.models.cache import make_prompt_cache
 
@@ -114,18 +142,29 @@ class MLXReference:
         cache = make_prompt_cache(self.model)
         self._drain()
         t0 = time.perf_counter()
-        gen = generate_step(prompt, self.model, max_tokens=steps + 1, prompt_cache=cache,
+        gen = generate_step(prompt, self.model, max_tokens=max_steps + 1, prompt_cache=cache,
                             prefill_step_size=self.prefill_step)
-        next(gen)
-        t1 = time.perf_counter()
+        first, _ = next(gen)
+        return time.perf_counter() - t0, gen, first
+
+    def decode(self, gen, last_token, steps):
+        """`steps` greedy decode steps of a generator from `prefill` (mlx-lm's pipelined loop: each step is
+        dispatched while the previous one runs); returns seconds until the last of them is evaluated."""
+        t0 = time.perf_counter()
         for _ in range(steps):
             next(gen)
-        t2 = time.perf_counter()
+        return time.perf_counter() - t0
+
+    def prefill_and_decode(self, n, steps, seed=0):
+        """Prefill n random ids (timed), then `steps` greedy decode steps at context n (timed): (prefill s,
+        decode s or None)."""
+        p_s, gen, first = self.prefill(n, seed, max_steps=steps)
+        d_s = self.decode(gen, first, steps) if steps > 0 else None
         gen.close()
         self._drain()
-        del cache, gen
+        del gen
         self.release()
-        return t1 - t0, (t2 - t1 if steps > 0 else None)
+        return p_s, d_s
 
     def logits(self, ids):
         """Teacher-forced fp32 logits [T, V] of one uncached forward over `ids`."""
