@@ -328,11 +328,16 @@ def main():
         out = check_against_lily(ref, args.model, common.find_lily(args.lily), args.positions, args.seed,
                                  args.backend, args.work)
         out["mlx"] = ref.info
+        common.log(f"mlx_lm ({ref.info['activations']}, {ref.info['device']}) against lily score --backend "
+                   f"{args.backend}: {out['positions']} positions, perplexity diff {out['perplexity_diff_pct']:+.4f}%, "
+                   f"top-1 agreement {out['top1_agreement_pct']:.2f}%, relative logit error "
+                   f"{out['relative_logit_error']:.2e}")
     else:
         out = smoke(ref, args.golden)
-    print(json.dumps(out, indent=1))
     if args.json:
         common.write_json(args.json, out)
+    if args.cmd == "smoke" or not args.json:
+        print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

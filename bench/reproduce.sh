@@ -9,7 +9,7 @@
 # With --mlx, MLX-LM runs as the third engine of the bench step (the same 4-bit checkpoint bytes; its CUDA build
 # must be importable: scripts/carry_wheels.sh installs it on the GPU machine, then PYTHONPATH=/tmp/site), and
 # step mlxcheck (bench/mlx_reference.py check) compares MLX-LM's logits with `lily score` on the fidelity preset
-# -> $OUT/mlx_check.json. Step smoke adds MLX-LM by itself when mlx_lm can be imported.
+# -> $OUT/mlx_check.json (MLX-LM in the checkpoint's bf16) and $OUT/mlx_check_fp32.json (MLX-LM in fp32). Step smoke adds MLX-LM by itself when mlx_lm can be imported.
 #
 # Usage: bench/reproduce.sh [--out DIR] [--work DIR] [--steps build,synth,bench,fidelity,plot] [--budget-s N]
 #                           [--sha SHA] [--bench-preset full] [--fidelity-preset full4] [--bench-name bench]
@@ -136,8 +136,12 @@ if has mlxcheck; then
   say "mlxcheck: mlx_reference.py check (MLX-LM vs lily score, $FID_PRESET mlx 4-bit) -> $OUT/mlx_check.json"
   BACKEND=cpu
   command -v nvidia-smi >/dev/null && BACKEND=cuda
-  "$PYTHON" "$REPO/bench/mlx_reference.py" --model "$WORK/${FID_PRESET}_mlx" check --lily "$LILY" --backend "$BACKEND" \
-    --positions 256 --work "$WORK" --json "$OUT/mlx_check.json"
+  for dtype in checkpoint float32; do
+    suffix=""
+    [[ $dtype == float32 ]] && suffix=_fp32
+    "$PYTHON" "$REPO/bench/mlx_reference.py" --model "$WORK/${FID_PRESET}_mlx" --dtype "$dtype" check --lily "$LILY" \
+      --backend "$BACKEND" --positions 256 --work "$WORK" --json "$OUT/mlx_check$suffix.json"
+  done
 fi
 
 if has plot; then
