@@ -20,9 +20,9 @@ is drained (mx.synchronize) before each timed region.
 
 Use as a module (`load_reference(dir)` -> MLXReference with prefill / decode / prefill_and_decode / logits /
 release, as bench/hf_reference.py's HFReference), or as a program:
-  mlx_reference.py --model DIR smoke                 # device, one prefill + decode, logits vs a golden file
+  mlx_reference.py --model DIR [--dtype float32] smoke [--golden DIR]   # device, prefill + decode, logits
   mlx_reference.py --model DIR bench --prefill-lengths 256,1k --decode-contexts 256,1k --steps 32 --json F
-  mlx_reference.py --model DIR check --lily build/lily --positions 192 --dtype float32   # logits vs lily score
+  mlx_reference.py --model DIR --dtype float32 check --lily build/lily --positions 192   # logits vs lily score
 run_bench.py runs `bench` in a subprocess once per round (its own process: the model's memory is returned when it
 exits, and neither torch nor lily shares its address space).
 """
@@ -195,8 +195,7 @@ def load_reference(model_dir, dtype=None, prefill_step=2048):
 def warm_lengths(lengths, prefill_step):
     """One short length per distinct prefill piece shape the run will use (pieces of prefill_step_size and a
     remainder): mlx compiles kernels per shape on first use, which must not land in a timed call."""
-    out = {min(n, 2 * prefill_step) for n in lengths} | {256}
-    return sorted(out)
+    return sorted({min(n, 2 * prefill_step) for n in lengths})
 
 
 def run_bench(ref, prefill_lengths, decode_contexts, steps, cap_s, deadline, json_path, warmup=True):
