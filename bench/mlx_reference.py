@@ -63,6 +63,12 @@ def device_info():
         info["device_info"] = f"unavailable: {e}"
     cuda = getattr(mx, "cuda", None)
     info["cuda_available"] = bool(cuda.is_available()) if cuda is not None else False
+    # mlx_lm.models.gated_delta.gated_delta_update: its fused kernel is an mx.fast.metal_kernel, so off Metal
+    # (CUDA, CPU) every Gated DeltaNet layer runs gated_delta_ops, a Python loop of per-token ops.
+    metal = getattr(mx, "metal", None)
+    info["gated_delta_path"] = ("metal kernel (gated_delta_kernel)" if metal is not None and metal.is_available()
+                                and mx.default_device() == mx.gpu else
+                                "gated_delta_ops: per-token ops loop (mlx-lm's fused kernel is Metal-only)")
     return info
 
 
