@@ -170,8 +170,11 @@ smoke() {
     CUDA_HOME="$(dirname "$(dirname "$(command -v nvcc)")")"; export CUDA_HOME
   fi
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  python3 -c 'import mlx.core as mx, mlx_lm; print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__,
-    "default device", mx.default_device(), "cuda", mx.cuda.is_available())'
+  python3 -c 'import mlx.core as mx, mlx_lm, shutil, sys
+print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "default device", mx.default_device(),
+      "cuda", mx.cuda.is_available())
+if shutil.which("nvidia-smi") and not mx.cuda.is_available():
+    sys.exit("mlx does not see the GPU: its CUDA backend did not load")'
   python3 "$REPO/bench/mlx_reference.py" --model "$REPO/tests/fixtures/golden/mlx_small" --dtype float32 smoke \
     --golden "$REPO/tests/fixtures/golden/mlx_small"
 }
