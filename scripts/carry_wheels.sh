@@ -123,7 +123,8 @@ prepare() {
     echo "         command: $c"
   done
   echo "Then, in every later call while the machine is still held: export PYTHONPATH=/tmp/site (and CUDA_HOME"
-  echo "as install printed, if it did); e.g. bench/reproduce.sh --steps bench ... -- --engines lily,transformers,mlx_lm"
+  echo "as install printed, if it did); e.g. run 3: carry=[\"build-cuda/lily\"], command: export PYTHONPATH=/tmp/site;"
+  echo "  bench/reproduce.sh --mlx --steps synth,bench --budget-s 500 --out \$OUT (docs/BENCH_HARNESS.md, MLX-LM)"
 }
 
 install() {
