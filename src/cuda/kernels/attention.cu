@@ -83,8 +83,15 @@ __global__ void attn_prep_kernel(const __grid_constant__ AttnPrepParams p) {
   pdl_wait();
   const int pos = *p.pos;
 
-  // Eqs 9-10: q/k RMSNorm (multiplier form, as cpu::rms_norm) and the partial RoPE.
-  const float y = norm_rope_element(src[d], w_d, d, D, p.eps, p.rotary_dim, p.rope_theta, pos, y_s, scratch);
+  // Eq 9 (multiplier form, as cpu::rms_norm): y = x * (1 / sqrt(mean x^2 + eps)) * w.
+  const float x = src[d];
+  const float ss = block_sum(x * x, scratch);
+  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + p.eps);
+  float y = __fmul_rn(__fmul_rn(x, inv), w_d);
+  y_s[d] = y;
+  __syncthreads();
+
+  y = rope_element(y_s, d, p.rotary_dim, p.rope_theta, pos);  // eq 10
 
   if (is_q) {
     p.q[static_cast<size_t>(b) * D + d] = y;

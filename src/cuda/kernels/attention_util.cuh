@@ -1,6 +1,5 @@
 // Device helpers shared by the attention kernels (attention.cu: decode; attn_prefill.cu: prefill): a block-wide
-// sum, 16-byte cp.async into shared memory, ldmatrix, the bf16 m16n8k16 tensor-core product, and the q/k
-// RMSNorm + partial RoPE of the prep kernels. In their own
+// sum, 16-byte cp.async into shared memory, ldmatrix and the bf16 m16n8k16 tensor-core product. In their own
 // namespace so that they never collide with the GEMV/MoE helpers of quant_dot.cuh.
 #pragma once
 #include "cuda/kernels/common.cuh"
@@ -52,18 +51,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Eqs 9-10 for element d of one head, one thread an element: RMSNorm in the multiplier form (as cpu::rms_norm:
-// y = x * (1 / sqrt(mean x^2 + eps)) * w), then the partial RoPE at `pos` through y_s (shared memory holding the
-// head's normalised values).
-__device__ __forceinline__ float norm_rope_element(float x, float w_d, int d, int D, float eps, int rotary_dim,
-                                                   float rope_theta, int pos, float* y_s, float* scratch) {
-  const float ss = block_sum(x * x, scratch);
-  const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + eps);
-  y_s[d] = __fmul_rn(__fmul_rn(x, inv), w_d);
-  __syncthreads();
-  return rope_element(y_s, d, rotary_dim, rope_theta, pos);  // eq 10
 }
 
 }  // namespace lily::cuda::attn_util
