@@ -107,6 +107,7 @@ class CudaBackend final : public CudaBackendApi {
   Status ensure_prefill_scratch();
   Status prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof);
   Status prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits, Profiler* prof);
+  Status upload_tokens(std::span<const int32_t> ids);
 
   std::shared_ptr<const ModelWeights> weights_;
   CudaBackendOptions options_;
@@ -424,6 +425,13 @@ Status CudaBackend::run_step(CudaSequence& s, const DeviceSampling* sampling) {
   return ok_status();
 }
 
+// Copies token ids into tokens_ (grown as needed, never below 4,096 ids).
+Status CudaBackend::upload_tokens(std::span<const int32_t> ids) {
+  if (tokens_.n < ids.size()) RETURN_IF_ERROR(tokens_.alloc(std::max<size_t>(ids.size(), 4096)));
+  CUDA_RETURN(cudaMemcpy(tokens_.ptr, ids.data(), ids.size() * sizeof(int), cudaMemcpyHostToDevice), "upload tokens");
+  return ok_status();
+}
+
 Status CudaBackend::forward(SequenceState& base, std::span<const int32_t> tokens, LogitsRows rows,
                             std::vector<float>* logits) {
   const int64_t T = static_cast<int64_t>(tokens.size());
@@ -432,8 +440,7 @@ Status CudaBackend::forward(SequenceState& base, std::span<const int32_t> tokens
   const int64_t V = config().vocab_size;
   for (int32_t id : tokens)
     if (id < 0 || id >= V) return invalid_argument("token id %d is outside the vocabulary [0, %lld)", id, (long long)V);
-  if (tokens_.n < static_cast<size_t>(T)) RETURN_IF_ERROR(tokens_.alloc(static_cast<size_t>(std::max<int64_t>(T, 4096))));
-  CUDA_RETURN(cudaMemcpy(tokens_.ptr, tokens.data(), T * sizeof(int), cudaMemcpyHostToDevice), "upload tokens");
+  RETURN_IF_ERROR(upload_tokens(tokens));
   if (rows != LogitsRows::none) logits->resize(static_cast<size_t>((rows == LogitsRows::all ? T : 1) * V));
   if (T > 1 && prefill_supported()) {
     RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr));
@@ -536,12 +543,10 @@ Result<double> CudaBackend::time_prefill(SequenceState& base, int64_t n, std::ve
     return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   }
   const int64_t T = std::min<int64_t>(n, options_.prefill_chunk);
-  if (tokens_.n < static_cast<size_t>(T)) RETURN_IF_ERROR(tokens_.alloc(static_cast<size_t>(T)));
-  CUDA_RETURN(cudaMemcpy(tokens_.ptr, ids.data(), T * sizeof(int), cudaMemcpyHostToDevice), "upload tokens");
-  RETURN_IF_ERROR(ensure_prefill_scratch());
+  RETURN_IF_ERROR(upload_tokens(std::span<const int32_t>(ids.data(), static_cast<size_t>(T))));
   Profiler prof;
   prof.stream = stream_;
-  RETURN_IF_ERROR(prefill_chunk(*s, tokens_.ptr, static_cast<int>(T), &prof));
+  RETURN_IF_ERROR(prefill(*s, T, LogitsRows::none, nullptr, &prof));
   CUDA_RETURN(cudaStreamSynchronize(stream_), "profile");
   *profile = prof.totals();
   double ms = 0;
