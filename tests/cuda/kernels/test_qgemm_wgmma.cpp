@@ -191,6 +191,73 @@ void check_wgmma(const Weights& wt, int M, GemmOut out, uint32_t seed) {
   EXPECT_EQ(bad, 0) << "wgmma vs CPU";
 }
 
+// Structured inputs that make a layout error readable (the first thing to look at if MatchesMmaSyncAndCpu
+// fails): 8-bit codes with scale 1 and bias 0, so weights and products are small exact integers.
+//  (1) A = [I64; I64; ...] (row m has a 1 at column m % 64), W[n][k] = k + 64 (n % 4): C[m][n] = m % 64 + 64
+//  (n % 4),
+//      so a wrong value v names the weight it came from (column v % 64, row class v / 64): B operand layout;
+//  (2) W = I (N = K = 64), A[m][k] = 64 (m % 16) + k: C[m][n] = A[m][n] names the A element it came from.
+HostQMatrix exact_q8(int rows, int cols, int (*code)(int, int)) {
+  HostQMatrix m;
+  m.rows = rows, m.cols = cols, m.bits = 8;
+  m.words.assign(rows * m.words_per_row(), 0u);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c)
+      m.words[r * m.words_per_row() + c / 4] |= static_cast<uint32_t>(code(r, c) & 0xFF) << (8 * (c % 4));
+  m.scales.assign(rows * m.groups_per_row(), to_bf16_bits(1.0f));
+  m.biases.assign(rows * m.groups_per_row(), to_bf16_bits(0.0f));
+  return m;
+}
+
+TEST(CudaQgemmWgmma, LayoutProbes) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  // B probe with 128-wide tiles (one row tile) and with 128 x 256 tiles (132 row tiles), then the A probe.
+  for (const int run : {0, 1, 2}) {
+    const int probe = run == 2 ? 1 : 0, M = run == 1 ? 132 * 128 : 128, N = probe == 0 ? 256 : 64, K = 64;
+    HostQMatrix w = probe == 0 ? exact_q8(N, K, [](int n, int k) { return k + 64 * (n % 4); })
+                               : exact_q8(N, K, [](int n, int k) { return n == k ? 1 : 0; });
+    std::vector<float> a(static_cast<size_t>(M) * K);
+    for (int m = 0; m < M; ++m)
+      for (int k = 0; k < K; ++k)
+        a[static_cast<size_t>(m) * K + k] = probe == 0 ? (k == m % 64 ? 1.0f : 0.0f) : 64.0f * (m % 16) + k;
+    DeviceBuffer<uint16_t> d_a(to_f16(a));
+    DeviceBuffer<float> d_c(static_cast<size_t>(M) * N);
+    QGemmParams p;
+    p.w = w.upload();
+    p.a = as_f16(d_a);
+    p.M = M;
+    p.c = d_c.get();
+    p.use_wgmma = true;
+    ASSERT_CUDA(qgemm(p, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> got = d_c.download();
+    int bad = 0;
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n) {
+        const float want =
+            probe == 0 ? static_cast<float>(m % 64 + 64 * (n % 4)) : a[static_cast<size_t>(m) * K + n];
+        const float v = got[static_cast<size_t>(m) * N + n];
+        if (v == want || bad++ >= 12) continue;
+        const int iv = static_cast<int>(v);
+        if (probe == 0) {
+          ADD_FAILURE() << "B probe: C[" << m << "][" << n << "] = " << v << ", want " << want
+                        << (v == iv && iv >= 0 && iv < 256 ? testing::Message()
+                                                                 << " (got the weight of k " << iv % 64
+                                                                 << ", n % 4 = " << iv / 64 << ")"
+                                                           : testing::Message() << " (not a single weight)");
+        } else {
+          ADD_FAILURE() << "A probe: C[" << m << "][" << n << "] = " << v << ", want " << want
+                        << (v == iv && iv >= 0 && iv < 1024
+                                ? testing::Message()
+                                      << " (got A of k " << iv % 64 << ", m % 16 = " << iv / 64 << ")"
+                                : testing::Message() << " (not a single element)");
+        }
+      }
+    EXPECT_EQ(bad, 0) << (probe == 0 ? "B (fp16 W tile) layout, M " : "A tile layout, M ") << M;
+  }
+}
+
 TEST(CudaQgemmWgmma, MatchesMmaSyncAndCpu) {
   SKIP_WITHOUT_GPU();
   SKIP_WITHOUT_HOPPER();
