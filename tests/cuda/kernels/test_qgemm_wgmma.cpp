@@ -1,6 +1,7 @@
 // qgemm's wgmma path (QGemmParams::use_wgmma, src/cuda/kernels/qgemm_wgmma.cu) against the mma.sync path on
 // every output element and against a CPU reference on sampled elements, on fresh random MLX-quantized
-// weights; and the TFLOP/s of both paths at M = 4096 (print only).
+// weights; exact-integer layout probes that name the misplaced element when a shared-memory layout or a
+// descriptor is wrong; and the TFLOP/s of both paths at M = 4096 (print only).
 //
 // Tolerances as test_qgemm.cpp: both GPU paths round each dequantized weight to fp16 with the same fp32
 // arithmetic (so they see identical weights) and accumulate in fp32 in different orders; the reference rounds
