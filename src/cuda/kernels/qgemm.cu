@@ -731,6 +731,7 @@ MoeScratch carve(void* base, int T, int H, int I, int Is, int E, int k) {
 }  // namespace
 
 cudaError_t qgemm(const QGemmParams& p, cudaStream_t stream) {
+  if (p.use_wgmma) return qgemm_wgmma(p, stream);
   const int ldc = p.ldc ? p.ldc : p.w.rows;
   if (!valid_qmatrix(p.w) || !p.a || !p.c || p.M < 1 || ldc < p.w.rows || !aligned16(p.a) ||
       (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32)) {

@@ -33,6 +33,9 @@ struct QGemmParams {
   GemmOut out = GemmOut::f32;
   void* c = nullptr;
   int ldc = 0;                          // row stride of c in elements; 0 means N
+  // true: the Hopper warpgroup-MMA kernel (qgemm_wgmma.cu; sm_90a builds only, else
+  // cudaErrorInvalidDeviceFunction); false: the mma.sync kernel. Opt-in until measured on the H200.
+  bool use_wgmma = false;
 };
 
 struct QGemmSwigluParams {
@@ -43,6 +46,9 @@ struct QGemmSwigluParams {
 };
 
 cudaError_t qgemm(const QGemmParams& p, cudaStream_t stream);
+// qgemm on wgmma whatever p.use_wgmma says (qgemm routes here when it is set): 128 x 256 (or 128 x 128) tiles,
+// a producer warpgroup that loads and dequantises, two consumer warpgroups on wgmma.mma_async.
+cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream);
 cudaError_t qgemm_swiglu(const QGemmSwigluParams& p, cudaStream_t stream);
 
 // out[t, :] = fp16(in[t, :] / RMS(in[t, :]) * w) for T rows of n (eqs 1-2 multiplier form; the A operand of a

@@ -1,0 +1,510 @@
+// qgemm on Hopper warpgroup MMA (qgemm.cuh: QGemmParams::use_wgmma; dense mode only). Needs the sm_90a target
+// (CMAKE_CUDA_ARCHITECTURES 90a, the project default): in a pass for any other target the kernel compiles to
+// nothing and qgemm_wgmma returns cudaErrorInvalidDeviceFunction.
+//
+// C[M, N] = A[M, K] . W[N, K]^T, A fp16 row-major, W an MLX 4- or 8-bit QMatrix; one block computes a 128 x
+// BN tile (BN = 256, or 128 for grids too small to fill the SMs), K in steps of 64 (one quantisation group).
+// 384 threads = three warpgroups:
+//  - warpgroup 0, the producer: cp.async brings the A tile (128 x 64 fp16) and the packed W tile (BN x 64 x
+//    bits/8 bytes) of step kt + kLead into slot (kt + kLead) % kS of a kS-deep ring; then it expands step
+//    kt's packed W into one of kB fp16 tiles (value = scale * q + bias in fp32, rounded once to fp16: the
+//    same arithmetic and rounding as qgemm.cu, so both paths see the same weights), fences the generic-proxy
+//    writes (its cp.async data and its fp16 stores) against the tensor cores' async proxy and arrives on
+//    full[slot];
+//  - warpgroups 1 and 2, the consumers: each waits on full[slot], issues four wgmma.mma_async m64nBNk16
+//    f32.f16.f16 (rows 64 (wg - 1) .. + 63 of the tile, both operands read from shared memory through matrix
+//    descriptors), commits them as one group, waits until the previous step's group is done and arrives on
+//    empty[previous slot]. So the producer's dequantisation of step kt + 1 overlaps the wgmma of step kt.
+//    One empty barrier frees both the A / packed slot and the fp16 tile of a step: with kLead = kS - kB the
+//    slot the producer loads at step kt and the fp16 tile it writes at step kt were both last used by step
+//    kt - kB, so it waits once a step.
+// Shared-memory layouts: the A tile and the fp16 W tile are K-major rows of 64 fp16 = 128 bytes with the
+// 128-byte swizzle (16-byte chunk c of row r stored at chunk c ^ (r & 7); tiles 1024-byte aligned) -- the
+// layout of qgemm.cu's swz() -- so one descriptor (start address, stride byte offset 1024 between 8-row
+// groups, leading byte offset unused, swizzle mode 1 = 128B) covers 64 or BN rows, and the k-th 16-column
+// slice of the step starts 32 k bytes further (the hardware applies the XOR to the address bits).
+// Accumulators: 64 x BN per consumer warpgroup, BN / 2 fp32 registers a thread, in the mma.sync C-fragment
+// order: for n8 block j, d[4j], d[4j + 1] at row 16 warp + lane / 4, columns 8 j + 2 (lane % 4) + {0, 1};
+// d[4j + 2], d[4j + 3] eight rows below. Epilogue as qgemm.cu (f32, f16, add_f32; tails in M and N).
+// FLOPs 2 M N K; bytes as qgemm.cu. Shared memory a step (BN = 256, 4-bit): wgmma reads 80 KB (each consumer
+// reads A 8 KB and the whole fp16 W tile 32 KB), the producer writes 32 KB of fp16 W and reads 8 KB packed,
+// cp.async writes 24 KB: ~144 KB = ~1150 cycles at 128 B/cycle against 1024 cycles of MMA at the dense fp16
+// rate (4.2 MFLOP a step at ~4096 FLOP/cycle/SM): this kernel is bound by shared-memory bandwidth near 85-90%
+// of the tensor rate, in practice lower (docs/PERF_NOTES.md: predicted, not measured).
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/kernels/qgemm.cuh"
+#include "cuda/kernels/quant_dot.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LILY_QGEMM_WGMMA 1  // this device pass targets sm_90a: wgmma, mbarrier and named barriers are there
+#endif
+
+namespace lily::cuda {
+namespace {
+
+constexpr int kWgGroup = 64;      // K step = one quantisation group = one 128-byte swizzled row of fp16
+constexpr int kWgBM = 128;        // tile rows: two consumer warpgroups of 64
+constexpr int kWgThreads = 384;   // producer warpgroup + two consumer warpgroups
+constexpr int kSmemMax = 232448;  // 227 KB: the largest dynamic shared memory of a block on sm_90
+
+struct WgArgs {
+  QMatrix w;  // [N, K]
+  const __half* a = nullptr;
+  int M = 0, N = 0, K = 0;
+  GemmOut out = GemmOut::f32;
+  void* c = nullptr;
+  int ldc = 0;
+};
+
+template <int BN, int BITS>
+struct WgTile {
+  static constexpr int kPackedRowBytes = kWgGroup * BITS / 8;  // 32 or 64
+  static constexpr int kPackedChunks = kPackedRowBytes / 16;   // 2 or 4
+  static constexpr int kABytes = kWgBM * 128;                  // A tile of a step (fp16, swizzled)
+  static constexpr int kPBytes = BN * kPackedRowBytes;         // packed W of a step
+  static constexpr int kBBytes = BN * 128;                     // fp16 W tile of a step (swizzled)
+  static constexpr int kB = BN == 128 ? 3 : 2;                 // fp16 W tiles
+  static constexpr int kSFit = (kSmemMax - 1024 - 256 - kB * kBBytes) / (kABytes + kPBytes);
+  static constexpr int kS = kSFit < 8 ? kSFit : 8;  // A / packed ring depth
+  static constexpr int kLead = kS - kB;             // steps the loads run ahead of the dequant
+  static constexpr int kUnits = BN * 2;             // dequant units: half a row (32 elements)
+  static constexpr int kUnitsPerThread = kUnits / 128;
+  static constexpr int kAChunksPerThread = kWgBM * 8 / 128;  // 16-byte chunks of the A tile
+  static constexpr int kPChunksPerThread = BN * kPackedChunks / 128;
+  static constexpr size_t kSmem =
+      1024 + size_t{kS} * (kABytes + kPBytes) + size_t{kB} * kBBytes + size_t{2} * kS * sizeof(uint64_t);
+  static_assert(kLead >= 2 && kSmem <= kSmemMax, "shared memory");
+  static_assert(kUnits % 128 == 0 && (BN * kPackedChunks) % 128 == 0, "work split");
+};
+
+#if defined(LILY_QGEMM_WGMMA)
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarrier (CTA scope) and the producer's named barrier
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// Waits until the phase of parity `parity` of the barrier has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  while (!mbar_try_wait(bar, parity)) {
+  }
+}
+__device__ __forceinline__ void producer_bar_sync() {
+  asm volatile("bar.sync 1, 128;" ::: "memory");
+}
+// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy (wgmma).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// ---- wgmma
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma.
+template <int R>
+__device__ __forceinline__ void fence_regs(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Matrix descriptor of a K-major operand in the 128-byte swizzled layout: start address >> 4 (bits 0-13),
+// leading byte offset (unused for this layout: 1), stride byte offset 1024 >> 4 (bits 32-45: from one group
+// of 8 rows to the next), base offset 0 (tiles 1024-byte aligned), swizzle mode 1 = 128B (bits 62-63).
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db);
+
+// D[64, 128] += A[64, 16] . B[128, 16]^T, both K-major in shared memory (descriptors da, db).
+template <>
+__device__ __forceinline__ void wgmma_ss<128>(float (&d)[64], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
+        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(1));
+}
+
+// D[64, 256] += A[64, 16] . B[256, 16]^T, both K-major in shared memory (descriptors da, db).
+template <>
+__device__ __forceinline__ void wgmma_ss<256>(float (&d)[128], uint64_t da, uint64_t db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]),
+        "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]),
+        "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),
+        "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]),
+        "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]),
+        "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]),
+        "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), "+f"(d[64]),
+        "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]),
+        "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]),
+        "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]),
+        "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]),
+        "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]),
+        "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]),
+        "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]),
+        "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "l"(da), "l"(db), "r"(1));
+}
+
+#endif  // LILY_QGEMM_WGMMA
+
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Byte i of v (0..255) as a float, exactly (as qgemm.cu).
+template <int i>
+__device__ __forceinline__ float byte_as_float_(uint32_t v) {
+  return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7650 | i)) - 8388608.0f;
+}
+
+template <int BN, int BITS>
+__global__ void __launch_bounds__(kWgThreads, 1) qgemm_wgmma_kernel(const WgArgs p) {
+#if defined(LILY_QGEMM_WGMMA)
+  using C = WgTile<BN, BITS>;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // The swizzle pattern repeats every 1024 bytes and the descriptors assume tiles aligned to it.
+  unsigned char* const smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  unsigned char* const a_s = smem;                      // kS x [128 rows x 128 B]
+  unsigned char* const b_s = a_s + C::kS * C::kABytes;  // kB x [BN rows x 128 B]
+  unsigned char* const w_s = b_s + C::kB * C::kBBytes;  // kS x [BN rows x packed bytes]
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(w_s + C::kS * C::kPBytes);
+  const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + C::kS);  // barrier s at + 8 s
+
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const int n0 = blockIdx.y * BN, row0 = blockIdx.x * kWgBM, rows = min(kWgBM, p.M - row0);
+  const int K = p.K, KT = K / kWgGroup;
+  if (tid == 0) {
+    for (int s = 0; s < C::kS; ++s) {
+      mbar_init(full0 + 8 * s, 128);   // the producer's threads, each after its fence
+      mbar_init(empty0 + 8 * s, 256);  // the consumers' threads, each after its wgmma of the step completed
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  pdl_wait();
+
+  if (wg == 0) {
+    // ---------------- producer: loads and dequantisation
+    const int t = tid;
+    // This thread's sources, fixed for the block (each step adds its K offset): A chunk i is row a_r0 + 16 i,
+    // 16-byte chunk a_ch of the tile (its swizzled place depends on row & 7 = a_r0 & 7 only); packed W chunk
+    // i is 16-byte chunk t + 128 i of the stage (row-major [BN][bits * 8] bytes). Rows past M or N read from
+    // the matrix's start (a valid address) with a zero source size: zero-filled.
+    const int a_r0 = t >> 3, a_ch = t & 7;
+    const int a_dst = a_r0 * 128 + ((a_ch ^ (a_r0 & 7)) << 4);
+    const size_t wpr = static_cast<size_t>(K) * BITS / 32, gpr = K / kWgGroup;
+    const __half* a_ptr[C::kAChunksPerThread];
+    bool a_ok[C::kAChunksPerThread];
+#pragma unroll
+    for (int i = 0; i < C::kAChunksPerThread; ++i) {
+      a_ok[i] = a_r0 + 16 * i < rows;
+      a_ptr[i] = a_ok[i] ? p.a + static_cast<size_t>(row0 + a_r0 + 16 * i) * K + a_ch * 8 : p.a;
+    }
+    const uint32_t* w_ptr[C::kPChunksPerThread];
+    bool w_ok[C::kPChunksPerThread];
+#pragma unroll
+    for (int i = 0; i < C::kPChunksPerThread; ++i) {
+      const int id = t + i * 128, r = id / C::kPackedChunks, ch = id % C::kPackedChunks;
+      w_ok[i] = n0 + r < p.N;
+      w_ptr[i] = w_ok[i] ? p.w.w + (n0 + r) * wpr + ch * 4 : p.w.w;
+    }
+
+    auto issue_loads = [&](int kt) {
+      const int slot = kt % C::kS;
+      unsigned char* const as = a_s + slot * C::kABytes + a_dst;
+#pragma unroll
+      for (int i = 0; i < C::kAChunksPerThread; ++i)
+        cp_async_16(as + i * 16 * 128, a_ptr[i] + kt * kWgGroup, a_ok[i]);
+      unsigned char* const ws = w_s + slot * C::kPBytes + t * 16;
+#pragma unroll
+      for (int i = 0; i < C::kPChunksPerThread; ++i)
+        cp_async_16(ws + i * 128 * 16, w_ptr[i] + kt * (kWgGroup * BITS / 32), w_ok[i]);
+    };
+    // Dequant unit u = t + 128 i: row u >> 1 of the tile, half u & 1 (32 elements = 4 swizzled chunks).
+    size_t g_off[C::kUnitsPerThread];  // the unit's row in the scale / bias arrays (row 0 past N)
+    bool g_ok[C::kUnitsPerThread];
+#pragma unroll
+    for (int i = 0; i < C::kUnitsPerThread; ++i) {
+      const int r = (t + i * 128) >> 1;
+      g_ok[i] = n0 + r < p.N;
+      g_off[i] = g_ok[i] ? (n0 + r) * gpr : 0;
+    }
+    auto load_scales = [&](int kt, float(&sc)[C::kUnitsPerThread], float(&bi)[C::kUnitsPerThread]) {
+#pragma unroll
+      for (int i = 0; i < C::kUnitsPerThread; ++i) {
+        float s = 0.0f, b = 0.0f;  // rows past N: zero weights
+        if (g_ok[i]) {
+          s = bf16_bits_to_float(ld_bf16_bits(p.w.scales + g_off[i] + kt));
+          b = bf16_bits_to_float(ld_bf16_bits(p.w.biases + g_off[i] + kt));
+        }
+        sc[i] = BITS == 4 ? 256.0f * s : s;  // 4-bit codes come out as 0.5 + q / 256 (quant_dot.cuh)
+        bi[i] = BITS == 4 ? b - 128.0f * s : b;
+      }
+    };
+    auto dequant = [&](int kt, const float(&sc)[C::kUnitsPerThread], const float(&bi)[C::kUnitsPerThread]) {
+      const unsigned char* const ws = w_s + (kt % C::kS) * C::kPBytes;
+      unsigned char* const bs = b_s + (kt % C::kB) * C::kBBytes;
+#pragma unroll
+      for (int i = 0; i < C::kUnitsPerThread; ++i) {
+        const int u = t + i * 128, r = u >> 1, half = u & 1;
+        const unsigned char* src = ws + r * C::kPackedRowBytes + half * (C::kPackedRowBytes / 2);
+        unsigned char* const dst_row = bs + r * 128;
+        const float s = sc[i], b = bi[i];
+        if constexpr (BITS == 4) {
+          const uint4 v = *reinterpret_cast<const uint4*>(src);
+          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {  // word j: elements 8 j .. 8 j + 7 of the half -> chunk 4 half + j
+            const uint32_t lo = words[j] & 0x0F0F0F0Fu, hi = (words[j] >> 4) & 0x0F0F0F0Fu;
+            uint4 o;
+            o.x = pack_f16x2(fmaf(nibble_as_float<0>(lo), s, b), fmaf(nibble_as_float<0>(hi), s, b));
+            o.y = pack_f16x2(fmaf(nibble_as_float<1>(lo), s, b), fmaf(nibble_as_float<1>(hi), s, b));
+            o.z = pack_f16x2(fmaf(nibble_as_float<2>(lo), s, b), fmaf(nibble_as_float<2>(hi), s, b));
+            o.w = pack_f16x2(fmaf(nibble_as_float<3>(lo), s, b), fmaf(nibble_as_float<3>(hi), s, b));
+            *reinterpret_cast<uint4*>(dst_row + (((half * 4 + j) ^ (r & 7)) << 4)) = o;
+          }
+        } else {
+          const uint4 v0 = *reinterpret_cast<const uint4*>(src),
+                      v1 = *reinterpret_cast<const uint4*>(src + 16);
+          const uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {  // words 2 j, 2 j + 1: elements 8 j .. 8 j + 7 -> chunk 4 half + j
+            const uint32_t w0 = words[2 * j], w1 = words[2 * j + 1];
+            uint4 o;
+            o.x = pack_f16x2(fmaf(byte_as_float_<0>(w0), s, b), fmaf(byte_as_float_<1>(w0), s, b));
+            o.y = pack_f16x2(fmaf(byte_as_float_<2>(w0), s, b), fmaf(byte_as_float_<3>(w0), s, b));
+            o.z = pack_f16x2(fmaf(byte_as_float_<0>(w1), s, b), fmaf(byte_as_float_<1>(w1), s, b));
+            o.w = pack_f16x2(fmaf(byte_as_float_<2>(w1), s, b), fmaf(byte_as_float_<3>(w1), s, b));
+            *reinterpret_cast<uint4*>(dst_row + (((half * 4 + j) ^ (r & 7)) << 4)) = o;
+          }
+        }
+      }
+    };
+
+    // Step kt: (1) wait until step kt - kB is consumed: it frees the ring slot step kt + kLead loads into and
+    // the fp16 tile step kt writes; (2) loads of step kt + kLead; (3) scales of step kt + 1 into the other
+    // register set; (4) step kt's cp.async group complete (this thread's copies), then every producer
+    // thread's (named barrier); (5) dequantise; (6) fence (generic -> async proxy), arrive on full.
+    auto step = [&](int kt, const float(&sc)[C::kUnitsPerThread], const float(&bi)[C::kUnitsPerThread],
+                    float(&sc_next)[C::kUnitsPerThread], float(&bi_next)[C::kUnitsPerThread]) {
+      if (kt >= C::kB) {
+        const int j = kt - C::kB;
+        mbar_wait(empty0 + 8 * (j % C::kS), (j / C::kS) & 1);
+      }
+      if (kt + C::kLead < KT) issue_loads(kt + C::kLead);
+      cp_async_commit();
+      if (kt + 1 < KT) load_scales(kt + 1, sc_next, bi_next);
+      cp_async_wait<C::kLead>();
+      producer_bar_sync();
+      dequant(kt, sc, bi);
+      fence_proxy_async();
+      mbar_arrive(full0 + 8 * (kt % C::kS));
+    };
+
+#pragma unroll 1
+    for (int s = 0; s < C::kLead; ++s) {
+      if (s < KT) issue_loads(s);
+      cp_async_commit();
+    }
+    float sc0[C::kUnitsPerThread], bi0[C::kUnitsPerThread], sc1[C::kUnitsPerThread], bi1[C::kUnitsPerThread];
+    load_scales(0, sc0, bi0);
+#pragma unroll 1
+    for (int kt = 0; kt < KT; kt += 2) {  // two steps an iteration: the scale registers alternate
+      step(kt, sc0, bi0, sc1, bi1);
+      if (kt + 1 < KT) step(kt + 1, sc1, bi1, sc0, bi0);
+    }
+    cp_async_wait<0>();
+  } else {
+    // ---------------- consumers: wgmma and the epilogue
+    const int cw = wg - 1;             // tile rows 64 cw .. 64 cw + 63
+    const bool live = rows > 64 * cw;  // warpgroup-uniform: rows past M skip the tensor cores
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+    const uint32_t a_base = smem_u32(a_s) + cw * 64 * 128, b_base = smem_u32(b_s);
+#pragma unroll 1
+    for (int kt = 0; kt < KT; ++kt) {
+      const int slot = kt % C::kS;
+      mbar_wait(full0 + 8 * slot, (kt / C::kS) & 1);
+      if (live) {
+        const uint32_t a_addr = a_base + slot * C::kABytes, b_addr = b_base + (kt % C::kB) * C::kBBytes;
+        wgmma_fence();
+        fence_regs(acc);
+#pragma unroll
+        for (int k = 0; k < kWgGroup / 16; ++k)
+          wgmma_ss<BN>(acc, desc_sw128(a_addr + 32 * k), desc_sw128(b_addr + 32 * k));
+        wgmma_commit();
+        fence_regs(acc);
+        wgmma_wait<1>();  // step kt - 1's group is done: its slot and fp16 tile may be refilled
+        fence_regs(acc);
+      }
+      if (kt > 0) mbar_arrive(empty0 + 8 * ((kt - 1) % C::kS));
+    }
+    wgmma_wait<0>();
+    fence_regs(acc);
+    pdl_launch_dependents();
+
+    // Epilogue: as qgemm.cu (column pairs stored together where the row stride and base allow it).
+    const int lane = tid & 31, wq = (tid >> 5) & 3;
+    const bool f32_out = p.out != GemmOut::f16;
+    const int ldc = p.ldc;
+    const bool pairs = ldc % 2 == 0 && (reinterpret_cast<uintptr_t>(p.c) & (f32_out ? 7 : 3)) == 0;
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int r = 64 * cw + 16 * wq + (lane >> 2) + 8 * hr;
+      if (r >= rows) continue;
+      const size_t crow = static_cast<size_t>(row0 + r) * ldc;
+#pragma unroll
+      for (int j = 0; j < BN / 8; ++j) {
+        const int n = n0 + 8 * j + 2 * (lane & 3);
+        if (n >= p.N) continue;
+        const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
+        if (pairs && n + 1 < p.N) {
+          if (!f32_out) {
+            *reinterpret_cast<__half2*>(static_cast<__half*>(p.c) + crow + n) = __floats2half2_rn(v0, v1);
+          } else {
+            float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.c) + crow + n);
+            if (p.out == GemmOut::add_f32) {
+              const float2 old = *dst;
+              *dst = make_float2(old.x + v0, old.y + v1);
+            } else {
+              *dst = make_float2(v0, v1);
+            }
+          }
+          continue;
+        }
+        const float v[2] = {v0, v1};
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          if (n + q >= p.N) continue;
+          if (!f32_out) {
+            static_cast<__half*>(p.c)[crow + n + q] = __float2half_rn(v[q]);
+          } else if (p.out == GemmOut::add_f32) {
+            static_cast<float*>(p.c)[crow + n + q] += v[q];
+          } else {
+            static_cast<float*>(p.c)[crow + n + q] = v[q];
+          }
+        }
+      }
+    }
+  }
+#else
+  (void)p;  // not an sm_90a pass: no wgmma (qgemm_wgmma refuses to launch, see wgmma_built)
+#endif
+}
+
+// Static shared memory only in a device pass for sm_90a: cudaFuncGetAttributes on it says whether the code
+// the runtime loaded for the current device is that pass (and so whether qgemm_wgmma_kernel has a body),
+// without a launch or a copy (safe inside a stream capture).
+__global__ void wgmma_probe_kernel(int* out) {
+#if defined(LILY_QGEMM_WGMMA)
+  __shared__ volatile int marker[64];
+  marker[threadIdx.x & 63] = 1;
+  *out = marker[0];
+#else
+  *out = 0;
+#endif
+}
+
+bool wgmma_built() {
+  static int cached[64] = {};  // per device: 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (cached[dev] == 0) {
+    cudaFuncAttributes attr{};
+    const bool ok = cudaFuncGetAttributes(&attr, wgmma_probe_kernel) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();
+    cached[dev] = ok && attr.sharedSizeBytes >= 64 * sizeof(int) ? 1 : 2;
+  }
+  return cached[dev] == 1;
+}
+
+template <int BN, int BITS>
+cudaError_t launch_wgmma(const WgArgs& a, cudaStream_t stream) {
+  using C = WgTile<BN, BITS>;
+  const dim3 grid((a.M + kWgBM - 1) / kWgBM, (a.N + BN - 1) / BN), block(kWgThreads);
+  if (grid.y > 65535u) return cudaErrorInvalidValue;
+  auto* k = qgemm_wgmma_kernel<BN, BITS>;
+  CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem)));
+  return launch_pdl(k, grid, block, C::kSmem, stream, a);
+}
+
+}  // namespace
+
+cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream) {
+  const QMatrix& w = p.w;
+  const int ldc = p.ldc ? p.ldc : w.rows;
+  if (!w.w || !w.scales || !w.biases || w.rows < 1 || w.cols < kWgGroup || w.cols % kWgGroup != 0 ||
+      (w.bits != 4 && w.bits != 8) || !aligned16(w.w) || !p.a || !p.c || p.M < 1 || ldc < w.rows ||
+      !aligned16(p.a) || (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32)) {
+    return cudaErrorInvalidValue;
+  }
+  if (!wgmma_built()) return cudaErrorInvalidDeviceFunction;
+  WgArgs a;
+  a.w = w, a.a = p.a, a.M = p.M, a.N = w.rows, a.K = w.cols, a.out = p.out, a.c = p.c, a.ldc = ldc;
+  // 128 x 256 tiles (half the shared-memory reads of W per FLOP of 128 x 128) unless they would leave SMs
+  // idle: a K loop runs serially in a block, so a grid of fewer tiles than SMs is bound by one block.
+  const bool wide = static_cast<long>((a.M + kWgBM - 1) / kWgBM) * ((a.N + 255) / 256) >= 132;
+  if (w.bits == 4) return wide ? launch_wgmma<256, 4>(a, stream) : launch_wgmma<128, 4>(a, stream);
+  return wide ? launch_wgmma<256, 8>(a, stream) : launch_wgmma<128, 8>(a, stream);
+}
+
+}  // namespace lily::cuda

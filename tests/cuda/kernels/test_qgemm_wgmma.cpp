@@ -1,0 +1,365 @@
+// qgemm's wgmma path (QGemmParams::use_wgmma, src/cuda/kernels/qgemm_wgmma.cu) against the mma.sync path on
+// every output element and against a CPU reference on sampled elements, on fresh random MLX-quantized
+// weights; exact-integer layout probes that name the misplaced element when a shared-memory layout or a
+// descriptor is wrong; and the TFLOP/s of both paths at M = 4096 (print only).
+//
+// Tolerances as test_qgemm.cpp: both GPU paths round each dequantized weight to fp16 with the same fp32
+// arithmetic (so they see identical weights) and accumulate in fp32 in different orders; the reference rounds
+// its weights to fp16 the same way (at most one fp16 ulp apart where the two fp32 dequantisations straddle a
+// rounding midpoint) and sums in double.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include <cuda_fp16.h>
+
+#include "cuda/kernels/qgemm.cuh"
+#include "cuda_test_util.h"
+#include "generic_refs.h"
+
+namespace lily::cuda::test {
+namespace {
+
+constexpr double kAcc = 3e-5;        // fp32 accumulation, relative to the sum of |terms|
+constexpr double kF16 = 1.0 / 2048;  // fp16 rounding, relative (unit roundoff 2^-11)
+constexpr double kUlp = 1.0 / 1024;  // one fp16 ulp, relative (worst case, normal numbers)
+
+float f16_round(float v) {
+  return f16_bits_to_float(to_f16_bits(v));
+}
+
+// Random quantized matrix: random codes, group scales and biases of N(0, 0.02)-like weights (quantizing
+// random floats with mlx_quantize is too slow for the 12352 x 4096 matrices).
+HostQMatrix fresh_qmatrix(int rows, int cols, int bits, uint32_t seed) {
+  HostQMatrix m;
+  m.rows = rows, m.cols = cols, m.bits = bits;
+  std::mt19937 rng(seed);
+  m.words.resize(rows * m.words_per_row());
+  for (uint32_t& w : m.words) w = static_cast<uint32_t>(rng());
+  m.scales.resize(rows * m.groups_per_row());
+  m.biases.resize(rows * m.groups_per_row());
+  const float levels = static_cast<float>((1 << bits) - 1);
+  std::uniform_real_distribution<float> u(0.6f, 1.4f);
+  for (size_t g = 0; g < m.scales.size(); ++g) {
+    const float s = 0.07f / levels * u(rng);
+    m.scales[g] = to_bf16_bits(s);
+    m.biases[g] = to_bf16_bits(-s * levels * 0.5f * u(rng));
+  }
+  return m;
+}
+
+// Row `row` of m, dequantized in fp32 and rounded to fp16 as the kernels do.
+void dequant_row_f16(const HostQMatrix& m, size_t row, std::vector<float>& out) {
+  out.resize(m.cols);
+  for (int c = 0; c < m.cols; ++c) out[c] = f16_round(m.dequant(static_cast<int>(row), c));
+}
+
+std::vector<uint16_t> to_f16(const std::vector<float>& v) {
+  std::vector<uint16_t> b(v.size());
+  for (size_t i = 0; i < v.size(); ++i) b[i] = to_f16_bits(v[i]);
+  return b;
+}
+
+const __half* as_f16(const DeviceBuffer<uint16_t>& b) {
+  return reinterpret_cast<const __half*>(b.get());
+}
+
+bool is_hopper() {
+  cudaDeviceProp prop{};
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
+}
+
+#define SKIP_WITHOUT_HOPPER()                                                   \
+  do {                                                                          \
+    if (!is_hopper()) GTEST_SKIP() << "the wgmma path needs a compute 9.0 GPU"; \
+  } while (0)
+
+// Runs qgemm on one path into a copy of c0; returns the output as floats.
+std::vector<float> run_path(const QGemmParams& base, bool wgmma, const std::vector<float>& c0, bool* ok) {
+  QGemmParams p = base;
+  p.use_wgmma = wgmma;
+  DeviceBuffer<uint16_t> cb(to_f16(c0));
+  DeviceBuffer<float> cf(c0);
+  p.c = p.out == GemmOut::f16 ? static_cast<void*>(cb.get()) : static_cast<void*>(cf.get());
+  const cudaError_t e = qgemm(p, nullptr);
+  const cudaError_t s = cudaDeviceSynchronize();
+  *ok = e == cudaSuccess && s == cudaSuccess;
+  if (!*ok) {
+    ADD_FAILURE() << (wgmma ? "wgmma" : "mma.sync")
+                  << " path: " << cudaGetErrorString(e != cudaSuccess ? e : s);
+    return {};
+  }
+  if (p.out != GemmOut::f16) return cf.download();
+  const std::vector<uint16_t> b = cb.download();
+  std::vector<float> got(b.size());
+  for (size_t i = 0; i < b.size(); ++i) got[i] = f16_bits_to_float(b[i]);
+  return got;
+}
+
+// A matrix on the device and its fp16-rounded rows on the host (made once, checked at several M).
+struct Weights {
+  HostQMatrix host;
+  QMatrix dev;
+  std::vector<std::vector<float>> rows;  // [N][K] dequantized, fp16-rounded
+  std::vector<double> max_abs;           // [N] max |w| of each row
+  Weights(int N, int K, int bits, uint32_t seed) : host(fresh_qmatrix(N, K, bits, seed)) {
+    dev = host.upload();
+    rows.resize(N);
+    max_abs.assign(N, 0.0);
+    for (int n = 0; n < N; ++n) {
+      dequant_row_f16(host, n, rows[n]);
+      for (float v : rows[n]) max_abs[n] = std::max(max_abs[n], static_cast<double>(std::fabs(v)));
+    }
+  }
+};
+
+void check_wgmma(const Weights& wt, int M, GemmOut out, uint32_t seed) {
+  const int N = wt.host.rows, K = wt.host.cols;
+  const std::vector<std::vector<float>>& w_rows = wt.rows;
+  const std::vector<double>& w_max = wt.max_abs;
+  SCOPED_TRACE(testing::Message() << "M " << M << " N " << N << " K " << K << " bits " << wt.host.bits
+                                  << " out " << static_cast<int>(out));
+  std::vector<float> a = random_vector(static_cast<size_t>(M) * K, seed);
+  for (float& v : a) v = f16_round(v);
+  const int ldc = N + (M % 2) * 3;  // a row stride other than N for odd M
+  const std::vector<float> c0 = random_vector(static_cast<size_t>(M) * ldc, seed + 1);
+  DeviceBuffer<uint16_t> d_a(to_f16(a));
+  QGemmParams p;
+  p.w = wt.dev;
+  p.a = as_f16(d_a);
+  p.M = M;
+  p.out = out;
+  p.ldc = ldc;
+  bool ok_w = false, ok_m = false;
+  const std::vector<float> got = run_path(p, true, c0, &ok_w);
+  const std::vector<float> base = run_path(p, false, c0, &ok_m);
+  if (!ok_w || !ok_m) return;
+
+  // Per-row sum |a| and per-column max |w| bound each output's sum of |terms| (for the all-element check).
+  std::vector<double> a_abs(M, 0.0);
+  for (int r = 0; r < M; ++r)
+    for (int k = 0; k < K; ++k) a_abs[r] += std::fabs(a[static_cast<size_t>(r) * K + k]);
+  auto c_init = [&](size_t i) { return out == GemmOut::f16 ? f16_round(c0[i]) : c0[i]; };
+
+  // 1. wgmma against mma.sync, every element (and nothing written past N).
+  int bad = 0;
+  for (int r = 0; r < M; ++r) {
+    for (int n = 0; n < ldc; ++n) {
+      const size_t i = static_cast<size_t>(r) * ldc + n;
+      if (n >= N) {
+        if (got[i] != c_init(i) && bad++ < 5) ADD_FAILURE() << "wrote past N at row " << r << " col " << n;
+        continue;
+      }
+      double tol = 2 * kAcc * a_abs[r] * w_max[n] + 1e-6;
+      if (out == GemmOut::add_f32) tol += 1e-6 * std::fabs(c0[i]);
+      if (out == GemmOut::f16) tol += kUlp * std::fabs(base[i]);
+      if (!(std::fabs(got[i] - base[i]) <= tol) && bad++ < 5) {
+        ADD_FAILURE() << "vs mma.sync: row " << r << " col " << n << ": wgmma " << got[i] << " mma.sync "
+                      << base[i] << " tol " << tol;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << "wgmma vs mma.sync";
+
+  // 2. wgmma against the CPU reference: all rows up to 80, else the first and last 8 and 24 spread between;
+  // all columns up to 2048, else every 7th and the last 16.
+  std::vector<int> rows, cols;
+  for (int r = 0; r < M; ++r)
+    if (M <= 80 || r < 8 || r >= M - 8 || r % (M / 24) == 0) rows.push_back(r);
+  for (int n = 0; n < N; ++n)
+    if (N <= 2048 || n % 7 == 0 || n >= N - 16) cols.push_back(n);
+  bad = 0;
+  for (int r : rows) {
+    const float* x = &a[static_cast<size_t>(r) * K];
+    for (int n : cols) {
+      const size_t i = static_cast<size_t>(r) * ldc + n;
+      double dot = 0, abs_sum = 0, max_term = 0;
+      for (int k = 0; k < K; ++k) {
+        const double t = static_cast<double>(w_rows[n][k]) * x[k];
+        dot += t, abs_sum += std::fabs(t), max_term = std::max(max_term, std::fabs(t));
+      }
+      double ref = dot, tol = kAcc * abs_sum + 2 * kUlp * max_term + 1e-7;
+      if (out == GemmOut::add_f32) ref += c0[i], tol += 1e-6 * std::fabs(c0[i]);
+      if (out == GemmOut::f16) tol += kF16 * std::fabs(ref);
+      if (!(std::fabs(got[i] - ref) <= tol) && bad++ < 5) {
+        ADD_FAILURE() << "vs CPU: row " << r << " col " << n << ": got " << got[i] << " want " << ref
+                      << " tol " << tol;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << "wgmma vs CPU";
+}
+
+// Structured inputs that make a layout error readable (the first thing to look at if MatchesMmaSyncAndCpu
+// fails): 8-bit codes with scale 1 and bias 0, so weights and products are small exact integers.
+//  (1) A = [I64; I64; ...] (row m has a 1 at column m % 64), W[n][k] = k + 64 (n % 4): C[m][n] = m % 64 + 64
+//  (n % 4),
+//      so a wrong value v names the weight it came from (column v % 64, row class v / 64): B operand layout;
+//  (2) W = I (N = K = 64), A[m][k] = 64 (m % 16) + k: C[m][n] = A[m][n] names the A element it came from.
+HostQMatrix exact_q8(int rows, int cols, int (*code)(int, int)) {
+  HostQMatrix m;
+  m.rows = rows, m.cols = cols, m.bits = 8;
+  m.words.assign(rows * m.words_per_row(), 0u);
+  for (int r = 0; r < rows; ++r)
+    for (int c = 0; c < cols; ++c)
+      m.words[r * m.words_per_row() + c / 4] |= static_cast<uint32_t>(code(r, c) & 0xFF) << (8 * (c % 4));
+  m.scales.assign(rows * m.groups_per_row(), to_bf16_bits(1.0f));
+  m.biases.assign(rows * m.groups_per_row(), to_bf16_bits(0.0f));
+  return m;
+}
+
+TEST(CudaQgemmWgmma, LayoutProbes) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  // B probe with 128-wide tiles (one row tile) and with 128 x 256 tiles (132 row tiles), then the A probe.
+  for (const int run : {0, 1, 2}) {
+    const int probe = run == 2 ? 1 : 0, M = run == 1 ? 132 * 128 : 128, N = probe == 0 ? 256 : 64, K = 64;
+    HostQMatrix w = probe == 0 ? exact_q8(N, K, [](int n, int k) { return k + 64 * (n % 4); })
+                               : exact_q8(N, K, [](int n, int k) { return n == k ? 1 : 0; });
+    std::vector<float> a(static_cast<size_t>(M) * K);
+    for (int m = 0; m < M; ++m)
+      for (int k = 0; k < K; ++k)
+        a[static_cast<size_t>(m) * K + k] = probe == 0 ? (k == m % 64 ? 1.0f : 0.0f) : 64.0f * (m % 16) + k;
+    DeviceBuffer<uint16_t> d_a(to_f16(a));
+    DeviceBuffer<float> d_c(static_cast<size_t>(M) * N);
+    QGemmParams p;
+    p.w = w.upload();
+    p.a = as_f16(d_a);
+    p.M = M;
+    p.c = d_c.get();
+    p.use_wgmma = true;
+    ASSERT_CUDA(qgemm(p, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<float> got = d_c.download();
+    int bad = 0;
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < N; ++n) {
+        const float want =
+            probe == 0 ? static_cast<float>(m % 64 + 64 * (n % 4)) : a[static_cast<size_t>(m) * K + n];
+        const float v = got[static_cast<size_t>(m) * N + n];
+        if (v == want || bad++ >= 12) continue;
+        const int iv = static_cast<int>(v);
+        if (probe == 0) {
+          ADD_FAILURE() << "B probe: C[" << m << "][" << n << "] = " << v << ", want " << want
+                        << (v == iv && iv >= 0 && iv < 256 ? testing::Message()
+                                                                 << " (got the weight of k " << iv % 64
+                                                                 << ", n % 4 = " << iv / 64 << ")"
+                                                           : testing::Message() << " (not a single weight)");
+        } else {
+          ADD_FAILURE() << "A probe: C[" << m << "][" << n << "] = " << v << ", want " << want
+                        << (v == iv && iv >= 0 && iv < 1024
+                                ? testing::Message()
+                                      << " (got A of k " << iv % 64 << ", m % 16 = " << iv / 64 << ")"
+                                : testing::Message() << " (not a single element)");
+        }
+      }
+    EXPECT_EQ(bad, 0) << (probe == 0 ? "B (fp16 W tile) layout, M " : "A tile layout, M ") << M;
+  }
+}
+
+TEST(CudaQgemmWgmma, MatchesMmaSyncAndCpu) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  uint32_t seed = 9000;
+  int mode = 0;
+  for (int bits : {4, 8}) {
+    for (int K : {128, 2048, 4096}) {
+      for (int N : {16, 257, 2048, 12352}) {
+        const Weights wt(N, K, bits, seed += 7);
+        for (int M : {1, 64, 65, 300, 4096}) {
+          // Output modes rotate over the shapes; every mode on the tail shape 65 x 257 and at 4096 x 2048.
+          const bool all_modes = (M == 65 && N == 257) || (M == 4096 && N == 2048);
+          for (int m = 0; m < (all_modes ? 3 : 1); ++m) {
+            check_wgmma(wt, M, static_cast<GemmOut>((mode + m) % 3), seed += 3);
+            if (HasFatalFailure()) return;
+          }
+          ++mode;
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaQgemmWgmma, DirectCallAndBadShapes) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  HostQMatrix w = fresh_qmatrix(16, 128, 4, 77);
+  DeviceBuffer<uint16_t> a(std::vector<uint16_t>(4 * 128, to_f16_bits(1.0f)));
+  DeviceBuffer<float> c(4 * 16);
+  QGemmParams p;
+  p.w = w.upload();
+  p.a = as_f16(a);
+  p.M = 4;
+  p.c = c.get();
+  EXPECT_EQ(qgemm_wgmma(p, nullptr), cudaSuccess);  // use_wgmma false: the direct entry runs wgmma anyway
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> got = c.download();
+  for (int r = 0; r < 4; ++r)
+    for (int n = 0; n < 16; ++n) {
+      double ref = 0;
+      for (int k = 0; k < 128; ++k) ref += f16_round(w.dequant(n, k));
+      EXPECT_NEAR(got[r * 16 + n], ref, 1e-4 * (1 + std::fabs(ref))) << "row " << r << " col " << n;
+    }
+  p.use_wgmma = true;
+  p.ldc = 8;  // < N
+  EXPECT_EQ(qgemm(p, nullptr), cudaErrorInvalidValue);
+  p.ldc = 0;
+  p.M = 0;
+  EXPECT_EQ(qgemm(p, nullptr), cudaErrorInvalidValue);
+  p.M = 4;
+  p.w.cols = 96;  // not a multiple of 64
+  EXPECT_EQ(qgemm(p, nullptr), cudaErrorInvalidValue);
+  p.w.cols = 128;
+  p.w.bits = 3;
+  EXPECT_EQ(qgemm(p, nullptr), cudaErrorInvalidValue);
+  p.w.bits = 4;
+  p.a = reinterpret_cast<const __half*>(reinterpret_cast<const char*>(p.a) + 2);  // not 16-byte aligned
+  EXPECT_EQ(qgemm(p, nullptr), cudaErrorInvalidValue);
+}
+
+// ---- timings (print only)
+// ----------------------------------------------------------------------------------------
+
+TEST(CudaQgemmWgmmaBench, DenseShapes) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  struct Shape {
+    const char* name;
+    int N, K, bits;
+  };
+  const Shape shapes[] = {{"gdn in_proj", 12352, 2048, 4},    {"attn in", 9216, 2048, 4},
+                          {"out_proj", 2048, 4096, 4},        {"N 2048 K 2048", 2048, 2048, 4},
+                          {"N 12352 K 4096", 12352, 4096, 4}, {"N 2048 K 128", 2048, 128, 4},
+                          {"N 257 K 2048", 257, 2048, 4},     {"N 16 K 2048", 16, 2048, 4},
+                          {"gdn in_proj q8", 12352, 2048, 8}, {"router q8", 256, 2048, 8}};
+  const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
+  const DeviceBuffer<uint16_t> a = bench_pool(size_t{4096} * 4096 * 2, 7);  // fp16 activations in +-[1, 1.25)
+  DeviceBuffer<float> c(size_t{4096} * 12352);
+  const int M = 4096;
+  std::printf(
+      "\nqgemm at M %d, cold weights (a different copy per call), CUDA-graph replay: mma.sync | wgmma\n", M);
+  for (const Shape& s : shapes) {
+    double tf[2] = {0, 0}, us[2] = {0, 0};
+    for (int path = 0; path < 2; ++path) {
+      us[path] = graph_time_us(
+          [&](int i, cudaStream_t st) {
+            QGemmParams p;
+            p.w = bench_qmatrix(pool, s.N, s.K, s.bits, i);
+            p.a = as_f16(a);
+            p.M = M;
+            p.c = c.get();
+            p.use_wgmma = path == 1;
+            return qgemm(p, st);
+          },
+          4);
+      tf[path] = us[path] > 0 ? 2.0 * M * s.N * s.K / (us[path] * 1e6) : 0;
+    }
+    std::printf("  %-16s N %6d K %5d q%d: %9.1f us %6.1f TFLOP/s | %9.1f us %6.1f TFLOP/s (%4.2fx)\n", s.name,
+                s.N, s.K, s.bits, us[0], tf[0], us[1], tf[1], tf[0] > 0 ? tf[1] / tf[0] : 0.0);
+  }
+}
+
+}  // namespace
+}  // namespace lily::cuda::test
