@@ -38,6 +38,17 @@
 //    scan; the whole call at T = 256 and up is faster chunked (10: 0.093 ms vs 0.099 ms at 256, 1.03 vs 1.38 ms
 //    at 4096), slower below. Both chunk kernels are latency bound (the 64-step substitution by 2 warps; one
 //    block of 4-8 warps per SM through 3 dependent products per chunk), far from the tensor cores' rate.
+// 2''. Or the chunked form split in two (scan_variant 11: 3xTF32, 8 warps; 12: tf32, 4 warps; as
+//    flash-linear-attention's chunk_gated_delta_rule splits fwd_h from fwd_o): gdn_chunk_prep_kernel as in 2';
+//    gdn_chunk_state_kernel walks the chunks per (value head, 32 columns of S) carrying only the state: per chunk it
+//    stores S_c (the chunk's start state, fp32) to scratch hs [nc, n_v, d_k, d_v], forms V' = U - W S_c (to scratch
+//    over U) and S <- exp(G_63) S + (exp(G_63 - G) k)^T V': two dependent products and two barriers per chunk
+//    instead of three and four, its inputs (W, U, k, exp factors: 72 KB, not 120) double buffered a whole chunk
+//    ahead, and the B operands S and V' stored split into tf32 hi / lo once by their owners instead of converted
+//    by each of the 4-8 warps that read them. gdn_chunk_out_kernel then forms O = (exp(G) q) S_c + P V' for every (chunk, value head, 64 columns) at
+//    once (4,096 blocks at T = 4096). Same operands and order of sums as 2', so the results match 9/10 (11) and 7/8
+//    (12) to the bit. Costs the hs section: 2 MiB of scratch per 64 rows at full geometry (128 MiB at T = 4096),
+//    written and read once (256 MB of traffic at T = 4096, ~60 us at the copy rate). UNVERIFIED ON GPU.
 // 3. gdn_norm, block per row: eq 19 x = norm_w * o / RMS(o_head) * silu(z) in fp16 (as gdn.cu's fused norm), and the
 //    rows t >= T-K copy their pre-conv vector into ring slot (pos0+t) mod K (after kernel 1 has read the ring).
 //
@@ -60,7 +71,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kCols = 32;                     // columns of S per scan block
 constexpr int kRowsPerStage = 16;             // rows staged into shared memory at a time
 constexpr int kKernel = 4;
-constexpr int kScanVariants = 10;  // GdnPrefillParams::scan_variant
+constexpr int kScanVariants = 12;  // GdnPrefillParams::scan_variant
 constexpr int kChunk = 64;        // rows per chunk of the chunked formulation
 constexpr int kChunkedMinT = 256; // the default (scan_variant 0) takes the chunked path (10) from this many rows
 
@@ -87,6 +98,7 @@ struct Scratch {
   float* w;      // [nc, n_v, 64, d_k] W = T (beta exp(G) k_hat)
   float* pqk;    // [nc, n_v, 64, 64] (q_hat k_hat^T) o causal mask o exp(G_i - G_j)
   float* gk;     // [nc, n_v, 128] exp(G_i) | exp(G_63 - G_i)
+  float* hs;     // [nc, n_v, d_k, d_v] S at each chunk's start (the split chunked path, variants 11, 12)
 };
 
 size_t align256(size_t b) { return (b + 255) / 256 * 256; }
@@ -95,7 +107,8 @@ Scratch carve(void* base, int T, int n_k, int n_v, int d_k, int d_v, size_t* tot
   const size_t rows = static_cast<size_t>(T), padded = static_cast<size_t>((T + kChunk - 1) / kChunk) * kChunk;
   const size_t qk = align256(sizeof(float) * rows * n_k * d_k), vo = align256(sizeof(float) * rows * n_v * d_v),
                g = align256(sizeof(float4) * rows * n_v), w = align256(sizeof(float) * padded * n_v * d_k),
-               pqk = align256(sizeof(float) * padded * n_v * kChunk), gk = align256(sizeof(float) * padded * n_v * 2);
+               pqk = align256(sizeof(float) * padded * n_v * kChunk), gk = align256(sizeof(float) * padded * n_v * 2),
+               hs = align256(sizeof(float) * (padded / kChunk) * n_v * d_k * d_v);
   char* p = static_cast<char*>(base);
   Scratch s;
   s.q = reinterpret_cast<float*>(p);
@@ -106,7 +119,8 @@ Scratch carve(void* base, int T, int n_k, int n_v, int d_k, int d_v, size_t* tot
   s.w = reinterpret_cast<float*>(p + 2 * qk + 2 * vo + g);
   s.pqk = reinterpret_cast<float*>(p + 2 * qk + 2 * vo + g + w);
   s.gk = reinterpret_cast<float*>(p + 2 * qk + 2 * vo + g + w + pqk);
-  if (total) *total = 2 * qk + 2 * vo + g + w + pqk + gk;
+  s.hs = reinterpret_cast<float*>(p + 2 * qk + 2 * vo + g + w + pqk + gk);
+  if (total) *total = 2 * qk + 2 * vo + g + w + pqk + gk + hs;
   return s;
 }
 
@@ -430,6 +444,7 @@ __device__ __forceinline__ uint32_t tf32(float x) { return (__float_as_uint(x) +
 template <bool kSplit, int N>
 struct Frag {
   uint32_t hi[N], lo[N];
+  Frag() = default;
   __device__ __forceinline__ explicit Frag(const float (&x)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) {
@@ -827,6 +842,304 @@ cudaError_t launch_chunked(const GdnPrefillParams& p, const Scratch& s, cudaStre
   return cudaGetLastError();
 }
 
+// ---- kernels 2c/2d: the chunked formulation split into a state pass and a parallel output pass ----------------
+// (scan_variant 11, 12; flash-linear-attention's fwd_h / fwd_o split.) gdn_chunk_prep_kernel as above, then
+// gdn_chunk_state_kernel carries only the state through the chunks and gdn_chunk_out_kernel forms every chunk's
+// output at once from the stored chunk-start states.
+
+template <int D>
+constexpr size_t chunk_state_smem() {
+  constexpr int LDC = kChunkCols + 8;
+  return sizeof(float) * (2 * (kChunk * (D + 4) + kChunk * LDC + kChunk * (D + 8) + 2 * kChunk) + 2 * D * LDC +
+                          kChunk * LDC);
+}
+
+// x as Frag splits it (its tf32 rounding, and with kSplit the tf32 rounding of the remainder; else 0), as floats,
+// for an operand stored split once and read back as fragments by several warps (frag_pre).
+template <bool kSplit>
+__device__ __forceinline__ float2 split_tf32(float x) {
+  const uint32_t hi = tf32(x);
+  return make_float2(__uint_as_float(hi), kSplit ? __uint_as_float(tf32(x - __uint_as_float(hi))) : 0.0f);
+}
+
+// The B fragment {B[t][g], B[t+4][g]} (elements i0, i1) of an operand stored split by split_tf32: the same bits as
+// Frag<kSplit, 2> of the unsplit values, without the conversions.
+template <bool kSplit>
+__device__ __forceinline__ Frag<kSplit, 2> frag_pre(const float* hi, const float* lo, int i0, int i1) {
+  Frag<kSplit, 2> f;
+  f.hi[0] = __float_as_uint(hi[i0]), f.hi[1] = __float_as_uint(hi[i1]);
+  f.lo[0] = kSplit ? __float_as_uint(lo[i0]) : 0u;
+  f.lo[1] = kSplit ? __float_as_uint(lo[i1]) : 0u;
+  return f;
+}
+
+// Block (value head h, columns j0 .. j0 + 32 of S), NW = 4 or 8 warps, the chunks in order with S[:, j0..] in
+// registers (fp32) and a copy in shared memory as an operand; per chunk c:
+//   S (the chunk's start state) -> scratch hs; V' = U - W S -> scratch v (over U) and shared memory;
+//   S <- exp(G_63) S + (exp(G_63 - G) k)^T V'.
+// The same arithmetic as gdn_chunk_scan_kernel's V' and update (same operands, same order of the k sums), less the
+// output product. Warp (mt = warp % 4, ch = warp / 4) owns rows 16 mt.. of V' and rows D/4 mt.. of S, columns
+// CW ch.. of the block's (CW = 32 / (NW / 4)). The inputs (W, U, k, the exp factors) are double buffered: chunk
+// c + 1's arrive by cp.async during chunk c, so a chunk has two barriers: (A) its inputs and S in shared memory
+// visible; (B) V' complete, after which the S operand is free (only V' reads it) and the update's result goes
+// straight there. The two B operands read by several warps, S (by the 4 row groups in V') and V' (by the 4 row
+// groups and both halves of S's rows in the update), are stored already split into tf32 hi / lo by their owner
+// (split_tf32, frag_pre: the same bits as converting at every read); V' hi overwrites U in place (each thread reads
+// the U elements it then writes), V' lo has its own array.
+template <int D, int NW, bool kSplit>
+__global__ void __launch_bounds__(NW * 32) gdn_chunk_state_kernel(const __grid_constant__ GdnPrefillParams p, Scratch s) {
+  constexpr int kNThreads = NW * 32, NC = kChunkCols, CW = NC / (NW / 4), NT = CW / 8;
+  constexpr int LDA = D + 4, LDK = D + 8, LDC = NC + 8, MS = D / 64;
+  constexpr int kBuf = kChunk * LDA + kChunk * LDC + kChunk * LDK + 2 * kChunk;  // floats per input buffer
+  static_assert(kBuf % 4 == 0, "16-byte aligned buffers");
+  using FA = Frag<kSplit, 4>;
+  extern __shared__ __align__(16) float smem[];
+  // Buffer b: [64][LDA] W | [64][LDC] U, then V' | [64][LDK] k_hat | [128] exp(G_i) | exp(G_63 - G_i).
+  float* sh_s = smem + 2 * kBuf;  // [D][LDC] S at the chunk's start, tf32 part
+  float* sl_s = sh_s + D * LDC;   // [D][LDC] ... the remainder's (kSplit)
+  float* vl_s = sl_s + D * LDC;   // [64][LDC] V', the remainder's tf32 part (kSplit; V' hi is over U)
+  const int col_blocks = D / NC, h = blockIdx.x / col_blocks, j0 = blockIdx.x % col_blocks * NC;
+  const int kh = h / (p.n_v / p.n_k), nc = (p.T + kChunk - 1) / kChunk;
+  const size_t value_dim = static_cast<size_t>(p.n_v) * D;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int r0 = (warp & 3) * 16, rs = (warp & 3) * 16 * MS, c0 = warp / 4 * CW;
+  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+  auto load = [&](int c) {  // chunk c's inputs into buffer c & 1 (one commit group)
+    if (c < nc) {
+      float* w_s = smem + (c & 1) * kBuf;
+      float* u_s = w_s + kChunk * LDA;
+      float* k_s = u_s + kChunk * LDC;
+      float* gk_s = k_s + kChunk * LDK;
+      const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+      const float* w = s.w + (static_cast<size_t>(c) * p.n_v + h) * kChunk * D;
+      for (int i = threadIdx.x; i < kChunk * D / 4; i += kNThreads) {
+        const int r = i / (D / 4), d = i % (D / 4) * 4;
+        cp_async16(w_s + r * LDA + d, w + r * D + d);
+        if (r < n) cp_async16(k_s + r * LDK + d, s.k + (static_cast<size_t>(t0 + r) * p.n_k + kh) * D + d);
+        else *reinterpret_cast<float4*>(k_s + r * LDK + d) = zero4;
+      }
+      for (int i = threadIdx.x; i < kChunk * NC / 4; i += kNThreads) {
+        const int r = i / (NC / 4), d = i % (NC / 4) * 4;
+        if (r < n) cp_async16(u_s + r * LDC + d, s.v + static_cast<size_t>(t0 + r) * value_dim + h * D + j0 + d);
+        else *reinterpret_cast<float4*>(u_s + r * LDC + d) = zero4;
+      }
+      const float* gk = s.gk + (static_cast<size_t>(c) * p.n_v + h) * 2 * kChunk;
+      for (int i = threadIdx.x; i < 2 * kChunk / 4; i += kNThreads) cp_async16(gk_s + i * 4, gk + i * 4);
+    }
+    cp_async_commit();
+  };
+
+  load(0);
+  float S[MS][NT][4];  // S[rs + 16 ms + g (+8)][j0 + c0 + 8 nt + 2t (+1)]
+  float* S_g = p.S + static_cast<size_t>(h) * D * D + j0 + c0;
+#pragma unroll
+  for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float2 x = *reinterpret_cast<const float2*>(S_g + static_cast<size_t>(rs + 16 * ms + g + 8 * hf) * D + 8 * nt + 2 * t);
+        S[ms][nt][2 * hf] = x.x, S[ms][nt][2 * hf + 1] = x.y;
+      }
+  // S -> shared memory (split) and, for chunk c, to scratch hs (the output pass's operand).
+  auto store_state = [&](int c) {
+    float* hs = s.hs + (static_cast<size_t>(c) * p.n_v + h) * D * D + j0 + c0;
+#pragma unroll
+    for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = rs + 16 * ms + g + 8 * hf, col = 8 * nt + 2 * t;
+          const float2 x = make_float2(S[ms][nt][2 * hf], S[ms][nt][2 * hf + 1]);
+          const float2 a = split_tf32<kSplit>(x.x), b = split_tf32<kSplit>(x.y);
+          *reinterpret_cast<float2*>(sh_s + row * LDC + c0 + col) = make_float2(a.x, b.x);
+          if (kSplit) *reinterpret_cast<float2*>(sl_s + row * LDC + c0 + col) = make_float2(a.y, b.y);
+          if (c < nc) *reinterpret_cast<float2*>(hs + static_cast<size_t>(row) * D + col) = x;
+        }
+  };
+  store_state(0);
+
+  for (int c = 0; c < nc; ++c) {
+    const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+    float* w_s = smem + (c & 1) * kBuf;
+    float* u_s = w_s + kChunk * LDA;  // U, then V' (tf32 part)
+    const float* k_s = u_s + kChunk * LDC;
+    const float* gk_s = k_s + kChunk * LDK;
+    cp_async_wait<0>();  // chunk c's inputs (the only group in flight)
+    __syncthreads();     // (A) ... visible to every warp, and S in sh_s / sl_s; buffer (c + 1) & 1 free (chunk c - 1's)
+    load(c + 1);
+    {  // V' = U - W S
+      float acc[NT][4] = {};
+#pragma unroll 4
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        const FA af({w_s[(r0 + g) * LDA + k0 + t], w_s[(r0 + g + 8) * LDA + k0 + t], w_s[(r0 + g) * LDA + k0 + t + 4],
+                     w_s[(r0 + g + 8) * LDA + k0 + t + 4]});
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+          mma(acc[nt], af, frag_pre<kSplit>(sh_s, sl_s, (k0 + t) * LDC + c0 + 8 * nt + g, (k0 + t + 4) * LDC + c0 + 8 * nt + g));
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = r0 + g + 8 * hf, off = i * LDC + c0 + 8 * nt + 2 * t;
+          const float2 u = *reinterpret_cast<const float2*>(u_s + off);
+          const float2 v2 = make_float2(u.x - acc[nt][2 * hf], u.y - acc[nt][2 * hf + 1]);
+          const float2 a = split_tf32<kSplit>(v2.x), b = split_tf32<kSplit>(v2.y);
+          *reinterpret_cast<float2*>(u_s + off) = make_float2(a.x, b.x);
+          if (kSplit) *reinterpret_cast<float2*>(vl_s + off) = make_float2(a.y, b.y);
+          if (i < n)
+            *reinterpret_cast<float2*>(s.v + static_cast<size_t>(t0 + i) * value_dim + h * D + j0 + c0 + 8 * nt + 2 * t) = v2;
+        }
+    }
+    __syncthreads();  // (B) V' complete; sh_s / sl_s free
+    {  // S <- exp(G_63) S + (exp(G_63 - G) k)^T V'
+      const float decay = gk_s[kChunk - 1];
+#pragma unroll
+      for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) S[ms][nt][e] *= decay;
+#pragma unroll 2
+      for (int k0 = 0; k0 < kChunk; k0 += 8) {
+        const float f0 = gk_s[kChunk + k0 + t], f1 = gk_s[kChunk + k0 + t + 4];
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms) {
+          const int d = rs + 16 * ms + g;
+          const FA af({k_s[(k0 + t) * LDK + d] * f0, k_s[(k0 + t) * LDK + d + 8] * f0, k_s[(k0 + t + 4) * LDK + d] * f1,
+                       k_s[(k0 + t + 4) * LDK + d + 8] * f1});
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            mma(S[ms][nt], af, frag_pre<kSplit>(u_s, vl_s, (k0 + t) * LDC + c0 + 8 * nt + g, (k0 + t + 4) * LDC + c0 + 8 * nt + g));
+        }
+      }
+    }
+    store_state(c + 1);  // chunk c + 1's start state (to scratch only if there is a chunk c + 1)
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<float2*>(S_g + static_cast<size_t>(rs + 16 * ms + g + 8 * hf) * D + 8 * nt + 2 * t) =
+            make_float2(S[ms][nt][2 * hf], S[ms][nt][2 * hf + 1]);
+}
+
+constexpr int kOutCols = 64;  // columns of O per block of the output pass
+
+template <int D>
+constexpr size_t chunk_out_smem() {
+  constexpr int LDC = kOutCols + 8;
+  return sizeof(float) * (kChunk * (D + 4) + kChunk * kLdT + D * LDC + kChunk * LDC + kChunk);
+}
+
+// Block (chunk c, value head h, columns j0 .. j0 + 64), 8 warps, independent of every other block:
+//   O = (exp(G) q) S_c + P V' -> scratch o (rows < T), S_c the chunk's start state from scratch hs, V' from scratch v.
+// Warp (mt = warp % 4, ch = warp / 4) owns rows 16 mt.. and columns 32 ch.. of the block's; the k sums in the order
+// of gdn_chunk_scan_kernel's output product (q S over d, then P V' over j < 16 (mt + 1)).
+template <int D, bool kSplit>
+__global__ void __launch_bounds__(kThreads) gdn_chunk_out_kernel(const __grid_constant__ GdnPrefillParams p, Scratch s) {
+  constexpr int NC = kOutCols, CW = 32, NT = CW / 8, LDA = D + 4, LDC = NC + 8;
+  using FA = Frag<kSplit, 4>;
+  using FB = Frag<kSplit, 2>;
+  extern __shared__ __align__(16) float smem[];
+  float* q_s = smem;                  // [64][LDA] q_hat
+  float* p_s = q_s + kChunk * LDA;    // [64][kLdT] P
+  float* s_s = p_s + kChunk * kLdT;   // [D][LDC] S_c
+  float* v_s = s_s + D * LDC;         // [64][LDC] V'
+  float* gq_s = v_s + kChunk * LDC;   // [64] exp(G_i)
+  const int c = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * NC, kh = h / (p.n_v / p.n_k);
+  const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+  const size_t value_dim = static_cast<size_t>(p.n_v) * D;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int r0 = (warp & 3) * 16, c0 = warp / 4 * CW;
+  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+  // Two commit groups: q, S_c and exp(G) (the first product), then P and V'.
+  const float* hs = s.hs + (static_cast<size_t>(c) * p.n_v + h) * D * D + j0;
+  for (int i = threadIdx.x; i < kChunk * D / 4; i += kThreads) {
+    const int r = i / (D / 4), d = i % (D / 4) * 4;
+    if (r < n) cp_async16(q_s + r * LDA + d, s.q + (static_cast<size_t>(t0 + r) * p.n_k + kh) * D + d);
+    else *reinterpret_cast<float4*>(q_s + r * LDA + d) = zero4;
+  }
+  for (int i = threadIdx.x; i < D * NC / 4; i += kThreads) {
+    const int r = i / (NC / 4), d = i % (NC / 4) * 4;
+    cp_async16(s_s + r * LDC + d, hs + static_cast<size_t>(r) * D + d);
+  }
+  const float* gk = s.gk + (static_cast<size_t>(c) * p.n_v + h) * 2 * kChunk;
+  for (int i = threadIdx.x; i < kChunk / 4; i += kThreads) cp_async16(gq_s + i * 4, gk + i * 4);
+  cp_async_commit();
+  const float* pqk = s.pqk + (static_cast<size_t>(c) * p.n_v + h) * kChunk * kChunk;
+  for (int i = threadIdx.x; i < kChunk * kChunk / 4; i += kThreads) {
+    const int r = i / (kChunk / 4), d = i % (kChunk / 4) * 4;
+    cp_async16(p_s + r * kLdT + d, pqk + r * kChunk + d);
+  }
+  for (int i = threadIdx.x; i < kChunk * NC / 4; i += kThreads) {
+    const int r = i / (NC / 4), d = i % (NC / 4) * 4;
+    if (r < n) cp_async16(v_s + r * LDC + d, s.v + static_cast<size_t>(t0 + r) * value_dim + h * D + j0 + d);
+    else *reinterpret_cast<float4*>(v_s + r * LDC + d) = zero4;
+  }
+  cp_async_commit();
+
+  float acc[NT][4] = {};
+  cp_async_wait<1>();
+  __syncthreads();
+  {  // (exp(G) q) S_c
+    const float gm0 = gq_s[r0 + g], gm1 = gq_s[r0 + g + 8];
+#pragma unroll 4
+    for (int k0 = 0; k0 < D; k0 += 8) {
+      const FA af({q_s[(r0 + g) * LDA + k0 + t] * gm0, q_s[(r0 + g + 8) * LDA + k0 + t] * gm1,
+                   q_s[(r0 + g) * LDA + k0 + t + 4] * gm0, q_s[(r0 + g + 8) * LDA + k0 + t + 4] * gm1});
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        mma(acc[nt], af, FB({s_s[(k0 + t) * LDC + c0 + 8 * nt + g], s_s[(k0 + t + 4) * LDC + c0 + 8 * nt + g]}));
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  // + P V' (P lower triangular: columns j < r0 + 16)
+#pragma unroll 2
+  for (int k0 = 0; k0 < r0 + 16; k0 += 8) {
+    const FA af({p_s[(r0 + g) * kLdT + k0 + t], p_s[(r0 + g + 8) * kLdT + k0 + t], p_s[(r0 + g) * kLdT + k0 + t + 4],
+                 p_s[(r0 + g + 8) * kLdT + k0 + t + 4]});
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      mma(acc[nt], af, FB({v_s[(k0 + t) * LDC + c0 + 8 * nt + g], v_s[(k0 + t + 4) * LDC + c0 + 8 * nt + g]}));
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = r0 + g + 8 * hf;
+      if (i < n)
+        *reinterpret_cast<float2*>(s.o + static_cast<size_t>(t0 + i) * value_dim + h * D + j0 + c0 + 8 * nt + 2 * t) =
+            make_float2(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+    }
+}
+
+template <int D, int NW, bool kSplit>
+cudaError_t launch_chunked_split(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream) {
+  constexpr size_t kPrepSmem = chunk_prep_smem<D>(), kStateSmem = chunk_state_smem<D>(), kOutSmem = chunk_out_smem<D>();
+  CUDA_TRY(cudaFuncSetAttribute(gdn_chunk_prep_kernel<D, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kPrepSmem)));
+  CUDA_TRY(cudaFuncSetAttribute(gdn_chunk_state_kernel<D, NW, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kStateSmem)));
+  CUDA_TRY(cudaFuncSetAttribute(gdn_chunk_out_kernel<D, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                static_cast<int>(kOutSmem)));
+  const int nc = (p.T + kChunk - 1) / kChunk;
+  gdn_chunk_prep_kernel<D, kSplit><<<dim3(nc, p.n_v), kThreads, kPrepSmem, stream>>>(p, s);
+  CUDA_TRY(cudaGetLastError());
+  gdn_chunk_state_kernel<D, NW, kSplit><<<p.n_v * (D / kChunkCols), NW * 32, kStateSmem, stream>>>(p, s);
+  CUDA_TRY(cudaGetLastError());
+  gdn_chunk_out_kernel<D, kSplit><<<dim3(nc, p.n_v, D / kOutCols), kThreads, kOutSmem, stream>>>(p, s);
+  return cudaGetLastError();
+}
+
 // ---- kernel 3: gated RMSNorm (eq 19) and the conv ring ---------------------------------------------------------
 __global__ void __launch_bounds__(kThreads) gdn_norm_kernel(const __grid_constant__ GdnPrefillParams p, Scratch s) {
   const int t = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -866,6 +1179,8 @@ cudaError_t launch(const GdnPrefillParams& p, const Scratch& s, cudaStream_t str
     case 8: CUDA_TRY((launch_chunked<DK, 8, false>(p, s, stream))); break;
     case 9: CUDA_TRY((launch_chunked<DK, 4, true>(p, s, stream))); break;
     case 10: CUDA_TRY((launch_chunked<DK, 8, true>(p, s, stream))); break;
+    case 11: CUDA_TRY((launch_chunked_split<DK, 8, true>(p, s, stream))); break;
+    case 12: CUDA_TRY((launch_chunked_split<DK, 4, false>(p, s, stream))); break;
     default: gdn_scan_cols_kernel<DK, 8><<<grid, 32 * 8, 0, stream>>>(p, s); break;
   }
   CUDA_TRY(cudaGetLastError());

@@ -8,6 +8,9 @@
 // The conv ring is the decode kernels' convention (gdn.cuh): `kernel` pre-conv vectors, the vector of position p in
 // slot p % kernel; after the call it holds positions pos0+T-kernel .. pos0+T-1 exactly as T decode steps would.
 // Moves the proj rows (T * (2*conv_dim... ) * 4 bytes) and S twice; FLOPs ~ 4 * T * n_v * d_k * d_v.
+// Scratch (gdn_prefill_scratch_bytes) is linear in T: ~73 KB a row at full geometry for the row-wise sections, plus
+// the chunk-start states of the split chunked path (variants 11, 12): ceil(T / 64) * n_v * d_k * d_v * 4 bytes,
+// 2 MiB per 64 rows at full geometry (128 MiB at T = 4096), reserved whichever variant runs.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -33,8 +36,11 @@ struct GdnPrefillParams {
   // The recurrence's kernels, for benchmarks and tests (gdn_prefill.cu). 1-6, the sequential scan: 1, 2, 3: the 32
   // lanes of a warp span d_k, 2, 4 or 8 columns per warp; 4, 5, 6: 4, 8 or 16 lanes per column. 7-10: the chunked
   // (WY / UT-transform) formulation on the tensor cores (needs d_v = d_k), 4 or 8 warps per 32 columns of S:
-  // 7, 8 in tf32 (~1e-2 of the head's RMS off), 9, 10 in 3xTF32 (fp32 accuracy). 0, the default: 10 from 256
-  // rows on (the crossover measured on the H200) when d_v = d_k, else 5.
+  // 7, 8 in tf32 (~1e-2 of the head's RMS off), 9, 10 in 3xTF32 (fp32 accuracy). 11, 12: the chunked path split
+  // (flash-linear-attention's fwd_h / fwd_o) into a serial pass that only carries the state (storing each chunk's
+  // start state and V') and a fully parallel output pass; 11 in 3xTF32 (8 warps), 12 in tf32 (4 warps); the same
+  // arithmetic as 9, 10 and 7, 8; UNVERIFIED ON GPU (docs/PERF_NOTES.md). 0, the default: 10 from 256 rows on (the
+  // crossover measured on the H200) when d_v = d_k, else 5.
   int scan_variant = 0;
 };
 

@@ -1,6 +1,6 @@
 // gdn_prefill (eqs 14-19 over T rows) against a host reference of the same equations written from
-// src/cpu/delta_net.cpp (double sums), against T decode steps (dispatch::gdn_step with its gated norm), and one chunk
-// against two; plus a timing test (prints only).
+// src/cpu/delta_net.cpp (double sums), against T decode steps (dispatch::gdn_step with its gated norm), one chunk
+// against two, and the split chunked path against the unsplit one; plus a timing test (prints only).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -26,11 +26,12 @@ using test::kTiny;
 using test::random_vector;
 
 constexpr int kK = 4;  // conv kernel
-// GdnPrefillParams::scan_variant: 1-6 the sequential scan, 7-10 the chunked formulation, 7-8 in tf32, 9-10 in
-// 3xTF32 (0, the default, is one of them, chosen by T).
-constexpr int kVariants[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10};
+// GdnPrefillParams::scan_variant: 1-6 the sequential scan, 7-12 the chunked formulation: 7-10 with the output inside
+// the serial walk (7-8 in tf32, 9-10 in 3xTF32), 11-12 split into a state pass and a parallel output pass (11 in
+// 3xTF32, 12 in tf32) (0, the default, is one of them, chosen by T).
+constexpr int kVariants[] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12};
 bool chunked(int variant) { return variant >= 7; }
-bool chunked_tf32(int variant) { return variant == 7 || variant == 8; }
+bool chunked_tf32(int variant) { return variant == 7 || variant == 8 || variant == 12; }
 
 struct Weights {
   std::vector<float> conv_w, A_log, dt_bias, norm_w;
@@ -225,6 +226,7 @@ constexpr double kStateTol = 1e-4, kOutRel = 1.0 / 256, kOutAbs = 5e-4;
 // H200: S 1.1e-3 vs decode steps). Asserted: S 3e-3 abs + rel (30x the fp32 tolerance), output 4e-2 absolute
 // (1.1e-2 RMS x |w silu(z)| up to ~4) + 2^-7 relative. In 3xTF32 (variants 9, 10: a_hi b_hi + a_hi b_lo + a_lo b_hi,
 // only lo x lo ~2^-22 dropped) the same model is within ~3e-6 of the RMS: asserted at the fp32 tolerances.
+// The split path does the same products on the same operands in the same order (12 as 7, 8; 11 as 9, 10).
 constexpr double kTf32StateTol = 3e-3, kTf32OutRel = 1.0 / 128, kTf32OutAbs = 4e-2;
 double state_tol(int variant) { return chunked_tf32(variant) ? kTf32StateTol : kStateTol; }
 double out_abs(int variant) { return chunked_tf32(variant) ? kTf32OutAbs : kOutAbs; }
@@ -371,6 +373,42 @@ TEST(CudaGdnPrefill, TwoChunksEqualOne) {
   }
 }
 
+// The split chunked path (11, 12) against the unsplit one of the same precision (9, 7): the same products on the
+// same operands with the same order of sums, only in other kernels, so outputs and states should agree to the bit
+// (asserted within 1e-6 abs + rel; the bit-identical counts printed).
+void check_split(const Geometry& g, int T, uint32_t seed, int split, int unsplit) {
+  SCOPED_TRACE(std::string(g.name) + " T=" + std::to_string(T) + " variant " + std::to_string(split) + " vs " +
+               std::to_string(unsplit));
+  const Weights w = random_weights(g, seed);
+  const State st = random_state(g, seed + 10);
+  const auto proj = random_vector(static_cast<size_t>(T) * g.gdn_proj(), seed + 20);
+  const DeviceBuffer<float> d_proj(proj);
+  DeviceGdn a(g, w, st, T), b(g, w, st, T);
+  a.variant = split, b.variant = unsplit;
+  ASSERT_CUDA(a.prefill(d_proj.get(), T, 37));
+  ASSERT_CUDA(b.prefill(d_proj.get(), T, 37));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  const auto xa = a.output(T), xb = b.output(T), sa = a.S.download(), sb = b.S.download();
+  const double ex = compare(xa, xb, 1e-6, 1e-6, "out, split vs unsplit", g.value_dim());
+  const double es = compare(sa, sb, 1e-6, 1e-6, "S, split vs unsplit", g.d_v);
+  size_t same_x = 0, same_s = 0;
+  for (size_t i = 0; i < xa.size(); ++i) same_x += xa[i] == xb[i];
+  for (size_t i = 0; i < sa.size(); ++i) same_s += sa[i] == sb[i];
+  printf("[gdn_prefill] %-4s T=%4d variant %d vs %d: %zu of %zu outputs, %zu of %zu S elements bit-identical (max "
+         "|out diff| %.2e, max |S diff| %.2e)\n",
+         g.name, T, split, unsplit, same_x, xa.size(), same_s, sa.size(), ex, es);
+}
+
+TEST(CudaGdnPrefill, SplitMatchesUnsplit) {
+  SKIP_WITHOUT_GPU();
+  for (int T : {65, 4097}) {
+    check_split(kFull, T, 600 + T, 11, 9);
+    check_split(kFull, T, 610 + T, 12, 7);
+    check_split(kTiny, T, 620 + T, 11, 9);
+    check_split(kTiny, T, 630 + T, 12, 7);
+  }
+}
+
 TEST(CudaGdnPrefill, RejectsBadShapes) {
   GdnPrefillParams p;  // null pointers
   EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
@@ -392,9 +430,11 @@ TEST(CudaGdnPrefill, RejectsBadShapes) {
   EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
   p.n_v = 32, p.T = 0;
   EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
-  p.T = 1, p.scan_variant = 11;
+  p.T = 1, p.scan_variant = 13;
   EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
   p.scan_variant = 7, p.d_v = 64;  // the chunked path needs d_v = d_k
+  EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
+  p.scan_variant = 11;  // ... the split one too
   EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
   p.d_v = 128;
   p.scan_variant = 0, p.scratch_bytes = 16;
@@ -411,7 +451,7 @@ TEST(CudaGdnPrefillBench, FullGeometry) {
   DeviceGdn dev(g, w, random_state(g, 510), kMaxT);
   const DeviceBuffer<float> d_proj(random_vector(static_cast<size_t>(kMaxT) * g.gdn_proj(), 520));
   for (int T : {64, 128, 256, 512, 1024, 4096})
-    for (int variant : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10}) {
+    for (int variant : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12}) {
       const double us = test::graph_time_us(
           [&](int, cudaStream_t s) {
             GdnPrefillParams p = dev.params(d_proj.get(), T, 37, reinterpret_cast<__half*>(dev.out.get()));
