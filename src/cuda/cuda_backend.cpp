@@ -327,7 +327,7 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
     STEP_OP("rms_norm", rows * H * 6, rms_norm_rows(ph_.ptr, L.input_norm, T, H, eps, pxb_.ptr, stream_));
     const QMatrix& in = L.type == LayerType::linear_attention ? L.gdn_in : L.attn_in;
     const QMatrix& out = L.type == LayerType::linear_attention ? L.gdn_out : L.attn_out;
-    QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0};
+    QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0, options_.dense_wgmma};
     if (L.type == LayerType::linear_attention) {
       STEP_OP("qgemm gdn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
       GdnPrefillParams g{pproj_.ptr, T, pos0, s.conv[l]->ptr, L.conv_w, L.A_log, L.dt_bias, s.S[l]->ptr,
@@ -336,7 +336,7 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
                          pscratch_.ptr, pscratch_.bytes(), options_.gdn_scan_variant};
       STEP_OP("gdn_prefill", 2.0 * s.S[l]->bytes(), gdn_prefill(g, stream_),
               4.0 * rows * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim);
-      QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0};
+      QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0, options_.dense_wgmma};
       STEP_OP("qgemm gdn_out", out.bytes(), qgemm(gout, stream_), 2.0 * rows * out.rows * out.cols);
     } else {
       STEP_OP("qgemm attn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
@@ -347,7 +347,7 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
       // Causal: row t attends pos0 + t + 1 rows.
       const double attended = rows * pos0 + rows * (rows + 1) / 2;
       STEP_OP("attn_prefill", 0, attn_prefill(a, stream_), 4.0 * c.num_attention_heads * c.head_dim * attended);
-      QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0};
+      QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0, options_.dense_wgmma};
       STEP_OP("qgemm attn_out", out.bytes(), qgemm(gout, stream_), 2.0 * rows * out.rows * out.cols);
     }
     MoePrefillParams moe{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,
