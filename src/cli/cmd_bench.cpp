@@ -28,7 +28,7 @@ struct BenchArgs {
   int profile_context = 4096;
   int prefill_chunk = 4096;
   int gdn_scan = 0;
-  bool wgmma = false;
+  bool wgmma = true;
 };
 
 #ifdef LILY_HAVE_CUDA
@@ -158,7 +158,8 @@ void setup(CLI::App& app) {
   cmd->add_option("--reps", a->reps, "timed repetitions per length (median, min, max reported)");
   cmd->add_option("--prefill-chunk", a->prefill_chunk, "rows per prefill chunk");
   cmd->add_option("--gdn-scan", a->gdn_scan, "Gated DeltaNet prefill scan variant (0: chosen by length; gdn_prefill.cuh)");
-  cmd->add_flag("--wgmma", a->wgmma, "dense prefill projections on the wgmma GEMM (qgemm_wgmma.cu)");
+  cmd->add_flag("--wgmma,!--no-wgmma", a->wgmma,
+                "dense prefill projections on the wgmma GEMM (qgemm_wgmma.cu; default) or on mma.sync");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
   cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");
   cmd->add_option("--json", a->json_path, "write results as JSON");

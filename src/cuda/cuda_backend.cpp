@@ -134,6 +134,8 @@ Status CudaBackend::init() {
   cudaDeviceProp prop{};
   CUDA_RETURN(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   device_name_ = prop.name;
+  // The wgmma GEMM is built for sm_90a only (qgemm_wgmma.cu): elsewhere the dense projections take mma.sync.
+  if (prop.major != 9 || prop.minor != 0) options_.dense_wgmma = false;
   CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   ASSIGN_OR_RETURN(model_, DeviceModel::upload(*weights_));
   const ModelConfig& c = config();

@@ -269,6 +269,9 @@ TEST(CudaQgemmWgmma, MatchesMmaSyncAndCpu) {
       for (int N : {16, 257, 2048, 12352}) {
         const Weights wt(N, K, bits, seed += 7);
         for (int M : {1, 64, 65, 300, 4096}) {
+          // 4096 x 12352 costs ~10 s of host work a case (inputs, every-element comparison): N 12352 is covered
+          // at M <= 300 and the 4096-row tiles at N 2048.
+          if (M == 4096 && N == 12352) continue;
           // Output modes rotate over the shapes; every mode on the tail shape 65 x 257 and at 4096 x 2048.
           const bool all_modes = (M == 65 && N == 257) || (M == 4096 && N == 2048);
           for (int m = 0; m < (all_modes ? 3 : 1); ++m) {
