@@ -40,7 +40,7 @@ struct GdnPrefillParams {
   // (flash-linear-attention's fwd_h / fwd_o) into a serial pass that only carries the state (storing each chunk's
   // start state and V') and a fully parallel output pass; 11 in 3xTF32 (8 warps), 12 in tf32 (4 warps); the same
   // arithmetic as 9, 10 and 7, 8 (11 is bit-identical to 10; at 4K rows 0.96 vs 1.03 ms a layer on the H200).
-  // 0, the default: 11 from 256 rows on (the crossover measured on the H200) when d_v = d_k, else 5.
+  // 0, the default (crossovers measured on the H200) when d_v = d_k: 5 below 256 rows, 10 below 512, then 11; else 5.
   int scan_variant = 0;
 };
 
