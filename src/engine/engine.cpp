@@ -104,6 +104,7 @@ struct Engine::Impl {
         cache(o.session_cache_bytes),
         im_start_id(tokenizer.token_id("<|im_start|>")) {
     if (options.prefill_chunk == 0) options.prefill_chunk = backend->preferred_prefill_tokens();
+    if (options.checkpoint_interval == 0) options.checkpoint_interval = std::max(2048, options.prefill_chunk);
     CHECK(options.prefill_chunk > 0 && options.checkpoint_interval > 0,
           "prefill_chunk %d, checkpoint_interval %d", options.prefill_chunk, options.checkpoint_interval);
   }

@@ -18,7 +18,10 @@ namespace lily {
 
 struct EngineOptions {
   size_t session_cache_bytes = 8ull << 30;  // LRU budget for cached sequences and their checkpoints
-  int checkpoint_interval = 2048;           // also checkpoint every N prompt tokens of long prompts
+  // Also checkpoint every N prompt tokens of long prompts; 0: the larger of 2,048 and the prefill chunk, so a
+  // long prompt reaches the backend in whole chunks (the CUDA backend's 4,096 rows run ~14% faster per token
+  // than two 2,048-row pieces).
+  int checkpoint_interval = 0;
   int prefill_chunk = 0;                    // prompt tokens per backend forward call; 0: the backend's
                                             // preferred_prefill_tokens()
   // Tokens a sequence may hold; 0: the model's max_position_embeddings (set it to the backend's KV capacity

@@ -93,6 +93,22 @@ TEST(EngineSessions, ResumesFromTheLatestGridCheckpointInsideTheSharedPrefix) {
   EXPECT_EQ(cont.tokens, run(*engine, cont_fresh).tokens);
 }
 
+TEST(EngineSessions, DefaultCheckpointGridFollowsTheBackendChunk) {
+  EngineOptions o;
+  o.prefill_chunk = 4096;  // as the CUDA backend prefers: the grid is 4,096, not 2,048
+  auto engine = tiny_engine(o);
+  EXPECT_EQ(engine->options().checkpoint_interval, 4096);
+  std::vector<int32_t> a;
+  for (int i = 0; i < 4200; ++i) a.push_back(1000 + (37 * i) % 3000);
+  std::vector<int32_t> b(a.begin(), a.begin() + 4150);
+  b.push_back(7);
+  run(*engine, greedy_request(a, 1));
+  EXPECT_EQ(run(*engine, greedy_request(b, 1)).cached_tokens, 4096);
+  EngineOptions small;
+  small.prefill_chunk = 512;  // the CPU backend's: the grid stays at 2,048
+  EXPECT_EQ(tiny_engine(small)->options().checkpoint_interval, 2048);
+}
+
 TEST(EngineSessions, AnEarlierDivergenceForksAndKeepsTheConversation) {
   EngineOptions o;
   o.checkpoint_interval = 16;
