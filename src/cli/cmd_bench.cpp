@@ -29,6 +29,7 @@ struct BenchArgs {
   int prefill_chunk = 4096;
   int gdn_scan = 0;
   bool wgmma = true;
+  std::string variants;  // "key=value,...;key=value,...": one whole run per variant, the model loaded once
 };
 
 #ifdef LILY_HAVE_CUDA
@@ -54,34 +55,87 @@ void print_breakdown(const std::vector<cuda::KernelTiming>& kernels, nlohmann::j
   std::printf("%-16s %8s %10.4f\n", "total", "", total);
 }
 
-Status run_bench(const BenchArgs& a) {
-  if (a.mode != "all" && a.mode != "decode" && a.mode != "prefill")
-    return invalid_argument("--mode must be decode, prefill or all, got `%s`", a.mode.c_str());
-  if (a.reps < 1) return invalid_argument("--reps must be at least 1");
+// Backend options a variant may set (`--variants`): name -> setter from the value's text.
+struct OptionKey {
+  const char* name;
+  Status (*set)(cuda::CudaBackendOptions&, const std::string&);
+};
+
+Result<int> parse_int(const std::string& key, const std::string& v) {
+  char* end = nullptr;
+  const long x = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0') return invalid_argument("--variants: %s=%s is not an integer", key.c_str(), v.c_str());
+  return static_cast<int>(x);
+}
+
+Result<bool> parse_bool(const std::string& key, const std::string& v) {
+  if (v == "1" || v == "on" || v == "true") return true;
+  if (v == "0" || v == "off" || v == "false") return false;
+  return invalid_argument("--variants: %s=%s is not on/off", key.c_str(), v.c_str());
+}
+
+constexpr OptionKey kOptionKeys[] = {
+    {"gdn_scan",
+     [](cuda::CudaBackendOptions& o, const std::string& v) -> Status {
+       ASSIGN_OR_RETURN(o.gdn_scan_variant, parse_int("gdn_scan", v));
+       return ok_status();
+     }},
+    {"wgmma",
+     [](cuda::CudaBackendOptions& o, const std::string& v) -> Status {
+       ASSIGN_OR_RETURN(o.dense_wgmma, parse_bool("wgmma", v));
+       return ok_status();
+     }},
+};
+
+// One variant: comma-separated key=value pairs applied over the flags' options.
+Status apply_variant(const std::string& spec, cuda::CudaBackendOptions& opt) {
+  size_t at = 0;
+  while (at < spec.size()) {
+    size_t comma = spec.find(',', at);
+    if (comma == std::string::npos) comma = spec.size();
+    const std::string kv = spec.substr(at, comma - at);
+    at = comma + 1;
+    if (kv.empty()) continue;
+    const size_t eq = kv.find('=');
+    if (eq == std::string::npos) return invalid_argument("--variants: `%s` is not key=value", kv.c_str());
+    const std::string key = kv.substr(0, eq);
+    const OptionKey* k = std::find_if(std::begin(kOptionKeys), std::end(kOptionKeys),
+                                      [&](const OptionKey& o) { return key == o.name; });
+    if (k == std::end(kOptionKeys)) {
+      std::string names;
+      for (const OptionKey& o : kOptionKeys) names += std::string(names.empty() ? "" : ", ") + o.name;
+      return invalid_argument("--variants: unknown key `%s` (known: %s)", key.c_str(), names.c_str());
+    }
+    RETURN_IF_ERROR(k->set(opt, kv.substr(eq + 1)));
+  }
+  return ok_status();
+}
+
+std::vector<std::string> split_variants(const std::string& s) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at <= s.size()) {
+    size_t semi = s.find(';', at);
+    if (semi == std::string::npos) semi = s.size();
+    out.push_back(s.substr(at, semi - at));
+    at = semi + 1;
+  }
+  return out;
+}
+
+// The whole benchmark (prefill lengths, decode contexts, breakdowns) on one backend.
+Status run_one(const BenchArgs& a, std::shared_ptr<const ModelWeights> weights, const cuda::CudaBackendOptions& opt,
+               double load_s, nlohmann::json& out) {
   const bool do_decode = a.mode != "prefill", do_prefill = a.mode != "decode";
   auto t0 = std::chrono::steady_clock::now();
-  Result<ModelWeights> w = a.model.empty() ? synth_in_memory(a.synthetic, CheckpointLayout::mlx, 0)
-                                           : ModelWeights::load(a.model);
-  if (!w.ok()) return w.status();
-  auto weights = std::make_shared<const ModelWeights>(std::move(*w));
-  int64_t max_ctx = 0;
-  if (do_decode)
-    for (int64_t c : a.contexts) max_ctx = std::max(max_ctx, c + a.steps * (a.reps + 1) + 16);
-  if (do_prefill)
-    for (int64_t n : a.lengths) max_ctx = std::max(max_ctx, n + 16);
-  cuda::CudaBackendOptions opt;
-  opt.max_context = max_ctx;
-  opt.prefill_chunk = a.prefill_chunk;
-  opt.gdn_scan_variant = a.gdn_scan;
-  opt.dense_wgmma = a.wgmma;
-  ASSIGN_OR_RETURN(auto backend, cuda::make_cuda_backend(weights, opt));
-  double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSIGN_OR_RETURN(auto backend, cuda::make_cuda_backend(std::move(weights), opt));
+  load_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double wbytes = static_cast<double>(backend->weight_bytes_per_token());
   std::fprintf(stderr, "model ready in %.1f s on %s; %.3f GB of weights read per token\n", load_s,
                backend->device_name().c_str(), wbytes / 1e9);
-  nlohmann::json out = {{"device", backend->device_name()}, {"model", a.model.empty() ? "synthetic " + a.synthetic : a.model},
-                        {"weight_bytes_per_token", wbytes}, {"steps", a.steps}, {"reps", a.reps},
-                        {"prefill_chunk", a.prefill_chunk}, {"gdn_scan", a.gdn_scan}, {"wgmma", a.wgmma}};
+  out = {{"device", backend->device_name()}, {"model", a.model.empty() ? "synthetic " + a.synthetic : a.model},
+         {"weight_bytes_per_token", wbytes}, {"steps", a.steps}, {"reps", a.reps},
+         {"prefill_chunk", opt.prefill_chunk}, {"gdn_scan", opt.gdn_scan_variant}, {"wgmma", opt.dense_wgmma}};
   auto seq = backend->new_sequence();
   if (!seq) return error(ErrorCode::internal, "cannot allocate a sequence of %lld tokens", (long long)opt.max_context);
   if (do_prefill) {
@@ -140,7 +194,45 @@ Status run_bench(const BenchArgs& a) {
                 a.profile_context);
     print_breakdown(kernels, out["kernels"]);
   }
-  if (!a.json_path.empty()) std::ofstream(a.json_path) << out.dump(2);
+  return ok_status();
+}
+
+Status run_bench(const BenchArgs& a) {
+  if (a.mode != "all" && a.mode != "decode" && a.mode != "prefill")
+    return invalid_argument("--mode must be decode, prefill or all, got `%s`", a.mode.c_str());
+  if (a.reps < 1) return invalid_argument("--reps must be at least 1");
+  const bool do_decode = a.mode != "prefill", do_prefill = a.mode != "decode";
+  cuda::CudaBackendOptions base;
+  base.max_context = 0;
+  if (do_decode)
+    for (int64_t c : a.contexts) base.max_context = std::max(base.max_context, c + a.steps * (a.reps + 1) + 16);
+  if (do_prefill)
+    for (int64_t n : a.lengths) base.max_context = std::max(base.max_context, n + 16);
+  base.prefill_chunk = a.prefill_chunk;
+  base.gdn_scan_variant = a.gdn_scan;
+  base.dense_wgmma = a.wgmma;
+  const std::vector<std::string> variants = a.variants.empty() ? std::vector<std::string>{""} : split_variants(a.variants);
+  std::vector<cuda::CudaBackendOptions> opts;
+  for (const std::string& v : variants) {  // every variant checked before the (slow) load
+    opts.push_back(base);
+    RETURN_IF_ERROR(apply_variant(v, opts.back()));
+  }
+  auto t0 = std::chrono::steady_clock::now();
+  Result<ModelWeights> w = a.model.empty() ? synth_in_memory(a.synthetic, CheckpointLayout::mlx, 0)
+                                           : ModelWeights::load(a.model);
+  if (!w.ok()) return w.status();
+  auto weights = std::make_shared<const ModelWeights>(std::move(*w));
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  nlohmann::json all = nlohmann::json::array();
+  for (size_t i = 0; i < variants.size(); ++i) {
+    if (!a.variants.empty()) std::printf("%s== variant %zu: %s\n", i ? "\n" : "", i + 1, variants[i].c_str());
+    nlohmann::json out;
+    RETURN_IF_ERROR(run_one(a, weights, opts[i], i == 0 ? load_s : 0.0, out));  // the backend is freed after each
+    out["variant"] = variants[i];
+    all.push_back(std::move(out));
+    std::fflush(stdout);
+  }
+  if (!a.json_path.empty()) std::ofstream(a.json_path) << (a.variants.empty() ? all[0] : all).dump(2);
   return ok_status();
 }
 #else
@@ -160,6 +252,9 @@ void setup(CLI::App& app) {
   cmd->add_option("--gdn-scan", a->gdn_scan, "Gated DeltaNet prefill scan variant (0: chosen by length; gdn_prefill.cuh)");
   cmd->add_flag("--wgmma,!--no-wgmma", a->wgmma,
                 "dense prefill projections on the wgmma GEMM (qgemm_wgmma.cu; default) or on mma.sync");
+  cmd->add_option("--variants", a->variants,
+                  "backend option sets, each run in full on one loaded model: key=value,...;key=value,... "
+                  "(keys: gdn_scan, wgmma)");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
   cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");
   cmd->add_option("--json", a->json_path, "write results as JSON");
