@@ -27,6 +27,7 @@ constexpr int kMaxSplits = 256;
 constexpr int kRingSize = 1024;
 constexpr int kSampleScratch = 2 * 1024 * 64;
 constexpr int kHeadRows = 128;  // prefill rows whose logits one lm_head GEMM computes (LogitsRows::all)
+constexpr size_t kMaxGraphs = 8;  // decode graphs kept per sequence
 
 // Records an event pair around each kernel when profiling an eager (non-graph) step.
 struct Profiler {
@@ -68,7 +69,9 @@ struct Profiler {
 class CudaBackend final : public CudaBackendApi {
  public:
   CudaBackend(std::shared_ptr<const ModelWeights> weights, CudaBackendOptions options)
-      : weights_(std::move(weights)), options_(options) {}
+      : weights_(std::move(weights)), options_(options), pool_(std::make_shared<SequencePool>()) {
+    pool_->max_parked = static_cast<size_t>(std::max(0, options_.sequence_pool));
+  }
   ~CudaBackend() override {
     if (ring_) cudaFreeHost(ring_);
     if (stream_) cudaStreamDestroy(stream_);
@@ -86,6 +89,9 @@ class CudaBackend final : public CudaBackendApi {
   bool has_device_sampling() const override { return true; }
   Status generate_on_device(SequenceState& seq, int32_t first, const DeviceSampling& sampling, int max_new,
                             const std::function<bool(int32_t)>& on_token) override;
+  Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq, std::span<const int32_t> tokens,
+                                                              int64_t split, LogitsRows rows,
+                                                              std::vector<float>* logits) override;
   Status set_context_for_bench(SequenceState& seq, int64_t n) override;
   Result<double> time_decode(SequenceState& seq, int steps) override;
   Result<std::vector<KernelTiming>> profile_step(SequenceState& seq) override;
@@ -97,6 +103,14 @@ class CudaBackend final : public CudaBackendApi {
   }
   size_t weight_bytes_per_token() const override { return model_->decode_weight_bytes(); }
   std::string device_name() const override { return device_name_; }
+  void set_decode_rows_max(int rows) override { options_.decode_rows_max = rows; }
+  void set_sequence_pool(int max_parked) override {
+    options_.sequence_pool = max_parked;
+    std::lock_guard lock(pool_->mu);
+    pool_->max_parked = static_cast<size_t>(std::max(0, max_parked));
+    while (pool_->parked.size() > pool_->max_parked) pool_->parked.pop_back();
+  }
+  GraphCaptureStats graph_capture_stats() const override { return capture_stats_; }
 
  private:
   Status enqueue_step(CudaSequence& s, int n_splits, const DeviceSampling* sampling, Profiler* prof);
@@ -105,8 +119,11 @@ class CudaBackend final : public CudaBackendApi {
   Result<CudaSequence*> check_sequence(SequenceState& base, int64_t new_tokens);
   bool prefill_supported() const;
   Status ensure_prefill_scratch();
-  Status prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof);
-  Status prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits, Profiler* prof);
+  Status prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof, int split = 0,
+                       CudaCheckpoint* cp = nullptr);
+  Status prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits, Profiler* prof,
+                 int64_t split = 0, CudaCheckpoint* cp = nullptr);
+  Status copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, int layer);
   Status upload_tokens(std::span<const int32_t> ids);
 
   std::shared_ptr<const ModelWeights> weights_;
@@ -126,6 +143,9 @@ class CudaBackend final : public CudaBackendApi {
   DeviceArray<__half> pxb_, pob_;  // fp16 A operands of the prefill GEMMs
   DeviceArray<unsigned char> pscratch_;
   size_t prefill_bytes_ = 0;
+  // Storage and graphs of destroyed sequences (options_.sequence_pool); sequences hold it weakly.
+  std::shared_ptr<SequencePool> pool_;
+  GraphCaptureStats capture_stats_;
 };
 
 Status CudaBackend::init() {
@@ -168,7 +188,8 @@ Status CudaBackend::init() {
 std::unique_ptr<SequenceState> CudaBackend::new_sequence() {
   auto s = std::make_unique<CudaSequence>();
   s->owner = this;
-  if (!s->allocate(config(), options_.max_context).ok()) return nullptr;
+  if (options_.sequence_pool > 0) s->pool = pool_;
+  if (!s->allocate(config(), options_.max_context, pool_->take()).ok()) return nullptr;
   return s;
 }
 
@@ -316,8 +337,11 @@ Status CudaBackend::ensure_prefill_scratch() {
 // ph_ [T, H] in fp32, each block's input normalised to fp16 for the tensor-core GEMMs (fp16, not bf16: its
 // 2^-11 rounding keeps the prefill within the decode path's accuracy; normalised activations stay far from its
 // 65504 range). Leaves the final residual
-// rows in ph_ for the lm_head.
-Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof) {
+// rows in ph_ for the lm_head. With 0 < split < T, each Gated DeltaNet layer scans rows [0, split), copies its conv
+// ring and state S into *cp (the state at pos0 + split), then scans [split, T): the same two gdn_prefill calls as
+// two chunks would make, while every other kernel still runs once over the T rows.
+Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof, int split,
+                                  CudaCheckpoint* cp) {
   const ModelConfig& c = config();
   const DeviceModel& m = *model_;
   const float eps = c.rms_norm_eps;
@@ -332,12 +356,18 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
     QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0, options_.dense_wgmma};
     if (L.type == LayerType::linear_attention) {
       STEP_OP("qgemm gdn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
-      GdnPrefillParams g{pproj_.ptr, T, pos0, s.conv[l]->ptr, L.conv_w, L.A_log, L.dt_bias, s.S[l]->ptr,
-                         c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                         c.linear_value_head_dim, c.linear_conv_kernel_dim, L.gdn_norm, eps, pob_.ptr,
-                         pscratch_.ptr, pscratch_.bytes(), options_.gdn_scan_variant};
-      STEP_OP("gdn_prefill", 2.0 * s.S[l]->bytes(), gdn_prefill(g, stream_),
-              4.0 * rows * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim);
+      const bool split_here = cp && split > 0 && split < T;
+      for (int part = 0; part < (split_here ? 2 : 1); ++part) {
+        const int r0 = part == 0 ? 0 : split, Tp = split_here ? (part == 0 ? split : T - split) : T;
+        GdnPrefillParams g{pproj_.ptr + static_cast<size_t>(r0) * in.rows, Tp, pos0 + r0, s.conv[l]->ptr, L.conv_w,
+                           L.A_log, L.dt_bias, s.S[l]->ptr, c.linear_num_key_heads, c.linear_num_value_heads,
+                           c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim, L.gdn_norm,
+                           eps, pob_.ptr + static_cast<size_t>(r0) * c.linear_value_dim(), pscratch_.ptr,
+                           pscratch_.bytes(), options_.gdn_scan_variant};
+        STEP_OP("gdn_prefill", 2.0 * s.S[l]->bytes(), gdn_prefill(g, stream_),
+                4.0 * Tp * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim);
+        if (split_here && part == 0) RETURN_IF_ERROR(copy_recurrent(s, *cp, static_cast<int>(l)));
+      }
       QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0, options_.dense_wgmma};
       STEP_OP("qgemm gdn_out", out.bytes(), qgemm(gout, stream_), 2.0 * rows * out.rows * out.cols);
     } else {
@@ -364,9 +394,24 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
   return ok_status();
 }
 
-// Prefills the T tokens in tokens_ (device) in chunks; logits of the rows asked for go to the host.
+// Copies layer l's conv ring and state S (or, with l < 0, the whole recurrent region) into cp, on the stream.
+Status CudaBackend::copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, int l) {
+  if (l < 0) {
+    CUDA_RETURN(cudaMemcpyAsync(cp.storage.ptr, s.storage.ptr, s.layout.recurrent_bytes, cudaMemcpyDeviceToDevice,
+                                stream_), "checkpoint");
+    return ok_status();
+  }
+  CUDA_RETURN(cudaMemcpyAsync(cp.conv[l]->ptr, s.conv[l]->ptr, s.conv[l]->bytes(), cudaMemcpyDeviceToDevice, stream_),
+              "checkpoint");
+  CUDA_RETURN(cudaMemcpyAsync(cp.S[l]->ptr, s.S[l]->ptr, s.S[l]->bytes(), cudaMemcpyDeviceToDevice, stream_),
+              "checkpoint");
+  return ok_status();
+}
+
+// Prefills the T tokens in tokens_ (device) in chunks; logits of the rows asked for go to the host. With cp, the
+// recurrent state after the first `split` rows (0 < split < T) is copied into it on the way.
 Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits,
-                            Profiler* prof) {
+                            Profiler* prof, int64_t split, CudaCheckpoint* cp) {
   RETURN_IF_ERROR(ensure_prefill_scratch());
   const ModelConfig& c = config();
   const DeviceModel& m = *model_;
@@ -374,7 +419,9 @@ Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::ve
   const int H = c.hidden_size;
   for (int64_t off = 0; off < T; off += C) {
     const int Tc = static_cast<int>(std::min<int64_t>(C, T - off));
-    RETURN_IF_ERROR(prefill_chunk(s, tokens_.ptr + off, Tc, prof));
+    const int in_chunk = cp && split > off && split < off + Tc ? static_cast<int>(split - off) : 0;
+    RETURN_IF_ERROR(prefill_chunk(s, tokens_.ptr + off, Tc, prof, in_chunk, cp));
+    if (cp && split == off + Tc) RETURN_IF_ERROR(copy_recurrent(s, *cp, -1));  // the split is a chunk boundary
     if (rows == LogitsRows::all) {  // the lm_head for every row, kHeadRows at a time
       for (int r = 0; r < Tc; r += kHeadRows) {
         const int R = std::min(kHeadRows, Tc - r);
@@ -397,24 +444,35 @@ Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::ve
   return ok_status();
 }
 
-// The graph for this sequence, split count and sampling configuration (captured on first use).
+// The graph for this sequence, split count and sampling configuration (captured on first use). Greedy sampling
+// reads no other field (sample.cuh), so every greedy request shares one graph whatever seed the engine drew. At
+// most kMaxGraphs a sequence: seeded sampling makes a new key per request, and a pooled sequence lives long.
 Result<cudaGraphExec_t> CudaBackend::graph_for(CudaSequence& s, const DeviceSampling* sp) {
+  static const DeviceSampling kGreedy{};
+  if (sp && sp->temperature == 0.0f) sp = &kGreedy;
   const int n_splits = attention_splits(s.n + 1);
   std::string key = std::to_string(n_splits);
   if (sp) key += format("/%g/%d/%g/%g/%llu", sp->temperature, sp->top_k, sp->top_p, sp->min_p,
                         (unsigned long long)sp->seed);
   auto it = s.graphs.find(key);
   if (it != s.graphs.end()) return it->second->exec;
+  if (s.graphs.size() >= kMaxGraphs) s.graphs.clear();  // none is in flight: every caller synchronised
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
   cudaGraph_t graph = nullptr;
   CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin capture");
   Status st = enqueue_step(s, n_splits, sp, nullptr);
   cudaError_t end = cudaStreamEndCapture(stream_, &graph);
   RETURN_IF_ERROR(st);
   CUDA_RETURN(end, "end capture");
+  const auto t1 = Clock::now();
   auto exec = std::make_unique<GraphExec>();
   cudaError_t inst = cudaGraphInstantiate(&exec->exec, graph, 0);
   cudaGraphDestroy(graph);
   CUDA_RETURN(inst, "graph instantiate");
+  capture_stats_.captures += 1;
+  capture_stats_.capture_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
+  capture_stats_.instantiate_ms += std::chrono::duration<double, std::milli>(Clock::now() - t1).count();
   cudaGraphExec_t e = exec->exec;
   s.graphs[key] = std::move(exec);
   return e;
@@ -444,7 +502,7 @@ Status CudaBackend::forward(SequenceState& base, std::span<const int32_t> tokens
     if (id < 0 || id >= V) return invalid_argument("token id %d is outside the vocabulary [0, %lld)", id, (long long)V);
   RETURN_IF_ERROR(upload_tokens(tokens));
   if (rows != LogitsRows::none) logits->resize(static_cast<size_t>((rows == LogitsRows::all ? T : 1) * V));
-  if (T > 1 && prefill_supported()) {
+  if (T > std::max(1, options_.decode_rows_max) && prefill_supported()) {
     RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr));
     CUDA_RETURN(cudaStreamSynchronize(stream_), "prefill");
     return ok_status();
@@ -460,6 +518,37 @@ Status CudaBackend::forward(SequenceState& base, std::span<const int32_t> tokens
   }
   CUDA_RETURN(cudaStreamSynchronize(stream_), "forward");
   return ok_status();
+}
+
+Result<std::unique_ptr<Checkpoint>> CudaBackend::forward_with_checkpoint(SequenceState& base,
+                                                                         std::span<const int32_t> tokens,
+                                                                         int64_t split, LogitsRows rows,
+                                                                         std::vector<float>* logits) {
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  if (split <= 0 || split >= T) return invalid_argument("forward_with_checkpoint: split %lld outside (0, %lld)",
+                                                        (long long)split, (long long)T);
+  ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, T));
+  const int64_t V = config().vocab_size;
+  for (int32_t id : tokens)
+    if (id < 0 || id >= V) return invalid_argument("token id %d is outside the vocabulary [0, %lld)", id, (long long)V);
+  if (!(T > std::max(1, options_.decode_rows_max) && prefill_supported())) {  // the three calls it stands for
+    const bool all = rows == LogitsRows::all;
+    std::vector<float> head;
+    const auto first = tokens.first(static_cast<size_t>(split));
+    RETURN_IF_ERROR(forward(*s, first, all ? LogitsRows::all : LogitsRows::none, all ? &head : nullptr));
+    std::unique_ptr<Checkpoint> cp = s->checkpoint();
+    if (!cp) return error(ErrorCode::out_of_range, "no device memory for a checkpoint");
+    RETURN_IF_ERROR(forward(*s, tokens.subspan(static_cast<size_t>(split)), rows, logits));
+    if (all) logits->insert(logits->begin(), head.begin(), head.end());
+    return cp;
+  }
+  std::unique_ptr<CudaCheckpoint> cp = s->empty_checkpoint(s->n + split);
+  if (!cp) return error(ErrorCode::out_of_range, "no device memory for a checkpoint");
+  RETURN_IF_ERROR(upload_tokens(tokens));
+  if (rows != LogitsRows::none) logits->resize(static_cast<size_t>((rows == LogitsRows::all ? T : 1) * V));
+  RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr, split, cp.get()));
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "prefill");
+  return std::unique_ptr<Checkpoint>(std::move(cp));
 }
 
 Status CudaBackend::generate_on_device(SequenceState& base, int32_t first, const DeviceSampling& sampling, int max_new,

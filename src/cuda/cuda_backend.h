@@ -1,8 +1,9 @@
 // The CUDA backend for batch-1 decode on the H200: the whole step (embedding, 40 layers, lm_head, sampling) is
 // one CUDA graph replayed per token; positions live in device memory so the same graph serves every step, and the
-// sampled token is written straight into the next step's input slot. Prompts of more than one token take the
-// prefill path: chunks of up to `prefill_chunk` rows through tensor-core GEMMs (qgemm.cuh), the Gated DeltaNet scan
-// (gdn_prefill.cuh) and flash attention (attn_prefill.cuh); scratch memory is sized by the chunk, not the prompt.
+// sampled token is written straight into the next step's input slot. Prompts of more than decode_rows_max tokens
+// (default 1) take the prefill path: chunks of up to `prefill_chunk` rows through tensor-core GEMMs (qgemm.cuh), the
+// Gated DeltaNet scan (gdn_prefill.cuh) and flash attention (attn_prefill.cuh); scratch memory is sized by the
+// chunk, not the prompt.
 #pragma once
 #include <memory>
 #include <string>
@@ -19,6 +20,14 @@ struct CudaBackendOptions {
   // Dense prefill projections on the wgmma kernel (QGemmParams::use_wgmma; 1.1-1.2x the mma.sync kernel on the
   // H200); only on a compute 9.0 device, else mma.sync.
   bool dense_wgmma = true;
+  // Forwards of at most this many tokens run as decode steps (graph replays, ~1.6 ms a token at full geometry)
+  // instead of the prefill path, whose fixed cost per call is ~40 layers of small-grid GEMMs. 1: every multi-token
+  // forward takes the prefill path (the default until the crossover is measured: tests/cuda/test_ttft_breakdown).
+  int decode_rows_max = 1;
+  // Destroyed sequences' device storage and captured decode graphs kept for the next new_sequence() (at most this
+  // many; each holds a whole sequence: ~0.73 GB at full geometry and 32K tokens). 0: every sequence allocates and
+  // captures anew.
+  int sequence_pool = 0;
 };
 
 // One kernel launch of a profiled step.
@@ -30,8 +39,22 @@ struct KernelTiming {
   int launches = 0;
 };
 
+// Decode-graph captures so far: how many, and the host wall time spent capturing and instantiating them.
+struct GraphCaptureStats {
+  int captures = 0;
+  double capture_ms = 0, instantiate_ms = 0;
+};
+
 class CudaBackendApi : public Backend {
  public:
+  // forward() of `tokens` that also returns the checkpoint after its first `split` tokens (0 < split < size):
+  // what forward(first split) + checkpoint() + forward(rest) give, in one prefill. Each Gated DeltaNet layer scans
+  // its rows in two calls and copies its state between them; every other kernel runs once over all rows, so a
+  // short tail (the few tokens after a chat prompt's last <|im_start|>) costs a few rows, not a prefill of its own.
+  // Where the prefill path does not take the call (decode_rows_max, geometry) it is exactly those three calls.
+  virtual Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq,
+                                                                      std::span<const int32_t> tokens, int64_t split,
+                                                                      LogitsRows rows, std::vector<float>* logits) = 0;
   // Benchmark hooks: make `seq` look like it holds n tokens (KV rows filled with random values; the recurrent
   // state keeps whatever it had), so decode at context n can be timed without an n-token prefill.
   virtual Status set_context_for_bench(SequenceState& seq, int64_t n) = 0;
@@ -49,6 +72,10 @@ class CudaBackendApi : public Backend {
   virtual size_t device_bytes_in_use() const = 0;
   virtual size_t weight_bytes_per_token() const = 0;
   virtual std::string device_name() const = 0;
+  // Test and bench hooks: the options above that choose between equivalent paths, changed after construction.
+  virtual void set_decode_rows_max(int rows) = 0;
+  virtual void set_sequence_pool(int max_parked) = 0;
+  virtual GraphCaptureStats graph_capture_stats() const = 0;
 };
 
 Result<std::unique_ptr<CudaBackendApi>> make_cuda_backend(std::shared_ptr<const ModelWeights> weights,

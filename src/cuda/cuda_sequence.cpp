@@ -1,6 +1,6 @@
 #include "cuda/cuda_sequence.h"
 
-#include <type_traits>
+#include <cstdint>
 
 namespace lily::cuda {
 
@@ -9,53 +9,167 @@ Status cuda_status(cudaError_t e, const char* what) {
   return error(ErrorCode::internal, "CUDA %s: %s", what, cudaGetErrorString(e));
 }
 
-Status CudaSequence::allocate(const ModelConfig& c, int64_t cap) {
-  capacity = cap;
-  RETURN_IF_ERROR(pos.alloc(1));
-  for (LayerType t : c.layer_types) {
-    k.emplace_back();
-    v.emplace_back();
-    conv.emplace_back();
-    S.emplace_back();
-    if (t == LayerType::full_attention) {
-      k.back().reset(new DeviceArray<__nv_bfloat16>());
-      v.back().reset(new DeviceArray<__nv_bfloat16>());
-      size_t row = static_cast<size_t>(c.num_key_value_heads) * c.head_dim;
-      RETURN_IF_ERROR(k.back()->alloc(cap * row));
-      RETURN_IF_ERROR(v.back()->alloc(cap * row));
+namespace {
+
+size_t align_up(size_t b) {
+  return (b + SequenceLayout::kAlign - 1) / SequenceLayout::kAlign * SequenceLayout::kAlign;
+}
+
+template <typename T>
+DeviceSpan<T> span_at(const DeviceBlock& block, size_t off, size_t n) {
+  return {reinterpret_cast<T*>(static_cast<unsigned char*>(block.ptr) + off), n};
+}
+
+}  // namespace
+
+SequenceLayout SequenceLayout::of(const ModelConfig& c, int64_t capacity) {
+  SequenceLayout L;
+  L.conv_n = static_cast<size_t>(c.linear_conv_kernel_dim) * c.linear_conv_dim();
+  L.S_n = static_cast<size_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim;
+  L.kv_n = static_cast<size_t>(capacity) * c.num_key_value_heads * c.head_dim;
+  const size_t n_layers = c.layer_types.size();
+  L.attention.resize(n_layers);
+  L.off_a.assign(n_layers, 0);
+  L.off_b.assign(n_layers, 0);
+  size_t at = 0;
+  for (size_t l = 0; l < n_layers; ++l) {  // the recurrent region first: a checkpoint copies [0, at)
+    L.attention[l] = c.layer_types[l] == LayerType::full_attention;
+    if (L.attention[l]) continue;
+    L.off_a[l] = at, at += align_up(L.conv_n * sizeof(float));
+    L.off_b[l] = at, at += align_up(L.S_n * sizeof(float));
+  }
+  L.recurrent_bytes = at;
+  L.pos_off = at, at += align_up(sizeof(int));
+  for (size_t l = 0; l < n_layers; ++l) {
+    if (!L.attention[l]) continue;
+    L.off_a[l] = at, at += align_up(L.kv_n * sizeof(__nv_bfloat16));
+    L.off_b[l] = at, at += align_up(L.kv_n * sizeof(__nv_bfloat16));
+  }
+  L.total_bytes = at;
+  return L;
+}
+
+bool SequencePool::park(DeviceBlock& storage, GraphMap& graphs) {
+  std::lock_guard lock(mu);
+  if (parked.size() >= max_parked || !storage.ptr) return false;
+  parked.push_back(Parked{std::move(storage), std::move(graphs)});
+  return true;
+}
+
+std::optional<SequencePool::Parked> SequencePool::take() {
+  std::lock_guard lock(mu);
+  if (parked.empty()) return std::nullopt;
+  std::optional<Parked> p(std::move(parked.back()));
+  parked.pop_back();
+  return p;
+}
+
+CudaSequence::~CudaSequence() {
+  if (auto p = pool.lock()) p->park(storage, graphs);
+}
+
+void CudaSequence::bind_views() {
+  const SequenceLayout& L = layout;
+  const size_t n_layers = L.attention.size();
+  k.assign(n_layers, std::nullopt), v.assign(n_layers, std::nullopt);
+  conv.assign(n_layers, std::nullopt), S.assign(n_layers, std::nullopt);
+  for (size_t l = 0; l < n_layers; ++l) {
+    if (L.attention[l]) {
+      k[l] = span_at<__nv_bfloat16>(storage, L.off_a[l], L.kv_n);
+      v[l] = span_at<__nv_bfloat16>(storage, L.off_b[l], L.kv_n);
     } else {
-      conv.back().reset(new DeviceArray<float>());
-      S.back().reset(new DeviceArray<float>());
-      RETURN_IF_ERROR(conv.back()->alloc(static_cast<size_t>(c.linear_conv_kernel_dim) * c.linear_conv_dim()));
-      RETURN_IF_ERROR(S.back()->alloc(static_cast<size_t>(c.linear_num_value_heads) * c.linear_key_head_dim *
-                                       c.linear_value_head_dim));
+      conv[l] = span_at<float>(storage, L.off_a[l], L.conv_n);
+      S[l] = span_at<float>(storage, L.off_b[l], L.S_n);
     }
   }
+  pos = span_at<int>(storage, L.pos_off, 1);
+}
+
+Status CudaSequence::allocate(const ModelConfig& c, int64_t cap, std::optional<SequencePool::Parked> reuse) {
+  capacity = cap;
+  n = 0;
+  layout = SequenceLayout::of(c, cap);
+  if (reuse && reuse->storage.bytes == layout.total_bytes) {
+    storage = std::move(reuse->storage);
+    graphs = std::move(reuse->graphs);
+  } else {
+    RETURN_IF_ERROR(storage.alloc(layout.total_bytes));
+  }
+  bind_views();
+  // Everything zero, as a fresh allocation always was (the KV rows past the position included).
+  CUDA_RETURN(cudaMemsetAsync(storage.ptr, 0, storage.bytes, 0), "cudaMemset");
+  CUDA_RETURN(cudaStreamSynchronize(0), "cudaMemset");
+  return ok_status();
+}
+
+std::unique_ptr<CudaCheckpoint> CudaSequence::empty_checkpoint(int64_t at) const {
+  auto cp = std::make_unique<CudaCheckpoint>();
+  cp->n = at;
+  if (!cp->storage.alloc(layout.recurrent_bytes).ok()) return nullptr;
+  cp->conv.assign(conv.size(), std::nullopt);
+  cp->S.assign(S.size(), std::nullopt);
+  for (size_t l = 0; l < conv.size(); ++l) {
+    if (!conv[l]) continue;
+    cp->conv[l] = span_at<float>(cp->storage, layout.off_a[l], layout.conv_n);
+    cp->S[l] = span_at<float>(cp->storage, layout.off_b[l], layout.S_n);
+  }
+  return cp;
+}
+
+std::unique_ptr<Checkpoint> CudaSequence::checkpoint() const {
+  auto cp = empty_checkpoint(n);  // every byte is written by the copy: no clearing
+  if (!cp) return nullptr;
+  if (layout.recurrent_bytes > 0 && (cudaMemcpyAsync(cp->storage.ptr, storage.ptr, layout.recurrent_bytes,
+                                                     cudaMemcpyDeviceToDevice, 0) != cudaSuccess ||
+                                     cudaStreamSynchronize(0) != cudaSuccess))
+    return nullptr;
+  return cp;
+}
+
+Status CudaSequence::restore(const Checkpoint& base) {
+  auto* cp = dynamic_cast<const CudaCheckpoint*>(&base);
+  if (!cp || cp->conv.size() != conv.size() || cp->storage.bytes != layout.recurrent_bytes)
+    return invalid_argument("checkpoint is not from this backend/model");
+  if (cp->n > n)
+    return invalid_argument("checkpoint at %lld is past the sequence end %lld", (long long)cp->n,
+                            (long long)n);
+  if (layout.recurrent_bytes > 0)
+    CUDA_RETURN(
+        cudaMemcpyAsync(storage.ptr, cp->storage.ptr, layout.recurrent_bytes, cudaMemcpyDeviceToDevice, 0),
+        "restore");
+  const int host_pos = static_cast<int>(cp->n);  // the KV cache is truncated by the position alone
+  CUDA_RETURN(cudaMemcpyAsync(pos.ptr, &host_pos, sizeof(int), cudaMemcpyHostToDevice, 0), "restore");
+  CUDA_RETURN(cudaStreamSynchronize(0), "restore");
+  n = cp->n;
   return ok_status();
 }
 
 std::unique_ptr<SequenceState> CudaSequence::clone() const {
   auto s = std::make_unique<CudaSequence>();
   s->owner = owner;
+  s->pool = pool;
   s->n = n;
   s->capacity = capacity;
-  if (!s->pos.alloc(1).ok()) return nullptr;
-  cudaMemcpy(s->pos.ptr, pos.ptr, sizeof(int), cudaMemcpyDeviceToDevice);
-  auto copy = [](const auto& src, auto& dst, size_t count) {
-    using T = std::remove_pointer_t<decltype(src->ptr)>;
-    dst.reset(new DeviceArray<T>());
-    if (!dst->alloc(src->n).ok()) return false;
-    return cudaMemcpy(dst->ptr, src->ptr, count * sizeof(T), cudaMemcpyDeviceToDevice) == cudaSuccess;
-  };
-  for (size_t l = 0; l < k.size(); ++l) {
-    s->k.emplace_back(), s->v.emplace_back(), s->conv.emplace_back(), s->S.emplace_back();
-    if (k[l]) {
-      size_t used = k[l]->n / capacity * n;
-      if (!copy(k[l], s->k[l], used) || !copy(v[l], s->v[l], used)) return nullptr;
-    } else {
-      if (!copy(conv[l], s->conv[l], conv[l]->n) || !copy(S[l], s->S[l], S[l]->n)) return nullptr;
-    }
+  s->layout = layout;
+  if (!s->storage.alloc(layout.total_bytes).ok()) return nullptr;
+  s->bind_views();
+  // The KV rows past n stay zero as in a fresh sequence; the recurrent region, pos and the used rows are
+  // copied.
+  auto* dst = static_cast<unsigned char*>(s->storage.ptr);
+  const auto* src = static_cast<const unsigned char*>(storage.ptr);
+  bool ok =
+      cudaMemsetAsync(dst, 0, layout.total_bytes, 0) == cudaSuccess &&
+      cudaMemcpyAsync(dst, src, layout.pos_off + sizeof(int), cudaMemcpyDeviceToDevice, 0) == cudaSuccess;
+  const size_t used =
+      layout.kv_n / static_cast<size_t>(capacity) * static_cast<size_t>(n) * sizeof(__nv_bfloat16);
+  for (size_t l = 0; l < k.size() && ok; ++l) {
+    if (!layout.attention[l] || used == 0) continue;
+    ok = cudaMemcpyAsync(dst + layout.off_a[l], src + layout.off_a[l], used, cudaMemcpyDeviceToDevice, 0) ==
+             cudaSuccess &&
+         cudaMemcpyAsync(dst + layout.off_b[l], src + layout.off_b[l], used, cudaMemcpyDeviceToDevice, 0) ==
+             cudaSuccess;
   }
+  if (!ok || cudaStreamSynchronize(0) != cudaSuccess) return nullptr;
   return s;
 }
 

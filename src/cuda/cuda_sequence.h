@@ -1,6 +1,16 @@
-// Per-sequence device state of the CUDA backend: KV caches (bf16 [capacity, n_kv, D] per attention layer), the
-// conv ring and recurrent state S (fp32) per Gated DeltaNet layer, the position in device memory, and the CUDA
-// graphs captured for this sequence (they bake in its pointers).
+// Per-sequence device state of the CUDA backend: KV caches (bf16 [capacity, n_kv, D] per attention layer),
+// the conv ring and recurrent state S (fp32) per Gated DeltaNet layer, the position in device memory, and the
+// CUDA graphs captured for this sequence (they bake in its pointers).
+//
+// A sequence's arrays are carved out of ONE device allocation (cudaMalloc costs ~0.1-1 ms and cudaFree
+// synchronises the device, per call), laid out as
+//   [recurrent region: conv_l, S_l of every Gated DeltaNet layer | pos | k_l, v_l of every attention layer],
+// each array 256-byte aligned. A checkpoint is one allocation holding a copy of the recurrent region (one
+// device-to-device copy, the same offsets), so checkpoint and restore are one copy each.
+//
+// Copies run on the legacy default stream, then the host waits for them: the backend's own stream is
+// non-blocking (no implicit ordering with stream 0) and has finished every kernel touching a sequence when
+// forward()/generate_on_device() return, so a sequence is quiescent whenever these are called.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -8,6 +18,8 @@
 #include <algorithm>
 #include <map>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,22 +48,85 @@ struct DeviceArray {
   size_t bytes() const { return n * sizeof(T); }
 };
 
+// One untyped device allocation owned by RAII, not cleared (the owner decides what to zero).
+struct DeviceBlock {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  DeviceBlock() = default;
+  DeviceBlock(const DeviceBlock&) = delete;
+  DeviceBlock& operator=(const DeviceBlock&) = delete;
+  DeviceBlock(DeviceBlock&& o) noexcept : ptr(o.ptr), bytes(o.bytes) { o.ptr = nullptr, o.bytes = 0; }
+  DeviceBlock& operator=(DeviceBlock&& o) noexcept {
+    std::swap(ptr, o.ptr);
+    std::swap(bytes, o.bytes);
+    return *this;
+  }
+  ~DeviceBlock() { cudaFree(ptr); }
+  Status alloc(size_t n) {
+    CUDA_RETURN(cudaMalloc(&ptr, std::max<size_t>(n, 1)), "cudaMalloc");
+    bytes = n;
+    return ok_status();
+  }
+};
+
+// A typed array inside a DeviceBlock (not owning): the same ptr / n / bytes() as DeviceArray.
+template <typename T>
+struct DeviceSpan {
+  T* ptr = nullptr;
+  size_t n = 0;
+  size_t bytes() const { return n * sizeof(T); }
+};
+
 struct GraphExec {
   cudaGraphExec_t exec = nullptr;
+  GraphExec() = default;
+  GraphExec(const GraphExec&) = delete;
+  GraphExec& operator=(const GraphExec&) = delete;
   ~GraphExec() {
     if (exec) cudaGraphExecDestroy(exec);
   }
+};
+using GraphMap = std::map<std::string, std::unique_ptr<GraphExec>>;
+
+// Byte offsets of a sequence's arrays in its block; a function of the model geometry and the capacity only,
+// so two sequences of one backend (and their checkpoints) share it.
+struct SequenceLayout {
+  static constexpr size_t kAlign = 256;
+  std::vector<bool> attention;           // per layer: attention (k/v) or Gated DeltaNet (conv/S)
+  std::vector<size_t> off_a, off_b;      // per layer: k and v, or conv and S
+  size_t conv_n = 0, S_n = 0, kv_n = 0;  // elements per array
+  size_t recurrent_bytes = 0;            // [0, recurrent_bytes): every conv and S
+  size_t pos_off = 0, total_bytes = 0;
+  static SequenceLayout of(const ModelConfig& c, int64_t capacity);
+};
+
+// Storage and graphs of destroyed sequences, kept for the next new_sequence() of the same backend
+// (CudaBackendOptions::sequence_pool). Shared between the backend and its sequences; a sequence holds it
+// weakly, so a sequence that outlives its backend simply frees its storage.
+struct SequencePool {
+  struct Parked {
+    DeviceBlock storage;
+    GraphMap graphs;
+  };
+  size_t max_parked = 0;
+  std::mutex mu;
+  std::vector<Parked> parked;
+  // Takes `storage` (and the graphs that bake its pointers) unless the pool is full; false: the caller keeps
+  // them.
+  bool park(DeviceBlock& storage, GraphMap& graphs);
+  std::optional<Parked> take();
 };
 
 class CudaCheckpoint final : public Checkpoint {
  public:
   int64_t n = 0;
-  std::vector<std::unique_ptr<DeviceArray<float>>> conv, S;
+  DeviceBlock storage;                                    // a copy of the sequence's recurrent region
+  std::vector<std::optional<DeviceSpan<float>>> conv, S;  // views into storage (Gated DeltaNet layers)
   int64_t n_tokens() const override { return n; }
   size_t bytes() const override {
     size_t b = 0;
-    for (auto& c : conv) b += c->bytes();
-    for (auto& s : S) b += s->bytes();
+    for (auto& c : conv) b += c ? c->bytes() : 0;
+    for (auto& s : S) b += s ? s->bytes() : 0;
     return b;
   }
 };
@@ -60,11 +135,19 @@ class CudaSequence final : public SequenceState {
  public:
   const void* owner = nullptr;
   int64_t n = 0, capacity = 0;
-  DeviceArray<int> pos;  // device copy of n
-  // Per layer: attention layers use k/v, Gated DeltaNet layers conv/S.
-  std::vector<std::unique_ptr<DeviceArray<__nv_bfloat16>>> k, v;
-  std::vector<std::unique_ptr<DeviceArray<float>>> conv, S;
-  std::map<std::string, std::unique_ptr<GraphExec>> graphs;
+  SequenceLayout layout;
+  DeviceBlock storage;
+  DeviceSpan<int> pos;  // device copy of n
+  // Per layer: attention layers use k/v, Gated DeltaNet layers conv/S (views into storage).
+  std::vector<std::optional<DeviceSpan<__nv_bfloat16>>> k, v;
+  std::vector<std::optional<DeviceSpan<float>>> conv, S;
+  GraphMap graphs;
+  std::weak_ptr<SequencePool> pool;
+
+  CudaSequence() = default;
+  CudaSequence(const CudaSequence&) = delete;
+  CudaSequence& operator=(const CudaSequence&) = delete;
+  ~CudaSequence() override;
 
   int64_t n_tokens() const override { return n; }
   size_t bytes() const override {
@@ -74,35 +157,19 @@ class CudaSequence final : public SequenceState {
     for (auto& x : S) b += x ? x->bytes() : 0;
     return b;
   }
-  std::unique_ptr<Checkpoint> checkpoint() const override {
-    auto cp = std::make_unique<CudaCheckpoint>();
-    cp->n = n;
-    for (size_t l = 0; l < conv.size(); ++l) {
-      cp->conv.emplace_back(new DeviceArray<float>());
-      cp->S.emplace_back(new DeviceArray<float>());
-      if (!conv[l]) continue;
-      if (!cp->conv[l]->alloc(conv[l]->n).ok() || !cp->S[l]->alloc(S[l]->n).ok()) return nullptr;
-      cudaMemcpy(cp->conv[l]->ptr, conv[l]->ptr, conv[l]->bytes(), cudaMemcpyDeviceToDevice);
-      cudaMemcpy(cp->S[l]->ptr, S[l]->ptr, S[l]->bytes(), cudaMemcpyDeviceToDevice);
-    }
-    return cp;
-  }
-  Status restore(const Checkpoint& base) override {
-    auto* cp = dynamic_cast<const CudaCheckpoint*>(&base);
-    if (!cp || cp->conv.size() != conv.size()) return invalid_argument("checkpoint is not from this backend/model");
-    if (cp->n > n) return invalid_argument("checkpoint at %lld is past the sequence end %lld", (long long)cp->n, (long long)n);
-    for (size_t l = 0; l < conv.size(); ++l) {
-      if (!conv[l]) continue;
-      CUDA_RETURN(cudaMemcpy(conv[l]->ptr, cp->conv[l]->ptr, conv[l]->bytes(), cudaMemcpyDeviceToDevice), "restore");
-      CUDA_RETURN(cudaMemcpy(S[l]->ptr, cp->S[l]->ptr, S[l]->bytes(), cudaMemcpyDeviceToDevice), "restore");
-    }
-    n = cp->n;  // the KV cache is truncated by the position alone
-    int host_pos = static_cast<int>(n);
-    CUDA_RETURN(cudaMemcpy(pos.ptr, &host_pos, sizeof(int), cudaMemcpyHostToDevice), "restore");
-    return ok_status();
-  }
+  std::unique_ptr<Checkpoint> checkpoint() const override;
+  // A checkpoint at position `at` whose storage is allocated but not written (the caller copies the state
+  // in).
+  std::unique_ptr<CudaCheckpoint> empty_checkpoint(int64_t at) const;
+  Status restore(const Checkpoint& base) override;
   std::unique_ptr<SequenceState> clone() const override;
-  Status allocate(const ModelConfig& c, int64_t cap);
+  // A fresh, zeroed sequence of `cap` tokens in a new allocation, or in `reuse` (a parked block of this
+  // layout, whose graphs then come along: they bake exactly these pointers).
+  Status allocate(const ModelConfig& c, int64_t cap,
+                  std::optional<SequencePool::Parked> reuse = std::nullopt);
+
+ private:
+  void bind_views();  // k, v, conv, S, pos from layout and storage
 };
 
 }  // namespace lily::cuda
