@@ -19,6 +19,9 @@ struct CudaBackendOptions {
   // Dense prefill projections on the wgmma kernel (QGemmParams::use_wgmma; 1.1-1.2x the mma.sync kernel on the
   // H200); only on a compute 9.0 device, else mma.sync.
   bool dense_wgmma = true;
+  // moe_prefill's grouped expert GEMMs on the wgmma kernel (MoePrefillParams::use_wgmma); opt-in until
+  // measured; only on a compute 9.0 device, else mma.sync.
+  bool moe_wgmma = false;
 };
 
 // One kernel launch of a profiled step.

@@ -48,7 +48,7 @@ struct QGemmParams {
   // true: the Hopper warpgroup-MMA kernel (qgemm_wgmma.cu; sm_90a builds only, else
   // cudaErrorInvalidDeviceFunction); false: the mma.sync kernel. Opt-in until measured on the H200.
   bool use_wgmma = false;
-  WgmmaKnobs wgmma;  // wgmma path only
+  WgmmaKnobs wgmma{};  // wgmma path only
 };
 
 struct QGemmSwigluParams {
@@ -113,6 +113,9 @@ struct MoePrefillParams {
   // sm_90a builds only, else cudaErrorInvalidDeviceFunction); other bits stay on mma.sync. Opt-in until
   // measured on the H200.
   bool use_wgmma = false;
+  // with use_wgmma: false keeps the down projection (K = I, few K steps: a non-persistent wgmma grid pays its
+  // prologue and epilogue per tile) on mma.sync, to measure the two GEMMs apart
+  bool wgmma_down = true;
 };
 
 // Scratch moe_prefill needs for T rows (linear in T; the caller bounds T by chunking).
