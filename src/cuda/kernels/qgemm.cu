@@ -836,7 +836,7 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
     wp.shared_expert = t.shared_expert, wp.a = t.a, wp.gather = t.gather;
     wp.tile_count = t.tile_count, wp.tile_expert = t.tile_expert, wp.tile_row0 = t.tile_row0;
     wp.tile_rows = t.tile_rows, wp.max_tiles = tiles, wp.tile_rows_max = tile_rows, wp.swiglu = swiglu;
-    wp.c = t.c, wp.ldc = t.ldc;
+    wp.c = t.c, wp.ldc = t.ldc, wp.split = p.wgmma_split;
     return qgemm_wgmma_grouped(wp, stream);
   };
   CUDA_TRY(grouped(g, p.gate.bits, true));

@@ -84,6 +84,7 @@ struct WgmmaGroupedParams {
   bool swiglu = false;
   void* c = nullptr;
   int ldc = 0;
+  bool split = false;  // WgmmaKnobs::split_producer (128-row tiles only; 64-row tiles ignore it)
 };
 cudaError_t qgemm_wgmma_grouped(const WgmmaGroupedParams& p, cudaStream_t stream);
 
@@ -116,6 +117,9 @@ struct MoePrefillParams {
   // with use_wgmma: false keeps the down projection (K = I, few K steps: a non-persistent wgmma grid pays its
   // prologue and epilogue per tile) on mma.sync, to measure the two GEMMs apart
   bool wgmma_down = true;
+  // with use_wgmma: the consumers issue the loads, the producer only dequantises (WgmmaKnobs::split_producer;
+  // 128-row tiles)
+  bool wgmma_split = false;
 };
 
 // Scratch moe_prefill needs for T rows (linear in T; the caller bounds T by chunking).

@@ -698,9 +698,14 @@ cudaError_t qgemm_wgmma_grouped(const WgmmaGroupedParams& p, cudaStream_t stream
   a.ldc = p.ldc;
   a.tile_count = p.tile_count, a.tile_expert = p.tile_expert, a.tile_row0 = p.tile_row0;
   a.tile_rows = p.tile_rows, a.gather = p.gather;
+  constexpr int kRing = ring_fit(128, 256, 4, 2);
+  if (p.tile_rows_max == 128 && p.split) {
+    return p.swiglu ? launch_wgmma<128, 256, 4, 2, kRing, true, 2>(a, p.max_tiles, stream)
+                    : launch_wgmma<128, 256, 4, 2, kRing, true, 1>(a, p.max_tiles, stream);
+  }
   if (p.tile_rows_max == 128) {
-    return p.swiglu ? launch_wgmma<128, 256, 4, 2, ring_fit(128, 256, 4, 2), false, 2>(a, p.max_tiles, stream)
-                    : launch_wgmma<128, 256, 4, 2, ring_fit(128, 256, 4, 2), false, 1>(a, p.max_tiles, stream);
+    return p.swiglu ? launch_wgmma<128, 256, 4, 2, kRing, false, 2>(a, p.max_tiles, stream)
+                    : launch_wgmma<128, 256, 4, 2, kRing, false, 1>(a, p.max_tiles, stream);
   }
   return p.swiglu ? launch_wgmma<64, 256, 4, 2, ring_fit(64, 256, 4, 2), false, 2>(a, p.max_tiles, stream)
                   : launch_wgmma<64, 256, 4, 2, ring_fit(64, 256, 4, 2), false, 1>(a, p.max_tiles, stream);

@@ -300,7 +300,7 @@ struct MoeModel {
 
 // h after moe_prefill for the rows h (T = h.size() / H), tile_rows and the shared expert's path as given.
 std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int tile_rows = 0,
-                           bool shared_in_grouped = true, bool wgmma = false) {
+                           bool shared_in_grouped = true, bool wgmma = false, bool wgmma_split = false) {
   const int T = static_cast<int>(h.size() / m.H);
   DeviceBuffer<float> d_h(h), d_norm(m.norm_w);
   const size_t bytes = moe_prefill_scratch_bytes(T, m.H, m.I, m.I, m.E, m.k);
@@ -311,7 +311,7 @@ std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int t
   p.h = d_h.get(), p.norm_w = d_norm.get(), p.eps = kEps, p.T = T, p.top_k = m.k;
   p.scratch = scratch.get(), p.scratch_bytes = bytes, p.tile_rows = tile_rows;
   p.shared_in_grouped = shared_in_grouped;
-  p.use_wgmma = wgmma;
+  p.use_wgmma = wgmma, p.wgmma_split = wgmma_split;
   EXPECT_EQ(moe_prefill(p, nullptr), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return d_h.download();
@@ -529,6 +529,8 @@ void compare_moe_paths(const MoeModel& m, const std::vector<float>& h, int sprea
   check_moe(m, h, spread, tile_rows, shared_in_grouped, true);
   const std::vector<float> a = run_moe(m, h, tile_rows, shared_in_grouped, false);
   const std::vector<float> b = run_moe(m, h, tile_rows, shared_in_grouped, true);
+  // The loads issued by the consumers (wgmma_split) change no operand or order: equal to wgmma bit for bit.
+  EXPECT_TRUE(run_moe(m, h, tile_rows, shared_in_grouped, true, true) == b) << "wgmma_split vs wgmma";
   ASSERT_EQ(a.size(), b.size());
   size_t same = 0;
   double worst = 0;
@@ -638,7 +640,7 @@ TEST(CudaQgemmBench, DenseShapes) {
 
 // One moe_prefill layer at full geometry (E 256, H 2048, I 512, k 8), cold weights, CUDA-graph replay: us.
 double moe_layer_us(const DeviceBuffer<uint16_t>& pool, int T, int tile_rows, bool shared_in_grouped, bool wgmma,
-                    bool wgmma_down = true) {
+                    bool wgmma_down = true, bool wgmma_split = false) {
   const int E = 256, H = 2048, I = 512, k = 8;
   const size_t bytes = moe_prefill_scratch_bytes(T, H, I, I, E, k);
   DeviceBuffer<unsigned char> scratch(bytes);
@@ -660,7 +662,7 @@ double moe_layer_us(const DeviceBuffer<uint16_t>& pool, int T, int tile_rows, bo
         p.h = h.get(), p.norm_w = norm_w.get(), p.T = T, p.top_k = k;
         p.scratch = scratch.get(), p.scratch_bytes = bytes, p.tile_rows = tile_rows;
         p.shared_in_grouped = shared_in_grouped;
-        p.use_wgmma = wgmma, p.wgmma_down = wgmma_down;
+        p.use_wgmma = wgmma, p.wgmma_down = wgmma_down, p.wgmma_split = wgmma_split;
         return moe_prefill(p, st);
       },
       3, 3);
@@ -725,17 +727,19 @@ TEST(CudaMoePrefillBench, WgmmaVsMmaSync) {
   const int H = 2048, I = 512, k = 8;
   const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
   std::printf("\nmoe_prefill per layer, full geometry, cold weights, CUDA-graph replay: mma.sync | wgmma | wgmma "
-              "for gate/up only (down on mma.sync)\n");
+              "for gate/up only (down on mma.sync) | wgmma with the consumers loading (128-row tiles)\n");
   for (int T : {512, 1024, 4096}) {
     for (int tile_rows : {0, 64, 128}) {
       const double flops = 2.0 * T * (k + 1) * 3.0 * H * I;
       const double us_m = moe_layer_us(pool, T, tile_rows, true, false);
       const double us_w = moe_layer_us(pool, T, tile_rows, true, true);
       const double us_g = moe_layer_us(pool, T, tile_rows, true, true, false);
+      const double us_s = moe_layer_us(pool, T, tile_rows, true, true, true, true);
       std::printf("  T %5d tile_rows %3d%s: %8.1f us %6.1f TFLOP/s | %8.1f us %6.1f TFLOP/s (%4.2fx) | %8.1f us "
-                  "(%4.2fx)\n",
+                  "(%4.2fx) | %8.1f us (%4.2fx)\n",
                   T, tile_rows, tile_rows ? "" : " (auto)", us_m, flops / (us_m * 1e6), us_w, flops / (us_w * 1e6),
-                  us_w > 0 ? us_m / us_w : 0.0, us_g, us_g > 0 ? us_m / us_g : 0.0);
+                  us_w > 0 ? us_m / us_w : 0.0, us_g, us_g > 0 ? us_m / us_g : 0.0, us_s,
+                  us_s > 0 ? us_m / us_s : 0.0);
     }
   }
 }
