@@ -154,8 +154,9 @@ Status CudaBackend::init() {
   cudaDeviceProp prop{};
   CUDA_RETURN(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   device_name_ = prop.name;
-  // The wgmma GEMM is built for sm_90a only (qgemm_wgmma.cu): elsewhere the dense projections take mma.sync.
-  if (prop.major != 9 || prop.minor != 0) options_.dense_wgmma = false;
+  // The wgmma GEMM is built for sm_90a only (qgemm_wgmma.cu): elsewhere the dense projections and the MoE
+  // experts take mma.sync.
+  if (prop.major != 9 || prop.minor != 0) options_.dense_wgmma = options_.moe_wgmma = false;
   CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   ASSIGN_OR_RETURN(model_, DeviceModel::upload(*weights_));
   const ModelConfig& c = config();
@@ -385,6 +386,7 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
     MoePrefillParams moe{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,
                          L.shared_up, L.shared_down, ph_.ptr, L.post_norm, eps, T, k, pscratch_.ptr,
                          pscratch_.bytes()};
+    moe.use_wgmma = options_.moe_wgmma;
     const double moe_flops = 2.0 * rows * H *
                              (3.0 * k * c.moe_intermediate_size + 3.0 * c.shared_expert_intermediate_size +
                               c.num_experts + 1);

@@ -28,6 +28,9 @@ struct CudaBackendOptions {
   // many; each holds a whole sequence: ~0.73 GB at full geometry and 32K tokens). 0: every sequence allocates and
   // captures anew.
   int sequence_pool = 0;
+  // moe_prefill's grouped expert GEMMs on the wgmma kernel (MoePrefillParams::use_wgmma); opt-in until
+  // measured; only on a compute 9.0 device, else mma.sync.
+  bool moe_wgmma = false;
 };
 
 // One kernel launch of a profiled step.

@@ -38,8 +38,10 @@
 //    row's result does not depend on the other rows of its tile, so the output stays deterministic); the
 //    shared expert's rows T k + t gather token t
 //  6 grouped swiglu over the routed and shared rows -> act [T k + T, I] fp16; 7 grouped down -> y
-//    [T k + T, H] fp32: the routed experts (eq 23) and the shared expert (eq 24) in the same two launches, so
-//    the shared expert's full tiles share the grid with the routed ones' partial tiles
+//    [T k + T, H] fp32 (both on this file's mma.sync tiles, or with MoePrefillParams::use_wgmma on
+//    qgemm_wgmma.cu's for 4-bit experts: same tile list, operands and epilogues): the routed experts (eq 23)
+//    and the shared expert (eq 24) in the same two launches, so the shared expert's full tiles share the
+//    grid with the routed ones' partial tiles
 //  8 (only where the shared expert's shapes or bits differ from the routed experts') shared expert as dense
 //    launches: swiglu -> [T, Is] fp16, down -> [T, H] fp32                                         (eq 24)
 //  9 moe_combine: h[t] += sum_s w_s y[t, s] + sg[t] y_shared[t] in slot order (deterministic)     (eq 25)
@@ -824,12 +826,25 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   g.tile_rows = s.tile_rows;
   g.gather = s.token_of;
   g.ws[0] = p.shared_gate_proj, g.ws[1] = p.shared_up, g.shared_expert = fold ? E : -1;
-  CUDA_TRY(launch_grouped(g, p.gate.bits, tile_rows, tiles, true, stream));
+  // use_wgmma: the same tile list, operands and epilogues on the Hopper wgmma kernel (4-bit experts only).
+  auto grouped = [&](const TileArgs& t, int bits, bool swiglu) {
+    if (!p.use_wgmma || bits != 4 || (!swiglu && !p.wgmma_down)) {
+      return launch_grouped(t, bits, tile_rows, tiles, swiglu, stream);
+    }
+    WgmmaGroupedParams wp;
+    wp.w[0] = t.w[0], wp.w[1] = t.w[1], wp.ws[0] = t.ws[0], wp.ws[1] = t.ws[1];
+    wp.shared_expert = t.shared_expert, wp.a = t.a, wp.gather = t.gather;
+    wp.tile_count = t.tile_count, wp.tile_expert = t.tile_expert, wp.tile_row0 = t.tile_row0;
+    wp.tile_rows = t.tile_rows, wp.max_tiles = tiles, wp.tile_rows_max = tile_rows, wp.swiglu = swiglu;
+    wp.c = t.c, wp.ldc = t.ldc, wp.split = p.wgmma_split;
+    return qgemm_wgmma_grouped(wp, stream);
+  };
+  CUDA_TRY(grouped(g, p.gate.bits, true));
   TileArgs d = g;
   d.w[0] = d.w[1] = p.down, d.a = s.act, d.N = H, d.K = I, d.out = GemmOut::f32, d.c = s.y, d.ldc = H;
   d.gather = nullptr;
   d.ws[0] = d.ws[1] = p.shared_down;
-  CUDA_TRY(launch_grouped(d, p.down.bits, tile_rows, tiles, false, stream));
+  CUDA_TRY(grouped(d, p.down.bits, false));
 
   if (!fold) {
     TileArgs sh;

@@ -26,6 +26,18 @@ enum class GemmOut : int {
   add_f32 = 2,  // c is float[M, ldc]: C += A W^T (the residual add)
 };
 
+// Knobs of the wgmma kernel (qgemm_wgmma.cu), for measurement. Each changes only when the kernel loads,
+// dequantises and multiplies, never the fp16 weights or the k order of a sum: every combination computes the
+// default's output bit for bit. Zero means the default; combinations that are not compiled are refused with
+// cudaErrorInvalidValue (qgemm_wgmma.cu's launch_dense_knobs lists them).
+struct WgmmaKnobs {
+  int bn = 0;          // W tile columns: 128 or 256 (default: 256 unless its grid would not fill the SMs)
+  int fp16_tiles = 0;  // dequantised W tiles in flight: 2 or 3 (default 2 at bn 256, 3 at bn 128)
+  int ring = 0;        // A / packed-W ring depth; the loads run ring - fp16_tiles steps ahead (default: deepest
+                       // that fits in shared memory: 6 at bn 256 and 2 tiles, 5 with 3)
+  bool split_producer = false;  // two producer warpgroups (cp.async; dequantisation), setmaxnreg
+};
+
 struct QGemmParams {
   QMatrix w;                            // [N, K]
   const __half* a = nullptr;     // [M, K] row-major
@@ -36,6 +48,7 @@ struct QGemmParams {
   // true: the Hopper warpgroup-MMA kernel (qgemm_wgmma.cu; sm_90a builds only, else
   // cudaErrorInvalidDeviceFunction); false: the mma.sync kernel. Opt-in until measured on the H200.
   bool use_wgmma = false;
+  WgmmaKnobs wgmma{};  // wgmma path only
 };
 
 struct QGemmSwigluParams {
@@ -50,6 +63,30 @@ cudaError_t qgemm(const QGemmParams& p, cudaStream_t stream);
 // a producer warpgroup that loads and dequantises, two consumer warpgroups on wgmma.mma_async.
 cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream);
 cudaError_t qgemm_swiglu(const QGemmSwigluParams& p, cudaStream_t stream);
+
+// moe_prefill's grouped expert GEMM on wgmma (qgemm_wgmma.cu; moe_prefill calls it for 4-bit experts when
+// MoePrefillParams::use_wgmma is set): blocks along x are the entries of the device-side tile list, A rows
+// are gathered, W is matrix tile_expert of the stacked w (or ws for tile-list expert shared_expert).
+// swiglu: c = fp16 act [rows, ldc] = silu(A gate^T) * (A up^T) (w[0] gate, w[1] up); else c = f32 [rows, ldc]
+// = A w[0]^T. 128-row tiles (two consumer warpgroups of 64 rows) or 64-row (each consumer half the columns).
+struct WgmmaGroupedParams {
+  QMatrix w[2];  // stacked [E, N, K] (rows = N); both 4-bit
+  QMatrix ws[2];
+  int shared_expert = -1;
+  const __half* a = nullptr;  // [rows, K]
+  const int* gather = nullptr;
+  const int* tile_count = nullptr;
+  const int* tile_expert = nullptr;
+  const int* tile_row0 = nullptr;
+  const int* tile_rows = nullptr;
+  int max_tiles = 0;       // grid size (the longest possible list)
+  int tile_rows_max = 128;  // 64 or 128: the tile map's rows a tile
+  bool swiglu = false;
+  void* c = nullptr;
+  int ldc = 0;
+  bool split = false;  // WgmmaKnobs::split_producer (128-row tiles only; 64-row tiles ignore it)
+};
+cudaError_t qgemm_wgmma_grouped(const WgmmaGroupedParams& p, cudaStream_t stream);
 
 // out[t, :] = fp16(in[t, :] / RMS(in[t, :]) * w) for T rows of n (eqs 1-2 multiplier form; the A operand of a
 // prefill GEMM).
@@ -73,6 +110,16 @@ struct MoePrefillParams {
   // true: the shared expert runs inside the grouped launches (as one more expert, where its shapes and bits
   // match the routed experts'); false: as separate dense launches (kept to measure the difference)
   bool shared_in_grouped = true;
+  // true: the grouped expert GEMMs on the Hopper wgmma kernel (qgemm_wgmma_grouped; 4-bit expert matrices,
+  // sm_90a builds only, else cudaErrorInvalidDeviceFunction); other bits stay on mma.sync. Opt-in until
+  // measured on the H200.
+  bool use_wgmma = false;
+  // with use_wgmma: false keeps the down projection (K = I, few K steps: a non-persistent wgmma grid pays its
+  // prologue and epilogue per tile) on mma.sync, to measure the two GEMMs apart
+  bool wgmma_down = true;
+  // with use_wgmma: the consumers issue the loads, the producer only dequantises (WgmmaKnobs::split_producer;
+  // 128-row tiles)
+  bool wgmma_split = false;
 };
 
 // Scratch moe_prefill needs for T rows (linear in T; the caller bounds T by chunking).

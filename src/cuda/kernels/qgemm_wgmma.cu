@@ -1,36 +1,50 @@
-// qgemm on Hopper warpgroup MMA (qgemm.cuh: QGemmParams::use_wgmma; dense mode only). Needs the sm_90a target
-// (CMAKE_CUDA_ARCHITECTURES 90a, the project default): in a pass for any other target the kernel compiles to
-// nothing and qgemm_wgmma returns cudaErrorInvalidDeviceFunction.
+// qgemm on Hopper warpgroup MMA (qgemm.cuh: QGemmParams::use_wgmma for the dense mode, MoePrefillParams::
+// use_wgmma for moe_prefill's grouped expert GEMMs). Needs the sm_90a target (CMAKE_CUDA_ARCHITECTURES 90a, the
+// project default): in a pass for any other target the kernel compiles to nothing and the launchers return
+// cudaErrorInvalidDeviceFunction.
 //
-// C[M, N] = A[M, K] . W[N, K]^T, A fp16 row-major, W an MLX 4- or 8-bit QMatrix; one block computes a 128 x
-// BN tile (BN = 256, or 128 for grids too small to fill the SMs), K in steps of 64 (one quantisation group).
-// 384 threads = three warpgroups:
-//  - warpgroup 0, the producer: cp.async brings the A tile (128 x 64 fp16) and the packed W tile (BN x 64 x
-//    bits/8 bytes) of step kt + kLead into slot (kt + kLead) % kS of a kS-deep ring; then it expands step
-//    kt's packed W into one of kB fp16 tiles (value = scale * q + bias in fp32, rounded once to fp16: the
-//    same arithmetic and rounding as qgemm.cu, so both paths see the same weights), fences the generic-proxy
+// C[M, N] = A[M, K] . W[N, K]^T, A fp16 row-major, W an MLX 4- or 8-bit QMatrix; one block computes a BM x BN
+// tile of the fp16 W tile's rows (BM = 128, or 64 for the grouped mode's small experts; BN = 256, or 128 for
+// dense grids too small to fill the SMs), K in steps of 64 (one quantisation group). Warpgroups (128 threads):
+//  - the producer warpgroup: cp.async brings the A tile (BM x 64 fp16) and the packed W tile (BN x 64 x
+//    bits/8 bytes) of step kt + kLead into slot (kt + kLead) % KS of a KS-deep ring; then it expands step kt's
+//    packed W into one of KB fp16 tiles (value = scale * q + bias in fp32, rounded once to fp16: the same
+//    arithmetic and rounding as qgemm.cu, so both paths see the same weights), fences the generic-proxy
 //    writes (its cp.async data and its fp16 stores) against the tensor cores' async proxy and arrives on
-//    full[slot];
-//  - warpgroups 1 and 2, the consumers: each waits on full[slot], issues four wgmma.mma_async m64nBNk16
-//    f32.f16.f16 (rows 64 (wg - 1) .. + 63 of the tile, both operands read from shared memory through matrix
+//    full[slot]. With WgmmaKnobs::split_producer (SPLIT) the producer only dequantises: the consumers issue
+//    the cp.async (each its own 64 A rows and half the packed W, KS steps ahead, cp.async.mbarrier.arrive on
+//    loaded[slot] when they land) and the producer waits on loaded instead. (Two producer warpgroups with
+//    setmaxnreg do not compile here: at 512 threads a thread has 128 registers at launch, ptxas allocates
+//    the whole kernel within that, and an m64n256 wgmma needs 154.)
+//  - two consumer warpgroups: each waits on full[slot], issues four wgmma.mma_async m64nNWk16 f32.f16.f16
+//    (BM = 128: rows 64 c .. 64 c + 63 of the tile against all BN rows of W, NW = BN; BM = 64: all 64 rows
+//    against W rows NW c .. NW c + NW - 1, NW = BN / 2; both operands read from shared memory through matrix
 //    descriptors), commits them as one group, waits until the previous step's group is done and arrives on
-//    empty[previous slot]. So the producer's dequantisation of step kt + 1 overlaps the wgmma of step kt.
-//    One empty barrier frees both the A / packed slot and the fp16 tile of a step: with kLead = kS - kB the
-//    slot the producer loads at step kt and the fp16 tile it writes at step kt were both last used by step
-//    kt - kB, so it waits once a step.
+//    empty[previous slot]. So the dequantisation of step kt + 1 overlaps the wgmma of step kt. One empty
+//    barrier frees both the A / packed slot and the fp16 tile of a step: with kLead = KS - KB the slot the
+//    single producer loads at step kt and the fp16 tile it writes at step kt were both last used by step
+//    kt - KB, so it waits once a step.
 // Shared-memory layouts: the A tile and the fp16 W tile are K-major rows of 64 fp16 = 128 bytes with the
 // 128-byte swizzle (16-byte chunk c of row r stored at chunk c ^ (r & 7); tiles 1024-byte aligned) -- the
 // layout of qgemm.cu's swz() -- so one descriptor (start address, stride byte offset 1024 between 8-row
-// groups, leading byte offset unused, swizzle mode 1 = 128B) covers 64 or BN rows, and the k-th 16-column
+// groups, leading byte offset unused, swizzle mode 1 = 128B) covers 64 or NW rows, and the k-th 16-column
 // slice of the step starts 32 k bytes further (the hardware applies the XOR to the address bits).
-// Accumulators: 64 x BN per consumer warpgroup, BN / 2 fp32 registers a thread, in the mma.sync C-fragment
+// W-tile rows: MATS = 1: row r is W row n0 + r. MATS = 2 (the grouped SwiGLU, gate and up in one tile): each
+// consumer's NW rows are NW / 2 gate rows then the same NW / 2 up rows, so a thread holds gate and up of the
+// same output element NW / 16 n8 blocks apart and the epilogue writes fp16(silu(g) * u) as qgemm.cu does.
+// Accumulators: 64 x NW per consumer warpgroup, NW / 2 fp32 registers a thread, in the mma.sync C-fragment
 // order: for n8 block j, d[4j], d[4j + 1] at row 16 warp + lane / 4, columns 8 j + 2 (lane % 4) + {0, 1};
-// d[4j + 2], d[4j + 3] eight rows below. Epilogue as qgemm.cu (f32, f16, add_f32; tails in M and N).
-// FLOPs 2 M N K; bytes as qgemm.cu. Shared memory a step (BN = 256, 4-bit): wgmma reads 80 KB (each consumer
-// reads A 8 KB and the whole fp16 W tile 32 KB), the producer writes 32 KB of fp16 W and reads 8 KB packed,
-// cp.async writes 24 KB: ~144 KB = ~1150 cycles at 128 B/cycle against 1024 cycles of MMA at the dense fp16
-// rate (4.2 MFLOP a step at ~4096 FLOP/cycle/SM): this kernel is bound by shared-memory bandwidth near 85-90%
-// of the tensor rate, in practice lower (docs/PERF_NOTES.md: predicted, not measured).
+// d[4j + 2], d[4j + 3] eight rows below. Epilogue as qgemm.cu (f32, f16, add_f32, SwiGLU; tails in M and N).
+// Grouped mode (as qgemm.cu's): blocks along x are the entries of moe_prefill's device-side tile list
+// (expert, first row, rows; blocks past its length exit); A rows gathered through an index array; weights
+// matrix `expert` of the stacked QMatrix, or the shared expert's matrices for tile-list expert shared_expert.
+// Every knob (WgmmaKnobs) changes only when things happen, not the fp16 weights or the k order of any sum:
+// each computes the default's output bit for bit.
+// FLOPs 2 M N K; bytes as qgemm.cu. Shared memory a step (BM 128, BN = 256, 4-bit): wgmma reads 80 KB (each
+// consumer reads A 8 KB and the whole fp16 W tile 32 KB), the producer writes 32 KB of fp16 W and reads 8 KB
+// packed, cp.async writes 24 KB: ~144 KB = ~1150 cycles at 128 B/cycle against 1024 cycles of MMA at the dense
+// fp16 rate (4.2 MFLOP a step at ~4096 FLOP/cycle/SM). Measured 2026-11-30: ~275 TFLOP/s at M 4096
+// (docs/PERF_NOTES.md).
 #include <cuda_fp16.h>
 
 #include <cstdint>
@@ -46,37 +60,51 @@ namespace lily::cuda {
 namespace {
 
 constexpr int kWgGroup = 64;      // K step = one quantisation group = one 128-byte swizzled row of fp16
-constexpr int kWgBM = 128;        // tile rows: two consumer warpgroups of 64
-constexpr int kWgThreads = 384;   // producer warpgroup + two consumer warpgroups
 constexpr int kSmemMax = 232448;  // 227 KB: the largest dynamic shared memory of a block on sm_90
 
 struct WgArgs {
-  QMatrix w;  // [N, K]
+  QMatrix w[2];  // MATS matrices [N, K] (stacked [E, N, K] in grouped mode)
   const __half* a = nullptr;
-  int M = 0, N = 0, K = 0;
+  int M = 0, N = 0, K = 0;  // M: rows of the dense GEMM (unused in grouped mode)
   GemmOut out = GemmOut::f32;
   void* c = nullptr;
   int ldc = 0;
+  // grouped mode (tile_count != nullptr)
+  const int* tile_count = nullptr;
+  const int* tile_expert = nullptr;
+  const int* tile_row0 = nullptr;
+  const int* tile_rows = nullptr;
+  const int* gather = nullptr;  // A row of output row r is gather[r] (nullptr: r)
+  QMatrix ws[2];                // the matrices of tile-list expert `shared_expert`
+  int shared_expert = -1;
 };
 
-template <int BN, int BITS>
+// Deepest A / packed ring that fits next to KB fp16 W tiles (8 at most).
+constexpr int ring_fit(int BM, int BN, int BITS, int KB) {
+  const int fit = (kSmemMax - 1024 - 256 - KB * BN * 128) / (BM * 128 + BN * kWgGroup * BITS / 8);
+  return fit < 8 ? fit : 8;
+}
+
+template <int BM, int BN, int BITS, int KB, int KS, bool SPLIT>
 struct WgTile {
+  static constexpr int kThreads = 384;
+  static constexpr int NW = BM == 128 ? BN : BN / 2;           // W rows of one consumer's wgmma
   static constexpr int kPackedRowBytes = kWgGroup * BITS / 8;  // 32 or 64
   static constexpr int kPackedChunks = kPackedRowBytes / 16;   // 2 or 4
-  static constexpr int kABytes = kWgBM * 128;                  // A tile of a step (fp16, swizzled)
+  static constexpr int kABytes = BM * 128;                     // A tile of a step (fp16, swizzled)
   static constexpr int kPBytes = BN * kPackedRowBytes;         // packed W of a step
   static constexpr int kBBytes = BN * 128;                     // fp16 W tile of a step (swizzled)
-  static constexpr int kB = BN == 128 ? 3 : 2;                 // fp16 W tiles
-  static constexpr int kSFit = (kSmemMax - 1024 - 256 - kB * kBBytes) / (kABytes + kPBytes);
-  static constexpr int kS = kSFit < 8 ? kSFit : 8;  // A / packed ring depth
-  static constexpr int kLead = kS - kB;             // steps the loads run ahead of the dequant
-  static constexpr int kUnits = BN * 2;             // dequant units: half a row (32 elements)
+  static constexpr int kLead = KS - KB;                        // single producer: loads ahead of the dequant
+  static constexpr int kUnits = BN * 2;                        // dequant units: half a row (32 elements)
   static constexpr int kUnitsPerThread = kUnits / 128;
-  static constexpr int kAChunksPerThread = kWgBM * 8 / 128;  // 16-byte chunks of the A tile
+  static constexpr int kAChunksPerThread = BM * 8 / 128;  // 16-byte chunks of the A tile
   static constexpr int kPChunksPerThread = BN * kPackedChunks / 128;
   static constexpr size_t kSmem =
-      1024 + size_t{kS} * (kABytes + kPBytes) + size_t{kB} * kBBytes + size_t{2} * kS * sizeof(uint64_t);
-  static_assert(kLead >= 2 && kSmem <= kSmemMax, "shared memory");
+      1024 + size_t{KS} * (kABytes + kPBytes) + size_t{KB} * kBBytes + size_t{3} * KS * sizeof(uint64_t);
+  static_assert(BM == 128 || BM == 64, "tile rows");
+  static_assert(NW == 128 || NW == 256, "wgmma width");
+  static_assert(KB >= 2 && KS <= 8 && kSmem <= kSmemMax, "shared memory");
+  static_assert(SPLIT ? KS >= KB && BM == 128 : kLead >= 2, "ring depth");
   static_assert(kUnits % 128 == 0 && (BN * kPackedChunks) % 128 == 0, "work split");
 };
 
@@ -114,6 +142,11 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// The mbarrier arrives (once, counting as one of its expected arrivals) when every cp.async this thread issued
+// before has landed.
+__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
 // ---- wgmma
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
@@ -215,223 +248,328 @@ __device__ __forceinline__ float byte_as_float_(uint32_t v) {
   return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7650 | i)) - 8388608.0f;
 }
 
-template <int BN, int BITS>
-__global__ void __launch_bounds__(kWgThreads, 1) qgemm_wgmma_kernel(const WgArgs p) {
+// W-tile row r (0 .. BN - 1) of a block whose output columns start at n0: matrix `mat`, row `col` of it (see
+// the header: MATS = 2 puts each consumer's gate rows, then its up rows).
+template <int NW, int MATS>
+__device__ __forceinline__ void w_row_of(int r, int n0, int& mat, int& col) {
+  constexpr int kPer = NW / MATS;  // output columns of one consumer's slice
+  const int slice = r / NW, rr = r % NW;
+  mat = rr / kPer;
+  col = n0 + slice * kPer + rr % kPer;
+}
+
+template <int BM, int BN, int BITS, int KB, int KS, bool SPLIT, int MATS>
+__global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
 #if defined(LILY_QGEMM_WGMMA)
-  using C = WgTile<BN, BITS>;
+  using C = WgTile<BM, BN, BITS, KB, KS, SPLIT>;
+  constexpr int NW = C::NW;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle pattern repeats every 1024 bytes and the descriptors assume tiles aligned to it.
   unsigned char* const smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  unsigned char* const a_s = smem;                      // kS x [128 rows x 128 B]
-  unsigned char* const b_s = a_s + C::kS * C::kABytes;  // kB x [BN rows x 128 B]
-  unsigned char* const w_s = b_s + C::kB * C::kBBytes;  // kS x [BN rows x packed bytes]
-  uint64_t* const bars = reinterpret_cast<uint64_t*>(w_s + C::kS * C::kPBytes);
-  const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + C::kS);  // barrier s at + 8 s
+  unsigned char* const a_s = smem;                    // KS x [BM rows x 128 B]
+  unsigned char* const b_s = a_s + KS * C::kABytes;   // KB x [BN rows x 128 B]
+  unsigned char* const w_s = b_s + KB * C::kBBytes;   // KS x [BN rows x packed bytes]
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(w_s + KS * C::kPBytes);
+  // barrier s at + 8 s
+  const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + KS), loaded0 = smem_u32(bars + 2 * KS);
 
   const int tid = threadIdx.x, wg = tid >> 7;
-  const int n0 = blockIdx.y * BN, row0 = blockIdx.x * kWgBM, rows = min(kWgBM, p.M - row0);
+  const int n0 = blockIdx.y * (BN / MATS);
+  int row0, rows;
+  QMatrix w[MATS];
+  pdl_wait();
+  if (p.tile_count) {
+    if (static_cast<int>(blockIdx.x) >= __ldcg(p.tile_count)) return;  // block-uniform
+    const int e = __ldcg(p.tile_expert + blockIdx.x);
+    row0 = __ldcg(p.tile_row0 + blockIdx.x);
+    rows = __ldcg(p.tile_rows + blockIdx.x);
+#pragma unroll
+    for (int m = 0; m < MATS; ++m) w[m] = e == p.shared_expert ? p.ws[m] : p.w[m].expert(e);
+  } else {
+    row0 = blockIdx.x * BM;
+    rows = min(BM, p.M - row0);
+#pragma unroll
+    for (int m = 0; m < MATS; ++m) w[m] = p.w[m];
+  }
   const int K = p.K, KT = K / kWgGroup;
   if (tid == 0) {
-    for (int s = 0; s < C::kS; ++s) {
-      mbar_init(full0 + 8 * s, 128);   // the producer's threads, each after its fence
-      mbar_init(empty0 + 8 * s, 256);  // the consumers' threads, each after its wgmma of the step completed
+    for (int s = 0; s < KS; ++s) {
+      mbar_init(full0 + 8 * s, 128);    // the dequantising threads, each after its fence
+      mbar_init(empty0 + 8 * s, 256);   // the consumers' threads, each after its wgmma of the step completed
+      mbar_init(loaded0 + 8 * s, 256);  // split: the consumers' threads, each when its copies of the step landed
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
-  pdl_wait();
 
-  if (wg == 0) {
-    // ---------------- producer: loads and dequantisation
-    const int t = tid;
-    // This thread's sources, fixed for the block (each step adds its K offset): A chunk i is row a_r0 + 16 i,
-    // 16-byte chunk a_ch of the tile (its swizzled place depends on row & 7 = a_r0 & 7 only); packed W chunk
-    // i is 16-byte chunk t + 128 i of the stage (row-major [BN][bits * 8] bytes). Rows past M or N read from
-    // the matrix's start (a valid address) with a zero source size: zero-filled.
-    const int a_r0 = t >> 3, a_ch = t & 7;
-    const int a_dst = a_r0 * 128 + ((a_ch ^ (a_r0 & 7)) << 4);
-    const size_t wpr = static_cast<size_t>(K) * BITS / 32, gpr = K / kWgGroup;
+  const size_t wpr = static_cast<size_t>(K) * BITS / 32, gpr = K / kWgGroup;
+  // This thread's loads (t: its index in the loading warpgroup), fixed for the block (each step adds its K
+  // offset): A chunk i is row a_r0 + 16 i, 16-byte chunk a_ch of the tile (its swizzled place depends on
+  // row & 7 = a_r0 & 7 only); packed W chunk i is 16-byte chunk t + 128 i of the stage (row-major [BN][bits * 8]
+  // bytes). Rows past the tile's rows or past N read from the matrix's start (a valid address) with a zero
+  // source size: zero-filled.
+  struct Loads {
+    int a_dst;
     const __half* a_ptr[C::kAChunksPerThread];
     bool a_ok[C::kAChunksPerThread];
-#pragma unroll
-    for (int i = 0; i < C::kAChunksPerThread; ++i) {
-      a_ok[i] = a_r0 + 16 * i < rows;
-      a_ptr[i] = a_ok[i] ? p.a + static_cast<size_t>(row0 + a_r0 + 16 * i) * K + a_ch * 8 : p.a;
-    }
     const uint32_t* w_ptr[C::kPChunksPerThread];
     bool w_ok[C::kPChunksPerThread];
+  };
+  auto make_loads = [&](int t, Loads& l) {
+    const int a_r0 = t >> 3, a_ch = t & 7;
+    l.a_dst = a_r0 * 128 + ((a_ch ^ (a_r0 & 7)) << 4);
+#pragma unroll
+    for (int i = 0; i < C::kAChunksPerThread; ++i) {
+      const int r = a_r0 + 16 * i;
+      l.a_ok[i] = r < rows;
+      l.a_ptr[i] = p.a;
+      if (l.a_ok[i]) {
+        const int src = p.gather ? __ldcg(p.gather + row0 + r) : row0 + r;
+        l.a_ptr[i] += static_cast<size_t>(src) * K + a_ch * 8;
+      }
+    }
 #pragma unroll
     for (int i = 0; i < C::kPChunksPerThread; ++i) {
       const int id = t + i * 128, r = id / C::kPackedChunks, ch = id % C::kPackedChunks;
-      w_ok[i] = n0 + r < p.N;
-      w_ptr[i] = w_ok[i] ? p.w.w + (n0 + r) * wpr + ch * 4 : p.w.w;
+      int mat, col;
+      w_row_of<NW, MATS>(r, n0, mat, col);
+      l.w_ok[i] = col < p.N;
+      l.w_ptr[i] = l.w_ok[i] ? w[mat].w + col * wpr + ch * 4 : w[0].w;
     }
-
-    auto issue_loads = [&](int kt) {
-      const int slot = kt % C::kS;
-      unsigned char* const as = a_s + slot * C::kABytes + a_dst;
+  };
+  auto issue_loads = [&](int t, const Loads& l, int kt) {
+    unsigned char* const as = a_s + (kt % KS) * C::kABytes + l.a_dst;
 #pragma unroll
-      for (int i = 0; i < C::kAChunksPerThread; ++i)
-        cp_async_16(as + i * 16 * 128, a_ptr[i] + kt * kWgGroup, a_ok[i]);
-      unsigned char* const ws = w_s + slot * C::kPBytes + t * 16;
+    for (int i = 0; i < C::kAChunksPerThread; ++i)
+      cp_async_16(as + i * 16 * 128, l.a_ptr[i] + kt * kWgGroup, l.a_ok[i]);
+    unsigned char* const ws = w_s + (kt % KS) * C::kPBytes + t * 16;
 #pragma unroll
-      for (int i = 0; i < C::kPChunksPerThread; ++i)
-        cp_async_16(ws + i * 128 * 16, w_ptr[i] + kt * (kWgGroup * BITS / 32), w_ok[i]);
-    };
-    // Dequant unit u = t + 128 i: row u >> 1 of the tile, half u & 1 (32 elements = 4 swizzled chunks).
-    size_t g_off[C::kUnitsPerThread];  // the unit's row in the scale / bias arrays (row 0 past N)
-    bool g_ok[C::kUnitsPerThread];
+    for (int i = 0; i < C::kPChunksPerThread; ++i)
+      cp_async_16(ws + i * 128 * 16, l.w_ptr[i] + kt * (kWgGroup * BITS / 32), l.w_ok[i]);
+  };
+  // Dequant unit u = t + 128 i: row u >> 1 of the W tile, half u & 1 (32 elements = 4 swizzled chunks); its
+  // scale and bias rows (nullptr past N: zero weights).
+  struct Groups {
+    const __nv_bfloat16* s[C::kUnitsPerThread];
+    const __nv_bfloat16* b[C::kUnitsPerThread];
+  };
+  auto make_groups = [&](int t, Groups& g) {
 #pragma unroll
     for (int i = 0; i < C::kUnitsPerThread; ++i) {
-      const int r = (t + i * 128) >> 1;
-      g_ok[i] = n0 + r < p.N;
-      g_off[i] = g_ok[i] ? (n0 + r) * gpr : 0;
+      int mat, col;
+      w_row_of<NW, MATS>((t + i * 128) >> 1, n0, mat, col);
+      const bool ok = col < p.N;
+      g.s[i] = ok ? w[mat].scales + col * gpr : nullptr;
+      g.b[i] = ok ? w[mat].biases + col * gpr : nullptr;
     }
-    auto load_scales = [&](int kt, float(&sc)[C::kUnitsPerThread], float(&bi)[C::kUnitsPerThread]) {
+  };
+  auto load_scales = [&](const Groups& g, int kt, float(&sc)[C::kUnitsPerThread],
+                         float(&bi)[C::kUnitsPerThread]) {
 #pragma unroll
-      for (int i = 0; i < C::kUnitsPerThread; ++i) {
-        float s = 0.0f, b = 0.0f;  // rows past N: zero weights
-        if (g_ok[i]) {
-          s = bf16_bits_to_float(ld_bf16_bits(p.w.scales + g_off[i] + kt));
-          b = bf16_bits_to_float(ld_bf16_bits(p.w.biases + g_off[i] + kt));
-        }
-        sc[i] = BITS == 4 ? 256.0f * s : s;  // 4-bit codes come out as 0.5 + q / 256 (quant_dot.cuh)
-        bi[i] = BITS == 4 ? b - 128.0f * s : b;
+    for (int i = 0; i < C::kUnitsPerThread; ++i) {
+      float s = 0.0f, b = 0.0f;
+      if (g.s[i]) {
+        s = bf16_bits_to_float(ld_bf16_bits(g.s[i] + kt));
+        b = bf16_bits_to_float(ld_bf16_bits(g.b[i] + kt));
       }
-    };
-    auto dequant = [&](int kt, const float(&sc)[C::kUnitsPerThread], const float(&bi)[C::kUnitsPerThread]) {
-      const unsigned char* const ws = w_s + (kt % C::kS) * C::kPBytes;
-      unsigned char* const bs = b_s + (kt % C::kB) * C::kBBytes;
+      sc[i] = BITS == 4 ? 256.0f * s : s;  // 4-bit codes come out as 0.5 + q / 256 (quant_dot.cuh)
+      bi[i] = BITS == 4 ? b - 128.0f * s : b;
+    }
+  };
+  auto dequant = [&](int t, int kt, const float(&sc)[C::kUnitsPerThread],
+                     const float(&bi)[C::kUnitsPerThread]) {
+    const unsigned char* const ws = w_s + (kt % KS) * C::kPBytes;
+    unsigned char* const bs = b_s + (kt % KB) * C::kBBytes;
 #pragma unroll
-      for (int i = 0; i < C::kUnitsPerThread; ++i) {
-        const int u = t + i * 128, r = u >> 1, half = u & 1;
-        const unsigned char* src = ws + r * C::kPackedRowBytes + half * (C::kPackedRowBytes / 2);
-        unsigned char* const dst_row = bs + r * 128;
-        const float s = sc[i], b = bi[i];
-        if constexpr (BITS == 4) {
-          const uint4 v = *reinterpret_cast<const uint4*>(src);
-          const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < C::kUnitsPerThread; ++i) {
+      const int u = t + i * 128, r = u >> 1, half = u & 1;
+      const unsigned char* src = ws + r * C::kPackedRowBytes + half * (C::kPackedRowBytes / 2);
+      unsigned char* const dst_row = bs + r * 128;
+      const float s = sc[i], b = bi[i];
+      if constexpr (BITS == 4) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src);
+        const uint32_t words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {  // word j: elements 8 j .. 8 j + 7 of the half -> chunk 4 half + j
-            const uint32_t lo = words[j] & 0x0F0F0F0Fu, hi = (words[j] >> 4) & 0x0F0F0F0Fu;
-            uint4 o;
-            o.x = pack_f16x2(fmaf(nibble_as_float<0>(lo), s, b), fmaf(nibble_as_float<0>(hi), s, b));
-            o.y = pack_f16x2(fmaf(nibble_as_float<1>(lo), s, b), fmaf(nibble_as_float<1>(hi), s, b));
-            o.z = pack_f16x2(fmaf(nibble_as_float<2>(lo), s, b), fmaf(nibble_as_float<2>(hi), s, b));
-            o.w = pack_f16x2(fmaf(nibble_as_float<3>(lo), s, b), fmaf(nibble_as_float<3>(hi), s, b));
-            *reinterpret_cast<uint4*>(dst_row + (((half * 4 + j) ^ (r & 7)) << 4)) = o;
-          }
-        } else {
-          const uint4 v0 = *reinterpret_cast<const uint4*>(src),
-                      v1 = *reinterpret_cast<const uint4*>(src + 16);
-          const uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+        for (int j = 0; j < 4; ++j) {  // word j: elements 8 j .. 8 j + 7 of the half -> chunk 4 half + j
+          const uint32_t lo = words[j] & 0x0F0F0F0Fu, hi = (words[j] >> 4) & 0x0F0F0F0Fu;
+          uint4 o;
+          o.x = pack_f16x2(fmaf(nibble_as_float<0>(lo), s, b), fmaf(nibble_as_float<0>(hi), s, b));
+          o.y = pack_f16x2(fmaf(nibble_as_float<1>(lo), s, b), fmaf(nibble_as_float<1>(hi), s, b));
+          o.z = pack_f16x2(fmaf(nibble_as_float<2>(lo), s, b), fmaf(nibble_as_float<2>(hi), s, b));
+          o.w = pack_f16x2(fmaf(nibble_as_float<3>(lo), s, b), fmaf(nibble_as_float<3>(hi), s, b));
+          *reinterpret_cast<uint4*>(dst_row + (((half * 4 + j) ^ (r & 7)) << 4)) = o;
+        }
+      } else {
+        const uint4 v0 = *reinterpret_cast<const uint4*>(src),
+                    v1 = *reinterpret_cast<const uint4*>(src + 16);
+        const uint32_t words[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {  // words 2 j, 2 j + 1: elements 8 j .. 8 j + 7 -> chunk 4 half + j
-            const uint32_t w0 = words[2 * j], w1 = words[2 * j + 1];
-            uint4 o;
-            o.x = pack_f16x2(fmaf(byte_as_float_<0>(w0), s, b), fmaf(byte_as_float_<1>(w0), s, b));
-            o.y = pack_f16x2(fmaf(byte_as_float_<2>(w0), s, b), fmaf(byte_as_float_<3>(w0), s, b));
-            o.z = pack_f16x2(fmaf(byte_as_float_<0>(w1), s, b), fmaf(byte_as_float_<1>(w1), s, b));
-            o.w = pack_f16x2(fmaf(byte_as_float_<2>(w1), s, b), fmaf(byte_as_float_<3>(w1), s, b));
-            *reinterpret_cast<uint4*>(dst_row + (((half * 4 + j) ^ (r & 7)) << 4)) = o;
-          }
+        for (int j = 0; j < 4; ++j) {  // words 2 j, 2 j + 1: elements 8 j .. 8 j + 7 -> chunk 4 half + j
+          const uint32_t w0 = words[2 * j], w1 = words[2 * j + 1];
+          uint4 o;
+          o.x = pack_f16x2(fmaf(byte_as_float_<0>(w0), s, b), fmaf(byte_as_float_<1>(w0), s, b));
+          o.y = pack_f16x2(fmaf(byte_as_float_<2>(w0), s, b), fmaf(byte_as_float_<3>(w0), s, b));
+          o.z = pack_f16x2(fmaf(byte_as_float_<0>(w1), s, b), fmaf(byte_as_float_<1>(w1), s, b));
+          o.w = pack_f16x2(fmaf(byte_as_float_<2>(w1), s, b), fmaf(byte_as_float_<3>(w1), s, b));
+          *reinterpret_cast<uint4*>(dst_row + (((half * 4 + j) ^ (r & 7)) << 4)) = o;
         }
       }
-    };
+    }
+  };
 
-    // Step kt: (1) wait until step kt - kB is consumed: it frees the ring slot step kt + kLead loads into and
-    // the fp16 tile step kt writes; (2) loads of step kt + kLead; (3) scales of step kt + 1 into the other
-    // register set; (4) step kt's cp.async group complete (this thread's copies), then every producer
-    // thread's (named barrier); (5) dequantise; (6) fence (generic -> async proxy), arrive on full.
+  if (wg == 0) {
+    // ---------------- dequantisation (and, single producer, the loads)
+    const int t = tid & 127;
+    Loads l;
+    if constexpr (!SPLIT) make_loads(t, l);
+    Groups g;
+    make_groups(t, g);
+    // Step kt: (1) wait until step kt - KB is consumed: it frees the fp16 tile step kt writes (and, single
+    // producer, the ring slot step kt + kLead loads into); (2) single: loads of step kt + kLead; (3) scales of
+    // step kt + 1 into the other register set; (4) step kt's packed W and A landed: single, this thread's
+    // cp.async group, then every producer thread's (named barrier); split, the loaded barrier; (5) dequantise;
+    // (6) fence (generic -> async proxy), arrive on full.
     auto step = [&](int kt, const float(&sc)[C::kUnitsPerThread], const float(&bi)[C::kUnitsPerThread],
                     float(&sc_next)[C::kUnitsPerThread], float(&bi_next)[C::kUnitsPerThread]) {
-      if (kt >= C::kB) {
-        const int j = kt - C::kB;
-        mbar_wait(empty0 + 8 * (j % C::kS), (j / C::kS) & 1);
+      if (kt >= KB) {
+        const int j = kt - KB;
+        mbar_wait(empty0 + 8 * (j % KS), (j / KS) & 1);
       }
-      if (kt + C::kLead < KT) issue_loads(kt + C::kLead);
-      cp_async_commit();
-      if (kt + 1 < KT) load_scales(kt + 1, sc_next, bi_next);
-      cp_async_wait<C::kLead>();
-      producer_bar_sync();
-      dequant(kt, sc, bi);
+      if constexpr (!SPLIT) {
+        if (kt + C::kLead < KT) issue_loads(t, l, kt + C::kLead);
+        cp_async_commit();
+      }
+      if (kt + 1 < KT) load_scales(g, kt + 1, sc_next, bi_next);
+      if constexpr (SPLIT) {
+        mbar_wait(loaded0 + 8 * (kt % KS), (kt / KS) & 1);
+      } else {
+        cp_async_wait<C::kLead>();
+        producer_bar_sync();
+      }
+      dequant(t, kt, sc, bi);
       fence_proxy_async();
-      mbar_arrive(full0 + 8 * (kt % C::kS));
+      mbar_arrive(full0 + 8 * (kt % KS));
     };
 
+    if constexpr (!SPLIT) {
 #pragma unroll 1
-    for (int s = 0; s < C::kLead; ++s) {
-      if (s < KT) issue_loads(s);
-      cp_async_commit();
+      for (int s = 0; s < C::kLead; ++s) {
+        if (s < KT) issue_loads(t, l, s);
+        cp_async_commit();
+      }
     }
     float sc0[C::kUnitsPerThread], bi0[C::kUnitsPerThread], sc1[C::kUnitsPerThread], bi1[C::kUnitsPerThread];
-    load_scales(0, sc0, bi0);
+    load_scales(g, 0, sc0, bi0);
 #pragma unroll 1
     for (int kt = 0; kt < KT; kt += 2) {  // two steps an iteration: the scale registers alternate
       step(kt, sc0, bi0, sc1, bi1);
       if (kt + 1 < KT) step(kt + 1, sc1, bi1, sc0, bi0);
     }
-    cp_async_wait<0>();
+    if constexpr (!SPLIT) cp_async_wait<0>();
   } else {
     // ---------------- consumers: wgmma and the epilogue
-    const int cw = wg - 1;             // tile rows 64 cw .. 64 cw + 63
-    const bool live = rows > 64 * cw;  // warpgroup-uniform: rows past M skip the tensor cores
-    float acc[BN / 2];
+    const int cw = wg - 1;
+    // BM 128: tile rows 64 cw .. + 63 against all W rows; BM 64: all rows against W rows NW cw .. + NW - 1.
+    const int arow0 = BM == 128 ? 64 * cw : 0, slice = BM == 128 ? 0 : cw;
+    const bool live = rows > arow0;  // warpgroup-uniform: rows past the tile's skip the tensor cores
+    float acc[NW / 2];
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
-    const uint32_t a_base = smem_u32(a_s) + cw * 64 * 128, b_base = smem_u32(b_s);
+    for (int i = 0; i < NW / 2; ++i) acc[i] = 0.0f;
+    const uint32_t a_base = smem_u32(a_s) + arow0 * 128, b_base = smem_u32(b_s) + slice * NW * 128;
+    // Split: this warpgroup loads its own 64 A rows and packed W rows BN / 2 cw .. + BN / 2 - 1 of step j into
+    // slot j % KS (addresses recomputed a step: the accumulators leave few registers) and arrives on loaded
+    // when they land. Step j's slot was last read by this warpgroup's wgmma of step j - KS (its A rows) and by
+    // the dequantisation of step j - KS (packed W), both done once this warpgroup's step j - KS completed.
+    auto consumer_loads = [&](int j) {
+      const int t = tid & 127;
+      unsigned char* const as = a_s + (j % KS) * C::kABytes;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {  // 64 rows x 8 chunks over 128 threads
+        const int r = arow0 + (t >> 3) + 16 * i, ch = t & 7;
+        const bool ok = r < rows;
+        const __half* src = p.a;
+        if (ok) src += static_cast<size_t>(p.gather ? __ldcg(p.gather + row0 + r) : row0 + r) * K + ch * 8 +
+                       j * kWgGroup;
+        cp_async_16(as + r * 128 + ((ch ^ (r & 7)) << 4), src, ok);
+      }
+      unsigned char* const ws = w_s + (j % KS) * C::kPBytes;
+#pragma unroll
+      for (int i = 0; i < C::kPChunksPerThread / 2; ++i) {
+        const int id = cw * (BN / 2) * C::kPackedChunks + t + i * 128, r = id / C::kPackedChunks,
+                  ch = id % C::kPackedChunks;
+        int mat, col;
+        w_row_of<NW, MATS>(r, n0, mat, col);
+        const bool ok = col < p.N;
+        const uint32_t* src = ok ? w[mat].w + col * wpr + ch * 4 + j * (kWgGroup * BITS / 32) : w[0].w;
+        cp_async_16(ws + id * 16, src, ok);
+      }
+      cp_async_arrive_noinc(loaded0 + 8 * (j % KS));
+    };
+    if constexpr (SPLIT) {
+#pragma unroll 1
+      for (int j = 0; j < KS && j < KT; ++j) consumer_loads(j);
+    }
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
-      const int slot = kt % C::kS;
-      mbar_wait(full0 + 8 * slot, (kt / C::kS) & 1);
+      const int slot = kt % KS;
+      mbar_wait(full0 + 8 * slot, (kt / KS) & 1);
       if (live) {
-        const uint32_t a_addr = a_base + slot * C::kABytes, b_addr = b_base + (kt % C::kB) * C::kBBytes;
+        const uint32_t a_addr = a_base + slot * C::kABytes, b_addr = b_base + (kt % KB) * C::kBBytes;
         wgmma_fence();
         fence_regs(acc);
 #pragma unroll
         for (int k = 0; k < kWgGroup / 16; ++k)
-          wgmma_ss<BN>(acc, desc_sw128(a_addr + 32 * k), desc_sw128(b_addr + 32 * k));
+          wgmma_ss<NW>(acc, desc_sw128(a_addr + 32 * k), desc_sw128(b_addr + 32 * k));
         wgmma_commit();
         fence_regs(acc);
         wgmma_wait<1>();  // step kt - 1's group is done: its slot and fp16 tile may be refilled
         fence_regs(acc);
       }
-      if (kt > 0) mbar_arrive(empty0 + 8 * ((kt - 1) % C::kS));
+      if (kt > 0) {
+        mbar_arrive(empty0 + 8 * ((kt - 1) % KS));
+        if constexpr (SPLIT) {
+          if (kt - 1 + KS < KT) consumer_loads(kt - 1 + KS);
+        }
+      }
     }
+    if constexpr (SPLIT) cp_async_wait<0>();
     wgmma_wait<0>();
     fence_regs(acc);
     pdl_launch_dependents();
 
     // Epilogue: as qgemm.cu (column pairs stored together where the row stride and base allow it).
     const int lane = tid & 31, wq = (tid >> 5) & 3;
-    const bool f32_out = p.out != GemmOut::f16;
-    const int ldc = p.ldc;
+    const bool f32_out = MATS == 1 && p.out != GemmOut::f16;
+    const int ldc = p.ldc, nc0 = n0 + slice * (NW / MATS);
     const bool pairs = ldc % 2 == 0 && (reinterpret_cast<uintptr_t>(p.c) & (f32_out ? 7 : 3)) == 0;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      const int r = 64 * cw + 16 * wq + (lane >> 2) + 8 * hr;
+      const int r = arow0 + 16 * wq + (lane >> 2) + 8 * hr;
       if (r >= rows) continue;
       const size_t crow = static_cast<size_t>(row0 + r) * ldc;
 #pragma unroll
-      for (int j = 0; j < BN / 8; ++j) {
-        const int n = n0 + 8 * j + 2 * (lane & 3);
+      for (int j = 0; j < NW / 8 / MATS; ++j) {
+        const int n = nc0 + 8 * j + 2 * (lane & 3);
         if (n >= p.N) continue;
-        const float v0 = acc[4 * j + 2 * hr], v1 = acc[4 * j + 2 * hr + 1];
+        float v[2] = {acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]};
+        if constexpr (MATS == 2) {  // the up value of the same element sits NW / 16 n8 blocks further
+          v[0] = siluf_(v[0]) * acc[4 * (j + NW / 16) + 2 * hr];
+          v[1] = siluf_(v[1]) * acc[4 * (j + NW / 16) + 2 * hr + 1];
+        }
         if (pairs && n + 1 < p.N) {
           if (!f32_out) {
-            *reinterpret_cast<__half2*>(static_cast<__half*>(p.c) + crow + n) = __floats2half2_rn(v0, v1);
+            *reinterpret_cast<__half2*>(static_cast<__half*>(p.c) + crow + n) = __floats2half2_rn(v[0], v[1]);
           } else {
             float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.c) + crow + n);
             if (p.out == GemmOut::add_f32) {
               const float2 old = *dst;
-              *dst = make_float2(old.x + v0, old.y + v1);
+              *dst = make_float2(old.x + v[0], old.y + v[1]);
             } else {
-              *dst = make_float2(v0, v1);
+              *dst = make_float2(v[0], v[1]);
             }
           }
           continue;
         }
-        const float v[2] = {v0, v1};
 #pragma unroll
         for (int q = 0; q < 2; ++q) {
           if (n + q >= p.N) continue;
@@ -447,7 +585,7 @@ __global__ void __launch_bounds__(kWgThreads, 1) qgemm_wgmma_kernel(const WgArgs
     }
   }
 #else
-  (void)p;  // not an sm_90a pass: no wgmma (qgemm_wgmma refuses to launch, see wgmma_built)
+  (void)p;  // not an sm_90a pass: no wgmma (the launchers refuse to launch, see wgmma_built)
 #endif
 }
 
@@ -477,14 +615,45 @@ bool wgmma_built() {
   return cached[dev] == 1;
 }
 
-template <int BN, int BITS>
-cudaError_t launch_wgmma(const WgArgs& a, cudaStream_t stream) {
-  using C = WgTile<BN, BITS>;
-  const dim3 grid((a.M + kWgBM - 1) / kWgBM, (a.N + BN - 1) / BN), block(kWgThreads);
-  if (grid.y > 65535u) return cudaErrorInvalidValue;
-  auto* k = qgemm_wgmma_kernel<BN, BITS>;
+template <int BM, int BN, int BITS, int KB, int KS, bool SPLIT, int MATS>
+cudaError_t launch_wgmma(const WgArgs& a, int x_tiles, cudaStream_t stream) {
+  using C = WgTile<BM, BN, BITS, KB, KS, SPLIT>;
+  const dim3 grid(x_tiles, (a.N + BN / MATS - 1) / (BN / MATS)), block(C::kThreads);
+  if (grid.y > 65535u || x_tiles < 1) return cudaErrorInvalidValue;
+  auto* k = qgemm_wgmma_kernel<BM, BN, BITS, KB, KS, SPLIT, MATS>;
   CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem)));
   return launch_pdl(k, grid, block, C::kSmem, stream, a);
+}
+
+// Dense launch with the default ring (the deepest that fits) for KB fp16 tiles.
+template <int BN, int BITS, int KB, bool SPLIT = false>
+cudaError_t launch_dense_wgmma(const WgArgs& a, cudaStream_t stream) {
+  return launch_wgmma<128, BN, BITS, KB, ring_fit(128, BN, BITS, KB), SPLIT, 1>(a, (a.M + 127) / 128, stream);
+}
+
+// The knob combinations that are compiled (WgmmaKnobs; anything else is cudaErrorInvalidValue): 8-bit and
+// 128-wide tiles take the defaults only; 128 x 256 at 4-bit takes (fp16 tiles, ring) in {(2, 6) (default),
+// (2, 5), (2, 4), (3, 5)} with one producer warpgroup and {(2, 6), (3, 5)} with two.
+cudaError_t launch_dense_knobs(const WgArgs& a, int bits, int bn, const WgmmaKnobs& kn, cudaStream_t stream) {
+  const int tiles = kn.fp16_tiles ? kn.fp16_tiles : (bn == 128 ? 3 : 2);
+  const int def_ring = ring_fit(128, bn, bits, tiles);
+  const int ring = kn.ring ? kn.ring : def_ring;
+  const bool plain = !kn.split_producer && ring == def_ring && tiles == (bn == 128 ? 3 : 2);
+  if (bits == 8 || bn == 128) {
+    if (!plain) return cudaErrorInvalidValue;
+    if (bits == 8) return bn == 256 ? launch_dense_wgmma<256, 8, 2>(a, stream) : launch_dense_wgmma<128, 8, 3>(a, stream);
+    return launch_dense_wgmma<128, 4, 3>(a, stream);
+  }
+  if (!kn.split_producer) {
+    if (tiles == 2 && ring == ring_fit(128, 256, 4, 2)) return launch_dense_wgmma<256, 4, 2>(a, stream);
+    if (tiles == 2 && ring == 5) return launch_wgmma<128, 256, 4, 2, 5, false, 1>(a, (a.M + 127) / 128, stream);
+    if (tiles == 2 && ring == 4) return launch_wgmma<128, 256, 4, 2, 4, false, 1>(a, (a.M + 127) / 128, stream);
+    if (tiles == 3 && ring == ring_fit(128, 256, 4, 3)) return launch_dense_wgmma<256, 4, 3>(a, stream);
+    return cudaErrorInvalidValue;
+  }
+  if (tiles == 2 && ring == ring_fit(128, 256, 4, 2)) return launch_dense_wgmma<256, 4, 2, true>(a, stream);
+  if (tiles == 3 && ring == ring_fit(128, 256, 4, 3)) return launch_dense_wgmma<256, 4, 3, true>(a, stream);
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
@@ -492,19 +661,54 @@ cudaError_t launch_wgmma(const WgArgs& a, cudaStream_t stream) {
 cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream) {
   const QMatrix& w = p.w;
   const int ldc = p.ldc ? p.ldc : w.rows;
+  const WgmmaKnobs& kn = p.wgmma;
   if (!w.w || !w.scales || !w.biases || w.rows < 1 || w.cols < kWgGroup || w.cols % kWgGroup != 0 ||
       (w.bits != 4 && w.bits != 8) || !aligned16(w.w) || !p.a || !p.c || p.M < 1 || ldc < w.rows ||
-      !aligned16(p.a) || (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32)) {
+      !aligned16(p.a) || (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32) ||
+      (kn.bn != 0 && kn.bn != 128 && kn.bn != 256) || (kn.fp16_tiles != 0 && kn.fp16_tiles != 2 &&
+      kn.fp16_tiles != 3) || kn.ring < 0 || kn.ring > 8) {
     return cudaErrorInvalidValue;
   }
   if (!wgmma_built()) return cudaErrorInvalidDeviceFunction;
   WgArgs a;
-  a.w = w, a.a = p.a, a.M = p.M, a.N = w.rows, a.K = w.cols, a.out = p.out, a.c = p.c, a.ldc = ldc;
+  a.w[0] = a.w[1] = w;
+  a.a = p.a, a.M = p.M, a.N = w.rows, a.K = w.cols, a.out = p.out, a.c = p.c, a.ldc = ldc;
   // 128 x 256 tiles (half the shared-memory reads of W per FLOP of 128 x 128) unless they would leave SMs
   // idle: a K loop runs serially in a block, so a grid of fewer tiles than SMs is bound by one block.
-  const bool wide = static_cast<long>((a.M + kWgBM - 1) / kWgBM) * ((a.N + 255) / 256) >= 132;
-  if (w.bits == 4) return wide ? launch_wgmma<256, 4>(a, stream) : launch_wgmma<128, 4>(a, stream);
-  return wide ? launch_wgmma<256, 8>(a, stream) : launch_wgmma<128, 8>(a, stream);
+  const bool wide = static_cast<long>((a.M + 127) / 128) * ((a.N + 255) / 256) >= 132;
+  return launch_dense_knobs(a, w.bits, kn.bn ? kn.bn : (wide ? 256 : 128), kn, stream);
+}
+
+cudaError_t qgemm_wgmma_grouped(const WgmmaGroupedParams& p, cudaStream_t stream) {
+  const QMatrix& w = p.w[0];
+  const int mats = p.swiglu ? 2 : 1;
+  bool ok = p.a && p.c && p.tile_count && p.tile_expert && p.tile_row0 && p.tile_rows && p.max_tiles >= 1 &&
+            (p.tile_rows_max == 64 || p.tile_rows_max == 128) && aligned16(p.a) && p.ldc >= w.rows;
+  auto same = [&](const QMatrix& q) {  // 4-bit, the shapes of w
+    return q.w && q.scales && q.biases && q.rows == w.rows && q.cols == w.cols && q.bits == 4 && aligned16(q.w);
+  };
+  for (int m = 0; m < mats; ++m) ok = ok && same(p.w[m]) && (p.shared_expert < 0 || same(p.ws[m]));
+  if (!ok || w.cols < kWgGroup || w.cols % kWgGroup != 0) return cudaErrorInvalidValue;
+  if (!wgmma_built()) return cudaErrorInvalidDeviceFunction;
+  WgArgs a;
+  a.w[0] = p.w[0], a.w[1] = p.w[mats - 1];
+  a.ws[0] = p.ws[0], a.ws[1] = p.ws[mats - 1];
+  a.shared_expert = p.shared_expert;
+  a.a = p.a, a.N = w.rows, a.K = w.cols, a.out = p.swiglu ? GemmOut::f16 : GemmOut::f32, a.c = p.c;
+  a.ldc = p.ldc;
+  a.tile_count = p.tile_count, a.tile_expert = p.tile_expert, a.tile_row0 = p.tile_row0;
+  a.tile_rows = p.tile_rows, a.gather = p.gather;
+  constexpr int kRing = ring_fit(128, 256, 4, 2);
+  if (p.tile_rows_max == 128 && p.split) {
+    return p.swiglu ? launch_wgmma<128, 256, 4, 2, kRing, true, 2>(a, p.max_tiles, stream)
+                    : launch_wgmma<128, 256, 4, 2, kRing, true, 1>(a, p.max_tiles, stream);
+  }
+  if (p.tile_rows_max == 128) {
+    return p.swiglu ? launch_wgmma<128, 256, 4, 2, kRing, false, 2>(a, p.max_tiles, stream)
+                    : launch_wgmma<128, 256, 4, 2, kRing, false, 1>(a, p.max_tiles, stream);
+  }
+  return p.swiglu ? launch_wgmma<64, 256, 4, 2, ring_fit(64, 256, 4, 2), false, 2>(a, p.max_tiles, stream)
+                  : launch_wgmma<64, 256, 4, 2, ring_fit(64, 256, 4, 2), false, 1>(a, p.max_tiles, stream);
 }
 
 }  // namespace lily::cuda
