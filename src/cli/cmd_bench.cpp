@@ -29,6 +29,7 @@ struct BenchArgs {
   int prefill_chunk = 4096;
   int gdn_scan = 0;
   bool wgmma = true;
+  bool attn_wgmma = false;
 };
 
 #ifdef LILY_HAVE_CUDA
@@ -74,6 +75,7 @@ Status run_bench(const BenchArgs& a) {
   opt.prefill_chunk = a.prefill_chunk;
   opt.gdn_scan_variant = a.gdn_scan;
   opt.dense_wgmma = a.wgmma;
+  opt.attn_wgmma = a.attn_wgmma;
   ASSIGN_OR_RETURN(auto backend, cuda::make_cuda_backend(weights, opt));
   double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double wbytes = static_cast<double>(backend->weight_bytes_per_token());
@@ -81,7 +83,8 @@ Status run_bench(const BenchArgs& a) {
                backend->device_name().c_str(), wbytes / 1e9);
   nlohmann::json out = {{"device", backend->device_name()}, {"model", a.model.empty() ? "synthetic " + a.synthetic : a.model},
                         {"weight_bytes_per_token", wbytes}, {"steps", a.steps}, {"reps", a.reps},
-                        {"prefill_chunk", a.prefill_chunk}, {"gdn_scan", a.gdn_scan}, {"wgmma", a.wgmma}};
+                        {"prefill_chunk", a.prefill_chunk}, {"gdn_scan", a.gdn_scan}, {"wgmma", a.wgmma},
+                        {"attn_wgmma", a.attn_wgmma}};
   auto seq = backend->new_sequence();
   if (!seq) return error(ErrorCode::internal, "cannot allocate a sequence of %lld tokens", (long long)opt.max_context);
   if (do_prefill) {
@@ -160,6 +163,8 @@ void setup(CLI::App& app) {
   cmd->add_option("--gdn-scan", a->gdn_scan, "Gated DeltaNet prefill scan variant (0: chosen by length; gdn_prefill.cuh)");
   cmd->add_flag("--wgmma,!--no-wgmma", a->wgmma,
                 "dense prefill projections on the wgmma GEMM (qgemm_wgmma.cu; default) or on mma.sync");
+  cmd->add_flag("--attn-wgmma,!--no-attn-wgmma", a->attn_wgmma,
+                "prefill flash attention on the Hopper wgmma kernel (attn_prefill_wgmma.cu; opt-in, default off)");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
   cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");
   cmd->add_option("--json", a->json_path, "write results as JSON");

@@ -19,6 +19,9 @@ struct CudaBackendOptions {
   // Dense prefill projections on the wgmma kernel (QGemmParams::use_wgmma; 1.1-1.2x the mma.sync kernel on the
   // H200); only on a compute 9.0 device, else mma.sync.
   bool dense_wgmma = true;
+  // Prefill flash attention on the wgmma kernel (AttnPrefillParams::variant 1, attn_prefill_wgmma.cu); opt-in
+  // until measured on the H200 (docs/PERF_NOTES.md); only on a compute 9.0 device and head_dim 256.
+  bool attn_wgmma = false;
 };
 
 // One kernel launch of a profiled step.
