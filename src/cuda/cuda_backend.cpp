@@ -154,9 +154,10 @@ Status CudaBackend::init() {
   cudaDeviceProp prop{};
   CUDA_RETURN(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   device_name_ = prop.name;
-  // The wgmma GEMM is built for sm_90a only (qgemm_wgmma.cu): elsewhere the dense projections and the MoE
-  // experts take mma.sync.
-  if (prop.major != 9 || prop.minor != 0) options_.dense_wgmma = options_.moe_wgmma = false;
+  // The wgmma kernels are built for sm_90a only (qgemm_wgmma.cu, attn_prefill_wgmma.cu): elsewhere the dense
+  // projections, the MoE experts and the attention take mma.sync.
+  if (prop.major != 9 || prop.minor != 0) options_.dense_wgmma = options_.moe_wgmma = options_.attn_wgmma = false;
+  if (options_.attn_wgmma && !attn_prefill_wgmma_built()) options_.attn_wgmma = false;  // no sm_90a code here
   CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   ASSIGN_OR_RETURN(model_, DeviceModel::upload(*weights_));
   const ModelConfig& c = config();
@@ -377,6 +378,7 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
                           c.head_dim, c.rotary_dim(), static_cast<float>(c.rope_theta), eps,
                           1.0f / std::sqrt(static_cast<float>(c.head_dim)), s.k[l]->ptr, s.v[l]->ptr, pob_.ptr,
                           pscratch_.ptr, pscratch_.bytes()};
+      if (options_.attn_wgmma && c.head_dim == 256) a.variant = 1;
       // Causal: row t attends pos0 + t + 1 rows.
       const double attended = rows * pos0 + rows * (rows + 1) / 2;
       STEP_OP("attn_prefill", 0, attn_prefill(a, stream_), 4.0 * c.num_attention_heads * c.head_dim * attended);

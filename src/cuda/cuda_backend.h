@@ -31,6 +31,9 @@ struct CudaBackendOptions {
   // moe_prefill's grouped expert GEMMs on the wgmma kernel (MoePrefillParams::use_wgmma); opt-in until
   // measured; only on a compute 9.0 device, else mma.sync.
   bool moe_wgmma = false;
+  // Prefill flash attention on the wgmma kernel (AttnPrefillParams::variant 1, attn_prefill_wgmma.cu); opt-in
+  // until measured on the H200 (docs/PERF_NOTES.md); only on a compute 9.0 device and head_dim 256.
+  bool attn_wgmma = false;
 };
 
 // One kernel launch of a profiled step.

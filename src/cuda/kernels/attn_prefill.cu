@@ -31,6 +31,8 @@
 //   255 registers, no spills. Tried and dropped: splitting the P V phase by dims over warp quads (P through shared
 //   memory) halves that phase's ldmatrix traffic but measured 4% slower (an extra barrier a tile), so the kernel
 //   is bound by latency and synchronisation more than by shared-memory bandwidth; the next step is wgmma.
+// AttnPrefillParams::variant 1 replaces the flash kernel by the wgmma one (attn_prefill_wgmma.cu: head_dim 256,
+//   sm_90a) with the same blocks, splits, partials and epilogue; flash_only (tests) skips the prep.
 // Scratch: q bf16 [T, nq, D], then room for the partials: n_splits * T <= min(64 T, 132 * 128 / nq) rows of
 //   nq * (D + 2) floats (17.4 MB at the full geometry); non-decreasing in T.
 #include <algorithm>
@@ -369,9 +371,13 @@ cudaError_t launch_flash(const AttnPrefillParams& p, cudaStream_t stream) {
     args.part_o = reinterpret_cast<float*>(static_cast<char*>(p.scratch) + q_scratch_bytes(p.T, p.nq, D));
     args.part_ml = args.part_o + static_cast<size_t>(args.n_splits) * p.T * p.nq * D;
   }
-  const int rows_t = kBlockM / (p.nq / p.nkv);
-  const dim3 grid(ceil_div(p.T, rows_t) * p.nkv * args.n_splits);
-  CUDA_TRY(launch_pdl(attn_prefill_flash_kernel<D>, grid, dim3(kThreads), smem, stream, args));
+  if (p.variant == 1) {
+    CUDA_TRY(attn_prefill_flash_wgmma(p, args.n_splits, args.part_o, args.part_ml, stream));
+  } else {
+    const int rows_t = kBlockM / (p.nq / p.nkv);
+    const dim3 grid(ceil_div(p.T, rows_t) * p.nkv * args.n_splits);
+    CUDA_TRY(launch_pdl(attn_prefill_flash_kernel<D>, grid, dim3(kThreads), smem, stream, args));
+  }
   if (args.n_splits == 1) return cudaSuccess;
   return launch_pdl(attn_prefill_combine_kernel, dim3(p.T * p.nq), dim3(D), 0, stream, args);
 }
@@ -397,7 +403,10 @@ cudaError_t attn_prefill(const AttnPrefillParams& p, cudaStream_t stream) {
   if (misaligned(p.scratch, 16) || misaligned(p.k_cache, 16) || misaligned(p.v_cache, 16) || misaligned(p.proj, 8) ||
       misaligned(p.out, 4))
     return cudaErrorInvalidValue;
-  CUDA_TRY(launch_pdl(attn_prefill_prep_kernel, dim3(p.T, p.nq + p.nkv), dim3(p.head_dim), 0, stream, p));
+  if (p.variant != 0 && (p.variant != 1 || p.head_dim != 256)) return cudaErrorInvalidValue;
+  if (p.variant == 1 && !attn_prefill_wgmma_built()) return cudaErrorInvalidDeviceFunction;
+  if (!p.flash_only)
+    CUDA_TRY(launch_pdl(attn_prefill_prep_kernel, dim3(p.T, p.nq + p.nkv), dim3(p.head_dim), 0, stream, p));
   return p.head_dim == 256 ? launch_flash<256>(p, stream) : launch_flash<64>(p, stream);
 }
 

@@ -28,9 +28,22 @@ struct AttnPrefillParams {
   __half* out = nullptr;          // [T, nq*D] (fp16: the A operand of the out_proj qgemm)
   void* scratch = nullptr;        // attn_prefill_scratch_bytes(...) bytes, 16-byte aligned; starts with q bf16 [T, nq, D]
   size_t scratch_bytes = 0;
+  // Flash stage: 0 = mma.sync (attn_prefill.cu, every shape it validates); 1 = Hopper wgmma
+  // (attn_prefill_wgmma.cu: head_dim 256, sm_90a build, else cudaErrorInvalidValue / InvalidDeviceFunction
+  // before anything is launched). Same prep, KV split, combine, epilogue and outputs within rounding.
+  int variant = 0;
+  // Tests only: skip the prep (q already in the scratch, the new K/V rows already in the cache).
+  bool flash_only = false;
 };
 
 size_t attn_prefill_scratch_bytes(int T, int nq, int head_dim);
 cudaError_t attn_prefill(const AttnPrefillParams& p, cudaStream_t stream);
+
+// The wgmma flash stage (attn_prefill_wgmma.cu), called by attn_prefill for variant 1: whether this build has its
+// sm_90a code for the current device, and the launch (n_splits > 1: unnormalised partials to part_o / part_ml
+// for attn_prefill's combine, as the mma.sync kernel).
+bool attn_prefill_wgmma_built();
+cudaError_t attn_prefill_flash_wgmma(const AttnPrefillParams& p, int n_splits, float* part_o, float* part_ml,
+                                     cudaStream_t stream);
 
 }  // namespace lily::cuda

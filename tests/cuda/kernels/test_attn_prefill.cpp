@@ -1,6 +1,7 @@
 // attn_prefill (prep + causal flash attention, eqs 9-12) against plain CPU references on random inputs, against the
 // decode path (attn_prep + attn_decode + attn_combine at pos0 + t) row by row, chunked against unchunked, plus a
-// timing print at the full geometry (ms and TFLOP/s against the H200's ~790 TFLOP/s dense bf16).
+// timing print at the full geometry (ms and TFLOP/s against the H200's ~790 TFLOP/s dense bf16); then the wgmma
+// variant (attn_prefill_wgmma.cu): layout probes, against the reference and the mma.sync kernel, timings.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -41,6 +42,7 @@ struct Prefill {
   DeviceBuffer<uint16_t> d_k, d_v, d_out;
   DeviceBuffer<unsigned char> d_scratch;
   std::vector<uint16_t> k_init, k, v, q, out;  // caches [cap, nkv, D], q [T, nq, D], out [T, nq*D] (k, v, q bf16 bits; out fp16 bits)
+  int variant = 0;                             // AttnPrefillParams::variant
 
   size_t row_elems() const { return static_cast<size_t>(g.nkv) * g.head_dim; }
 
@@ -79,6 +81,7 @@ struct Prefill {
     p.out = reinterpret_cast<__half*>(d_out.get());
     p.scratch = d_scratch.get();
     p.scratch_bytes = d_scratch.size();
+    p.variant = variant;
     return p;
   }
 
@@ -180,7 +183,7 @@ std::vector<int> sample_rows(int T, uint32_t seed) {
   return out;
 }
 
-// The kernel rounds p to bf16 for the P V product (2^-9 relative per term: at most 2^-9 * o_abs after the division)
+// The kernels round p to bf16 for the P V product (2^-9 relative per term: at most 2^-9 * o_abs after the division)
 // and the output to fp16 (2^-11 |out|); everything else is fp32 (scores to ~1e-6). About twice that bound.
 void check_attention(const Prefill& pf) {
   const Geometry& g = pf.g;
@@ -404,6 +407,232 @@ TEST(CudaAttnPrefillBench, Timing) {
     for (int t = 0; t < T; ++t) pairs += pos0 + t + 1;
     const double tflops = 4.0 * g.nq * D * pairs / (us * 1e-6) * 1e-12;
     printf("%6d %7d %10.3f %10.1f %7.1f%%\n", T, pos0, us * 1e-3, tflops, 100.0 * tflops / 790.0);
+  }
+}
+
+// ---- the wgmma flash stage (AttnPrefillParams::variant 1, attn_prefill_wgmma.cu) --------------------------------
+// Validation order for a first GPU run (one filter, CudaAttnPrefillWgmma*): layout probes, then the reference and
+// cross-kernel checks, then the timings.
+
+bool wgmma_available() {
+  cudaDeviceProp prop{};
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0 &&
+         attn_prefill_wgmma_built();
+}
+
+#define SKIP_WITHOUT_WGMMA()                                                                       \
+  do {                                                                                             \
+    if (!wgmma_available()) GTEST_SKIP() << "the wgmma attention needs a compute 9.0 GPU (sm_90a build)"; \
+  } while (0)
+
+// GQA groups 8 (the model: 16 positions x 8 heads a block), 2 and 1 (a warpgroup spans 64 positions of one head:
+// the per-warpgroup tile skip and several diagonal tiles a block).
+constexpr Geometry kGroup2{"g2", 1024, 4, 2, 256, 64, 8, 16, 128, 128, 32, 8, 256};
+constexpr Geometry kGroup1{"g1", 1024, 2, 2, 256, 64, 8, 16, 128, 128, 32, 8, 256};
+
+// Structured inputs through the flash stage alone (flash_only: q written straight into the scratch, the cache rows
+// given), exact in bf16 / fp16, so that a misplaced element names itself. Query row t of head j looks at exactly
+// one cache row, r*(t, j) = (13 t + 29 j + 7) mod (pos0 + t + 1) (always visible): q = 64 e_dim(r*), K row r =
+// 64 e_dim(r) with dim(r) = 37 r mod 256 (a bijection over the 256 dims, so every 64-dim sub-tile and k-step of
+// Q K^T is used): the score is 4096 for r* and 0 for every other row, so p is exactly 1 for r* and exactly 0
+// elsewhere (exp2(-369) underflows; a tile without r* seen first is rescaled by alpha = 0). The gates are 30
+// (sigmoid = 1.0f). Then out[t, j, d] = V[r*, m(j), d] exactly:
+//  - the S probe: V[r, m, d] = r (kv head 0) or -(r + 1) (kv head 1): a wrong value names the cache row (and
+//    kv head) that the row's softmax picked: Q K^T or its mask misplaced;
+//  - the V probe: V[r, m, d] = d or -(d + 1): a wrong value names the dim that P V read: the MN-major V
+//    descriptor (leading / stride byte offsets, swizzle) misplaced.
+// Both variants run it: variant 0 passing proves the probe itself.
+TEST(CudaAttnPrefillWgmma, LayoutProbes) {
+  SKIP_WITHOUT_GPU();
+  const bool have_wgmma = wgmma_available();
+  if (!have_wgmma) printf("[wgmma probe] no wgmma build for this device: variant 0 only\n");
+  for (const Geometry& g : {test::kFull, kGroup1}) {
+    for (auto [T, pos0] : {std::pair{256, 0}, std::pair{130, 126}}) {
+      const int D = g.head_dim, n = pos0 + T, cap = n + kPad, group = g.nq / g.nkv;
+      auto dim_of = [](int r) { return (37 * r) % 256; };
+      auto target = [&](int t, int j) { return (13 * t + 29 * j + 7) % (pos0 + t + 1); };
+      std::vector<uint16_t> q(static_cast<size_t>(T) * g.nq * D, 0), k(static_cast<size_t>(cap) * g.nkv * D, kBf16NaN);
+      for (int t = 0; t < T; ++t)
+        for (int j = 0; j < g.nq; ++j) q[(static_cast<size_t>(t) * g.nq + j) * D + dim_of(target(t, j))] = to_bf16_bits(64.0f);
+      for (int r = 0; r < n; ++r)
+        for (int m = 0; m < g.nkv; ++m)
+          for (int d = 0; d < D; ++d) k[(static_cast<size_t>(r) * g.nkv + m) * D + d] = to_bf16_bits(d == dim_of(r) ? 64.0f : 0.0f);
+      const std::vector<float> proj(static_cast<size_t>(T) * proj_stride(g), 30.0f), norm(D, 1.0f);
+      DeviceBuffer<float> d_proj(proj), d_norm(norm);
+      DeviceBuffer<uint16_t> d_k(k), d_out(static_cast<size_t>(T) * g.nq * D);
+      DeviceBuffer<unsigned char> d_scratch(attn_prefill_scratch_bytes(T, g.nq, D));
+      ASSERT_CUDA(cudaMemcpy(d_scratch.get(), q.data(), q.size() * 2, cudaMemcpyHostToDevice));
+      for (int probe = 0; probe < 2; ++probe) {  // 0: S probe (V = row), 1: V probe (V = dim)
+        std::vector<uint16_t> v(k.size(), kBf16NaN);
+        for (int r = 0; r < n; ++r)
+          for (int m = 0; m < g.nkv; ++m)
+            for (int d = 0; d < D; ++d) {
+              const float x = static_cast<float>(probe == 0 ? r : d);
+              v[(static_cast<size_t>(r) * g.nkv + m) * D + d] = to_bf16_bits(m == 0 ? x : -(x + 1));
+            }
+        DeviceBuffer<uint16_t> d_v(v);
+        for (int variant = 0; variant < (have_wgmma ? 2 : 1); ++variant) {
+          AttnPrefillParams p;
+          p.proj = d_proj.get();
+          p.T = T;
+          p.pos0 = pos0;
+          p.q_norm = p.k_norm = d_norm.get();
+          p.nq = g.nq, p.nkv = g.nkv, p.head_dim = D, p.rotary_dim = g.rotary_dim;
+          p.scale = 1.0f / 16;
+          p.k_cache = reinterpret_cast<__nv_bfloat16*>(d_k.get());
+          p.v_cache = reinterpret_cast<__nv_bfloat16*>(d_v.get());
+          p.out = reinterpret_cast<__half*>(d_out.get());
+          p.scratch = d_scratch.get();
+          p.scratch_bytes = d_scratch.size();
+          p.variant = variant;
+          p.flash_only = true;
+          ASSERT_CUDA(cudaMemset(d_out.get(), 0xFF, d_out.size() * 2));  // NaN: unwritten outputs show
+          ASSERT_CUDA(attn_prefill(p, nullptr));
+          ASSERT_CUDA(cudaDeviceSynchronize());
+          const auto out = d_out.download();
+          int bad = 0;
+          for (int t = 0; t < T; ++t)
+            for (int j = 0; j < g.nq; ++j) {
+              const int rs = target(t, j), m = j / group;
+              for (int d = 0; d < D; ++d) {
+                const float x = static_cast<float>(probe == 0 ? rs : d), want = m == 0 ? x : -(x + 1);
+                const float got = f16_bits_to_float(out[(static_cast<size_t>(t) * g.nq + j) * D + d]);
+                if (got == want) continue;
+                if (++bad > 8) continue;
+                const int named = got >= 0 ? static_cast<int>(got) : static_cast<int>(-got) - 1;
+                ADD_FAILURE() << (probe == 0 ? "S probe" : "V probe") << " variant " << variant << " " << g.name << " T "
+                              << T << " pos0 " << pos0 << ": out[t " << t << "][head " << j << "][dim " << d << "] = " << got
+                              << ", want " << want << (probe == 0 ? " (cache row " : " (dim ") << (probe == 0 ? rs : d)
+                              << " of kv head " << m << "); got " << (probe == 0 ? "cache row " : "dim ") << named
+                              << " of kv head " << (got >= 0 ? 0 : 1) << (std::isnan(got) ? " (NaN: not written or NaN read)" : "");
+              }
+            }
+          EXPECT_EQ(bad, 0) << (probe == 0 ? "S probe" : "V probe") << " variant " << variant << " " << g.name << " T " << T
+                            << " pos0 " << pos0;
+          printf("[wgmma probe] %s variant %d %-4s T %3d pos0 %3d: %d wrong of %zu\n", probe == 0 ? "S" : "V", variant,
+                 g.name, T, pos0, bad, out.size());
+        }
+      }
+    }
+  }
+}
+
+// The wgmma variant against the fp64 reference (check_attention: the same bf16-P tolerance, both kernels round p
+// to bf16 for P V) on sampled rows, and against the mma.sync kernel on every output: the two see the same q and
+// cache bits and the same tile order; their scores differ only by fp32 summation order (~1e-6 relative, so p by
+// < 1e-4 relative and the running maxima by as little, which cancels in O / l), and each rounds its p to bf16
+// (2^-9 relative each, l sums the unrounded p in both): the outputs differ by at most (2^-8 + 1e-4)
+// sum_r p_r |v_rd| / l <= (2^-8 + 1e-4) max_r |v_rd| (times the gate) plus both fp16 roundings (2^-11 |out| each).
+void check_wgmma_case(const Geometry& g, int T, int pos0) {
+  SCOPED_TRACE(std::string(g.name) + " T " + std::to_string(T) + " pos0 " + std::to_string(pos0));
+  Prefill pf(g, T, pos0, 4242 + T * 5 + pos0);
+  ASSERT_NE(pf.d_k.get(), nullptr);
+  ASSERT_CUDA(pf.run());  // variant 0
+  const std::vector<uint16_t> old_out = pf.out;
+  pf.variant = 1;
+  ASSERT_CUDA(cudaMemset(pf.d_out.get(), 0xFF, pf.d_out.size() * 2));
+  ASSERT_CUDA(pf.run());  // the prep writes the same bits again
+  check_prep(pf);
+  if (::testing::Test::HasFatalFailure()) return;
+  check_attention(pf);
+  if (::testing::Test::HasFatalFailure()) return;
+  const int D = g.head_dim, group = g.nq / g.nkv;
+  std::vector<double> vmax(static_cast<size_t>(g.nkv) * D, 0.0);  // max_r |v[r, m, d]| over the visible rows
+  for (int r = 0; r < pos0 + T; ++r)
+    for (int i = 0; i < g.nkv * D; ++i)
+      vmax[i] = std::max(vmax[i], static_cast<double>(std::fabs(bf16_bits_to_float(pf.v[static_cast<size_t>(r) * g.nkv * D + i]))));
+  size_t same = 0, bad = 0;
+  double max_diff = 0;
+  for (int t = 0; t < T; ++t)
+    for (int j = 0; j < g.nq; ++j)
+      for (int d = 0; d < D; ++d) {
+        const size_t i = (static_cast<size_t>(t) * g.nq + j) * D + d;
+        same += pf.out[i] == old_out[i];
+        const double a = f16_bits_to_float(pf.out[i]), b = f16_bits_to_float(old_out[i]);
+        const double sig = test::sigmoid_d(pf.proj[t * proj_stride(g) + j * 2 * D + D + d]);
+        const double tol =
+            vmax[(j / group) * D + d] * sig * (1.0 / 256 + 1e-4) + (std::fabs(a) + std::fabs(b)) / 1024 + 1e-6;
+        const double diff = std::fabs(a - b);
+        max_diff = std::max(max_diff, std::isnan(diff) ? INFINITY : diff);
+        if (!(diff <= tol) && ++bad <= 5)
+          ADD_FAILURE() << "wgmma vs mma.sync: t " << t << " head " << j << " dim " << d << ": " << a << " vs " << b;
+      }
+  EXPECT_EQ(bad, 0u);
+  printf("[wgmma vs mma.sync] %-4s T %5d pos0 %5d: max diff %.2e, %.1f%% bit-identical\n", g.name, T, pos0, max_diff,
+         100.0 * same / pf.out.size());
+}
+
+TEST(CudaAttnPrefillWgmma, MatchesMmaSyncAndCpu) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_WGMMA();
+  for (int pos0 : {0, 4096, 28672})
+    for (int T : {1, 63, 64, 65, 300, 4096}) check_wgmma_case(test::kFull, T, pos0);
+  for (const Geometry& g : {test::kSmall, kGroup2, kGroup1})
+    for (auto [T, pos0] : {std::pair{65, 0}, std::pair{300, 1000}, std::pair{1, 130}}) check_wgmma_case(g, T, pos0);
+}
+
+TEST(CudaAttnPrefillWgmma, RejectsWhatItDoesNotTake) {
+  SKIP_WITHOUT_GPU();
+  Prefill pf(test::kTiny, 4, 0, 9);  // head_dim 64: the wgmma variant takes 256 only
+  AttnPrefillParams p = pf.params();
+  p.variant = 1;
+  EXPECT_EQ(attn_prefill(p, nullptr), cudaErrorInvalidValue);
+  p.variant = 2;
+  EXPECT_EQ(attn_prefill(p, nullptr), cudaErrorInvalidValue);
+}
+
+// TFLOP/s of both variants (useful causal FLOPs, prep included) at the full geometry.
+TEST(CudaAttnPrefillWgmmaBench, Timing) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_WGMMA();
+  const Geometry g = test::kFull;
+  const int D = g.head_dim, cap = 131072, max_T = 4096;
+  const size_t row_elems = static_cast<size_t>(g.nkv) * D;
+  DeviceBuffer<uint16_t> k(cap * row_elems), v(cap * row_elems), out(static_cast<size_t>(max_T) * g.nq * D);
+  DeviceBuffer<float> proj(max_T * proj_stride(g));
+  DeviceBuffer<unsigned char> scratch(attn_prefill_scratch_bytes(max_T, g.nq, D));
+  ASSERT_NE(k.get(), nullptr);
+  ASSERT_NE(v.get(), nullptr);
+  {
+    std::vector<uint16_t> block(1u << 20);
+    const auto f = random_vector(block.size(), 5);
+    for (size_t i = 0; i < block.size(); ++i) block[i] = to_bf16_bits(f[i]);
+    for (size_t off = 0; off < k.size(); off += block.size()) {
+      ASSERT_CUDA(cudaMemcpy(k.get() + off, block.data(), std::min(block.size(), k.size() - off) * 2, cudaMemcpyHostToDevice));
+      ASSERT_CUDA(cudaMemcpy(v.get() + off, block.data(), std::min(block.size(), v.size() - off) * 2, cudaMemcpyHostToDevice));
+    }
+    const auto pf = random_vector(64 * proj_stride(g), 6);
+    for (size_t off = 0; off < proj.size(); off += pf.size())
+      ASSERT_CUDA(cudaMemcpy(proj.get() + off, pf.data(), std::min(pf.size(), proj.size() - off) * 4, cudaMemcpyHostToDevice));
+  }
+  const auto norm = random_vector(D, 7, 0.1f, 1.0f);
+  DeviceBuffer<float> d_norm(norm);
+  printf("[prefill wgmma bench] full geometry, prep + flash, TFLOP/s of the causal FLOPs (790 = dense bf16 peak)\n");
+  printf("%6s %7s %12s %12s %10s %10s %8s\n", "T", "pos0", "mma.sync ms", "wgmma ms", "TFLOP/s", "TFLOP/s", "speedup");
+  for (auto [T, pos0] : {std::pair{4096, 0}, std::pair{4096, 28672}, std::pair{4096, 126976}, std::pair{1024, 0},
+                         std::pair{64, 65536}}) {
+    double us[2];
+    for (int variant = 0; variant < 2; ++variant) {
+      AttnPrefillParams p;
+      p.proj = proj.get();
+      p.T = T;
+      p.pos0 = pos0;
+      p.q_norm = p.k_norm = d_norm.get();
+      p.nq = g.nq, p.nkv = g.nkv, p.head_dim = D, p.rotary_dim = g.rotary_dim, p.rope_theta = test::kTheta;
+      p.k_cache = reinterpret_cast<__nv_bfloat16*>(k.get());
+      p.v_cache = reinterpret_cast<__nv_bfloat16*>(v.get());
+      p.out = reinterpret_cast<__half*>(out.get());
+      p.scratch = scratch.get();
+      p.scratch_bytes = scratch.size();
+      p.variant = variant;
+      us[variant] = test::graph_time_us([&](int, cudaStream_t s) { return attn_prefill(p, s); }, 2, 5);
+      ASSERT_GT(us[variant], 0) << "benchmark launch failed, variant " << variant;
+    }
+    double pairs = 0;
+    for (int t = 0; t < T; ++t) pairs += pos0 + t + 1;
+    const double flops = 4.0 * g.nq * D * pairs;
+    printf("%6d %7d %12.3f %12.3f %10.1f %10.1f %7.2fx\n", T, pos0, us[0] * 1e-3, us[1] * 1e-3, flops / us[0] * 1e-6,
+           flops / us[1] * 1e-6, us[0] / us[1]);
   }
 }
 
