@@ -29,6 +29,8 @@ struct BenchArgs {
   int prefill_chunk = 4096;
   int gdn_scan = 0;
   bool wgmma = true;
+  bool moe_fused = false;
+  std::string moe_select = "experts";
 };
 
 #ifdef LILY_HAVE_CUDA
@@ -58,6 +60,8 @@ Status run_bench(const BenchArgs& a) {
   if (a.mode != "all" && a.mode != "decode" && a.mode != "prefill")
     return invalid_argument("--mode must be decode, prefill or all, got `%s`", a.mode.c_str());
   if (a.reps < 1) return invalid_argument("--reps must be at least 1");
+  if (a.moe_select != "route" && a.moe_select != "experts")
+    return invalid_argument("--moe-select must be route or experts, got `%s`", a.moe_select.c_str());
   const bool do_decode = a.mode != "prefill", do_prefill = a.mode != "decode";
   auto t0 = std::chrono::steady_clock::now();
   Result<ModelWeights> w = a.model.empty() ? synth_in_memory(a.synthetic, CheckpointLayout::mlx, 0)
@@ -74,6 +78,8 @@ Status run_bench(const BenchArgs& a) {
   opt.prefill_chunk = a.prefill_chunk;
   opt.gdn_scan_variant = a.gdn_scan;
   opt.dense_wgmma = a.wgmma;
+  opt.moe_fused = a.moe_fused;
+  opt.moe_select_in_experts = a.moe_select == "experts";
   ASSIGN_OR_RETURN(auto backend, cuda::make_cuda_backend(weights, opt));
   double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double wbytes = static_cast<double>(backend->weight_bytes_per_token());
@@ -81,7 +87,8 @@ Status run_bench(const BenchArgs& a) {
                backend->device_name().c_str(), wbytes / 1e9);
   nlohmann::json out = {{"device", backend->device_name()}, {"model", a.model.empty() ? "synthetic " + a.synthetic : a.model},
                         {"weight_bytes_per_token", wbytes}, {"steps", a.steps}, {"reps", a.reps},
-                        {"prefill_chunk", a.prefill_chunk}, {"gdn_scan", a.gdn_scan}, {"wgmma", a.wgmma}};
+                        {"prefill_chunk", a.prefill_chunk}, {"gdn_scan", a.gdn_scan}, {"wgmma", a.wgmma},
+                        {"moe_fused", a.moe_fused}, {"moe_select", a.moe_select}};
   auto seq = backend->new_sequence();
   if (!seq) return error(ErrorCode::internal, "cannot allocate a sequence of %lld tokens", (long long)opt.max_context);
   if (do_prefill) {
@@ -160,6 +167,10 @@ void setup(CLI::App& app) {
   cmd->add_option("--gdn-scan", a->gdn_scan, "Gated DeltaNet prefill scan variant (0: chosen by length; gdn_prefill.cuh)");
   cmd->add_flag("--wgmma,!--no-wgmma", a->wgmma,
                 "dense prefill projections on the wgmma GEMM (qgemm_wgmma.cu; default) or on mma.sync");
+  cmd->add_flag("--moe-fused", a->moe_fused,
+                "decode: each layer's MoE block as one persistent kernel (moe_fused.cu) instead of three");
+  cmd->add_option("--moe-select", a->moe_select,
+                  "decode, three-kernel MoE: experts (the expert kernels select; default) or route (moe_route selects)");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
   cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");
   cmd->add_option("--json", a->json_path, "write results as JSON");

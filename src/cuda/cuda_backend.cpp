@@ -118,7 +118,7 @@ class CudaBackend final : public CudaBackendApi {
   DeviceArray<float> h_, proj_, q_, attn_out_, gdn_o_, moe_x_, moe_logits_, topk_w_, shared_gate_, act_, logits_;
   DeviceArray<float> part_o_, part_ml_, sample_scratch_;
   DeviceArray<int> topk_idx_, token_in_, tokens_;
-  DeviceArray<unsigned> counters_;  // [0]: moe_route, [1]: sample
+  DeviceArray<unsigned> counters_;  // [0]: moe_route, [1]: sample, [2]: moe_fused's barrier
   int* ring_ = nullptr;             // host-mapped
   int* ring_dev_ = nullptr;
   // Prefill scratch, sized by options_.prefill_chunk rows (allocated on the first prefill).
@@ -159,7 +159,7 @@ Status CudaBackend::init() {
   RETURN_IF_ERROR(part_ml_.alloc(kMaxSplits * nq * 2));
   RETURN_IF_ERROR(sample_scratch_.alloc(kSampleScratch));
   RETURN_IF_ERROR(token_in_.alloc(1));
-  RETURN_IF_ERROR(counters_.alloc(2));
+  RETURN_IF_ERROR(counters_.alloc(3));
   CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&ring_), kRingSize * sizeof(int), cudaHostAllocMapped), "ring");
   CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_, 0), "ring");
   return ok_status();
@@ -181,8 +181,9 @@ Result<CudaSequence*> CudaBackend::check_sequence(SequenceState& base, int64_t n
   return s;
 }
 
-// The expert kernels select the experts from the router logits themselves (moe.cuh) when the fast MoE kernels
-// serve this geometry (their launchers' shapes, up to 256 experts); other kernels read moe_route's selection.
+// The expert kernels may select the experts from the router logits themselves (moe.cuh; the decode step does so
+// unless CudaBackendOptions::moe_select_in_experts is off) when the fast MoE kernels serve this geometry (their
+// launchers' shapes, up to 256 experts); other kernels read moe_route's selection.
 bool select_in_expert_kernels(const ModelConfig& c) {
   const int H = c.hidden_size, I = c.moe_intermediate_size;
   return c.num_experts <= 256 && c.num_experts_per_tok <= 16 && (H == 1024 || H == 2048 || H == 4096) &&
@@ -247,7 +248,20 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
       STEP_OP("gemv attn_out", L.attn_out.bytes(), dispatch::gemv(out, stream_));
     }
     const int k = c.num_experts_per_tok;
-    const bool select_in_experts = select_in_expert_kernels(c);
+    // Opt-in: the whole block as one persistent kernel (moe_fused.cu) where its launcher takes the geometry.
+    MoeFusedParams f;
+    f.router = L.router, f.shared_gate_row = L.shared_gate_row, f.gate = L.expert_gate, f.up = L.expert_up;
+    f.down = L.expert_down, f.shared_gate = L.shared_gate, f.shared_up = L.shared_up, f.shared_down = L.shared_down;
+    f.h = h_.ptr, f.norm_w = L.post_norm, f.eps = eps, f.top_k = k, f.logits = moe_logits_.ptr;
+    f.shared_gate_value = shared_gate_.ptr, f.act = act_.ptr, f.barrier = counters_.ptr + 2;
+    if (options_.moe_fused && moe_fused_supported(f)) {
+      const double bytes = static_cast<double>(L.router.bytes() + L.shared_gate_row.bytes()) +
+                           k * static_cast<double>(L.expert_gate.bytes() + L.expert_up.bytes() + L.expert_down.bytes()) +
+                           L.shared_gate.bytes() + L.shared_up.bytes() + L.shared_down.bytes();
+      STEP_OP("moe_fused", bytes, moe_fused(f, stream_));
+      continue;
+    }
+    const bool select_in_experts = options_.moe_select_in_experts && select_in_expert_kernels(c);
     MoeRouteParams route{L.router, L.shared_gate_row, h_.ptr, L.post_norm, eps, k, moe_x_.ptr, moe_logits_.ptr,
                          counters_.ptr, topk_idx_.ptr, topk_w_.ptr, shared_gate_.ptr};
     route.select_top_k = !select_in_experts;

@@ -19,6 +19,12 @@ struct CudaBackendOptions {
   // Dense prefill projections on the wgmma kernel (QGemmParams::use_wgmma; 1.1-1.2x the mma.sync kernel on the
   // H200); only on a compute 9.0 device, else mma.sync.
   bool dense_wgmma = true;
+  // Decode: the MoE block of every layer as one persistent kernel (moe_fused, moe.cuh) instead of moe_route +
+  // moe_expert_in + moe_expert_out, where its launcher takes the geometry. Not verified on a GPU yet: off.
+  bool moe_fused = false;
+  // Decode, three-kernel MoE chain: the expert kernels select the experts from the router logits (where their
+  // shapes allow; see select_in_expert_kernels) or, false, moe_route selects them.
+  bool moe_select_in_experts = true;
 };
 
 // One kernel launch of a profiled step.
