@@ -170,7 +170,7 @@ void setup(CLI::App& app) {
   cmd->add_flag("--moe-fused", a->moe_fused,
                 "decode: each layer's MoE block as one persistent kernel (moe_fused.cu) instead of three");
   cmd->add_option("--moe-select", a->moe_select,
-                  "decode, three-kernel MoE: experts (the expert kernels select; default) or route (moe_route selects)");
+                  "decode, three-kernel MoE: experts (the expert kernels select; default) or route");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
   cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");
   cmd->add_option("--json", a->json_path, "write results as JSON");

@@ -255,8 +255,8 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
     f.h = h_.ptr, f.norm_w = L.post_norm, f.eps = eps, f.top_k = k, f.logits = moe_logits_.ptr;
     f.shared_gate_value = shared_gate_.ptr, f.act = act_.ptr, f.barrier = counters_.ptr + 2;
     if (options_.moe_fused && moe_fused_supported(f)) {
-      const double bytes = static_cast<double>(L.router.bytes() + L.shared_gate_row.bytes()) +
-                           k * static_cast<double>(L.expert_gate.bytes() + L.expert_up.bytes() + L.expert_down.bytes()) +
+      const double expert = static_cast<double>(L.expert_gate.bytes() + L.expert_up.bytes() + L.expert_down.bytes());
+      const double bytes = static_cast<double>(L.router.bytes() + L.shared_gate_row.bytes()) + k * expert +
                            L.shared_gate.bytes() + L.shared_up.bytes() + L.shared_down.bytes();
       STEP_OP("moe_fused", bytes, moe_fused(f, stream_));
       continue;

@@ -3,8 +3,9 @@
 // reference, on fresh random weights at the model's geometry (E 256, H 2048, I 512, top-8) and the small synthetic
 // preset's (E 32, H 1024, I 256, top-8). The fused kernel runs the chain's code for x, the router logits, the
 // selection and act, so those should match the chain bit for bit (the counts are printed); h differs only by the
-// order of the fp32 sums of the down projections. Any grid size gives the same bits. Then graph replays (the barrier must be ready again
-// after every launch), argument checks, and a timing table (chain vs fused in graph replay, us per layer).
+// order of the fp32 sums of the down projections. Any grid size gives the same bits. Then graph replays (the
+// barrier must be ready again after every launch), argument checks, and a timing table (chain vs fused in graph
+// replay, us per layer).
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -74,7 +75,7 @@ struct Layer {
   HostQMatrix router, gate_row, gate, up, down, s_gate, s_up, s_down;
   std::vector<float> h, norm_w;
   DeviceBuffer<float> d_norm;
-  MoeFusedParams q;  // the weights of p below, uploaded
+  MoeFusedParams q;  // after upload(): the device weights, norm_w, eps, top_k (no scratch pointers)
 
   Layer(MoeGeometry geo, uint32_t seed) : g(geo) {
     router = fast_qmatrix(g.E, g.H, 8, seed), gate_row = fast_qmatrix(1, g.H, 8, seed + 1);  // logits ~ N(0, 0.9)
@@ -319,7 +320,8 @@ TEST(CudaMoeFused, GraphReplayLeavesTheBarrierReady) {
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    const cudaError_t copy = cudaMemcpyAsync(r.h.get(), h0.get(), g.H * sizeof(float), cudaMemcpyDeviceToDevice, stream);
+    const cudaError_t copy =
+        cudaMemcpyAsync(r.h.get(), h0.get(), g.H * sizeof(float), cudaMemcpyDeviceToDevice, stream);
     const cudaError_t first = moe_fused(r.fused(L), stream), second = moe_fused(r.fused(L), stream);
     ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
     ASSERT_CUDA(copy);
