@@ -22,6 +22,9 @@ struct CudaBackendOptions {
   // Decode: the MoE block of every layer as one persistent kernel (moe_fused, moe.cuh) instead of moe_route +
   // moe_expert_in + moe_expert_out, where its launcher takes the geometry. Not verified on a GPU yet: off.
   bool moe_fused = false;
+  // Decode: every Gated DeltaNet layer as one persistent kernel (gdn_fused, gdn.cuh) instead of gemv gdn_in +
+  // gdn_step + gemv gdn_out, where its launcher takes the geometry. Not verified on a GPU yet: off.
+  bool gdn_fused = false;
   // Decode, three-kernel MoE chain: the expert kernels select the experts from the router logits (where their
   // shapes allow; see select_in_expert_kernels) or, false, moe_route selects them.
   bool moe_select_in_experts = true;

@@ -23,6 +23,7 @@
 //   the total to h[row]: every element of h is written by one thread, in a fixed summation order.
 // Bytes (as the three kernels): router E*H + shared gate H (8-bit) + (k+1) * 3 * I * H / 2 (4-bit) + bf16 scales
 // and biases: 16.5 MB at E 256, H 2048, I 512, k 8, i.e. 3.9 us at 4.27 TB/s.
+#include "cuda/kernels/grid_barrier.cuh"
 #include "cuda/kernels/moe.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 
@@ -35,46 +36,6 @@ constexpr int kMaxExperts = 256;  // warp_route_top_k<8>: one warp, 8 experts a 
 constexpr int kFusedThreads = 256;  // moe_route's block size: block_load_x then sums the squares in its order
 constexpr int kFusedWarps = kFusedThreads / 32;
 constexpr int kSlotBatch = 9;  // down rows a lane loads at once in phase C: all top_k + 1 of the model (k = 8)
-
-__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
-
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// A barrier is open within microseconds; one still closed after this long has a block that can never arrive:
-// trap (the launch fails with an error the caller sees) rather than hang the device.
-constexpr unsigned long long kBarrierTimeoutNs = 2000000000ull;
-
-// Grid-wide barrier (cooperative groups' algorithm): thread 0 of every block adds 1 to the counter, block 0 adds
-// 2^31 - (gridDim.x - 1), so the top bit flips exactly when the last block arrives and the low bits are back at
-// zero; a block leaves once the top bit differs from the one its own add saw. Nothing to reset: a launch's two
-// barriers flip the top bit twice, so every launch and graph replay leaves the counter as it found it (its low 31
-// bits must be zero). The fence before the add publishes the block's writes (ordered before it by
-// __syncthreads); the acquire load and the fence after the wait order the other blocks' writes before the
-// block's later reads (which go through L2: __ldcg, or weights). A wait longer than kBarrierTimeoutNs traps.
-__device__ __forceinline__ void grid_barrier(unsigned* counter) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
-    __threadfence();
-    const unsigned old = atomicAdd(counter, add);
-    const unsigned long long start = global_ns();
-    while (((old ^ ld_acquire_gpu(counter)) & 0x80000000u) == 0u) {
-      if (global_ns() - start > kBarrierTimeoutNs) __trap();
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
 
 // Shared memory floats: x (padded, H) in phases A and B, then act (top_k + 1 padded rows of I) in phase C.
 __host__ __device__ constexpr int fused_smem_floats(int hidden, int inter, int top_k) {
