@@ -135,7 +135,7 @@ class CudaBackend final : public CudaBackendApi {
   DeviceArray<float> h_, proj_, q_, attn_out_, gdn_o_, moe_x_, moe_logits_, topk_w_, shared_gate_, act_, logits_;
   DeviceArray<float> part_o_, part_ml_, sample_scratch_;
   DeviceArray<int> topk_idx_, token_in_, tokens_;
-  DeviceArray<unsigned> counters_;  // [0]: moe_route, [1]: sample
+  DeviceArray<unsigned> counters_;  // [0]: moe_route, [1]: sample, [2]: moe_fused's barrier, [3]: gdn_fused's
   int* ring_ = nullptr;             // host-mapped
   int* ring_dev_ = nullptr;
   // Prefill scratch, sized by options_.prefill_chunk rows (allocated on the first prefill).
@@ -181,7 +181,7 @@ Status CudaBackend::init() {
   RETURN_IF_ERROR(part_ml_.alloc(kMaxSplits * nq * 2));
   RETURN_IF_ERROR(sample_scratch_.alloc(kSampleScratch));
   RETURN_IF_ERROR(token_in_.alloc(1));
-  RETURN_IF_ERROR(counters_.alloc(2));
+  RETURN_IF_ERROR(counters_.alloc(4));
   CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&ring_), kRingSize * sizeof(int), cudaHostAllocMapped), "ring");
   CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_, 0), "ring");
   return ok_status();
@@ -204,8 +204,9 @@ Result<CudaSequence*> CudaBackend::check_sequence(SequenceState& base, int64_t n
   return s;
 }
 
-// The expert kernels select the experts from the router logits themselves (moe.cuh) when the fast MoE kernels
-// serve this geometry (their launchers' shapes, up to 256 experts); other kernels read moe_route's selection.
+// The expert kernels may select the experts from the router logits themselves (moe.cuh; the decode step does so
+// unless CudaBackendOptions::moe_select_in_experts is off) when the fast MoE kernels serve this geometry (their
+// launchers' shapes, up to 256 experts); other kernels read moe_route's selection.
 bool select_in_expert_kernels(const ModelConfig& c) {
   const int H = c.hidden_size, I = c.moe_intermediate_size;
   return c.num_experts <= 256 && c.num_experts_per_tok <= 16 && (H == 1024 || H == 2048 || H == 4096) &&
@@ -237,19 +238,32 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const DeviceLayer& L = m.layers[l];
     if (L.type == LayerType::linear_attention) {
-      GemvParams in{L.gdn_in, h_.ptr, GemvPrologue::rms_norm, L.input_norm, nullptr, 0, eps, nullptr, proj_.ptr};
-      STEP_OP("gemv gdn_in", L.gdn_in.bytes(), dispatch::gemv(in, stream_));
-      GdnStepParams g{proj_.ptr, s.conv[l]->ptr, L.conv_w, L.A_log, L.dt_bias, s.S[l]->ptr, s.pos.ptr,
-                      c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                      c.linear_value_head_dim, c.linear_conv_kernel_dim, gdn_o_.ptr};
-      g.prefetch_state = true;  // S, the conv ring and pos are written by no kernel before it in a step
-      const bool fused_norm = gated_norm_in_gdn_step(c);
-      if (fused_norm) g.gate_z = proj_.ptr + c.linear_conv_dim(), g.norm_w = L.gdn_norm, g.eps = eps;
-      STEP_OP("gdn_step", 2.0 * s.S[l]->bytes(), dispatch::gdn_step(g, stream_));
-      const GemvPrologue out_prologue = fused_norm ? GemvPrologue::none : GemvPrologue::gated_rms_norm;
-      GemvParams out{L.gdn_out, gdn_o_.ptr, out_prologue, L.gdn_norm, proj_.ptr + c.linear_conv_dim(),
-                     c.linear_value_head_dim, eps, h_.ptr, h_.ptr};
-      STEP_OP("gemv gdn_out", L.gdn_out.bytes(), dispatch::gemv(out, stream_));
+      // Opt-in: the whole layer as one persistent kernel (gdn_fused.cu) where its launcher takes the geometry.
+      GdnFusedParams gf;
+      gf.in_proj = L.gdn_in, gf.out_proj = L.gdn_out, gf.h = h_.ptr, gf.input_norm = L.input_norm;
+      gf.conv_w = L.conv_w, gf.A_log = L.A_log, gf.dt_bias = L.dt_bias, gf.norm_w = L.gdn_norm;
+      gf.conv_ring = s.conv[l]->ptr, gf.S = s.S[l]->ptr, gf.pos = s.pos.ptr;
+      gf.n_k = c.linear_num_key_heads, gf.n_v = c.linear_num_value_heads, gf.d_k = c.linear_key_head_dim;
+      gf.d_v = c.linear_value_head_dim, gf.kernel = c.linear_conv_kernel_dim, gf.eps = eps;
+      gf.proj = proj_.ptr, gf.o = gdn_o_.ptr, gf.barrier = counters_.ptr + 3;
+      gf.prefetch_state = true;  // as gdn_step's: S, the ring and pos are written by no kernel before it in a step
+      if (options_.gdn_fused && gdn_fused_supported(gf)) {
+        STEP_OP("gdn_fused", L.gdn_in.bytes() + L.gdn_out.bytes() + 2.0 * s.S[l]->bytes(), gdn_fused(gf, stream_));
+      } else {
+        GemvParams in{L.gdn_in, h_.ptr, GemvPrologue::rms_norm, L.input_norm, nullptr, 0, eps, nullptr, proj_.ptr};
+        STEP_OP("gemv gdn_in", L.gdn_in.bytes(), dispatch::gemv(in, stream_));
+        GdnStepParams g{proj_.ptr, s.conv[l]->ptr, L.conv_w, L.A_log, L.dt_bias, s.S[l]->ptr, s.pos.ptr,
+                        c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
+                        c.linear_value_head_dim, c.linear_conv_kernel_dim, gdn_o_.ptr};
+        g.prefetch_state = true;  // S, the conv ring and pos are written by no kernel before it in a step
+        const bool fused_norm = gated_norm_in_gdn_step(c);
+        if (fused_norm) g.gate_z = proj_.ptr + c.linear_conv_dim(), g.norm_w = L.gdn_norm, g.eps = eps;
+        STEP_OP("gdn_step", 2.0 * s.S[l]->bytes(), dispatch::gdn_step(g, stream_));
+        const GemvPrologue out_prologue = fused_norm ? GemvPrologue::none : GemvPrologue::gated_rms_norm;
+        GemvParams out{L.gdn_out, gdn_o_.ptr, out_prologue, L.gdn_norm, proj_.ptr + c.linear_conv_dim(),
+                       c.linear_value_head_dim, eps, h_.ptr, h_.ptr};
+        STEP_OP("gemv gdn_out", L.gdn_out.bytes(), dispatch::gemv(out, stream_));
+      }
     } else {
       GemvParams in{L.attn_in, h_.ptr, GemvPrologue::rms_norm, L.input_norm, nullptr, 0, eps, nullptr, proj_.ptr};
       STEP_OP("gemv attn_in", L.attn_in.bytes(), dispatch::gemv(in, stream_));
@@ -270,7 +284,20 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
       STEP_OP("gemv attn_out", L.attn_out.bytes(), dispatch::gemv(out, stream_));
     }
     const int k = c.num_experts_per_tok;
-    const bool select_in_experts = select_in_expert_kernels(c);
+    // Opt-in: the whole block as one persistent kernel (moe_fused.cu) where its launcher takes the geometry.
+    MoeFusedParams f;
+    f.router = L.router, f.shared_gate_row = L.shared_gate_row, f.gate = L.expert_gate, f.up = L.expert_up;
+    f.down = L.expert_down, f.shared_gate = L.shared_gate, f.shared_up = L.shared_up, f.shared_down = L.shared_down;
+    f.h = h_.ptr, f.norm_w = L.post_norm, f.eps = eps, f.top_k = k, f.logits = moe_logits_.ptr;
+    f.shared_gate_value = shared_gate_.ptr, f.act = act_.ptr, f.barrier = counters_.ptr + 2;
+    if (options_.moe_fused && moe_fused_supported(f)) {
+      const double expert = static_cast<double>(L.expert_gate.bytes() + L.expert_up.bytes() + L.expert_down.bytes());
+      const double bytes = static_cast<double>(L.router.bytes() + L.shared_gate_row.bytes()) + k * expert +
+                           L.shared_gate.bytes() + L.shared_up.bytes() + L.shared_down.bytes();
+      STEP_OP("moe_fused", bytes, moe_fused(f, stream_));
+      continue;
+    }
+    const bool select_in_experts = options_.moe_select_in_experts && select_in_expert_kernels(c);
     MoeRouteParams route{L.router, L.shared_gate_row, h_.ptr, L.post_norm, eps, k, moe_x_.ptr, moe_logits_.ptr,
                          counters_.ptr, topk_idx_.ptr, topk_w_.ptr, shared_gate_.ptr};
     route.select_top_k = !select_in_experts;

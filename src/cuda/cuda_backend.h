@@ -34,6 +34,15 @@ struct CudaBackendOptions {
   // Prefill flash attention on the wgmma kernel (AttnPrefillParams::variant 1, attn_prefill_wgmma.cu); opt-in
   // until measured on the H200 (docs/PERF_NOTES.md); only on a compute 9.0 device and head_dim 256.
   bool attn_wgmma = false;
+  // Decode: the MoE block of every layer as one persistent kernel (moe_fused, moe.cuh) instead of moe_route +
+  // moe_expert_in + moe_expert_out, where its launcher takes the geometry. Not verified on a GPU yet: off.
+  bool moe_fused = false;
+  // Decode: every Gated DeltaNet layer as one persistent kernel (gdn_fused, gdn.cuh) instead of gemv gdn_in +
+  // gdn_step + gemv gdn_out, where its launcher takes the geometry. Not verified on a GPU yet: off.
+  bool gdn_fused = false;
+  // Decode, three-kernel MoE chain: the expert kernels select the experts from the router logits (where their
+  // shapes allow; see select_in_expert_kernels) or, false, moe_route selects them.
+  bool moe_select_in_experts = true;
 };
 
 // One kernel launch of a profiled step.

@@ -3,6 +3,8 @@
 //  - full width, 4 layers (3 Gated DeltaNet + 1 attention, 256 experts, full vocabulary), teacher-forced over 256
 //    positions: top-1 agreement >= 99% and relative logit error <= 2e-2;
 //  - checkpoint/restore and device sampling reproducibility;
+//  - the same with the fused MoE decode kernel (moe_fused.cu, opt-in), and with the fused Gated DeltaNet layer
+//    kernel (gdn_fused.cu, opt-in) on as well;
 //  - the prefill path (issue 6): chunked prompts against the CPU reference and against the token-by-token decode
 //    path, decode after a chunked prefill equal to decode after a single prefill, a prompt longer than a chunk.
 #include <gtest/gtest.h>
@@ -89,10 +91,10 @@ std::vector<int32_t> greedy(Backend& b, const std::vector<int32_t>& prompt, int 
   return out;
 }
 
-void expect_same_greedy(const std::string& preset) {
+void expect_same_greedy(const std::string& preset, const cuda::CudaBackendOptions& options = {4096}) {
   auto w = synth_model(preset);
   CpuBackend cpu(w);
-  auto cuda = cuda::make_cuda_backend(w, {4096});
+  auto cuda = cuda::make_cuda_backend(w, options);
   ASSERT_TRUE(cuda.ok()) << cuda.status().message();
   auto prompt = random_tokens(16, w->config.vocab_size, 11);
   auto a = greedy(cpu, prompt, 64), b = greedy(**cuda, prompt, 64);
@@ -130,6 +132,50 @@ TEST(CudaBackend, TeacherForcedFullWidthFourLayers) {
   auto step = cuda::make_cuda_backend(w, {1024, 0});
   ASSERT_TRUE(step.ok()) << step.status().message();
   expect_teacher_forced(**step, tokens, ref, V, format("[full4] teacher-forced %d positions (decode steps)", T));
+}
+
+// The decode step with each layer's MoE block as one persistent kernel (CudaBackendOptions::moe_fused, moe_fused.cu)
+// by the same criteria: full4 teacher-forced through decode steps, small greedy for 64 steps (prompt prefilled).
+TEST(CudaBackend, FusedMoeDecodeMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  cuda::CudaBackendOptions fused;
+  fused.max_context = 1024, fused.prefill_chunk = 0, fused.moe_fused = true;
+  auto w = synth_model("full4");
+  CpuBackend cpu(w);
+  const int T = 256;
+  const int64_t V = w->config.vocab_size;
+  auto tokens = random_tokens(T, static_cast<int>(V), 25);
+  std::vector<float> ref;
+  auto s1 = cpu.new_sequence();
+  ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
+  auto step = cuda::make_cuda_backend(w, fused);
+  ASSERT_TRUE(step.ok()) << step.status().message();
+  expect_teacher_forced(**step, tokens, ref, V, format("[full4] teacher-forced %d positions (fused MoE decode)", T));
+  fused.prefill_chunk = 4096;
+  expect_same_greedy("small", fused);
+}
+
+// The decode step with each Gated DeltaNet layer as one persistent kernel (CudaBackendOptions::gdn_fused,
+// gdn_fused.cu) and the MoE blocks fused too (both opt-in), by the same criteria: full4 teacher-forced through decode
+// steps, small greedy for 64 steps (prompt prefilled).
+TEST(CudaBackend, FusedGdnDecodeMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  cuda::CudaBackendOptions fused;
+  fused.max_context = 1024, fused.prefill_chunk = 0, fused.moe_fused = true, fused.gdn_fused = true;
+  auto w = synth_model("full4");
+  CpuBackend cpu(w);
+  const int T = 256;
+  const int64_t V = w->config.vocab_size;
+  auto tokens = random_tokens(T, static_cast<int>(V), 35);
+  std::vector<float> ref;
+  auto s1 = cpu.new_sequence();
+  ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
+  auto step = cuda::make_cuda_backend(w, fused);
+  ASSERT_TRUE(step.ok()) << step.status().message();
+  expect_teacher_forced(**step, tokens, ref, V,
+                        format("[full4] teacher-forced %d positions (fused GDN + MoE decode)", T));
+  fused.prefill_chunk = 4096;
+  expect_same_greedy("small", fused);
 }
 
 // The Gated DeltaNet scan variants of the prefill (gdn_prefill.cuh) on the full4 model: the default (3xTF32

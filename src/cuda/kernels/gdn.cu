@@ -44,8 +44,6 @@ constexpr int kConvChannels = 2 * kDk + kCols;  // q and k of the key head, this
 constexpr int kChannelsPerThread = (kConvChannels + kThreads - 1) / kThreads;
 constexpr int kMaxClusterBlocks = 8;  // portable cluster size: d_v <= 8 * kCols
 
-__device__ __forceinline__ float silu_exact(float x) { return x / (1.0f + expf(-x)); }
-
 // Eq 14's inputs for the channels this block needs: conv weights, the K-1 history vectors from the ring and the
 // current pre-conv value, all loaded before anything is stored (one memory round trip, no aliasing stalls).
 template <int K>
@@ -97,7 +95,7 @@ __device__ __forceinline__ void conv_step(const GdnStepParams& p, const ConvInpu
 #pragma unroll
     for (int k = 0; k < K; ++k) acc += in.w[u][k] * in.x[u][k];
     p.conv_ring[static_cast<size_t>(pos % K) * conv_dim + in.ch[u]] = in.x[u][K - 1];
-    const float y = silu_exact(acc);
+    const float y = gdn_silu(acc);
     if (c < kDk) q_s[c] = y;
     else if (c < 2 * kDk) k_s[c - kDk] = y;
     else v_s[c - 2 * kDk] = y;
@@ -157,9 +155,8 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
     if (lane == 0) norm_s[warp] = warp == 2 ? acc : 1.0f / sqrtf(acc + 1e-6f);
   }
   // Eq 17 (every thread; scalars).
-  const float beta = 1.0f / (1.0f + expf(-b_logit));
-  const float softplus = a_in > 20.0f ? a_in : log1pf(expf(a_in));
-  const float decay = expf(-expf(A_log) * softplus);
+  float beta, decay;
+  gdn_gates(b_logit, a_in, A_log, beta, decay);
   __syncthreads();
   const float q_inv = norm_s[0] * (1.0f / sqrtf(static_cast<float>(kDk))), k_inv = norm_s[1];
   const float kq = norm_s[2] * q_inv * k_inv;  // k_hat . q_hat

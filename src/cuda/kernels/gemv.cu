@@ -29,6 +29,9 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
+constexpr int kAsyncMaxWarps = 16;
+
+using namespace gemv_q4;  // the 4-bit chunk helpers shared with gdn_fused.cu (gemv.cuh)
 
 // Where this block's x comes from (gemv.cuh prologues).
 // red_s: >= 32 floats (block sums).
@@ -40,18 +43,6 @@ __device__ __forceinline__ void build_x(const GemvParams& p, float* x_s, float* 
   }
 }
 
-// The output row of this lane in chunk `chunk` after group_reduce_scatter, and whether the lane writes it.
-template <int COLS>
-__device__ __forceinline__ int out_row(int chunk, int lane) {
-  using Lay = Q4Layout<COLS>;
-  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
-  return chunk * Lay::kRowsPerChunk + (j / Lay::kLanesPerValue) * Lay::kRowsPerPass + sub;
-}
-template <int COLS>
-__device__ __forceinline__ bool writes_row(int lane) {
-  return (lane % Q4Layout<COLS>::kLanesPerRow) % Q4Layout<COLS>::kLanesPerValue == 0;
-}
-
 // The residual of this lane's output row in chunk `chunk` (0 without a residual or outside the matrix). Issued a
 // chunk ahead (the first one together with the prologue's loads), so that it costs no extra round trip. y may
 // alias the residual: a chunk's residual rows are read before any lane writes them and by the lane that does.
@@ -59,18 +50,6 @@ template <int COLS>
 __device__ __forceinline__ float load_residual(const GemvParams& p, int chunk, int n_chunks, int lane) {
   const int row = out_row<COLS>(chunk, lane);
   return p.residual && chunk < n_chunks && writes_row<COLS>(lane) && row < p.m.rows ? p.residual[row] : 0.0f;
-}
-
-// Issues the loads of chunk `chunk` for this lane (rows past the end load nothing).
-template <int COLS>
-__device__ __forceinline__ void load_chunk(const QMatrix& m, int chunk, int lane, Q4Chunk<COLS>& c) {
-  using Lay = Q4Layout<COLS>;
-  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
-#pragma unroll
-  for (int pass = 0; pass < Lay::kPasses; ++pass) {
-    const int row = chunk * Lay::kRowsPerChunk + pass * Lay::kRowsPerPass + sub;
-    c.load(pass, m, row, row < m.rows, j);
-  }
 }
 
 template <int COLS>
@@ -100,61 +79,6 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_q4_kernel(const __grid_const
     const int row = out_row<COLS>(chunk, lane);
     if (writes_row<COLS>(lane) && row < p.m.rows) p.y[row] = res + part[0];
     if (chunk + warp_stride < n_chunks) load_chunk<COLS>(p.m, chunk + warp_stride, lane, c);
-  }
-}
-
-constexpr int kChunkWeightBytes = 4096;  // 8192 4-bit weights
-constexpr int kChunkScaleBytes = 256;    // their 128 bf16 scales (and as many biases)
-constexpr int kStageBytes = kChunkWeightBytes + 2 * kChunkScaleBytes;
-constexpr int kStages = 2;
-constexpr int kAsyncMaxWarps = 16;
-
-// Copies chunk `chunk` into `stage`: lane j copies the 8 weight vectors it will read, lanes 0-15 the scales and
-// 16-31 the biases (16 B each). Rows past the end are zero-filled.
-template <int COLS>
-__device__ __forceinline__ void issue_chunk(const QMatrix& m, int chunk, int lane, char* stage) {
-  using Lay = Q4Layout<COLS>;
-  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
-  const char* w_chunk = reinterpret_cast<const char*>(m.w) + static_cast<size_t>(chunk) * kChunkWeightBytes;
-#pragma unroll
-  for (int pass = 0; pass < Lay::kPasses; ++pass) {
-    const int r = pass * Lay::kRowsPerPass + sub;
-    const bool valid = chunk * Lay::kRowsPerChunk + r < m.rows;
-#pragma unroll
-    for (int v = 0; v < Lay::kVecsPerLane; ++v) {
-      const int piece = r * Lay::kVecsPerRow + v * Lay::kLanesPerRow + j;
-      cp_async_16(stage + piece * 16, valid ? w_chunk + piece * 16 : w_chunk, valid);
-    }
-  }
-  const int piece = lane & 15;  // 8 groups = 16 bytes of scales
-  const bool valid = chunk * Lay::kRowsPerChunk + piece * 8 / (COLS / 64) < m.rows;
-  const __nv_bfloat16* src = (lane < 16 ? m.scales : m.biases) + static_cast<size_t>(chunk) * (kChunkScaleBytes / 2);
-  cp_async_16(stage + kChunkWeightBytes + (lane < 16 ? 0 : kChunkScaleBytes) + piece * 16,
-              valid ? src + piece * 8 : src, valid);
-}
-
-// part[pass] = this lane's share of row(pass) . x from a chunk in shared memory.
-template <int COLS>
-__device__ __forceinline__ void dot_stage(const char* stage, const float* x_s, int lane,
-                                          float (&part)[Q4Layout<COLS>::kPasses]) {
-  using Lay = Q4Layout<COLS>;
-  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
-  const unsigned short* s_s = reinterpret_cast<const unsigned short*>(stage + kChunkWeightBytes);
-  const unsigned short* b_s = s_s + kChunkScaleBytes / 2;
-#pragma unroll
-  for (int pass = 0; pass < Lay::kPasses; ++pass) part[pass] = 0.0f;
-#pragma unroll
-  for (int v = 0; v < Lay::kVecsPerLane; ++v) {
-    float x[32];
-    const int vec = v * Lay::kLanesPerRow + j;
-    const float x_sum = load_x_vec(x_s, vec, x);
-#pragma unroll
-    for (int pass = 0; pass < Lay::kPasses; ++pass) {
-      const int r = pass * Lay::kRowsPerPass + sub;
-      const uint4 w = *reinterpret_cast<const uint4*>(stage + (r * Lay::kVecsPerRow + vec) * 16);
-      const int g = r * (COLS / 64) + vec / 2;
-      part[pass] += q4_group_term(dot_q4_vec(w, x), x_sum, s_s[g], b_s[g]);
-    }
   }
 }
 
@@ -253,7 +177,7 @@ cudaError_t launch_q4(const GemvParams& p, cudaStream_t stream) {
   int device = 0, n_sms = 0;
   CUDA_TRY(cudaGetDevice(&device));
   CUDA_TRY(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
-  const int warps = std::clamp((n_chunks + n_sms - 1) / n_sms, 4, kAsyncMaxWarps);
+  const int warps = gemv_q4_async_threads(p.m, n_sms) / 32;
   const int blocks = std::max(1, std::min(n_sms, (n_chunks + warps - 1) / warps));
   const size_t smem = xpad_floats(COLS) * sizeof(float) + static_cast<size_t>(warps) * kStages * kStageBytes;
   auto kernel = gemv_q4_async_kernel<COLS>;
@@ -278,6 +202,12 @@ bool valid_params(const GemvParams& p) {
 }
 
 }  // namespace
+
+int gemv_q4_async_threads(const QMatrix& m, int n_sms) {
+  const int rows_per_chunk = gemv_q4::kChunkWeights / m.cols;
+  const int n_chunks = (m.rows + rows_per_chunk - 1) / rows_per_chunk;
+  return 32 * std::clamp((n_chunks + n_sms - 1) / n_sms, 4, kAsyncMaxWarps);
+}
 
 cudaError_t gemv(const GemvParams& p, cudaStream_t stream) {
   if (!valid_params(p)) return cudaErrorInvalidValue;

@@ -6,6 +6,9 @@
 //   gated_rms_norm: per head of head_dim: x = norm_w * o / RMS(o) * silu(z)   (eq 19; in = o, gate_z = z)
 #pragma once
 #include "cuda/kernels/common.cuh"
+#if defined(__CUDACC__)
+#include "cuda/kernels/quant_dot.cuh"
+#endif
 
 namespace lily::cuda {
 
@@ -24,5 +27,96 @@ struct GemvParams {
 };
 
 cudaError_t gemv(const GemvParams& p, cudaStream_t stream);
+
+// Threads per block of the asynchronous 4-bit kernel that gemv() launches for m (cols in {512, ..., 4096}, scales
+// and biases 16-byte aligned) on a device of n_sms SMs. Its RMSNorm prologue sums the squares in an order fixed by
+// this block size: gdn_fused.cu reproduces that order to get the same x bits.
+int gemv_q4_async_threads(const QMatrix& m, int n_sms);
+
+#if defined(__CUDACC__)
+// ---- 4-bit chunk device code shared by gemv.cu and gdn_fused.cu (the same loads, dot products and reductions) ----
+namespace gemv_q4 {
+
+constexpr int kChunkWeights = 8192;      // a chunk: 8192 / cols consecutive rows
+constexpr int kChunkWeightBytes = 4096;  // 8192 4-bit weights
+constexpr int kChunkScaleBytes = 256;    // their 128 bf16 scales (and as many biases)
+constexpr int kStageBytes = kChunkWeightBytes + 2 * kChunkScaleBytes;
+constexpr int kStages = 2;
+
+// Copies chunk `chunk` into `stage`: lane j copies the 8 weight vectors it will read, lanes 0-15 the scales and
+// 16-31 the biases (16 B each). Rows past the end are zero-filled.
+template <int COLS>
+__device__ __forceinline__ void issue_chunk(const QMatrix& m, int chunk, int lane, char* stage) {
+  using Lay = Q4Layout<COLS>;
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  const char* w_chunk = reinterpret_cast<const char*>(m.w) + static_cast<size_t>(chunk) * kChunkWeightBytes;
+#pragma unroll
+  for (int pass = 0; pass < Lay::kPasses; ++pass) {
+    const int r = pass * Lay::kRowsPerPass + sub;
+    const bool valid = chunk * Lay::kRowsPerChunk + r < m.rows;
+#pragma unroll
+    for (int v = 0; v < Lay::kVecsPerLane; ++v) {
+      const int piece = r * Lay::kVecsPerRow + v * Lay::kLanesPerRow + j;
+      cp_async_16(stage + piece * 16, valid ? w_chunk + piece * 16 : w_chunk, valid);
+    }
+  }
+  const int piece = lane & 15;  // 8 groups = 16 bytes of scales
+  const bool valid = chunk * Lay::kRowsPerChunk + piece * 8 / (COLS / 64) < m.rows;
+  const __nv_bfloat16* src = (lane < 16 ? m.scales : m.biases) + static_cast<size_t>(chunk) * (kChunkScaleBytes / 2);
+  cp_async_16(stage + kChunkWeightBytes + (lane < 16 ? 0 : kChunkScaleBytes) + piece * 16,
+              valid ? src + piece * 8 : src, valid);
+}
+
+// part[pass] = this lane's share of row(pass) . x from a chunk in shared memory.
+template <int COLS>
+__device__ __forceinline__ void dot_stage(const char* stage, const float* x_s, int lane,
+                                          float (&part)[Q4Layout<COLS>::kPasses]) {
+  using Lay = Q4Layout<COLS>;
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  const unsigned short* s_s = reinterpret_cast<const unsigned short*>(stage + kChunkWeightBytes);
+  const unsigned short* b_s = s_s + kChunkScaleBytes / 2;
+#pragma unroll
+  for (int pass = 0; pass < Lay::kPasses; ++pass) part[pass] = 0.0f;
+#pragma unroll
+  for (int v = 0; v < Lay::kVecsPerLane; ++v) {
+    float x[32];
+    const int vec = v * Lay::kLanesPerRow + j;
+    const float x_sum = load_x_vec(x_s, vec, x);
+#pragma unroll
+    for (int pass = 0; pass < Lay::kPasses; ++pass) {
+      const int r = pass * Lay::kRowsPerPass + sub;
+      const uint4 w = *reinterpret_cast<const uint4*>(stage + (r * Lay::kVecsPerRow + vec) * 16);
+      const int g = r * (COLS / 64) + vec / 2;
+      part[pass] += q4_group_term(dot_q4_vec(w, x), x_sum, s_s[g], b_s[g]);
+    }
+  }
+}
+
+// The output row of this lane in chunk `chunk` after group_reduce_scatter, and whether the lane writes it.
+template <int COLS>
+__device__ __forceinline__ int out_row(int chunk, int lane) {
+  using Lay = Q4Layout<COLS>;
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  return chunk * Lay::kRowsPerChunk + (j / Lay::kLanesPerValue) * Lay::kRowsPerPass + sub;
+}
+template <int COLS>
+__device__ __forceinline__ bool writes_row(int lane) {
+  return (lane % Q4Layout<COLS>::kLanesPerRow) % Q4Layout<COLS>::kLanesPerValue == 0;
+}
+
+// Issues the loads of chunk `chunk` for this lane (rows past the end load nothing).
+template <int COLS>
+__device__ __forceinline__ void load_chunk(const QMatrix& m, int chunk, int lane, Q4Chunk<COLS>& c) {
+  using Lay = Q4Layout<COLS>;
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+#pragma unroll
+  for (int pass = 0; pass < Lay::kPasses; ++pass) {
+    const int row = chunk * Lay::kRowsPerChunk + pass * Lay::kRowsPerPass + sub;
+    c.load(pass, m, row, row < m.rows, j);
+  }
+}
+
+}  // namespace gemv_q4
+#endif  // __CUDACC__
 
 }  // namespace lily::cuda

@@ -6,8 +6,9 @@
 //   __threadfence; it resets the counter for the next replay) selects the experts (warp_route_top_k) and writes
 //   them; without, the expert kernels select (moe.cuh). Moves E*H + H bytes (8-bit) + 4*(E+1)*H/64 bytes of
 //   scales: 0.5 MB.
-// Selection (eq 22, warp_route_top_k): one warp; fp32 softmax over E, the k largest probabilities (ties -> lower
-//   index) by k rounds of a warp-wide maximum of unique 64-bit keys, weights renormalised over the k.
+// Selection (eq 22, warp_route_top_k in moe.cuh, shared with moe_fused.cu): one warp; fp32 softmax over E, the k
+//   largest probabilities (ties -> lower index) by k rounds of a warp-wide maximum of unique 64-bit keys, weights
+//   renormalised over the k.
 // moe_expert_in: grid (pair tiles of I, slot 0..k; slot k = the shared expert). A warp takes P/2 (gate, up)
 //   row pairs of its slot's expert (P = 4 at H = 2048: 8 x 16-byte loads in flight per lane), dots them with x
 //   from shared memory and writes act = silu(gate . x) * (up . x). Moves (k+1) * 2 * I * (H/2 + H/16) bytes:
@@ -31,118 +32,6 @@ constexpr int kMaxExperts = 1024;
 
 constexpr int kRouteThreads = 256;
 constexpr int kRouteWarps = kRouteThreads / 32;
-
-constexpr int kRoutePrefetch = 4;  // 16-byte vectors per lane loaded before the prologue: all of H <= 2048
-
-// One 16-byte vector (16 8-bit weights) of a router row against x (padded in shared memory).
-__device__ __forceinline__ float router_vec(uint4 w, unsigned short s_bits, unsigned short b_bits, const float* x_s,
-                                            int vec) {
-  const int e0 = vec * kVecElems8;
-  const float4* xv = reinterpret_cast<const float4*>(x_s + xpad(e0));
-  float x[16];
-  float x_sum = 0.0f;
-#pragma unroll
-  for (int t = 0; t < 4; ++t) {
-    const float4 v = xv[t];
-    x[4 * t] = v.x, x[4 * t + 1] = v.y, x[4 * t + 2] = v.z, x[4 * t + 3] = v.w;
-    x_sum += (v.x + v.y) + (v.z + v.w);
-  }
-  return bf16_bits_to_float(s_bits) * dot_q8_vec(w, x) + bf16_bits_to_float(b_bits) * x_sum;
-}
-
-// A warp's router row: vectors lane + 32 t; the first kRoutePrefetch per lane are fetched by route_prefetch.
-struct RouterRow {
-  uint4 w[kRoutePrefetch];
-  unsigned short s[kRoutePrefetch], b[kRoutePrefetch];
-};
-
-__device__ __forceinline__ void route_prefetch(const QMatrix& m, int row, bool active, int lane, RouterRow& r) {
-  const int n_vecs = m.cols / kVecElems8;
-  const uint4* w_row = reinterpret_cast<const uint4*>(m.w + row * m.words_per_row());
-  const size_t g_row = static_cast<size_t>(row) * m.groups_per_row();
-#pragma unroll
-  for (int t = 0; t < kRoutePrefetch; ++t) {
-    const int vec = lane + 32 * t;
-    const bool valid = active && vec < n_vecs;
-    r.w[t] = valid ? ld_stream(w_row + vec) : make_uint4(0, 0, 0, 0);
-    r.s[t] = valid ? ld_bf16_bits(m.scales + g_row + vec / 4) : 0;
-    r.b[t] = valid ? ld_bf16_bits(m.biases + g_row + vec / 4) : 0;
-  }
-}
-
-__device__ float router_dot(const QMatrix& m, int row, const RouterRow& r, const float* x_s, int lane) {
-  const int n_vecs = m.cols / kVecElems8;
-  float sum = 0.0f;
-#pragma unroll
-  for (int t = 0; t < kRoutePrefetch; ++t) {
-    if (lane + 32 * t < n_vecs) sum += router_vec(r.w[t], r.s[t], r.b[t], x_s, lane + 32 * t);
-  }
-  const uint4* w_row = reinterpret_cast<const uint4*>(m.w + row * m.words_per_row());
-  const size_t g_row = static_cast<size_t>(row) * m.groups_per_row();
-  for (int vec = lane + 32 * kRoutePrefetch; vec < n_vecs; vec += 32) {  // H > 2048
-    sum += router_vec(ld_stream(w_row + vec), ld_bf16_bits(m.scales + g_row + vec / 4),
-                      ld_bf16_bits(m.biases + g_row + vec / 4), x_s, vec);
-  }
-  return warp_sum(sum);
-}
-
-// Lane r < top_k of the selecting warp: the expert of rank r and its renormalised routing weight.
-struct RouteChoice {
-  int idx;
-  float weight;
-};
-
-// Eq 22 by one warp: p = softmax(logits) in fp32 (expf(l - max) * (1 / sum), as the block version before it), the
-// top_k largest p with ties -> lower index, weights p / (sum of the k p in rank order), like cpu::route_top_k.
-// Lane l holds experts l*PER_LANE .. +PER_LANE-1 (E <= 32 * PER_LANE). Each expert's key is (bits of p) << 32 |
-// ~index: unique, and ordered like (p, -index) since p >= 0. A round takes the warp's largest key with two
-// redux.sync maxima (high words, then low words of the lanes holding the highest) and removes it. Logits are read
-// through L2: they were written by other blocks or kernels.
-template <int PER_LANE>
-__device__ RouteChoice warp_route_top_k(const float* logits, int n_experts, int top_k) {
-  using u64 = unsigned long long;
-  const int lane = threadIdx.x & 31;
-  float v[PER_LANE];
-  float local_max = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < PER_LANE; ++i) {
-    const int e = lane * PER_LANE + i;
-    v[i] = e < n_experts ? __ldcg(logits + e) : -INFINITY;
-    local_max = fmaxf(local_max, v[i]);
-  }
-  const float max_logit = warp_max(local_max);
-  float local_sum = 0.0f;
-#pragma unroll
-  for (int i = 0; i < PER_LANE; ++i) {
-    v[i] = lane * PER_LANE + i < n_experts ? expf(v[i] - max_logit) : 0.0f;
-    local_sum += v[i];
-  }
-  const float inv_sum = 1.0f / warp_sum(local_sum);
-  u64 key[PER_LANE];
-#pragma unroll
-  for (int i = 0; i < PER_LANE; ++i) {
-    const int e = lane * PER_LANE + i;
-    key[i] = e < n_experts ? (u64{__float_as_uint(v[i] * inv_sum)} << 32) | ~static_cast<uint32_t>(e) : 0ull;
-  }
-  RouteChoice mine{0, 0.0f};
-  float sum = 0.0f;
-  for (int r = 0; r < top_k; ++r) {
-    u64 best = key[0];
-#pragma unroll
-    for (int i = 1; i < PER_LANE; ++i) best = key[i] > best ? key[i] : best;
-    const uint32_t hi = __reduce_max_sync(0xffffffffu, static_cast<uint32_t>(best >> 32));
-    const uint32_t lo = __reduce_max_sync(
-        0xffffffffu, static_cast<uint32_t>(best >> 32) == hi ? static_cast<uint32_t>(best) : 0u);
-    const u64 win = (u64{hi} << 32) | lo;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) key[i] = key[i] == win ? 0ull : key[i];
-    const float prob = __uint_as_float(hi);
-    sum += prob;
-    if (lane == r) mine = RouteChoice{static_cast<int>(~lo), prob};
-  }
-  mine.weight /= sum;
-  return mine;
-}
 
 __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const __grid_constant__ MoeRouteParams p) {
   extern __shared__ __align__(16) float x_s[];  // x (padded, H)

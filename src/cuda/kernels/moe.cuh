@@ -13,8 +13,15 @@
 // lets moe_expert_out fetch its routed down-projection weights before moe_expert_in has finished: it reads the
 // logits before waiting on its predecessor, which is safe because moe_expert_in signals its dependents only after
 // its own wait, i.e. once moe_route has completed. So the three launches must follow each other on one stream.
+// moe_fused (moe_fused.cu; opt-in, CudaBackendOptions::moe_fused): the same block as ONE persistent kernel whose
+// phase boundaries are grid-wide barriers instead of kernel boundaries: A = moe_route's logits and shared gate plus
+// the shared expert's gate/up rows, B = selection in every block and the routed gate/up rows, C = moe_expert_out.
+// The router and selection device code below is shared by moe.cu and moe_fused.cu, so both choose the same experts.
 #pragma once
 #include "cuda/kernels/common.cuh"
+#if defined(__CUDACC__)
+#include "cuda/kernels/quant_dot.cuh"  // the routing device code at the end
+#endif
 
 namespace lily::cuda {
 
@@ -58,8 +65,160 @@ struct MoeExpertOutParams {
   int n_experts = 0;                     // with router_logits, <= 256
 };
 
+// One persistent kernel for the whole MoE block (eqs 1-2 of post_attention_layernorm, 21-25), moe_fused.cu:
+//  phase A: every block normalises h into shared memory; the warps share the E router rows, the shared-expert gate
+//           row (-> logits, shared gate value) and the shared expert's gate/up rows (-> act row top_k);
+//  barrier; phase B: every block selects the experts from the logits (warp_route_top_k) and the warps share the
+//           routed gate/up rows (-> act rows 0..top_k-1);
+//  barrier; phase C: a warp owns 32 / (I / 32) output rows: its lanes dot all top_k + 1 down rows with act,
+//           weight them (routing weights, sigmoid shared gate) in slot order, reduce, and one lane adds the result
+//           to h. Each element of h is written by one thread, in a fixed order.
+// Moves the same bytes as the three kernels: ~16.5 MB a layer at E 256, H 2048, I 512, top-8.
+// The barrier (arrive counter whose top bit flips when the last block arrives: cooperative groups' grid sync)
+// needs every block resident at once: the launcher sizes the grid from the occupancy API (grid_blocks = 0) and
+// refuses larger grids. Shapes: H in {1024, 2048, 4096}, I = Is in {256, 512, 1024}, E <= 256, top_k <= 16,
+// router and shared gate row 8-bit, experts 4-bit.
+struct MoeFusedParams {
+  QMatrix router;                        // 8-bit [E, H]
+  QMatrix shared_gate_row;               // 8-bit [1, H]: the shared-expert gate logit
+  QMatrix gate, up;                      // stacked [E, I, H] 4-bit (use .expert(e))
+  QMatrix down;                          // stacked [E, H, I] 4-bit
+  QMatrix shared_gate, shared_up;        // [I, H] 4-bit
+  QMatrix shared_down;                   // [H, I] 4-bit
+  float* h = nullptr;                    // [H] in/out residual stream
+  const float* norm_w = nullptr;         // [H] post_attention_layernorm multiplier
+  float eps = 1e-6f;
+  int top_k = 8;
+  float* logits = nullptr;               // scratch [E]
+  float* shared_gate_value = nullptr;    // scratch [1]
+  float* act = nullptr;                  // scratch [top_k + 1, I], 16-byte aligned
+  unsigned* barrier = nullptr;           // one counter, zero before the first launch; every launch leaves it as found
+  int* topk_idx = nullptr;               // optional out [top_k]: the selection (written by block 0)
+  float* topk_w = nullptr;               // optional out [top_k]
+  int grid_blocks = 0;                   // 0: every block that can be resident at once; else at most that many
+};
+
 cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream);
 cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream);
 cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream);
+
+// Whether moe_fused takes p's shapes, bits and pointers (everything its launcher checks except the grid size).
+bool moe_fused_supported(const MoeFusedParams& p);
+cudaError_t moe_fused(const MoeFusedParams& p, cudaStream_t stream);
+
+// ---- routing device code shared by moe.cu and moe_fused.cu -----------------------------------------------------
+#if defined(__CUDACC__)
+inline constexpr int kRoutePrefetch = 4;  // 16-byte vectors per lane loaded before the prologue: all of H <= 2048
+
+// One 16-byte vector (16 8-bit weights) of a router row against x (padded in shared memory).
+__device__ __forceinline__ float router_vec(uint4 w, unsigned short s_bits, unsigned short b_bits, const float* x_s,
+                                            int vec) {
+  const int e0 = vec * kVecElems8;
+  const float4* xv = reinterpret_cast<const float4*>(x_s + xpad(e0));
+  float x[16];
+  float x_sum = 0.0f;
+#pragma unroll
+  for (int t = 0; t < 4; ++t) {
+    const float4 v = xv[t];
+    x[4 * t] = v.x, x[4 * t + 1] = v.y, x[4 * t + 2] = v.z, x[4 * t + 3] = v.w;
+    x_sum += (v.x + v.y) + (v.z + v.w);
+  }
+  return bf16_bits_to_float(s_bits) * dot_q8_vec(w, x) + bf16_bits_to_float(b_bits) * x_sum;
+}
+
+// A warp's router row: vectors lane + 32 t; the first kRoutePrefetch per lane are fetched by route_prefetch.
+struct RouterRow {
+  uint4 w[kRoutePrefetch];
+  unsigned short s[kRoutePrefetch], b[kRoutePrefetch];
+};
+
+__device__ __forceinline__ void route_prefetch(const QMatrix& m, int row, bool active, int lane, RouterRow& r) {
+  const int n_vecs = m.cols / kVecElems8;
+  const uint4* w_row = reinterpret_cast<const uint4*>(m.w + row * m.words_per_row());
+  const size_t g_row = static_cast<size_t>(row) * m.groups_per_row();
+#pragma unroll
+  for (int t = 0; t < kRoutePrefetch; ++t) {
+    const int vec = lane + 32 * t;
+    const bool valid = active && vec < n_vecs;
+    r.w[t] = valid ? ld_stream(w_row + vec) : make_uint4(0, 0, 0, 0);
+    r.s[t] = valid ? ld_bf16_bits(m.scales + g_row + vec / 4) : 0;
+    r.b[t] = valid ? ld_bf16_bits(m.biases + g_row + vec / 4) : 0;
+  }
+}
+
+__device__ inline float router_dot(const QMatrix& m, int row, const RouterRow& r, const float* x_s, int lane) {
+  const int n_vecs = m.cols / kVecElems8;
+  float sum = 0.0f;
+#pragma unroll
+  for (int t = 0; t < kRoutePrefetch; ++t) {
+    if (lane + 32 * t < n_vecs) sum += router_vec(r.w[t], r.s[t], r.b[t], x_s, lane + 32 * t);
+  }
+  const uint4* w_row = reinterpret_cast<const uint4*>(m.w + row * m.words_per_row());
+  const size_t g_row = static_cast<size_t>(row) * m.groups_per_row();
+  for (int vec = lane + 32 * kRoutePrefetch; vec < n_vecs; vec += 32) {  // H > 2048
+    sum += router_vec(ld_stream(w_row + vec), ld_bf16_bits(m.scales + g_row + vec / 4),
+                      ld_bf16_bits(m.biases + g_row + vec / 4), x_s, vec);
+  }
+  return warp_sum(sum);
+}
+
+// Lane r < top_k of the selecting warp: the expert of rank r and its renormalised routing weight.
+struct RouteChoice {
+  int idx;
+  float weight;
+};
+
+// Eq 22 by one warp: p = softmax(logits) in fp32 (expf(l - max) * (1 / sum), as the block version before it), the
+// top_k largest p with ties -> lower index, weights p / (sum of the k p in rank order), like cpu::route_top_k.
+// Lane l holds experts l*PER_LANE .. +PER_LANE-1 (E <= 32 * PER_LANE). Each expert's key is (bits of p) << 32 |
+// ~index: unique, and ordered like (p, -index) since p >= 0. A round takes the warp's largest key with two
+// redux.sync maxima (high words, then low words of the lanes holding the highest) and removes it. Logits are read
+// through L2: they were written by other blocks or kernels.
+template <int PER_LANE>
+__device__ inline RouteChoice warp_route_top_k(const float* logits, int n_experts, int top_k) {
+  using u64 = unsigned long long;
+  const int lane = threadIdx.x & 31;
+  float v[PER_LANE];
+  float local_max = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = lane * PER_LANE + i;
+    v[i] = e < n_experts ? __ldcg(logits + e) : -INFINITY;
+    local_max = fmaxf(local_max, v[i]);
+  }
+  const float max_logit = warp_max(local_max);
+  float local_sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    v[i] = lane * PER_LANE + i < n_experts ? expf(v[i] - max_logit) : 0.0f;
+    local_sum += v[i];
+  }
+  const float inv_sum = 1.0f / warp_sum(local_sum);
+  u64 key[PER_LANE];
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int e = lane * PER_LANE + i;
+    key[i] = e < n_experts ? (u64{__float_as_uint(v[i] * inv_sum)} << 32) | ~static_cast<uint32_t>(e) : 0ull;
+  }
+  RouteChoice mine{0, 0.0f};
+  float sum = 0.0f;
+  for (int r = 0; r < top_k; ++r) {
+    u64 best = key[0];
+#pragma unroll
+    for (int i = 1; i < PER_LANE; ++i) best = key[i] > best ? key[i] : best;
+    const uint32_t hi = __reduce_max_sync(0xffffffffu, static_cast<uint32_t>(best >> 32));
+    const uint32_t lo = __reduce_max_sync(
+        0xffffffffu, static_cast<uint32_t>(best >> 32) == hi ? static_cast<uint32_t>(best) : 0u);
+    const u64 win = (u64{hi} << 32) | lo;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; ++i) key[i] = key[i] == win ? 0ull : key[i];
+    const float prob = __uint_as_float(hi);
+    sum += prob;
+    if (lane == r) mine = RouteChoice{static_cast<int>(~lo), prob};
+  }
+  mine.weight /= sum;
+  return mine;
+}
+#endif  // __CUDACC__
 
 }  // namespace lily::cuda

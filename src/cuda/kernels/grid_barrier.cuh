@@ -1,0 +1,51 @@
+// Device helpers of the persistent decode kernels (moe_fused.cu, gdn_fused.cu): a grid-wide barrier between the
+// phases of one launch, and an L2 prefetch. The barrier needs every block of the grid resident at once: the
+// launchers size the grid from the occupancy API and refuse larger grids.
+#pragma once
+#include "cuda/kernels/common.cuh"
+
+#if defined(__CUDACC__)
+namespace lily::cuda {
+
+__device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// A barrier is open within microseconds; one still closed after this long has a block that can never arrive:
+// trap (the launch fails with an error the caller sees) rather than hang the device.
+constexpr unsigned long long kBarrierTimeoutNs = 2000000000ull;
+
+// Grid-wide barrier (cooperative groups' algorithm): thread 0 of every block adds 1 to the counter, block 0 adds
+// 2^31 - (gridDim.x - 1), so the top bit flips exactly when the last block arrives and the low bits are back at
+// zero; a block leaves once the top bit differs from the one its own add saw. Nothing to reset: a launch with an
+// even number of barriers flips the top bit back, so every launch and graph replay leaves the counter as it found
+// it (its low 31 bits must be zero). The fence before the add publishes the block's writes (ordered before it by
+// __syncthreads); the acquire load and the fence after the wait order the other blocks' writes before the
+// block's later reads (which go through L2: __ldcg, or weights). A wait longer than kBarrierTimeoutNs traps.
+__device__ __forceinline__ void grid_barrier(unsigned* counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned add = blockIdx.x == 0 ? 0x80000000u - (gridDim.x - 1) : 1u;
+    __threadfence();
+    const unsigned old = atomicAdd(counter, add);
+    const unsigned long long start = global_ns();
+    while (((old ^ ld_acquire_gpu(counter)) & 0x80000000u) == 0u) {
+      if (global_ns() - start > kBarrierTimeoutNs) __trap();
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+}  // namespace lily::cuda
+#endif  // __CUDACC__
