@@ -55,37 +55,30 @@ void print_breakdown(const std::vector<cuda::KernelTiming>& kernels, nlohmann::j
   std::printf("%-16s %8s %10.4f\n", "total", "", total);
 }
 
-// Backend options a variant may set (`--variants`): name -> setter from the value's text.
+// Backend options a variant may set (`--variants`): a name and the bool or int member it sets.
 struct OptionKey {
   const char* name;
-  Status (*set)(cuda::CudaBackendOptions&, const std::string&);
+  bool cuda::CudaBackendOptions::*flag = nullptr;
+  int cuda::CudaBackendOptions::*number = nullptr;
 };
-
-Result<int> parse_int(const std::string& key, const std::string& v) {
-  char* end = nullptr;
-  const long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0') return invalid_argument("--variants: %s=%s is not an integer", key.c_str(), v.c_str());
-  return static_cast<int>(x);
-}
-
-Result<bool> parse_bool(const std::string& key, const std::string& v) {
-  if (v == "1" || v == "on" || v == "true") return true;
-  if (v == "0" || v == "off" || v == "false") return false;
-  return invalid_argument("--variants: %s=%s is not on/off", key.c_str(), v.c_str());
-}
 
 constexpr OptionKey kOptionKeys[] = {
-    {"gdn_scan",
-     [](cuda::CudaBackendOptions& o, const std::string& v) -> Status {
-       ASSIGN_OR_RETURN(o.gdn_scan_variant, parse_int("gdn_scan", v));
-       return ok_status();
-     }},
-    {"wgmma",
-     [](cuda::CudaBackendOptions& o, const std::string& v) -> Status {
-       ASSIGN_OR_RETURN(o.dense_wgmma, parse_bool("wgmma", v));
-       return ok_status();
-     }},
+    {"gdn_scan", nullptr, &cuda::CudaBackendOptions::gdn_scan_variant},
+    {"wgmma", &cuda::CudaBackendOptions::dense_wgmma, nullptr},
 };
+
+Status set_option(const OptionKey& k, const std::string& v, cuda::CudaBackendOptions& o) {
+  if (k.flag) {
+    if (v == "1" || v == "on" || v == "true") return o.*k.flag = true, ok_status();
+    if (v == "0" || v == "off" || v == "false") return o.*k.flag = false, ok_status();
+    return invalid_argument("--variants: %s=%s is not on/off", k.name, v.c_str());
+  }
+  char* end = nullptr;
+  const long x = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0') return invalid_argument("--variants: %s=%s is not an integer", k.name, v.c_str());
+  o.*k.number = static_cast<int>(x);
+  return ok_status();
+}
 
 // One variant: comma-separated key=value pairs applied over the flags' options.
 Status apply_variant(const std::string& spec, cuda::CudaBackendOptions& opt) {
@@ -106,7 +99,7 @@ Status apply_variant(const std::string& spec, cuda::CudaBackendOptions& opt) {
       for (const OptionKey& o : kOptionKeys) names += std::string(names.empty() ? "" : ", ") + o.name;
       return invalid_argument("--variants: unknown key `%s` (known: %s)", key.c_str(), names.c_str());
     }
-    RETURN_IF_ERROR(k->set(opt, kv.substr(eq + 1)));
+    RETURN_IF_ERROR(set_option(*k, kv.substr(eq + 1), opt));
   }
   return ok_status();
 }
