@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Validates, on the GPU machine, every path of this branch that was written without a GPU (all opt-in): the
+# probes and correctness tests of each new kernel first (each in its own log, under its own timeout, so a hang or a
+# trap costs only that step), then the end-to-end tests against the CPU reference, then the timings: the kernel
+# sweeps and `lily bench --variants` A/B runs (one model load for all variants). Prints a summary.
+#
+# Here (2 cores, no GPU):  cmake --build build-cuda --target lily test_cuda test_cuda_kernels -j2
+#                          scripts/gpu_validate_next.sh pack      # xz the three binaries into build-carry/ and
+#                                                                 # copy the tokenizer fixture to models/
+# There (one device call): run(command="scripts/gpu_validate_next.sh run",
+#                              carry=["build-carry", "models/qwen3-tokenizer"])
+# STEPS (env) picks steps by name, e.g. STEPS="decode_ab prefill_ab" for a second call; default: all.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+B=build-cuda; C=build-carry; TOK=models/qwen3-tokenizer
+BINS=(lily tests/test_cuda_kernels tests/test_cuda)
+
+if [[ "${1:-}" == pack ]]; then
+  mkdir -p "$C" "$TOK"
+  for b in "${BINS[@]}"; do xz -T2 -6 -c "$B/$b" > "$C/$(basename "$b").xz" || exit 1; done
+  cp ../shared/fixtures/qwen3-tokenizer/tokenizer.json ../shared/fixtures/qwen3-tokenizer/tokenizer_config.json "$TOK/"
+  du -sh "$C" "$TOK"
+  exit 0
+fi
+[[ "${1:-}" == run ]] || { echo "usage: $0 pack|run" >&2; exit 2; }
+
+O=${OUT:-/tmp/lily-validate}
+mkdir -p "$O" "$B/tests"
+for b in "${BINS[@]}"; do
+  [[ -f "$C/$(basename "$b").xz" ]] && xz -dc "$C/$(basename "$b").xz" > "$B/$b" && chmod +x "$B/$b"
+done
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$O/gpu.txt"
+K=$B/tests/test_cuda_kernels
+E=$B/tests/test_cuda
+export LILY_TOKENIZER_DIR=$PWD/$TOK
+want() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* ]]; }
+step() {
+  local name=$1 limit=$2; shift 2
+  want "$name" || return 0
+  local s; s=$(date +%s)
+  timeout "$limit" "$@" > "$O/$name.log" 2>&1
+  local rc=$?
+  printf '%-16s rc=%-3s %4ss  %s\n' "$name" "$rc" "$(( $(date +%s) - s ))" \
+    "$(grep -E '^\[  (PASSED|FAILED) ' "$O/$name.log" | tr '\n' ' ')" | tee -a "$O/summary.txt"
+}
+# 1. probes, then correctness, one kernel family a step
+step probes      60 $K --gtest_filter='CudaQgemmWgmma.LayoutProbes:CudaAttnPrefillWgmma.LayoutProbes'
+step qgemm_knobs 120 $K --gtest_filter='CudaQgemmWgmma.KnobsMatchDefault:CudaQgemmWgmma.DirectCallAndBadShapes'
+step attn_wgmma  150 $K --gtest_filter='CudaAttnPrefillWgmma.MatchesMmaSyncAndCpu:CudaAttnPrefillWgmma.Rejects*:CudaAttnPrefill.*'
+step moe_wgmma   150 $K --gtest_filter='CudaMoePrefillWgmma.*:CudaMoePrefill.*'
+step moe_fused   120 $K --gtest_filter='CudaMoeFused.*:CudaMoe.*'
+step gdn_fused   120 $K --gtest_filter='CudaGdnFused.*:CudaGdn.*:CudaGemv.*'
+step attn_fused  120 $K --gtest_filter='CudaAttnFused.*:CudaAttention.*'
+# 2. end to end against the CPU reference (every case, the new fused ones included), then the per-request costs
+step e2e         300 $E --gtest_filter='-TtftBreakdown.*'
+step ttft        200 $E --gtest_filter='TtftBreakdown.*'
+# 3. timings
+step sweeps      200 $K --gtest_filter='CudaQgemmWgmmaBench.Sweep:CudaMoePrefillBench.WgmmaVsMmaSync:CudaAttnPrefillWgmmaBench.Timing:CudaMoeFusedBench.*:CudaGdnFusedBench.*:CudaAttnFusedBench.*'
+step decode_ab   300 $B/lily bench --mode decode --contexts 4096,32768 --reps 3 \
+  --variants ";moe_select_in_experts=0;moe_fused=1;gdn_fused=1;moe_fused=1,gdn_fused=1${ATTN_FUSED_VARIANT:-}"
+step prefill_ab  300 $B/lily bench --mode prefill --lengths 1024,4096,16384 --reps 3 \
+  --variants ";moe_wgmma=1;attn_wgmma=1;moe_wgmma=1,attn_wgmma=1"
+echo
+echo "== summary ($(cut -d, -f1 "$O/gpu.txt"))"
+cat "$O/summary.txt"
+grep -h -E 'FAILED|Failure|Expected|Which is|trap|error' "$O"/*.log | head -30
+grep -h -E '^== variant|^ +[0-9]+ +[0-9.]+ +[0-9.]+' "$O/decode_ab.log" "$O/prefill_ab.log" 2>/dev/null
