@@ -62,14 +62,6 @@ struct GraphCaptureStats {
 
 class CudaBackendApi : public Backend {
  public:
-  // forward() of `tokens` that also returns the checkpoint after its first `split` tokens (0 < split < size):
-  // what forward(first split) + checkpoint() + forward(rest) give, in one prefill. Each Gated DeltaNet layer scans
-  // its rows in two calls and copies its state between them; every other kernel runs once over all rows, so a
-  // short tail (the few tokens after a chat prompt's last <|im_start|>) costs a few rows, not a prefill of its own.
-  // Where the prefill path does not take the call (decode_rows_max, geometry) it is exactly those three calls.
-  virtual Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq,
-                                                                      std::span<const int32_t> tokens, int64_t split,
-                                                                      LogitsRows rows, std::vector<float>* logits) = 0;
   // Benchmark hooks: make `seq` look like it holds n tokens (KV rows filled with random values; the recurrent
   // state keeps whatever it had), so decode at context n can be timed without an n-token prefill.
   virtual Status set_context_for_bench(SequenceState& seq, int64_t n) = 0;
