@@ -50,6 +50,7 @@ step attn_wgmma  150 $K --gtest_filter='CudaAttnPrefillWgmma.MatchesMmaSyncAndCp
 step moe_wgmma   150 $K --gtest_filter='CudaMoePrefillWgmma.*:CudaMoePrefill.*'
 step moe_fused   120 $K --gtest_filter='CudaMoeFused.*:CudaMoe.*'
 step gdn_fused   120 $K --gtest_filter='CudaGdnFused.*:CudaGdn.*:CudaGemv.*'
+step sample      60 $K --gtest_filter='CudaSample.*'
 step attn_fused  120 $K --gtest_filter='CudaAttnFused.*:CudaAttention.*'
 # 2. end to end against the CPU reference (every case, the new fused ones included), then the per-request costs
 step e2e         300 $E --gtest_filter='-TtftBreakdown.*'

@@ -134,6 +134,7 @@ class CudaBackend final : public CudaBackendApi {
   // Scratch shared by all sequences (batch 1: one step runs at a time).
   DeviceArray<float> h_, proj_, q_, attn_out_, gdn_o_, moe_x_, moe_logits_, topk_w_, shared_gate_, act_, logits_;
   DeviceArray<float> part_o_, part_ml_, sample_scratch_;
+  DeviceArray<SampleKnobs> sample_knobs_;  // the running request's sampling numbers (SampleParams::knobs)
   DeviceArray<int> topk_idx_, token_in_, tokens_;
   DeviceArray<unsigned> counters_;  // [0]: moe_route, [1]: sample, [2]: moe_fused's barrier, [3]: gdn_fused's
   int* ring_ = nullptr;             // host-mapped
@@ -180,6 +181,9 @@ Status CudaBackend::init() {
   RETURN_IF_ERROR(part_o_.alloc(kMaxSplits * nq * D));
   RETURN_IF_ERROR(part_ml_.alloc(kMaxSplits * nq * 2));
   RETURN_IF_ERROR(sample_scratch_.alloc(kSampleScratch));
+  RETURN_IF_ERROR(sample_knobs_.alloc(1));
+  const SampleKnobs greedy_knobs;
+  CUDA_RETURN(cudaMemcpy(sample_knobs_.ptr, &greedy_knobs, sizeof greedy_knobs, cudaMemcpyHostToDevice), "knobs");
   RETURN_IF_ERROR(token_in_.alloc(1));
   RETURN_IF_ERROR(counters_.alloc(4));
   CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&ring_), kRingSize * sizeof(int), cudaHostAllocMapped), "ring");
@@ -317,7 +321,7 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
   if (sampling) {
     SampleParams sp{logits_.ptr, c.vocab_size, sampling->temperature, sampling->top_k, sampling->top_p,
                     sampling->min_p, sampling->seed, s.pos.ptr, sample_scratch_.ptr, counters_.ptr + 1,
-                    token_in_.ptr, ring_dev_, kRingSize};
+                    token_in_.ptr, ring_dev_, kRingSize, sample_knobs_.ptr};
     STEP_OP("sample", 4.0 * c.vocab_size, sample_token(sp, stream_));
   }
   STEP_OP("advance", 0, advance_position(s.pos.ptr, stream_));
@@ -475,16 +479,13 @@ Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::ve
   return ok_status();
 }
 
-// The graph for this sequence, split count and sampling configuration (captured on first use). Greedy sampling
-// reads no other field (sample.cuh), so every greedy request shares one graph whatever seed the engine drew. At
-// most kMaxGraphs a sequence: seeded sampling makes a new key per request, and a pooled sequence lives long.
+// The graph for this sequence, split count and sampling mode (captured on first use). The sample kernel reads
+// the request's numbers (temperature, top-k/p, min-p, seed) from sample_knobs_, written before the steps run, so
+// one graph per mode serves every request. At most kMaxGraphs a sequence (split counts x modes).
 Result<cudaGraphExec_t> CudaBackend::graph_for(CudaSequence& s, const DeviceSampling* sp) {
-  static const DeviceSampling kGreedy{};
-  if (sp && sp->temperature == 0.0f) sp = &kGreedy;
   const int n_splits = attention_splits(s.n + 1);
   std::string key = std::to_string(n_splits);
-  if (sp) key += format("/%g/%d/%g/%g/%llu", sp->temperature, sp->top_k, sp->top_p, sp->min_p,
-                        (unsigned long long)sp->seed);
+  if (sp) key += "/" + std::to_string(sample_mode(sp->temperature, sp->top_k, sp->top_p, sp->min_p));
   auto it = s.graphs.find(key);
   if (it != s.graphs.end()) return it->second->exec;
   if (s.graphs.size() >= kMaxGraphs) s.graphs.clear();  // none is in flight: every caller synchronised
@@ -588,6 +589,8 @@ Status CudaBackend::generate_on_device(SequenceState& base, int32_t first, const
   if (first < 0 || first >= config().vocab_size) return invalid_argument("token id %d is outside the vocabulary", first);
   if (sampling.top_k > 64) return invalid_argument("device sampling supports top_k <= 64, got %d", sampling.top_k);
   CUDA_RETURN(cudaMemcpy(token_in_.ptr, &first, sizeof(int), cudaMemcpyHostToDevice), "token");
+  const SampleKnobs knobs{sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed};
+  CUDA_RETURN(cudaMemcpy(sample_knobs_.ptr, &knobs, sizeof knobs, cudaMemcpyHostToDevice), "sampling knobs");
   for (int i = 0; i < max_new; ++i) {
     const int64_t step = s->n;
     RETURN_IF_ERROR(run_step(*s, &sampling));

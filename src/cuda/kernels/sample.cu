@@ -94,6 +94,12 @@ __device__ void emit_token(const SampleParams& p, int token) {
   if (p.ring && p.ring_size > 0) p.ring[*p.step % p.ring_size] = token;
 }
 
+// The knobs a kernel samples with: from device memory when the launch gave them, else from the parameters.
+__device__ __forceinline__ SampleKnobs knobs_of(const SampleParams& p) {
+  if (p.knobs) return *p.knobs;
+  return SampleKnobs{p.temperature, p.top_k, p.top_p, p.min_p, p.seed};
+}
+
 // ---- greedy and Gumbel-max -----------------------------------------------------------------------------------
 
 template <bool kGumbel>
@@ -102,8 +108,9 @@ __global__ void __launch_bounds__(kArgmaxThreads) sample_argmax_kernel(const __g
   u64* block_best = reinterpret_cast<u64*>(p.scratch);
   pdl_launch_dependents();
   pdl_wait();  // the logits come from the previous kernel
-  const float inv_t = kGumbel ? 1.0f / p.temperature : 1.0f;
-  const uint2 key = make_uint2(static_cast<uint32_t>(p.seed), static_cast<uint32_t>(p.seed >> 32));
+  const SampleKnobs kn = knobs_of(p);
+  const float inv_t = kGumbel ? 1.0f / kn.temperature : 1.0f;
+  const uint2 key = make_uint2(static_cast<uint32_t>(kn.seed), static_cast<uint32_t>(kn.seed >> 32));
   const uint32_t step = kGumbel ? static_cast<uint32_t>(*p.step) : 0u;
   const int n_quads = (p.vocab + 3) / 4;
   u64 best = 0;
@@ -224,7 +231,7 @@ __device__ int block_select_top(int n, int k, KeyOf key_of, SelectShared& sh) {
 }
 
 // engine/sampler.h steps 6-10 on the k best keys (unordered in sh.keys), run by the last block.
-__device__ void draw_from_candidates(const SampleParams& p, int k, SelectShared& sh) {
+__device__ void draw_from_candidates(const SampleParams& p, const SampleKnobs& kn, int k, SelectShared& sh) {
   __shared__ float w_s[kMaxCandidates];
   __shared__ int id_s[kMaxCandidates], order_s[kMaxCandidates];
   __shared__ bool keep_s[kMaxCandidates];
@@ -237,7 +244,7 @@ __device__ void draw_from_candidates(const SampleParams& p, int k, SelectShared&
   }
   __syncthreads();
   if (t < k) {
-    const float z = (key_value(ranked_s[t]) - key_value(ranked_s[0])) / p.temperature;
+    const float z = (key_value(ranked_s[t]) - key_value(ranked_s[0])) / kn.temperature;
     w_s[t] = expf(z);
     id_s[t] = key_id(ranked_s[t]);
   }
@@ -246,13 +253,13 @@ __device__ void draw_from_candidates(const SampleParams& p, int k, SelectShared&
     double total = 0.0;
     for (int i = 0; i < k; ++i) total += w_s[i];
     int kept = k;
-    if (p.top_p < 1.0f) {  // smallest prefix with cumulative weight >= top_p; the top token stays
-      const double limit = static_cast<double>(p.top_p) * total;
+    if (kn.top_p < 1.0f) {  // smallest prefix with cumulative weight >= top_p; the top token stays
+      const double limit = static_cast<double>(kn.top_p) * total;
       double before = 0.0;
       kept = 0;
       while (kept < k && before < limit) before += w_s[kept++];
     }
-    for (int i = 0; i < k; ++i) keep_s[i] = i < kept && w_s[i] > 0.0f && (p.min_p <= 0.0f || w_s[i] >= p.min_p);
+    for (int i = 0; i < k; ++i) keep_s[i] = i < kept && w_s[i] > 0.0f && (kn.min_p <= 0.0f || w_s[i] >= kn.min_p);
   }
   __syncthreads();
   if (t < k && keep_s[t]) {  // ascending id order of the kept tokens
@@ -265,7 +272,7 @@ __device__ void draw_from_candidates(const SampleParams& p, int k, SelectShared&
     int n_kept = 0;
     double total = 0.0;
     for (int i = 0; i < k; ++i) n_kept += keep_s[i], total += keep_s[i] ? w_s[i] : 0.0;
-    const double target = splitmix_uniform(p.seed, static_cast<u64>(*p.step)) * total;
+    const double target = splitmix_uniform(kn.seed, static_cast<u64>(*p.step)) * total;
     double sum = 0.0;
     int token = id_s[0];  // the top token: kept whenever anything is
     for (int i = 0; i < n_kept; ++i) {
@@ -282,7 +289,8 @@ __global__ void __launch_bounds__(kTopThreads) sample_top_kernel(const __grid_co
   u64* candidates = reinterpret_cast<u64*>(p.scratch);
   pdl_launch_dependents();
   pdl_wait();
-  const int k = min(p.top_k > 0 ? p.top_k : kMaxCandidates, kMaxCandidates);
+  const SampleKnobs kn = knobs_of(p);
+  const int k = min(kn.top_k > 0 ? kn.top_k : kMaxCandidates, kMaxCandidates);
   const int chunk = (p.vocab + gridDim.x - 1) / gridDim.x;
   const int begin = blockIdx.x * chunk, n = max(0, min(chunk, p.vocab - begin));
   const int found = block_select_top(n, k, [&](int i) { return make_key(p.logits[begin + i], begin + i); }, sh);
@@ -292,7 +300,7 @@ __global__ void __launch_bounds__(kTopThreads) sample_top_kernel(const __grid_co
   if (!last_block_done(p.counter)) return;
   const int n_candidates = gridDim.x * kMaxCandidates;
   const int k_all = block_select_top(n_candidates, min(k, p.vocab), [&](int i) { return __ldcg(candidates + i); }, sh);
-  draw_from_candidates(p, k_all, sh);
+  draw_from_candidates(p, kn, k_all, sh);
 }
 
 bool valid_params(const SampleParams& p) {
@@ -310,12 +318,9 @@ cudaError_t sample_token(const SampleParams& p, cudaStream_t stream) {
   if (!valid_params(p)) return cudaErrorInvalidValue;
   // Argmax paths: 2 float4 quads per thread (~120 blocks at the model's vocabulary).
   const int argmax_blocks = std::min(kMaxBlocks, (p.vocab + 8 * kArgmaxThreads - 1) / (8 * kArgmaxThreads));
-  if (p.temperature == 0.0f) {
-    return launch_pdl(sample_argmax_kernel<false>, dim3(argmax_blocks), dim3(kArgmaxThreads), 0, stream, p);
-  }
-  if (p.top_k == 0 && p.top_p >= 1.0f && p.min_p <= 0.0f) {
-    return launch_pdl(sample_argmax_kernel<true>, dim3(argmax_blocks), dim3(kArgmaxThreads), 0, stream, p);
-  }
+  const int mode = sample_mode(p.temperature, p.top_k, p.top_p, p.min_p);
+  if (mode == 0) return launch_pdl(sample_argmax_kernel<false>, dim3(argmax_blocks), dim3(kArgmaxThreads), 0, stream, p);
+  if (mode == 1) return launch_pdl(sample_argmax_kernel<true>, dim3(argmax_blocks), dim3(kArgmaxThreads), 0, stream, p);
   // Slices of <= 4096 tokens (8 per thread, kept in registers), at most 64 blocks: the last block then ranks
   // <= 4096 candidates, also from registers.
   const int blocks = std::max(1, std::min(64, (p.vocab + 4095) / 4096));

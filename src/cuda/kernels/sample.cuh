@@ -12,6 +12,17 @@
 
 namespace lily::cuda {
 
+// The numbers of a sampling configuration, also readable by the kernel from device memory
+// (SampleParams::knobs), so one captured graph serves every request of a mode - greedy, temperature only, or
+// top-k/top-p/min-p - whatever its seed and values.
+struct SampleKnobs {
+  float temperature = 0.0f;
+  int top_k = 0;
+  float top_p = 1.0f;
+  float min_p = 0.0f;
+  unsigned long long seed = 0;
+};
+
 struct SampleParams {
   const float* logits = nullptr;  // [vocab]
   int vocab = 0;
@@ -26,7 +37,16 @@ struct SampleParams {
   int* out_token = nullptr;       // device: the next step's input token
   int* ring = nullptr;            // host-mapped ring of emitted tokens, ring[*step % ring_size] = token
   int ring_size = 0;
+  // Device: when set, the kernel reads temperature, top_k, top_p, min_p and seed from here (written before the
+  // launch) instead of the fields above, which then only choose the kernel (the mode) and must match it.
+  const SampleKnobs* knobs = nullptr;
 };
+
+// The kernel a configuration takes: 0 greedy, 1 temperature only (Gumbel-max), 2 top-k / top-p / min-p.
+inline int sample_mode(float temperature, int top_k, float top_p, float min_p) {
+  if (temperature == 0.0f) return 0;
+  return top_k == 0 && top_p >= 1.0f && min_p <= 0.0f ? 1 : 2;
+}
 
 cudaError_t sample_token(const SampleParams& p, cudaStream_t stream);
 

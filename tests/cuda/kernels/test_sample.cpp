@@ -36,9 +36,11 @@ class SampleRig {
     CUDA_TRY(step_.upload(std::vector<int>{step}));
     return launch_on(s, seed, nullptr);
   }
-  // Launches on `stream` with the step already on the device.
-  cudaError_t launch_on(const Sampling& s, uint64_t seed, cudaStream_t stream) {
+  // Launches on `stream` with the step already on the device; with `knobs`, the kernel reads its numbers from
+  // that device copy and `s`, `seed` only choose the kernel.
+  cudaError_t launch_on(const Sampling& s, uint64_t seed, cudaStream_t stream, const SampleKnobs* knobs = nullptr) {
     SampleParams p;
+    p.knobs = knobs;
     p.logits = logits_.get();
     p.vocab = vocab_;
     p.temperature = s.temperature;
@@ -63,6 +65,8 @@ class SampleRig {
     return token;
   }
   std::vector<int> ring() const { return ring_.download(); }
+  int out() const { return out_.download()[0]; }
+  cudaError_t set_step(int step) { return step_.upload(std::vector<int>{step}); }
 
  private:
   DeviceBuffer<float> logits_, scratch_;
@@ -200,6 +204,62 @@ TEST(CudaSample, TopKTopPMinPMatchCpuReference) {
     }
     EXPECT_GT(distinct.size(), 1u) << "the draws should not all pick one token";
   }
+}
+
+// SampleParams::knobs: the numbers come from device memory, the host fields only pick the kernel. Each case is
+// launched with other numbers of the same mode on the host (what a graph captured for an earlier request holds)
+// and must draw what the direct launch draws; then one captured graph replayed after rewriting the knobs.
+TEST(CudaSample, KnobsFromDeviceMatchTheDirectLaunch) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<float> l = random_vector(kVocab, 5, 2.0f);
+  SampleRig rig(l, 64);
+  struct Case {
+    Sampling real, stale;  // same sample_mode
+  };
+  const Case cases[] = {{{0.0f, 0, 1.0f, 0.0f}, {0.0f, 0, 1.0f, 0.0f}},
+                        {{0.7f, 0, 1.0f, 0.0f}, {1.9f, 0, 1.0f, 0.0f}},
+                        {{0.8f, 20, 1.0f, 0.0f}, {1.5f, 64, 0.3f, 0.2f}},
+                        {{1.0f, 50, 0.9f, 0.0f}, {0.5f, 2, 1.0f, 0.0f}},
+                        {{0.7f, 10, 0.5f, 0.1f}, {1.0f, 0, 0.99f, 0.0f}}};
+  DeviceBuffer<SampleKnobs> knobs(1);
+  for (const Case& c : cases) {
+    const Sampling& r = c.real;
+    ASSERT_EQ(sample_mode(r.temperature, r.top_k, r.top_p, r.min_p),
+              sample_mode(c.stale.temperature, c.stale.top_k, c.stale.top_p, c.stale.min_p));
+    for (uint64_t seed = 3; seed <= 5; ++seed) {
+      for (int step = 0; step < 3; ++step) {
+        const int want = rig.sample(r, seed, step);
+        ASSERT_CUDA(knobs.upload(std::vector<SampleKnobs>{{r.temperature, r.top_k, r.top_p, r.min_p, seed}}));
+        ASSERT_CUDA(rig.set_step(step));
+        ASSERT_CUDA(rig.launch_on(c.stale, seed + 100, nullptr, knobs.get()));
+        ASSERT_CUDA(cudaDeviceSynchronize());
+        EXPECT_EQ(rig.out(), want) << "T " << r.temperature << " top_k " << r.top_k << " top_p " << r.top_p
+                                   << " min_p " << r.min_p << " seed " << seed << " step " << step;
+      }
+    }
+  }
+  // One graph, captured with the stale numbers, replayed for two requests.
+  const Case& c = cases[2];
+  cudaStream_t stream;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_CUDA(rig.set_step(1));
+  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  ASSERT_CUDA(rig.launch_on(c.stale, 1, stream, knobs.get()));
+  ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (uint64_t seed : {11ull, 12ull}) {
+    const Sampling& r = c.real;
+    const int want = cpu_sample_top(l, r, seed, 1);
+    ASSERT_CUDA(knobs.upload(std::vector<SampleKnobs>{{r.temperature, r.top_k, r.top_p, r.min_p, seed}}));
+    ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+    ASSERT_CUDA(cudaStreamSynchronize(stream));
+    EXPECT_EQ(rig.out(), want) << "graph replay, seed " << seed;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
 }
 
 TEST(CudaSample, RejectsBadArguments) {
