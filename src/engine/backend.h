@@ -58,6 +58,21 @@ class Backend {
   // Prompt tokens this backend takes best in one forward call: the engine's default prefill piece (the CUDA
   // backend's prefill chunk; the CPU backend's activations scale with it).
   virtual int preferred_prefill_tokens() const { return 512; }
+  // forward() of `tokens` that also returns the checkpoint taken after its first `split` tokens (0 < split <
+  // size; null when the device has no memory for one); `rows` refer to the tokens after the split. By default
+  // forward(first split) + checkpoint() + forward(rest); a backend whose prefill can copy its recurrent state in
+  // mid-call (CUDA) does it in one pass, so the few tokens after a chat prompt's anchor cost a few rows, not a
+  // forward of their own.
+  virtual Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq,
+                                                                      std::span<const int32_t> tokens, int64_t split,
+                                                                      LogitsRows rows, std::vector<float>* logits) {
+    if (split <= 0 || split >= static_cast<int64_t>(tokens.size()))
+      return invalid_argument("forward_with_checkpoint: split %lld outside (0, %zu)", (long long)split, tokens.size());
+    RETURN_IF_ERROR(forward(seq, tokens.first(static_cast<size_t>(split)), LogitsRows::none, nullptr));
+    std::unique_ptr<Checkpoint> cp = seq.checkpoint();
+    RETURN_IF_ERROR(forward(seq, tokens.subspan(static_cast<size_t>(split)), rows, logits));
+    return cp;
+  }
 
   // The device-side decode loop: consumes `first`, samples the next token on the device, feeds it back, and so
   // on; on_token(id) is called for each new token and returns false to stop. The last token emitted is not

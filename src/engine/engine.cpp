@@ -143,20 +143,27 @@ int64_t Engine::Impl::anchor_of(std::span<const int32_t> prompt) const {
   return end;
 }
 
-// Consumes prompt[seq.tokens.size():to] in forward calls split at the anchor, at multiples of
-// checkpoint_interval and every prefill_chunk tokens (the same splits whether or not the cache is used, so
-// reuse changes nothing numerically); checkpoints at the anchor, the grid and `to`. Stops early
-// (consistently) when cancelled.
+// Consumes prompt[seq.tokens.size():to] in forward calls split at multiples of checkpoint_interval and every
+// prefill_chunk tokens, the piece holding the anchor through forward_with_checkpoint (the same calls whether or
+// not the cache is used, so reuse changes nothing numerically); checkpoints at the anchor, the grid and `to`.
+// Stops early (consistently) when cancelled.
 Status Engine::Impl::prefill(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t anchor,
                              bool checkpoints, const GenerationRequest& request) {
   const int64_t interval = options.checkpoint_interval;
   int64_t pos = static_cast<int64_t>(seq.tokens.size());
   while (pos < to) {
     if (cancelled(request)) return ok_status();
-    int64_t next = std::min({to, pos + options.prefill_chunk, (pos / interval + 1) * interval});
-    if (anchor > pos && anchor < next) next = anchor;
+    const int64_t next = std::min({to, pos + options.prefill_chunk, (pos / interval + 1) * interval});
     auto part = prompt.subspan(static_cast<size_t>(pos), static_cast<size_t>(next - pos));
-    RETURN_IF_ERROR(backend->forward(*seq.state, part, LogitsRows::none, nullptr));
+    if (anchor > pos && anchor < next) {
+      // The anchor's checkpoint from inside the piece (one call, whether or not it is kept: the same numerics
+      // with and without the cache).
+      ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> cp,
+                       backend->forward_with_checkpoint(*seq.state, part, anchor - pos, LogitsRows::none, nullptr));
+      if (checkpoints && cp && !seq.checkpoints.contains(anchor)) seq.checkpoints[anchor] = std::move(cp);
+    } else {
+      RETURN_IF_ERROR(backend->forward(*seq.state, part, LogitsRows::none, nullptr));
+    }
     seq.tokens.insert(seq.tokens.end(), part.begin(), part.end());
     pos = next;
     if (checkpoints && (pos == anchor || pos % interval == 0 || pos == to) &&
