@@ -144,6 +144,24 @@ void Server::run_job(const HttpRequest& req, HttpExchange& ex, const std::shared
   ex.end_stream();
 }
 
+template <typename Builder>
+Server::StreamCallbacks Server::builder_callbacks(Builder& builder, bool stream) {
+  StreamCallbacks cb;
+  cb.stream = stream;
+  cb.start = [] { return std::string(); };
+  if (stream) {
+    cb.piece = [&builder](const GenerationPiece& p) { return builder.stream_piece(p); };
+    cb.finish = [&builder](const GenerationResult& r) { return builder.stream_finish(r); };
+  } else {
+    cb.piece = [&builder](const GenerationPiece& p) {
+      builder.add_piece(p);
+      return std::string();
+    };
+    cb.finish = [&builder](const GenerationResult& r) { return dump_json(builder.response(r)); };
+  }
+  return cb;
+}
+
 void Server::handle_chat(const HttpRequest& req, HttpExchange& ex) {
   const Loaded& L = *loaded_;
   json body;
@@ -163,23 +181,14 @@ void Server::handle_chat(const HttpRequest& req, HttpExchange& ex) {
   ChatResponseBuilder builder(
       chat, *prompt, L.tokenizer,
       {new_id("chatcmpl-"), std::time(nullptr), options_.served_model_name, L.fingerprint});
-  StreamCallbacks cb;
-  cb.stream = chat.stream.stream;
+  StreamCallbacks cb = builder_callbacks(builder, chat.stream.stream);
   if (cb.stream) {
     cb.start = [&] { return builder.stream_start(); };
-    cb.piece = [&](const GenerationPiece& p) { return builder.stream_piece(p); };
-    cb.finish = [&](const GenerationResult& r) { return builder.stream_finish(r); };
-  } else {
-    cb.piece = [&](const GenerationPiece& p) {
-      builder.add_piece(p);
-      return std::string();
-    };
+  } else if (chat.json_object) {  // validated, not enforced: see src/server/README.md
     cb.finish = [&](const GenerationResult& r) {
       json response = builder.response(r);
-      if (chat.json_object) {  // validated, not enforced: see src/server/README.md
-        bool valid = json::parse(builder.content(), nullptr, false).is_object();
-        cb.headers.emplace_back("X-Lily-Json-Object", valid ? "valid" : "invalid");
-      }
+      bool valid = json::parse(builder.content(), nullptr, false).is_object();
+      cb.headers.emplace_back("X-Lily-Json-Object", valid ? "valid" : "invalid");
       return dump_json(response);
     };
   }
@@ -200,19 +209,7 @@ void Server::handle_completions(const HttpRequest& req, HttpExchange& ex) {
   }
   CompletionResponseBuilder builder(
       creq, L.tokenizer, {new_id("cmpl-"), std::time(nullptr), options_.served_model_name, L.fingerprint});
-  StreamCallbacks cb;
-  cb.stream = creq.stream.stream;
-  cb.start = [] { return std::string(); };
-  if (cb.stream) {
-    cb.piece = [&](const GenerationPiece& p) { return builder.stream_piece(p); };
-    cb.finish = [&](const GenerationResult& r) { return builder.stream_finish(r); };
-  } else {
-    cb.piece = [&](const GenerationPiece& p) {
-      builder.add_piece(p);
-      return std::string();
-    };
-    cb.finish = [&](const GenerationResult& r) { return dump_json(builder.response(r)); };
-  }
+  StreamCallbacks cb = builder_callbacks(builder, creq.stream.stream);
   run_job(req, ex, make_job(std::move(g)), cb);
 }
 

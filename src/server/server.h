@@ -78,6 +78,10 @@ class Server {
     std::function<std::string(const GenerationResult&)> finish;  // SSE tail, or the whole JSON body
     HttpHeaders headers;                                         // extra headers of a JSON response
   };
+  // Callbacks that feed a response builder (chat or completion): its SSE chunks when streaming; else the pieces
+  // are collected and the finish renders the whole JSON body. Defined in api_handlers.cpp.
+  template <typename Builder>
+  static StreamCallbacks builder_callbacks(Builder& builder, bool stream);
   // Queues the job and answers: streamed, or one JSON body; errors as OpenAI error JSON (or an SSE error
   // event once the stream has begun).
   void run_job(const HttpRequest& req, HttpExchange& ex, const std::shared_ptr<class GenerationJob>& job,

@@ -71,6 +71,17 @@ class Contract:
         assert u.total_tokens == u.prompt_tokens + u.completion_tokens
         assert isinstance(u.prompt_tokens_details.cached_tokens, int)
 
+    def test_json_object_is_reported(self):
+        # response_format json_object is validated, not enforced (src/server/README.md): a header says which.
+        raw = self.client.chat.completions.with_raw_response.create(
+            model=self.model, messages=[{"role": "user", "content": "Reply in JSON"}], max_tokens=4,
+            response_format={"type": "json_object"})
+        assert raw.headers.get("x-lily-json-object") in ("valid", "invalid"), dict(raw.headers)
+        assert raw.parse().choices[0].finish_reason in ("stop", "length")
+        plain = self.client.chat.completions.with_raw_response.create(
+            model=self.model, messages=[{"role": "user", "content": "Reply"}], max_tokens=2)
+        assert "x-lily-json-object" not in plain.headers, dict(plain.headers)
+
     def test_chat_streaming_matches_non_streaming(self):
         args = dict(max_tokens=6, seed=1234, temperature=0.9, top_p=0.95,
                     messages=[{"role": "user", "content": "Stream this"}])
