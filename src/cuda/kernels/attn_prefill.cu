@@ -40,12 +40,14 @@
 
 #include "cuda/kernels/attn_prefill.cuh"
 #include "cuda/kernels/attention_util.cuh"
+#include "cuda/kernels/attn_prefill_util.cuh"
 
 namespace lily::cuda {
 
 namespace {
 
 using namespace attn_util;
+using namespace attn_prefill_util;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
@@ -65,8 +67,6 @@ struct FlashArgs {
   float* part_ml = nullptr;  // [n_splits, T, nq, 2]: running max (log2 units) and sum of each split
 };
 
-int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
 // Splits of the KV range: only when the (query tile, kv head) blocks leave SMs idle, never below kMinSplitTiles
 // tiles a split. n_splits * T <= min(kMaxSplits * T, kTargetBlocks * 128 / nq) (T / ceil(T / rows) <= rows).
 int n_splits_for(int T, int pos0, int nq, int nkv) {
@@ -84,12 +84,7 @@ struct Layout {
   static constexpr size_t kSmemBytes = (kQElems + size_t{kStages} * 2 * kTileElems) * sizeof(__nv_bfloat16);
 };
 
-// ---- helpers (the rest: attention_util.cuh) --------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
+// ---- sizes ---------------------------------------------------------------------------------------------------
 
 size_t q_scratch_bytes(int T, int nq, int head_dim) {
   return (static_cast<size_t>(T) * nq * head_dim * sizeof(__nv_bfloat16) + 255) / 256 * 256;
@@ -206,6 +201,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[nt][e] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // l_run: this lane's part of the row sum
+  auto o_at = [&o](int nt, int e) -> float& { return o[nt][e]; };
 
   for (int i = tile_begin; i < tile_end; ++i) {
     const int stage = (i - tile_begin) % kStages;
@@ -224,6 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
       for (int nt = 0; nt < kBlockN / 8; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) s[nt][e] = 0.0f;
+      auto s_at = [&s](int nt, int e) -> float& { return s[nt][e]; };
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
         uint32_t a[4];
@@ -238,29 +235,10 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
       }
 
       // Online softmax (log2 units); only tiles crossing the diagonal are masked.
-      const bool masked = k0 + kBlockN - 1 > lim_first;
       float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int nt = 0; nt < kBlockN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e / 2, col = k0 + nt * 8 + 2 * t4 + (e & 1);
-          float v = s[nt][e] * s_mul;
-          if (masked && col > lim[r]) v = -INFINITY;
-          s[nt][e] = v;
-          mx[r] = fmaxf(mx[r], v);
-        }
+      scale_mask_max<kBlockN>(s_at, k0, t4, k0 + kBlockN - 1 > lim_first, lim, s_mul, mx);
       float alpha[2], m_use[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float m_new = fmaxf(m_run[r], mx[r]);
-        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet keeps o = 0, l = 0
-        alpha[r] = exp2f(m_run[r] - m_use[r]);
-        m_run[r] = m_new;
-        l_run[r] *= alpha[r];
-      }
+      online_softmax_update(mx, m_run, l_run, alpha, m_use);
 #pragma unroll
       for (int nt = 0; nt < kBlockN / 8; ++nt)
 #pragma unroll
@@ -269,16 +247,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
           s[nt][e] = pe;
           l_run[e / 2] += pe;
         }
-      // Rescale O only when a running max of the warp grew (rare once the rows have seen many keys).
-      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-        for (int nt = 0; nt < D / 8; ++nt) {
-          o[nt][0] *= alpha[0];
-          o[nt][1] *= alpha[0];
-          o[nt][2] *= alpha[1];
-          o[nt][3] *= alpha[1];
-        }
-      }
+      rescale_o<D>(o_at, alpha);
 
       // O += P V: the A fragment of k-step kk is the S accumulators of n-tiles 2kk, 2kk+1.
 #pragma unroll
@@ -299,39 +268,9 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_flash_kernel(const _
   }
   cp_async_wait<0>();
 
-  // Epilogue (eq 12's gate): out = O / l * sigmoid(gate), bf16; or, split, O, max and sum to the partials (a row
-  // that sees no cache row of this split writes max -inf, sum 0, O 0).
+  // Epilogue (eq 12's gate): out = O / l * sigmoid(gate) or, split, the partials.
   if (!warp_active) return;
-  const int j = m * group + h_w;
-  const size_t proj_stride = static_cast<size_t>(p.nq) * 2 * D + size_t{2} * p.nkv * D;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int t = tw0 + g + 8 * r;
-    if (t >= p.T) continue;
-    if (args.n_splits > 1) {
-      const size_t row = (static_cast<size_t>(split) * p.T + t) * p.nq + j;
-      float* dst = args.part_o + row * D;
-#pragma unroll
-      for (int nt = 0; nt < D / 8; ++nt)
-        *reinterpret_cast<float2*>(dst + nt * 8 + 2 * t4) = make_float2(o[nt][2 * r], o[nt][2 * r + 1]);
-      if (t4 == 0) *reinterpret_cast<float2*>(args.part_ml + row * 2) = make_float2(m_run[r], l);
-      continue;
-    }
-    const float inv_l = 1.0f / l;
-    const float* gate = p.proj + static_cast<size_t>(t) * proj_stride + static_cast<size_t>(j) * 2 * D + D;
-    __half* dst = p.out + (static_cast<size_t>(t) * p.nq + j) * D;
-#pragma unroll
-    for (int nt = 0; nt < D / 8; ++nt) {
-      const int d = nt * 8 + 2 * t4;
-      const float2 gv = *reinterpret_cast<const float2*>(gate + d);
-      const float y0 = o[nt][2 * r] * inv_l * (1.0f / (1.0f + expf(-gv.x)));
-      const float y1 = o[nt][2 * r + 1] * inv_l * (1.0f / (1.0f + expf(-gv.y)));
-      *reinterpret_cast<__half2*>(dst + d) = __floats2half2_rn(y0, y1);
-    }
-  }
+  flash_epilogue<D>(args, split, m * group + h_w, tw0, g, t4, o_at, m_run, l_run);
 }
 
 // Merges the KV splits of one (query row t, head j) per block: weights exp2(m_s - M), o = sum w_s o_s / sum w_s l_s,

@@ -41,10 +41,8 @@
 
 #include "cuda/kernels/attn_prefill.cuh"
 #include "cuda/kernels/attention_util.cuh"
-
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define LILY_ATTN_WGMMA 1  // this device pass targets sm_90a: wgmma and mbarriers are there
-#endif
+#include "cuda/kernels/attn_prefill_util.cuh"
+#include "cuda/kernels/wgmma_util.cuh"
 
 namespace lily::cuda {
 namespace {
@@ -53,6 +51,17 @@ using attn_util::cp_async_16;
 using attn_util::cp_async_commit;
 using attn_util::cp_async_wait;
 using attn_util::smem_u32;
+using namespace attn_prefill_util;
+using wgmma_util::desc_sw128;
+using wgmma_util::fence_mbar_init;
+using wgmma_util::fence_proxy_async;
+using wgmma_util::fence_regs;
+using wgmma_util::mbar_arrive;
+using wgmma_util::mbar_init;
+using wgmma_util::mbar_wait;
+using wgmma_util::wgmma_commit;
+using wgmma_util::wgmma_fence;
+using wgmma_util::wgmma_wait;
 
 constexpr int kD = 256;                      // head_dim
 constexpr int kBM = 128;                     // (query head, query row) rows per block
@@ -75,56 +84,12 @@ struct WgFlashArgs {
   float* part_ml = nullptr;  // [n_splits, T, nq, 2]
 };
 
-int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
-#if defined(LILY_ATTN_WGMMA)
+#if defined(LILY_SM90A_PASS)
 constexpr int kProducerRegs = 40;  // setmaxnreg: 128 x 40 + 256 x 232 <= 64K registers
 constexpr int kConsumerRegs = 232;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// ---- mbarrier (CTA scope), proxy fence: as qgemm_wgmma.cu
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-// Waits until the phase of parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
-}
-// Generic-proxy writes to shared memory (cp.async) made visible to the async proxy (wgmma).
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// ---- wgmma
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_wait0() {
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-// Keeps the compiler from moving accumulator (or register-operand) reads and writes across an asynchronous
-// wgmma: the tensor cores read and write these registers until wgmma.wait_group.
-template <int R>
-__device__ __forceinline__ void fence_regs(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
+// The register-operand (P) fence of wgmma_pv; wgmma_util.cuh's fence_regs covers the accumulators.
 __device__ __forceinline__ void fence_regs(uint32_t (&a)[4][4]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i)
@@ -132,12 +97,6 @@ __device__ __forceinline__ void fence_regs(uint32_t (&a)[4][4]) {
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(a[i][j])::"memory");
 }
 
-// Descriptor of a K-major operand in the 128-byte swizzled layout (qgemm_wgmma.cu's desc_sw128): start address
-// >> 4, leading byte offset unused (1), stride byte offset 1024 (8-row groups), swizzle mode 1 = 128B.
-__device__ __forceinline__ uint64_t desc_k_major(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
-}
 // Descriptor of V as the MN-major B operand of P V (128-byte swizzle): leading byte offset 8192 = from one
 // 64-dim sub-tile to the next along N, stride byte offset 1024 = from one group of 8 cache rows to the next
 // along K.
@@ -194,15 +153,10 @@ __device__ __forceinline__ void wgmma_pv(float (&d)[128], const uint32_t (&a)[4]
         "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
 }
-
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&h);
-}
-#endif  // LILY_ATTN_WGMMA
+#endif  // LILY_SM90A_PASS
 
 __global__ void __launch_bounds__(kThreads, 1) attn_prefill_wgmma_kernel(const __grid_constant__ WgFlashArgs args) {
-#if defined(LILY_ATTN_WGMMA)
+#if defined(LILY_SM90A_PASS)
   const AttnPrefillParams& p = args.p;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle pattern repeats every 1024 bytes and the descriptors assume tiles aligned to it.
@@ -230,7 +184,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_wgmma_kernel(const _
       mbar_init(empty(st), kConsumers);  // the consumers' threads, each after its wgmma of the tile completed
     }
     mbar_init(q_full, 128);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbar_init();
   }
   __syncthreads();
   pdl_launch_dependents();
@@ -296,6 +250,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_wgmma_kernel(const _
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.0f;
   float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};  // l_run: this lane's part of the row sum
+  auto o_at = [&o](int nt, int e) -> float& { return o[4 * nt + e]; };
 
   if (tile_begin < tile_end) mbar_wait(q_full, 0);
   for (int i = tile_begin; i < tile_end; ++i) {
@@ -313,36 +268,18 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_wgmma_kernel(const _
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < kD / 16; ++kk)
-        wgmma_qk(s, desc_k_major(q_wg + (kk / 4) * kQSub + 32 * (kk % 4)),
-                 desc_k_major(k_tile + (kk / 4) * kTileSub + 32 * (kk % 4)));
+        wgmma_qk(s, desc_sw128(q_wg + (kk / 4) * kQSub + 32 * (kk % 4)),
+                 desc_sw128(k_tile + (kk / 4) * kTileSub + 32 * (kk % 4)));
       wgmma_commit();
-      wgmma_wait0();
+      wgmma_wait<0>();
       fence_regs(s);
 
       // Online softmax (log2 units) as the mma.sync kernel; only tiles crossing the diagonal are masked.
-      const bool masked = k0 + kBN - 1 > lim_first;
       float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int nt = 0; nt < kBN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = e / 2, col = k0 + nt * 8 + 2 * t4 + (e & 1);
-          float v = s[4 * nt + e] * s_mul;
-          if (masked && col > lim[r]) v = -INFINITY;
-          s[4 * nt + e] = v;
-          mx[r] = fmaxf(mx[r], v);
-        }
+      scale_mask_max<kBN>([&s](int nt, int e) -> float& { return s[4 * nt + e]; }, k0, t4,
+                          k0 + kBN - 1 > lim_first, lim, s_mul, mx);
       float alpha[2], m_use[2];
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-        const float m_new = fmaxf(m_run[r], mx[r]);
-        m_use[r] = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing visible yet keeps o = 0, l = 0
-        alpha[r] = exp2f(m_run[r] - m_use[r]);
-        m_run[r] = m_new;
-        l_run[r] *= alpha[r];
-      }
+      online_softmax_update(mx, m_run, l_run, alpha, m_use);
       // P = exp2(s - m), rounded to bf16 into the A fragments of the 4 k-steps of P V: k-step kk takes the S
       // accumulators of n8 blocks 2 kk (cache rows 16 kk + 2 t4 ..) and 2 kk + 1 (8 rows further).
       uint32_t a[4][4];
@@ -359,16 +296,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_wgmma_kernel(const _
         a[kk][2] = pack_bf16x2(pe[4], pe[5]);  // row g, cache rows 16 kk + 8 + 2 t4 + {0, 1}
         a[kk][3] = pack_bf16x2(pe[6], pe[7]);  // row g + 8
       }
-      // Rescale O only when a running max of the warp grew (rare once the rows have seen many keys).
-      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-        for (int nt = 0; nt < kD / 8; ++nt) {
-          o[4 * nt] *= alpha[0];
-          o[4 * nt + 1] *= alpha[0];
-          o[4 * nt + 2] *= alpha[1];
-          o[4 * nt + 3] *= alpha[1];
-        }
-      }
+      rescale_o<kD>(o_at, alpha);
 
       // O += P V: cache rows 16 kk .. 16 kk + 15 of V start 16 kk 128-byte rows into every sub-tile.
       fence_regs(o);
@@ -377,77 +305,25 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_wgmma_kernel(const _
 #pragma unroll
       for (int kk = 0; kk < kBN / 16; ++kk) wgmma_pv(o, a[kk], desc_v_mn_major(v_tile + kk * 16 * 128));
       wgmma_commit();
-      wgmma_wait0();
+      wgmma_wait<0>();
       fence_regs(o);
       fence_regs(a);
     }
     mbar_arrive(empty(st));  // this thread is done with the stage (its wgmma completed)
   }
 
-  // Epilogue (eq 12's gate) as the mma.sync kernel: out = O / l * sigmoid(gate), fp16; or, split, O, max and
-  // sum to the partials (a row that sees no cache row of this split writes max -inf, sum 0, O 0).
+  // Epilogue (eq 12's gate) as the mma.sync kernel: out = O / l * sigmoid(gate) or, split, the partials.
   if (!warp_active) return;
-  const int jh = m * group + h_w;
-  const size_t proj_stride = static_cast<size_t>(p.nq) * 2 * kD + size_t{2} * p.nkv * kD;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int t = tw0 + g + 8 * r;
-    if (t >= p.T) continue;
-    if (args.n_splits > 1) {
-      const size_t row = (static_cast<size_t>(split) * p.T + t) * p.nq + jh;
-      float* dst = args.part_o + row * kD;
-#pragma unroll
-      for (int nt = 0; nt < kD / 8; ++nt)
-        *reinterpret_cast<float2*>(dst + nt * 8 + 2 * t4) = make_float2(o[4 * nt + 2 * r], o[4 * nt + 2 * r + 1]);
-      if (t4 == 0) *reinterpret_cast<float2*>(args.part_ml + row * 2) = make_float2(m_run[r], l);
-      continue;
-    }
-    const float inv_l = 1.0f / l;
-    const float* gate = p.proj + static_cast<size_t>(t) * proj_stride + static_cast<size_t>(jh) * 2 * kD + kD;
-    __half* dst = p.out + (static_cast<size_t>(t) * p.nq + jh) * kD;
-#pragma unroll
-    for (int nt = 0; nt < kD / 8; ++nt) {
-      const int d = nt * 8 + 2 * t4;
-      const float2 gv = *reinterpret_cast<const float2*>(gate + d);
-      const float y0 = o[4 * nt + 2 * r] * inv_l * (1.0f / (1.0f + expf(-gv.x)));
-      const float y1 = o[4 * nt + 2 * r + 1] * inv_l * (1.0f / (1.0f + expf(-gv.y)));
-      *reinterpret_cast<__half2*>(dst + d) = __floats2half2_rn(y0, y1);
-    }
-  }
+  flash_epilogue<kD>(args, split, m * group + h_w, tw0, g, t4, o_at, m_run, l_run);
 #else
   (void)args;  // not an sm_90a pass: no wgmma (attn_prefill refuses the variant, see attn_prefill_wgmma_built)
 #endif
 }
 
-// Static shared memory only in a device pass for sm_90a: cudaFuncGetAttributes on it says whether the code the
-// runtime loaded for the current device is that pass (as qgemm_wgmma.cu's probe), without a launch.
-__global__ void attn_wgmma_probe_kernel(int* out) {
-#if defined(LILY_ATTN_WGMMA)
-  __shared__ volatile int marker[64];
-  marker[threadIdx.x & 63] = 1;
-  *out = marker[0];
-#else
-  *out = 0;
-#endif
-}
-
 }  // namespace
 
-bool attn_prefill_wgmma_built() {
-  static int cached[64] = {};  // per device: 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (cached[dev] == 0) {
-    cudaFuncAttributes attr{};
-    const bool ok = cudaFuncGetAttributes(&attr, attn_wgmma_probe_kernel) == cudaSuccess;
-    if (!ok) (void)cudaGetLastError();
-    cached[dev] = ok && attr.sharedSizeBytes >= 64 * sizeof(int) ? 1 : 2;
-  }
-  return cached[dev] == 1;
-}
+// The probe of qgemm_wgmma.cu: both kernels are in the same library, built for the same targets.
+bool attn_prefill_wgmma_built() { return wgmma_built(); }
 
 cudaError_t attn_prefill_flash_wgmma(const AttnPrefillParams& p, int n_splits, float* part_o, float* part_ml,
                                      cudaStream_t stream) {

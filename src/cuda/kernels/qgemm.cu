@@ -50,10 +50,13 @@
 #include <cuda_fp16.h>
 
 #include "cuda/kernels/qgemm.cuh"
+#include "cuda/kernels/qgemm_util.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 
 namespace lily::cuda {
 namespace {
+
+using namespace qgemm_util;
 
 constexpr int kGroup = 64;  // K step = one quantisation group
 constexpr int kStages = 4;  // cp.async ring depth
@@ -82,18 +85,6 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
 // Element offset of 16-byte chunk `chunk` (8 fp16) of row `row` in a swizzled [rows, 64] fp16 tile.
 __device__ __forceinline__ int swz(int row, int chunk) {
   return row * kGroup + ((chunk ^ (row & 7)) << 3);
-}
-
-// Byte i of v (0..255) as a float, exactly: the low mantissa byte of 2^23, minus 2^23. (quant_dot.cuh's
-// nibble_as_float puts the byte at bits 16..23, where a code >= 128 would reach the exponent.)
-template <int i>
-__device__ __forceinline__ float byte_as_float(uint32_t v) {
-  return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7650 | i)) - 8388608.0f;
-}
-
-__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // ---- the tile kernel
@@ -152,19 +143,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
   int row0, rows;
   QMatrix w[MATS];
   pdl_wait();
-  if (p.tile_count) {
-    if (static_cast<int>(blockIdx.x) >= __ldcg(p.tile_count)) return;
-    const int e = __ldcg(p.tile_expert + blockIdx.x);
-    row0 = __ldcg(p.tile_row0 + blockIdx.x);
-    rows = __ldcg(p.tile_rows + blockIdx.x);
-#pragma unroll
-    for (int m = 0; m < MATS; ++m) w[m] = e == p.shared_expert ? p.ws[m] : p.w[m].expert(e);
-  } else {
-    row0 = blockIdx.x * BM;
-    rows = min(BM, p.M - row0);
-#pragma unroll
-    for (int m = 0; m < MATS; ++m) w[m] = p.w[m];
-  }
+  if (!block_rows<BM, MATS>(p, row0, rows, w)) return;  // past the tile list (block-uniform)
   const int K = p.K, KT = K / kGroup / p.k_splits, kt0 = blockIdx.z * KT;
   // Rows of this warp's sub-tile that hold data: sub-tiles (16 rows) past them skip ldmatrix and mma, so a
   // partly filled tile costs the tensor pipe only its rows (the warp still dequantises its share).

@@ -50,14 +50,15 @@
 #include <cstdint>
 
 #include "cuda/kernels/qgemm.cuh"
+#include "cuda/kernels/qgemm_util.cuh"
 #include "cuda/kernels/quant_dot.cuh"
-
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define LILY_QGEMM_WGMMA 1  // this device pass targets sm_90a: wgmma, mbarrier and named barriers are there
-#endif
+#include "cuda/kernels/wgmma_util.cuh"
 
 namespace lily::cuda {
 namespace {
+
+using namespace qgemm_util;
+using namespace wgmma_util;
 
 constexpr int kWgGroup = 64;      // K step = one quantisation group = one 128-byte swizzled row of fp16
 constexpr int kSmemMax = 232448;  // 227 KB: the largest dynamic shared memory of a block on sm_90
@@ -108,69 +109,15 @@ struct WgTile {
   static_assert(kUnits % 128 == 0 && (BN * kPackedChunks) % 128 == 0, "work split");
 };
 
-#if defined(LILY_QGEMM_WGMMA)
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// ---- mbarrier (CTA scope) and the producer's named barrier
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
-  return done != 0;
-}
-// Waits until the phase of parity `parity` of the barrier has completed.
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  while (!mbar_try_wait(bar, parity)) {
-  }
-}
+#if defined(LILY_SM90A_PASS)
+// The producer warpgroup's named barrier.
 __device__ __forceinline__ void producer_bar_sync() {
   asm volatile("bar.sync 1, 128;" ::: "memory");
 }
-// Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy (wgmma).
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // The mbarrier arrives (once, counting as one of its expected arrivals) when every cp.async this thread issued
 // before has landed.
 __device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
-}
-// ---- wgmma
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving accumulator reads or writes across the asynchronous wgmma.
-template <int R>
-__device__ __forceinline__ void fence_regs(float (&d)[R]) {
-#pragma unroll
-  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Matrix descriptor of a K-major operand in the 128-byte swizzled layout: start address >> 4 (bits 0-13),
-// leading byte offset (unused for this layout: 1), stride byte offset 1024 >> 4 (bits 32-45: from one group
-// of 8 rows to the next), base offset 0 (tiles 1024-byte aligned), swizzle mode 1 = 128B (bits 62-63).
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFFu) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
 }
 
 template <int N>
@@ -235,18 +182,7 @@ __device__ __forceinline__ void wgmma_ss<256>(float (&d)[128], uint64_t da, uint
       : "l"(da), "l"(db), "r"(1));
 }
 
-#endif  // LILY_QGEMM_WGMMA
-
-__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// Byte i of v (0..255) as a float, exactly (as qgemm.cu).
-template <int i>
-__device__ __forceinline__ float byte_as_float_(uint32_t v) {
-  return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7650 | i)) - 8388608.0f;
-}
+#endif  // LILY_SM90A_PASS
 
 // W-tile row r (0 .. BN - 1) of a block whose output columns start at n0: matrix `mat`, row `col` of it (see
 // the header: MATS = 2 puts each consumer's gate rows, then its up rows).
@@ -260,7 +196,7 @@ __device__ __forceinline__ void w_row_of(int r, int n0, int& mat, int& col) {
 
 template <int BM, int BN, int BITS, int KB, int KS, bool SPLIT, int MATS>
 __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
-#if defined(LILY_QGEMM_WGMMA)
+#if defined(LILY_SM90A_PASS)
   using C = WgTile<BM, BN, BITS, KB, KS, SPLIT>;
   constexpr int NW = C::NW;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -278,19 +214,7 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
   int row0, rows;
   QMatrix w[MATS];
   pdl_wait();
-  if (p.tile_count) {
-    if (static_cast<int>(blockIdx.x) >= __ldcg(p.tile_count)) return;  // block-uniform
-    const int e = __ldcg(p.tile_expert + blockIdx.x);
-    row0 = __ldcg(p.tile_row0 + blockIdx.x);
-    rows = __ldcg(p.tile_rows + blockIdx.x);
-#pragma unroll
-    for (int m = 0; m < MATS; ++m) w[m] = e == p.shared_expert ? p.ws[m] : p.w[m].expert(e);
-  } else {
-    row0 = blockIdx.x * BM;
-    rows = min(BM, p.M - row0);
-#pragma unroll
-    for (int m = 0; m < MATS; ++m) w[m] = p.w[m];
-  }
+  if (!block_rows<BM, MATS>(p, row0, rows, w)) return;  // past the tile list (block-uniform)
   const int K = p.K, KT = K / kWgGroup;
   if (tid == 0) {
     for (int s = 0; s < KS; ++s) {
@@ -298,7 +222,7 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
       mbar_init(empty0 + 8 * s, 256);   // the consumers' threads, each after its wgmma of the step completed
       mbar_init(loaded0 + 8 * s, 256);  // split: the consumers' threads, each when its copies of the step landed
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    fence_mbar_init();
   }
   __syncthreads();
 
@@ -393,10 +317,10 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
         for (int j = 0; j < 4; ++j) {  // word j: elements 8 j .. 8 j + 7 of the half -> chunk 4 half + j
           const uint32_t lo = words[j] & 0x0F0F0F0Fu, hi = (words[j] >> 4) & 0x0F0F0F0Fu;
           uint4 o;
-          o.x = pack_f16x2(fmaf(nibble_as_float<0>(lo), s, b), fmaf(nibble_as_float<0>(hi), s, b));
-          o.y = pack_f16x2(fmaf(nibble_as_float<1>(lo), s, b), fmaf(nibble_as_float<1>(hi), s, b));
-          o.z = pack_f16x2(fmaf(nibble_as_float<2>(lo), s, b), fmaf(nibble_as_float<2>(hi), s, b));
-          o.w = pack_f16x2(fmaf(nibble_as_float<3>(lo), s, b), fmaf(nibble_as_float<3>(hi), s, b));
+          o.x = pack_f16(fmaf(nibble_as_float<0>(lo), s, b), fmaf(nibble_as_float<0>(hi), s, b));
+          o.y = pack_f16(fmaf(nibble_as_float<1>(lo), s, b), fmaf(nibble_as_float<1>(hi), s, b));
+          o.z = pack_f16(fmaf(nibble_as_float<2>(lo), s, b), fmaf(nibble_as_float<2>(hi), s, b));
+          o.w = pack_f16(fmaf(nibble_as_float<3>(lo), s, b), fmaf(nibble_as_float<3>(hi), s, b));
           *reinterpret_cast<uint4*>(dst_row + (((half * 4 + j) ^ (r & 7)) << 4)) = o;
         }
       } else {
@@ -407,10 +331,10 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
         for (int j = 0; j < 4; ++j) {  // words 2 j, 2 j + 1: elements 8 j .. 8 j + 7 -> chunk 4 half + j
           const uint32_t w0 = words[2 * j], w1 = words[2 * j + 1];
           uint4 o;
-          o.x = pack_f16x2(fmaf(byte_as_float_<0>(w0), s, b), fmaf(byte_as_float_<1>(w0), s, b));
-          o.y = pack_f16x2(fmaf(byte_as_float_<2>(w0), s, b), fmaf(byte_as_float_<3>(w0), s, b));
-          o.z = pack_f16x2(fmaf(byte_as_float_<0>(w1), s, b), fmaf(byte_as_float_<1>(w1), s, b));
-          o.w = pack_f16x2(fmaf(byte_as_float_<2>(w1), s, b), fmaf(byte_as_float_<3>(w1), s, b));
+          o.x = pack_f16(fmaf(byte_as_float<0>(w0), s, b), fmaf(byte_as_float<1>(w0), s, b));
+          o.y = pack_f16(fmaf(byte_as_float<2>(w0), s, b), fmaf(byte_as_float<3>(w0), s, b));
+          o.z = pack_f16(fmaf(byte_as_float<0>(w1), s, b), fmaf(byte_as_float<1>(w1), s, b));
+          o.w = pack_f16(fmaf(byte_as_float<2>(w1), s, b), fmaf(byte_as_float<3>(w1), s, b));
           *reinterpret_cast<uint4*>(dst_row + (((half * 4 + j) ^ (r & 7)) << 4)) = o;
         }
       }
@@ -593,26 +517,13 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
 // the runtime loaded for the current device is that pass (and so whether qgemm_wgmma_kernel has a body),
 // without a launch or a copy (safe inside a stream capture).
 __global__ void wgmma_probe_kernel(int* out) {
-#if defined(LILY_QGEMM_WGMMA)
+#if defined(LILY_SM90A_PASS)
   __shared__ volatile int marker[64];
   marker[threadIdx.x & 63] = 1;
   *out = marker[0];
 #else
   *out = 0;
 #endif
-}
-
-bool wgmma_built() {
-  static int cached[64] = {};  // per device: 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (cached[dev] == 0) {
-    cudaFuncAttributes attr{};
-    const bool ok = cudaFuncGetAttributes(&attr, wgmma_probe_kernel) == cudaSuccess;
-    if (!ok) (void)cudaGetLastError();
-    cached[dev] = ok && attr.sharedSizeBytes >= 64 * sizeof(int) ? 1 : 2;
-  }
-  return cached[dev] == 1;
 }
 
 template <int BM, int BN, int BITS, int KB, int KS, bool SPLIT, int MATS>
@@ -657,6 +568,19 @@ cudaError_t launch_dense_knobs(const WgArgs& a, int bits, int bn, const WgmmaKno
 }
 
 }  // namespace
+
+bool wgmma_built() {
+  static int cached[64] = {};  // per device: 0 unknown, 1 yes, 2 no
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
+  if (cached[dev] == 0) {
+    cudaFuncAttributes attr{};
+    const bool ok = cudaFuncGetAttributes(&attr, wgmma_probe_kernel) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();
+    cached[dev] = ok && attr.sharedSizeBytes >= 64 * sizeof(int) ? 1 : 2;
+  }
+  return cached[dev] == 1;
+}
 
 cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream) {
   const QMatrix& w = p.w;

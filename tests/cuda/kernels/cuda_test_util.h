@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdint>
 #include <cstring>
@@ -23,10 +24,22 @@ inline bool has_gpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
+// A compute 9.0 (Hopper) device 0: what the wgmma paths need (besides the sm_90a build).
+inline bool is_hopper() {
+  cudaDeviceProp prop{};
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
+}
+
 // First statement of every GPU test: CI has no GPU and must pass.
 #define SKIP_WITHOUT_GPU()                                              \
   do {                                                                  \
     if (!::lily::cuda::test::has_gpu()) GTEST_SKIP() << "no CUDA device"; \
+  } while (0)
+
+// After SKIP_WITHOUT_GPU in the tests of a wgmma path.
+#define SKIP_WITHOUT_HOPPER()                                                                      \
+  do {                                                                                             \
+    if (!::lily::cuda::test::is_hopper()) GTEST_SKIP() << "the wgmma path needs a compute 9.0 GPU"; \
   } while (0)
 
 #define ASSERT_CUDA(expr)                                        \
@@ -229,6 +242,25 @@ inline void print_bandwidth(const char* what, double us, double bytes) {
   const double gbps = bytes / (us * 1e3);
   std::printf("%-44s %9.2f us %9.2f MB %8.0f GB/s %5.1f%% of 4.27 TB/s\n", what, us, bytes / 1e6, gbps,
               100.0 * gbps / 4270.0);
+}
+
+// Copies row `from` of a quantized matrix over row `to` (same words, scales, biases: identical logits).
+inline void copy_row(HostQMatrix& m, int from, int to) {
+  std::copy_n(m.words.begin() + from * m.words_per_row(), m.words_per_row(), m.words.begin() + to * m.words_per_row());
+  std::copy_n(m.scales.begin() + from * m.groups_per_row(), m.groups_per_row(),
+              m.scales.begin() + to * m.groups_per_row());
+  std::copy_n(m.biases.begin() + from * m.groups_per_row(), m.groups_per_row(),
+              m.biases.begin() + to * m.groups_per_row());
+}
+
+// Router row whose logit with x is about `target` (w = a * sign(x), quantized).
+inline void plant_row(HostQMatrix& m, int row, const std::vector<float>& x, float target) {
+  double l1 = 0;
+  for (float v : x) l1 += std::fabs(v);
+  std::vector<float> w(x.size());
+  for (size_t c = 0; c < x.size(); ++c) w[c] = static_cast<float>((x[c] >= 0 ? target : -target) / l1);
+  mlx_quantize(w.data(), 1, m.cols, m.bits, &m.words[row * m.words_per_row()], &m.scales[row * m.groups_per_row()],
+               &m.biases[row * m.groups_per_row()]);
 }
 
 }  // namespace lily::cuda::test

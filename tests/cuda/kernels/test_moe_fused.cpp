@@ -50,25 +50,6 @@ HostQMatrix fast_qmatrix(int rows, int cols, int bits, uint32_t seed, float std 
   return m;
 }
 
-// Copies row `from` of a quantized matrix over row `to` (identical logits).
-void copy_row(HostQMatrix& m, int from, int to) {
-  std::copy_n(m.words.begin() + from * m.words_per_row(), m.words_per_row(), m.words.begin() + to * m.words_per_row());
-  std::copy_n(m.scales.begin() + from * m.groups_per_row(), m.groups_per_row(),
-              m.scales.begin() + to * m.groups_per_row());
-  std::copy_n(m.biases.begin() + from * m.groups_per_row(), m.groups_per_row(),
-              m.biases.begin() + to * m.groups_per_row());
-}
-
-// Router row whose logit with x is about `target` (w = a * sign(x), quantized).
-void plant_row(HostQMatrix& m, int row, const std::vector<float>& x, float target) {
-  double l1 = 0;
-  for (float v : x) l1 += std::fabs(v);
-  std::vector<float> w(x.size());
-  for (size_t c = 0; c < x.size(); ++c) w[c] = static_cast<float>((x[c] >= 0 ? target : -target) / l1);
-  mlx_quantize(w.data(), 1, m.cols, m.bits, &m.words[row * m.words_per_row()], &m.scales[row * m.groups_per_row()],
-               &m.biases[row * m.groups_per_row()]);
-}
-
 // One layer's MoE weights on the host and the device, and its input.
 struct Layer {
   MoeGeometry g;

@@ -507,16 +507,6 @@ TEST(CudaMoePrefill, OneExpertTakesEveryRowAndTies) {
   check_moe(m, h, 4, 128);
 }
 
-bool is_hopper() {
-  cudaDeviceProp prop{};
-  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
-}
-
-#define SKIP_WITHOUT_HOPPER()                                                   \
-  do {                                                                          \
-    if (!is_hopper()) GTEST_SKIP() << "the wgmma path needs a compute 9.0 GPU"; \
-  } while (0)
-
 // moe_prefill with use_wgmma (the grouped expert GEMMs on qgemm_wgmma.cu) against the mma.sync path on the same
 // inputs and against the CPU. Both paths multiply the same fp16 operands (the same dequantised weights, the
 // same gathered rows, the same tile list) with fp32 accumulation of the same k16 products in the same k order,

@@ -68,16 +68,6 @@ const __half* as_f16(const DeviceBuffer<uint16_t>& b) {
   return reinterpret_cast<const __half*>(b.get());
 }
 
-bool is_hopper() {
-  cudaDeviceProp prop{};
-  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
-}
-
-#define SKIP_WITHOUT_HOPPER()                                                   \
-  do {                                                                          \
-    if (!is_hopper()) GTEST_SKIP() << "the wgmma path needs a compute 9.0 GPU"; \
-  } while (0)
-
 // Runs qgemm on one path into a copy of c0; returns the output as floats.
 std::vector<float> run_path(const QGemmParams& base, bool wgmma, const std::vector<float>& c0, bool* ok) {
   QGemmParams p = base;

@@ -1,0 +1,47 @@
+// Device code shared by the two qgemm kernels (qgemm.cu: mma.sync; qgemm_wgmma.cu: wgmma): the exact byte ->
+// float conversion and fp16 packing of the dequantisation (both paths must see the same fp16 weights) and the
+// block's rows and weight matrices (dense, or an entry of moe_prefill's device-side tile list).
+#pragma once
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/kernels/common.cuh"
+
+namespace lily::cuda::qgemm_util {
+
+// Byte i of v (0..255) as a float, exactly: the low mantissa byte of 2^23, minus 2^23. (quant_dot.cuh's
+// nibble_as_float puts the byte at bits 16..23, where a code >= 128 would reach the exponent.)
+template <int i>
+__device__ __forceinline__ float byte_as_float(uint32_t v) {
+  return __uint_as_float(__byte_perm(v, 0x4B000000u, 0x7650 | i)) - 8388608.0f;
+}
+
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The block's output rows row0 .. row0 + rows - 1 and its MATS weight matrices. Grouped mode (p.tile_count set):
+// tile-list entry blockIdx.x (expert, first row, rows); the expert's matrices of the stacked p.w, or p.ws for the
+// tile-list expert p.shared_expert; false for a block past the list's length (block-uniform: the block exits).
+// Dense: rows BM blockIdx.x .. of p.M, matrices p.w. Args: the kernel's arguments (TileArgs, WgArgs).
+template <int BM, int MATS, class Args>
+__device__ __forceinline__ bool block_rows(const Args& p, int& row0, int& rows, QMatrix (&w)[MATS]) {
+  if (p.tile_count) {
+    if (static_cast<int>(blockIdx.x) >= __ldcg(p.tile_count)) return false;
+    const int e = __ldcg(p.tile_expert + blockIdx.x);
+    row0 = __ldcg(p.tile_row0 + blockIdx.x);
+    rows = __ldcg(p.tile_rows + blockIdx.x);
+#pragma unroll
+    for (int m = 0; m < MATS; ++m) w[m] = e == p.shared_expert ? p.ws[m] : p.w[m].expert(e);
+  } else {
+    row0 = blockIdx.x * BM;
+    rows = min(BM, p.M - row0);
+#pragma unroll
+    for (int m = 0; m < MATS; ++m) w[m] = p.w[m];
+  }
+  return true;
+}
+
+}  // namespace lily::cuda::qgemm_util
