@@ -31,6 +31,7 @@ struct BenchArgs {
   bool wgmma = true;
   bool moe_fused = false;
   bool gdn_fused = false;
+  bool attn_fused = false;
   std::string moe_select = "experts";
 };
 
@@ -81,6 +82,7 @@ Status run_bench(const BenchArgs& a) {
   opt.dense_wgmma = a.wgmma;
   opt.moe_fused = a.moe_fused;
   opt.gdn_fused = a.gdn_fused;
+  opt.attn_fused = a.attn_fused;
   opt.moe_select_in_experts = a.moe_select == "experts";
   ASSIGN_OR_RETURN(auto backend, cuda::make_cuda_backend(weights, opt));
   double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -90,7 +92,8 @@ Status run_bench(const BenchArgs& a) {
   nlohmann::json out = {{"device", backend->device_name()}, {"model", a.model.empty() ? "synthetic " + a.synthetic : a.model},
                         {"weight_bytes_per_token", wbytes}, {"steps", a.steps}, {"reps", a.reps},
                         {"prefill_chunk", a.prefill_chunk}, {"gdn_scan", a.gdn_scan}, {"wgmma", a.wgmma},
-                        {"moe_fused", a.moe_fused}, {"gdn_fused", a.gdn_fused}, {"moe_select", a.moe_select}};
+                        {"moe_fused", a.moe_fused}, {"gdn_fused", a.gdn_fused}, {"attn_fused", a.attn_fused},
+                        {"moe_select", a.moe_select}};
   auto seq = backend->new_sequence();
   if (!seq) return error(ErrorCode::internal, "cannot allocate a sequence of %lld tokens", (long long)opt.max_context);
   if (do_prefill) {
@@ -173,6 +176,9 @@ void setup(CLI::App& app) {
                 "decode: each layer's MoE block as one persistent kernel (moe_fused.cu) instead of three");
   cmd->add_flag("--gdn-fused", a->gdn_fused,
                 "decode: each Gated DeltaNet layer (in_proj, step, out_proj) as one persistent kernel (gdn_fused.cu)");
+  cmd->add_flag("--attn-fused", a->attn_fused,
+                "decode: each full-attention layer (in_proj, prep, split-KV attention, combine, out_proj) as one "
+                "persistent kernel (attn_fused.cu)");
   cmd->add_option("--moe-select", a->moe_select,
                   "decode, three-kernel MoE: experts (the expert kernels select; default) or route");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
