@@ -10,7 +10,8 @@
 // Before the predecessor's wait: each warp starts the cp.async copies of its first three in_proj chunks into its
 //   three-stage ring (gemv.cu's chunk layout and code; at full size that is every chunk of the warp) and
 //   prefetches its out_proj rows into L2; with prefetch_cache, warps 0-3 read pos and prefetch into L2 the first
-//   tiles of the block's first split-KV unit that hold only rows < pos (written in earlier steps).
+//   tiles of the block's first split-KV unit that hold only rows < pos (written in earlier steps), and the block
+//   computes eq 10's cos / sin table for pos (rope_table: rope_element's arithmetic, once instead of per element).
 // Phase A: x = RMSNorm(h) * input_norm with the summation order of the chain GEMV's prologue at that GEMV's block
 //   size (gemv_q4_async_threads: the same x bits), then the in_proj chunks (dot_stage, group_reduce_scatter: the
 //   same proj bits), written to proj. Then the block's rings are free: warps 0-3 start the cp.async copies of
@@ -20,11 +21,11 @@
 // Phase B+C: block b takes units u = b, b + gridDim.x, ... of nkv * n_splits (unit u = kv head u % nkv, split
 //   u / nkv: attn_decode's block (m, s)). Prep: the 8 warps take the group's query heads (and, in the one unit
 //   whose rows hold pos, k and v of head m): attn_prep's eq 9 norm (the same eight 32-element partial sums, added
-//   in the same order) and eq 10 RoPE (rope_element), q straight into attn_decode's split bf16 A operand; k and v
-//   go to cache row pos as bf16 and are made visible (__threadfence, block barrier) before any warp of the block
-//   copies the tile that holds row pos. No other unit reads row pos in this step (its rows are < pos), so the
-//   append needs no grid barrier. Then warps 0-3 run attn_decode's tile loop (the same tiles, the same warps,
-//   attention_util.cuh's code) and the block writes the unit's partials: attn_decode's bits.
+//   in the same order) and eq 10 RoPE (rope_element's rotation), q straight into attn_decode's split bf16 A
+//   operand; k and v go to cache row pos as bf16 and are made visible (__threadfence, block barrier) before any
+//   warp of the block copies the tile that holds row pos. No other unit reads row pos in this step (its rows are
+//   < pos), so the append needs no grid barrier. Then warps 0-3 run attn_decode's tile loop (the same tiles, the
+//   same warps, attention_util.cuh's code) and the block writes the unit's partials: attn_decode's bits.
 // Barrier 2, then attn_combine's code (attention_util.cuh combine_slice, partials and gate read through L2) for
 //   units (query head j, 32 dims) b, b + gridDim.x, ...: attn_combine's bits, to attn_out.
 // Barrier 3, phase D: the block copies attn_out into shared memory, the out_proj chunks (loaded into registers
@@ -117,14 +118,24 @@ __device__ __forceinline__ void block_load_x_virtual(const float* in, const floa
   __syncthreads();
 }
 
+// Eq 10's cos and sin of pos * theta_i for i < rotary_dim / 2 (cs[0][i], cs[1][i]), computed exactly as
+// rope_element (common.cuh) computes them per element: inv_freq rounded to fp32 from a double power, the angle's
+// product in fp32, sincosf. The same for every head and every unit, so the block computes them once, before the
+// predecessor wait when pos is known then (prefetch_cache): the double pow and sincosf leave the critical path.
+__device__ __forceinline__ void rope_table(int rotary_dim, float rope_theta, int pos, float (*cs)[ad::kHeadDim / 2]) {
+  for (int i = threadIdx.x; i < rotary_dim / 2; i += blockDim.x) {
+    const float inv_freq = static_cast<float>(1.0 / pow(static_cast<double>(rope_theta), (2.0 * i) / rotary_dim));
+    sincosf(static_cast<float>(pos) * inv_freq, &cs[1][i], &cs[0][i]);
+  }
+}
+
 // Eqs 9-10 for one head of 256 by one warp, as attn_prep_kernel's block of 256 threads computes it: lane l holds
 // elements l + 32 i of src (read through L2: written by other blocks), the sum of squares is the eight 32-element
 // warp sums added in order (attn_util::block_sum over 8 warps), y = x * (1 / sqrt(mean + eps)) * w with the same
-// roundings (w_s: the multiplier in shared memory), then rope_element on the head in rope_s (this warp's 256
-// floats). Leaves y in y[i]. Not inlined: the slow paths of pow and sincosf in rope_element then take no registers
-// of the kernel's allocation, which the tile loop needs (inlined: 255 registers and ~100 bytes of spills).
-__device__ __noinline__ void prep_head(const float* src, const float* w_s, int D, float eps,
-                                          int rotary_dim, float rope_theta, int pos, float* rope_s, int lane,
+// roundings (w_s: the multiplier in shared memory), then rope_element's rotation with the table's cos and sin, on
+// the head in rope_s (this warp's 256 floats). Leaves y in y[i].
+__device__ __forceinline__ void prep_head(const float* src, const float* w_s, int D, float eps, int rotary_dim,
+                                          const float (*cs)[ad::kHeadDim / 2], float* rope_s, int lane,
                                           float (&y)[kElemsPerLane]) {
   float x[kElemsPerLane], part[kElemsPerLane];
 #pragma unroll
@@ -138,8 +149,19 @@ __device__ __noinline__ void prep_head(const float* src, const float* w_s, int D
 #pragma unroll
   for (int i = 0; i < kElemsPerLane; ++i) rope_s[lane + 32 * i] = __fmul_rn(__fmul_rn(x[i], inv), w_s[lane + 32 * i]);
   __syncwarp();
+  const int half = rotary_dim / 2;
 #pragma unroll
-  for (int i = 0; i < kElemsPerLane; ++i) y[i] = rope_element(rope_s, lane + 32 * i, rotary_dim, rope_theta, pos);
+  for (int i = 0; i < kElemsPerLane; ++i) {
+    const int d = lane + 32 * i;
+    if (d >= rotary_dim) {
+      y[i] = rope_s[d];
+    } else {
+      const int f = d < half ? d : d - half;
+      const float c = cs[0][f], sn = cs[1][f];
+      y[i] = d < half ? __fsub_rn(__fmul_rn(rope_s[d], c), __fmul_rn(rope_s[d + half], sn))
+                      : __fadd_rn(__fmul_rn(rope_s[d], c), __fmul_rn(rope_s[d - half], sn));
+    }
+  }
   __syncwarp();  // rope_s may be overwritten
 }
 
@@ -178,6 +200,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fused_kernel(const __grid_co
   __shared__ float acc_s[kThreads / 32][32];
   __shared__ __align__(16) float rope_s[kBlockWarps][ad::kHeadDim];
   __shared__ float qn_s[ad::kHeadDim], kn_s[ad::kHeadDim];  // the q_norm and k_norm multipliers
+  __shared__ float rope_cs[2][ad::kHeadDim / 2];              // eq 10's cos and sin (rope_table)
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, G = gridDim.x;
   const int n_warps = G * kBlockWarps, rank = warp * G + blockIdx.x;
@@ -246,9 +269,13 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fused_kernel(const __grid_co
     pos = *p.pos;
     if (warp < ad::kWarps && blockIdx.x < n_units)
       first_tiles(Unit(blockIdx.x, p.nkv, p.n_splits, pos, warp), pos, false);
+    rope_table(p.rotary_dim, p.rope_theta, pos, rope_cs);
   }
   pdl_wait();
-  if (!p.prefetch_cache) pos = *p.pos;
+  if (!p.prefetch_cache) {
+    pos = *p.pos;
+    rope_table(p.rotary_dim, p.rope_theta, pos, rope_cs);
+  }
 
   // ---- phase A: x = RMSNorm(h), proj = W_in x ----
   block_load_x_virtual(p.h, p.input_norm, p.eps, p.in_proj.cols, xa_s, red_s, args.x_threads);
@@ -290,8 +317,8 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fused_kernel(const __grid_co
       float y[kElemsPerLane];
       if (item < group) {
         const int j = un.m * group + item;
-        prep_head(p.proj + static_cast<size_t>(j) * 2 * D, qn_s, D, p.eps, p.rotary_dim, p.rope_theta, pos,
-                  rope_s[warp], lane, y);
+        prep_head(p.proj + static_cast<size_t>(j) * 2 * D, qn_s, D, p.eps, p.rotary_dim, rope_cs, rope_s[warp],
+                  lane, y);
 #pragma unroll
         for (int i = 0; i < kElemsPerLane; ++i) rope_s[warp][lane + 32 * i] = y[i];
         __syncwarp();
@@ -304,7 +331,7 @@ __global__ void __launch_bounds__(kThreads, 1) attn_fused_kernel(const __grid_co
       } else {  // attn_prep's k/v block: row pos of both caches (bf16)
         const float* k_src = p.proj + static_cast<size_t>(p.nq) * 2 * D + static_cast<size_t>(un.m) * D;
         const float* v_src = p.proj + static_cast<size_t>(p.nq) * 2 * D + static_cast<size_t>(p.nkv + un.m) * D;
-        prep_head(k_src, kn_s, D, p.eps, p.rotary_dim, p.rope_theta, pos, rope_s[warp], lane, y);
+        prep_head(k_src, kn_s, D, p.eps, p.rotary_dim, rope_cs, rope_s[warp], lane, y);
         const size_t row = (static_cast<size_t>(pos) * p.nkv + un.m) * D;
 #pragma unroll
         for (int i = 0; i < kElemsPerLane; ++i) {
