@@ -58,7 +58,7 @@ step ttft        200 $E --gtest_filter='TtftBreakdown.*'
 # 3. timings
 step sweeps      200 $K --gtest_filter='CudaQgemmWgmmaBench.Sweep:CudaMoePrefillBench.WgmmaVsMmaSync:CudaAttnPrefillWgmmaBench.Timing:CudaMoeFusedBench.*:CudaGdnFusedBench.*:CudaAttnFusedBench.*'
 step decode_ab   300 $B/lily bench --mode decode --contexts 4096,32768 --reps 3 \
-  --variants ";moe_select_in_experts=0;moe_fused=1;gdn_fused=1;moe_fused=1,gdn_fused=1${ATTN_FUSED_VARIANT:-}"
+  --variants ";moe_select_in_experts=0;moe_fused=1;gdn_fused=1;moe_fused=1,gdn_fused=1;attn_fused=1;moe_fused=1,gdn_fused=1,attn_fused=1"
 step prefill_ab  300 $B/lily bench --mode prefill --lengths 1024,4096,16384 --reps 3 \
   --variants ";moe_wgmma=1;attn_wgmma=1;moe_wgmma=1,attn_wgmma=1"
 echo

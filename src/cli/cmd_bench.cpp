@@ -29,7 +29,7 @@ struct BenchArgs {
   int prefill_chunk = 4096;
   int gdn_scan = 0;
   bool wgmma = true;
-  bool moe_wgmma = false, attn_wgmma = false, moe_fused = false, gdn_fused = false;
+  bool moe_wgmma = false, attn_wgmma = false, moe_fused = false, gdn_fused = false, attn_fused = false;
   std::string moe_select = "experts";
   std::string variants;  // "key=value,...;key=value,...": one whole run per variant, the model loaded once
 };
@@ -71,6 +71,7 @@ constexpr OptionKey kOptionKeys[] = {
     {"attn_wgmma", &cuda::CudaBackendOptions::attn_wgmma, nullptr},
     {"moe_fused", &cuda::CudaBackendOptions::moe_fused, nullptr},
     {"gdn_fused", &cuda::CudaBackendOptions::gdn_fused, nullptr},
+    {"attn_fused", &cuda::CudaBackendOptions::attn_fused, nullptr},
     {"moe_select_in_experts", &cuda::CudaBackendOptions::moe_select_in_experts, nullptr},
     {"decode_rows_max", nullptr, &cuda::CudaBackendOptions::decode_rows_max},
     {"sequence_pool", nullptr, &cuda::CudaBackendOptions::sequence_pool},
@@ -217,6 +218,7 @@ Status run_bench(const BenchArgs& a) {
   base.attn_wgmma = a.attn_wgmma;
   base.moe_fused = a.moe_fused;
   base.gdn_fused = a.gdn_fused;
+  base.attn_fused = a.attn_fused;
   if (a.moe_select != "experts" && a.moe_select != "route")
     return invalid_argument("--moe-select must be route or experts, got `%s`", a.moe_select.c_str());
   base.moe_select_in_experts = a.moe_select == "experts";
@@ -263,12 +265,14 @@ void setup(CLI::App& app) {
                 "dense prefill projections on the wgmma GEMM (qgemm_wgmma.cu; default) or on mma.sync");
   cmd->add_option("--variants", a->variants,
                   "backend option sets, each run in full on one loaded model: key=value,...;key=value,... "
-                  "(keys: gdn_scan, wgmma, moe_wgmma, attn_wgmma, moe_fused, gdn_fused, moe_select_in_experts, "
+                  "(keys: gdn_scan, wgmma, moe_wgmma, attn_wgmma, moe_fused, gdn_fused, attn_fused, "
+                  "moe_select_in_experts, "
                   "decode_rows_max, sequence_pool)");
   cmd->add_flag("--moe-wgmma", a->moe_wgmma, "prefill expert GEMMs on the wgmma kernel");
   cmd->add_flag("--attn-wgmma", a->attn_wgmma, "prefill attention on the wgmma kernel");
   cmd->add_flag("--moe-fused", a->moe_fused, "decode MoE block as one persistent kernel (moe_fused.cu)");
   cmd->add_flag("--gdn-fused", a->gdn_fused, "decode Gated DeltaNet layer as one persistent kernel (gdn_fused.cu)");
+  cmd->add_flag("--attn-fused", a->attn_fused, "decode attention layer as one persistent kernel (attn_fused.cu)");
   cmd->add_option("--moe-select", a->moe_select, "decode top-k selection in: experts (default) | route");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
   cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");

@@ -136,7 +136,7 @@ class CudaBackend final : public CudaBackendApi {
   DeviceArray<float> part_o_, part_ml_, sample_scratch_;
   DeviceArray<SampleKnobs> sample_knobs_;  // the running request's sampling numbers (SampleParams::knobs)
   DeviceArray<int> topk_idx_, token_in_, tokens_;
-  DeviceArray<unsigned> counters_;  // [0]: moe_route, [1]: sample, [2]: moe_fused's barrier, [3]: gdn_fused's
+  DeviceArray<unsigned> counters_;  // [0] moe_route, [1] sample; barriers: [2] moe_fused, [3] gdn_fused, [4] attn_fused
   int* ring_ = nullptr;             // host-mapped
   int* ring_dev_ = nullptr;
   // Prefill scratch, sized by options_.prefill_chunk rows (allocated on the first prefill).
@@ -185,7 +185,7 @@ Status CudaBackend::init() {
   const SampleKnobs greedy_knobs;
   CUDA_RETURN(cudaMemcpy(sample_knobs_.ptr, &greedy_knobs, sizeof greedy_knobs, cudaMemcpyHostToDevice), "knobs");
   RETURN_IF_ERROR(token_in_.alloc(1));
-  RETURN_IF_ERROR(counters_.alloc(4));
+  RETURN_IF_ERROR(counters_.alloc(5));
   CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&ring_), kRingSize * sizeof(int), cudaHostAllocMapped), "ring");
   CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_, 0), "ring");
   return ok_status();
@@ -269,23 +269,36 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
         STEP_OP("gemv gdn_out", L.gdn_out.bytes(), dispatch::gemv(out, stream_));
       }
     } else {
-      GemvParams in{L.attn_in, h_.ptr, GemvPrologue::rms_norm, L.input_norm, nullptr, 0, eps, nullptr, proj_.ptr};
-      STEP_OP("gemv attn_in", L.attn_in.bytes(), dispatch::gemv(in, stream_));
-      AttnPrepParams prep{proj_.ptr, L.q_norm, L.k_norm, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                          c.rotary_dim(), static_cast<float>(c.rope_theta), eps, s.pos.ptr, q_.ptr,
-                          s.k[l]->ptr, s.v[l]->ptr};
-      STEP_OP("attn_prep", 0, dispatch::attn_prep(prep, stream_));
       const double kv_bytes = 2.0 * (s.n + 1) * c.num_key_value_heads * c.head_dim * 2;
-      AttnDecodeParams dec{q_.ptr, s.k[l]->ptr, s.v[l]->ptr, c.num_attention_heads, c.num_key_value_heads,
-                           c.head_dim, s.pos.ptr, n_splits, 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
-                           part_o_.ptr, part_ml_.ptr};
-      dec.prefetch_cache = true;  // rows < pos and pos itself are written by no kernel before attn_prep in a step
-      STEP_OP("attn_decode", kv_bytes, dispatch::attn_decode(dec, stream_));
-      AttnCombineParams comb{part_o_.ptr, part_ml_.ptr, n_splits, c.num_attention_heads, c.head_dim, proj_.ptr,
-                             attn_out_.ptr};
-      STEP_OP("attn_combine", 0, dispatch::attn_combine(comb, stream_));
-      GemvParams out{L.attn_out, attn_out_.ptr, GemvPrologue::none, nullptr, nullptr, 0, eps, h_.ptr, h_.ptr};
-      STEP_OP("gemv attn_out", L.attn_out.bytes(), dispatch::gemv(out, stream_));
+      // Opt-in: the whole layer as one persistent kernel (attn_fused.cu) where its launcher takes the geometry.
+      AttnFusedParams af;
+      af.in_proj = L.attn_in, af.out_proj = L.attn_out, af.h = h_.ptr, af.input_norm = L.input_norm;
+      af.q_norm = L.q_norm, af.k_norm = L.k_norm, af.nq = c.num_attention_heads, af.nkv = c.num_key_value_heads;
+      af.head_dim = c.head_dim, af.rotary_dim = c.rotary_dim(), af.rope_theta = static_cast<float>(c.rope_theta);
+      af.eps = eps, af.scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim)), af.pos = s.pos.ptr;
+      af.k_cache = s.k[l]->ptr, af.v_cache = s.v[l]->ptr, af.n_splits = n_splits, af.proj = proj_.ptr;
+      af.part_o = part_o_.ptr, af.part_ml = part_ml_.ptr, af.attn_out = attn_out_.ptr, af.barrier = counters_.ptr + 4;
+      af.prefetch_cache = true;  // as attn_decode's: rows < pos and pos are written by no kernel before it in a step
+      if (options_.attn_fused && attn_fused_supported(af)) {
+        STEP_OP("attn_fused", L.attn_in.bytes() + L.attn_out.bytes() + kv_bytes, attn_fused(af, stream_));
+      } else {
+        GemvParams in{L.attn_in, h_.ptr, GemvPrologue::rms_norm, L.input_norm, nullptr, 0, eps, nullptr, proj_.ptr};
+        STEP_OP("gemv attn_in", L.attn_in.bytes(), dispatch::gemv(in, stream_));
+        AttnPrepParams prep{proj_.ptr, L.q_norm, L.k_norm, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                            c.rotary_dim(), static_cast<float>(c.rope_theta), eps, s.pos.ptr, q_.ptr,
+                            s.k[l]->ptr, s.v[l]->ptr};
+        STEP_OP("attn_prep", 0, dispatch::attn_prep(prep, stream_));
+        AttnDecodeParams dec{q_.ptr, s.k[l]->ptr, s.v[l]->ptr, c.num_attention_heads, c.num_key_value_heads,
+                             c.head_dim, s.pos.ptr, n_splits, 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+                             part_o_.ptr, part_ml_.ptr};
+        dec.prefetch_cache = true;  // rows < pos and pos itself are written by no kernel before attn_prep in a step
+        STEP_OP("attn_decode", kv_bytes, dispatch::attn_decode(dec, stream_));
+        AttnCombineParams comb{part_o_.ptr, part_ml_.ptr, n_splits, c.num_attention_heads, c.head_dim, proj_.ptr,
+                               attn_out_.ptr};
+        STEP_OP("attn_combine", 0, dispatch::attn_combine(comb, stream_));
+        GemvParams out{L.attn_out, attn_out_.ptr, GemvPrologue::none, nullptr, nullptr, 0, eps, h_.ptr, h_.ptr};
+        STEP_OP("gemv attn_out", L.attn_out.bytes(), dispatch::gemv(out, stream_));
+      }
     }
     const int k = c.num_experts_per_tok;
     // Opt-in: the whole block as one persistent kernel (moe_fused.cu) where its launcher takes the geometry.

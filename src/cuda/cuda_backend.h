@@ -40,6 +40,10 @@ struct CudaBackendOptions {
   // Decode: every Gated DeltaNet layer as one persistent kernel (gdn_fused, gdn.cuh) instead of gemv gdn_in +
   // gdn_step + gemv gdn_out, where its launcher takes the geometry. Not verified on a GPU yet: off.
   bool gdn_fused = false;
+  // Decode: every full-attention layer as one persistent kernel (attn_fused, attention.cuh) instead of gemv attn_in +
+  // attn_prep + attn_decode + attn_combine + gemv attn_out, where its launcher takes the geometry. Not verified on a
+  // GPU yet: off.
+  bool attn_fused = false;
   // Decode, three-kernel MoE chain: the expert kernels select the experts from the router logits (where their
   // shapes allow; see select_in_expert_kernels) or, false, moe_route selects them.
   bool moe_select_in_experts = true;

@@ -3,12 +3,13 @@
 //  - full width, 4 layers (3 Gated DeltaNet + 1 attention, 256 experts, full vocabulary), teacher-forced over 256
 //    positions: top-1 agreement >= 99% and relative logit error <= 2e-2;
 //  - checkpoint/restore and device sampling reproducibility;
-//  - the same with the fused MoE decode kernel (moe_fused.cu, opt-in), and with the fused Gated DeltaNet layer
-//    kernel (gdn_fused.cu, opt-in) on as well;
+//  - the same with the fused MoE decode kernel (moe_fused.cu, opt-in), with the fused Gated DeltaNet layer kernel
+//    (gdn_fused.cu, opt-in) on as well, and with the fused attention layer kernel (attn_fused.cu, opt-in) on too;
 //  - the prefill path (issue 6): chunked prompts against the CPU reference and against the token-by-token decode
 //    path, decode after a chunked prefill equal to decode after a single prefill, a prompt longer than a chunk.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cuda_runtime.h>
 #include <random>
@@ -174,6 +175,38 @@ TEST(CudaBackend, FusedGdnDecodeMatchesCpu) {
   ASSERT_TRUE(step.ok()) << step.status().message();
   expect_teacher_forced(**step, tokens, ref, V,
                         format("[full4] teacher-forced %d positions (fused GDN + MoE decode)", T));
+  fused.prefill_chunk = 4096;
+  expect_same_greedy("small", fused);
+}
+
+// The decode step with all three fused kernels on (CudaBackendOptions::attn_fused, moe_fused, gdn_fused: one
+// persistent kernel per attention layer, GDN layer and MoE block), by the same criteria: full4 teacher-forced
+// through decode steps, small greedy for 64 steps (prompt prefilled).
+TEST(CudaBackend, FusedAttnDecodeMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  cuda::CudaBackendOptions fused;
+  fused.max_context = 1024, fused.prefill_chunk = 0;
+  fused.moe_fused = true, fused.gdn_fused = true, fused.attn_fused = true;
+  auto w = synth_model("full4");
+  CpuBackend cpu(w);
+  const int T = 256;
+  const int64_t V = w->config.vocab_size;
+  auto tokens = random_tokens(T, static_cast<int>(V), 45);
+  std::vector<float> ref;
+  auto s1 = cpu.new_sequence();
+  ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
+  auto step = cuda::make_cuda_backend(w, fused);
+  ASSERT_TRUE(step.ok()) << step.status().message();
+  expect_teacher_forced(**step, tokens, ref, V,
+                        format("[full4] teacher-forced %d positions (fused attention + GDN + MoE decode)", T));
+  // The fused kernels did run (a launcher that refused the geometry would have left the chain in place).
+  auto seq = (*step)->new_sequence();
+  auto kernels = (*step)->profile_step(*seq);
+  ASSERT_TRUE(kernels.ok()) << kernels.status().message();
+  for (const char* name : {"attn_fused", "gdn_fused", "moe_fused"}) {
+    EXPECT_TRUE(std::any_of(kernels->begin(), kernels->end(), [&](const auto& k) { return k.name == name; }))
+        << name << " is not in the decode step";
+  }
   fused.prefill_chunk = 4096;
   expect_same_greedy("small", fused);
 }
