@@ -50,17 +50,18 @@ step attn_wgmma  150 $K --gtest_filter='CudaAttnPrefillWgmma.MatchesMmaSyncAndCp
 step moe_wgmma   150 $K --gtest_filter='CudaMoePrefillWgmma.*:CudaMoePrefill.*'
 step moe_fused   120 $K --gtest_filter='CudaMoeFused.*:CudaMoe.*'
 step gdn_fused   120 $K --gtest_filter='CudaGdnFused.*:CudaGdn.*:CudaGemv.*'
+step gdn_scan    150 $K --gtest_filter='CudaGdnPrefill.*'
 step sample      60 $K --gtest_filter='CudaSample.*'
 step attn_fused  120 $K --gtest_filter='CudaAttnFused.*:CudaAttention.*'
 # 2. end to end against the CPU reference (every case, the new fused ones included), then the per-request costs
 step e2e         300 $E --gtest_filter='-TtftBreakdown.*'
 step ttft        200 $E --gtest_filter='TtftBreakdown.*'
 # 3. timings
-step sweeps      200 $K --gtest_filter='CudaQgemmWgmmaBench.Sweep:CudaMoePrefillBench.WgmmaVsMmaSync:CudaAttnPrefillWgmmaBench.Timing:CudaMoeFusedBench.*:CudaGdnFusedBench.*:CudaAttnFusedBench.*'
+step sweeps      240 $K --gtest_filter='CudaGdnPrefillBench.*:CudaQgemmWgmmaBench.Sweep:CudaMoePrefillBench.WgmmaVsMmaSync:CudaAttnPrefillWgmmaBench.Timing:CudaMoeFusedBench.*:CudaGdnFusedBench.*:CudaAttnFusedBench.*'
 step decode_ab   300 $B/lily bench --mode decode --contexts 4096,32768 --reps 3 \
   --variants ";moe_select_in_experts=0;moe_fused=1;gdn_fused=1;moe_fused=1,gdn_fused=1;attn_fused=1;moe_fused=1,gdn_fused=1,attn_fused=1"
 step prefill_ab  300 $B/lily bench --mode prefill --lengths 1024,4096,16384 --reps 3 \
-  --variants ";moe_wgmma=1;attn_wgmma=1;moe_wgmma=1,attn_wgmma=1"
+  --variants ";moe_wgmma=1;attn_wgmma=1;gdn_scan=13;gdn_scan=14;moe_wgmma=1,attn_wgmma=1,gdn_scan=13"
 echo
 echo "== summary ($(cut -d, -f1 "$O/gpu.txt"))"
 cat "$O/summary.txt"

@@ -212,8 +212,9 @@ TEST(CudaBackend, FusedAttnDecodeMatchesCpu) {
 }
 
 // The Gated DeltaNet scan variants of the prefill (gdn_prefill.cuh) on the full4 model: the default (3xTF32
-// chunked from 256 rows, fp32-accurate), the sequential scan (5) and plain tf32 chunks (7), each against the
-// CPU reference by the same criteria.
+// chunked from 256 rows, fp32-accurate), the sequential scan (5), plain tf32 chunks (7) and the split 3xTF32 scan
+// with separate correction accumulators (13: 8 warps, 14: 4 warps), each against the CPU reference by the same
+// criteria.
 TEST(CudaBackend, GdnScanVariantsFullWidthFourLayers) {
   SKIP_WITHOUT_GPU();
   auto w = synth_model("full4");
@@ -224,7 +225,7 @@ TEST(CudaBackend, GdnScanVariantsFullWidthFourLayers) {
   std::vector<float> ref;
   auto s1 = cpu.new_sequence();
   ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
-  for (int variant : {0, 5, 7}) {
+  for (int variant : {0, 5, 7, 13, 14}) {
     auto cuda = cuda::make_cuda_backend(w, {1024, 4096, variant});
     ASSERT_TRUE(cuda.ok()) << cuda.status().message();
     expect_teacher_forced(**cuda, tokens, ref, V, format("[full4] %d positions, gdn scan variant %d", T, variant));

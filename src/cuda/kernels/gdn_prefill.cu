@@ -48,7 +48,11 @@
 //    by each of the 4-8 warps that read them. gdn_chunk_out_kernel then forms O = (exp(G) q) S_c + P V' for every (chunk, value head, 64 columns) at
 //    once (4,096 blocks at T = 4096). Same operands and order of sums as 2', so the results match 9/10 (11) and 7/8
 //    (12) to the bit. Costs the hs section: 2 MiB of scratch per 64 rows at full geometry (128 MiB at T = 4096),
-//    written and read once (256 MB of traffic at T = 4096, ~60 us at the copy rate). UNVERIFIED ON GPU.
+//    written and read once (256 MB of traffic at T = 4096, ~60 us at the copy rate). Measured on the H200: 11
+//    bit-identical to 10, 0.962 vs 1.032 ms a layer at T = 4096. scan_variant 13 (8 warps) / 14 (4 warps): 11 with
+//    the state pass's 3xTF32 products summed in three accumulators (hi*hi, lo*hi, hi*lo; mma_sep), added once per
+//    product, so a k-step's three mma are independent instead of a chain of three; prep and output pass as 11.
+//    fp32-class, not bit-identical to 11 (bound at gdn_chunk_state_kernel). UNVERIFIED ON GPU.
 // 3. gdn_norm, block per row: eq 19 x = norm_w * o / RMS(o_head) * silu(z) in fp16 (as gdn.cu's fused norm), and the
 //    rows t >= T-K copy their pre-conv vector into ring slot (pos0+t) mod K (after kernel 1 has read the ring).
 //
@@ -71,7 +75,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kCols = 32;                     // columns of S per scan block
 constexpr int kRowsPerStage = 16;             // rows staged into shared memory at a time
 constexpr int kKernel = 4;
-constexpr int kScanVariants = 12;  // GdnPrefillParams::scan_variant
+constexpr int kScanVariants = 14;  // GdnPrefillParams::scan_variant
 constexpr int kChunk = 64;        // rows per chunk of the chunked formulation
 constexpr int kChunkedMinT = 256; // the default (scan_variant 0) takes the chunked path (10) from this many rows
 constexpr int kSplitMinT = 512;   // and the split chunked path (11) from this many (H200: 0.105 vs 0.099 ms at 256
@@ -100,7 +104,7 @@ struct Scratch {
   float* w;      // [nc, n_v, 64, d_k] W = T (beta exp(G) k_hat)
   float* pqk;    // [nc, n_v, 64, 64] (q_hat k_hat^T) o causal mask o exp(G_i - G_j)
   float* gk;     // [nc, n_v, 128] exp(G_i) | exp(G_63 - G_i)
-  float* hs;     // [nc, n_v, d_k, d_v] S at each chunk's start (the split chunked path, variants 11, 12)
+  float* hs;     // [nc, n_v, d_k, d_v] S at each chunk's start (the split chunked path, variants 11-14)
 };
 
 size_t align256(size_t b) { return (b + 255) / 256 * 256; }
@@ -470,6 +474,17 @@ __device__ __forceinline__ void mma(float (&d)[4], const Frag<kSplit, 4>& a, con
     mma_tf32(d, a.lo, b.hi);
     mma_tf32(d, a.hi, b.lo);
   }
+  mma_tf32(d, a.hi, b.hi);
+}
+
+// d += a b in 3xTF32 with the two correction products in accumulators of their own (ca += a_lo b_hi, cb += a_hi b_lo):
+// three independent mma per k-step instead of mma's chain of three into d. The caller adds d + (ca + cb) once, after
+// the last k-step (scan_variant 13, 14). Not the rounding order of mma: fp32-class, not bit-identical (see
+// gdn_chunk_state_kernel for the bound).
+__device__ __forceinline__ void mma_sep(float (&d)[4], float (&ca)[4], float (&cb)[4], const Frag<true, 4>& a,
+                                        const Frag<true, 2>& b) {
+  mma_tf32(ca, a.lo, b.hi);
+  mma_tf32(cb, a.hi, b.lo);
   mma_tf32(d, a.hi, b.hi);
 }
 
@@ -888,12 +903,23 @@ __device__ __forceinline__ Frag<kSplit, 2> frag_pre(const float* hi, const float
 // groups and both halves of S's rows in the update), are stored already split into tf32 hi / lo by their owner
 // (split_tf32, frag_pre: the same bits as converting at every read); V' hi overwrites U in place (each thread reads
 // the U elements it then writes), V' lo has its own array.
-template <int D, int NW, bool kSplit>
+// kSepAcc (scan_variant 13, 14; 3xTF32 only): each product's a_hi b_hi, a_lo b_hi and a_hi b_lo go into three
+// accumulators (mma_sep; for the update, S itself and two zeroed ones), summed as main + (lo_hi + hi_lo) after the
+// last k-step. The dependent chain of a product drops from 3 mma a k-step to 1 (V': 48 -> 16 mma latencies, update:
+// 24 -> 8), for 2 x 4 NT (V') and 2 x 4 MS NT (update) more registers (D = 128: 121 at 8 warps, 163 at 4; 11: 80).
+// The three exact partial products (tf32 x tf32 fits fp32) are the same as 11's; only the rounding of their sum
+// differs: 11 rounds the running sum 3K/8 times, this K/8 times at the sum's scale plus twice (the corrections are
+// ~2^-10 of it), so |this - 11| <= (K/2 + 2) 2^-23 sum_k |a_k b_k| per product (one ulp a rounding, as for a
+// truncating accumulator): 7.9e-6 of sum |a b| at K = 128, 62x below tf32's operand rounding (2^-11), and no larger
+// an error against the exact products than 11's. The test's 13-vs-11 tolerance follows from that ratio.
+template <int D, int NW, bool kSplit, bool kSepAcc>
 __global__ void __launch_bounds__(NW * 32) gdn_chunk_state_kernel(const __grid_constant__ GdnPrefillParams p, Scratch s) {
   constexpr int kNThreads = NW * 32, NC = kChunkCols, CW = NC / (NW / 4), NT = CW / 8;
   constexpr int LDA = D + 4, LDK = D + 8, LDC = NC + 8, MS = D / 64;
   constexpr int kBuf = kChunk * LDA + kChunk * LDC + kChunk * LDK + 2 * kChunk;  // floats per input buffer
+  constexpr int SA = kSepAcc ? 1 : 0;  // the correction accumulators exist (extent 1 when not: unused)
   static_assert(kBuf % 4 == 0, "16-byte aligned buffers");
+  static_assert(!kSepAcc || kSplit, "separate correction accumulators are a 3xTF32 form");
   using FA = Frag<kSplit, 4>;
   extern __shared__ __align__(16) float smem[];
   // Buffer b: [64][LDA] W | [64][LDC] U, then V' | [64][LDK] k_hat | [128] exp(G_i) | exp(G_63 - G_i).
@@ -973,15 +999,23 @@ __global__ void __launch_bounds__(NW * 32) gdn_chunk_state_kernel(const __grid_c
     __syncthreads();     // (A) ... visible to every warp, and S in sh_s / sl_s; buffer (c + 1) & 1 free (chunk c - 1's)
     load(c + 1);
     {  // V' = U - W S
-      float acc[NT][4] = {};
+      float acc[NT][4] = {}, ca[SA * NT + 1 - SA][4] = {}, cb[SA * NT + 1 - SA][4] = {};
 #pragma unroll 4
       for (int k0 = 0; k0 < D; k0 += 8) {
         const FA af({w_s[(r0 + g) * LDA + k0 + t], w_s[(r0 + g + 8) * LDA + k0 + t], w_s[(r0 + g) * LDA + k0 + t + 4],
                      w_s[(r0 + g + 8) * LDA + k0 + t + 4]});
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          mma(acc[nt], af, frag_pre<kSplit>(sh_s, sl_s, (k0 + t) * LDC + c0 + 8 * nt + g, (k0 + t + 4) * LDC + c0 + 8 * nt + g));
+        for (int nt = 0; nt < NT; ++nt) {
+          const auto fb = frag_pre<kSplit>(sh_s, sl_s, (k0 + t) * LDC + c0 + 8 * nt + g, (k0 + t + 4) * LDC + c0 + 8 * nt + g);
+          if constexpr (kSepAcc) mma_sep(acc[nt], ca[nt], cb[nt], af, fb);
+          else mma(acc[nt], af, fb);
+        }
       }
+      if constexpr (kSepAcc)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] += ca[nt][e] + cb[nt][e];
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -1005,6 +1039,7 @@ __global__ void __launch_bounds__(NW * 32) gdn_chunk_state_kernel(const __grid_c
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) S[ms][nt][e] *= decay;
+      float ca[SA * MS + 1 - SA][SA * NT + 1 - SA][4] = {}, cb[SA * MS + 1 - SA][SA * NT + 1 - SA][4] = {};
 #pragma unroll 2
       for (int k0 = 0; k0 < kChunk; k0 += 8) {
         const float f0 = gk_s[kChunk + k0 + t], f1 = gk_s[kChunk + k0 + t + 4];
@@ -1014,10 +1049,20 @@ __global__ void __launch_bounds__(NW * 32) gdn_chunk_state_kernel(const __grid_c
           const FA af({k_s[(k0 + t) * LDK + d] * f0, k_s[(k0 + t) * LDK + d + 8] * f0, k_s[(k0 + t + 4) * LDK + d] * f1,
                        k_s[(k0 + t + 4) * LDK + d + 8] * f1});
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt)
-            mma(S[ms][nt], af, frag_pre<kSplit>(u_s, vl_s, (k0 + t) * LDC + c0 + 8 * nt + g, (k0 + t + 4) * LDC + c0 + 8 * nt + g));
+          for (int nt = 0; nt < NT; ++nt) {
+            const auto fb = frag_pre<kSplit>(u_s, vl_s, (k0 + t) * LDC + c0 + 8 * nt + g, (k0 + t + 4) * LDC + c0 + 8 * nt + g);
+            if constexpr (kSepAcc) mma_sep(S[ms][nt], ca[ms][nt], cb[ms][nt], af, fb);
+            else mma(S[ms][nt], af, fb);
+          }
         }
       }
+      if constexpr (kSepAcc)
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) S[ms][nt][e] += ca[ms][nt][e] + cb[ms][nt][e];
     }
     store_state(c + 1);  // chunk c + 1's start state (to scratch only if there is a chunk c + 1)
   }
@@ -1124,19 +1169,19 @@ __global__ void __launch_bounds__(kThreads) gdn_chunk_out_kernel(const __grid_co
     }
 }
 
-template <int D, int NW, bool kSplit>
+template <int D, int NW, bool kSplit, bool kSepAcc = false>
 cudaError_t launch_chunked_split(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream) {
   constexpr size_t kPrepSmem = chunk_prep_smem<D>(), kStateSmem = chunk_state_smem<D>(), kOutSmem = chunk_out_smem<D>();
   CUDA_TRY(cudaFuncSetAttribute(gdn_chunk_prep_kernel<D, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 static_cast<int>(kPrepSmem)));
-  CUDA_TRY(cudaFuncSetAttribute(gdn_chunk_state_kernel<D, NW, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  CUDA_TRY(cudaFuncSetAttribute(gdn_chunk_state_kernel<D, NW, kSplit, kSepAcc>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 static_cast<int>(kStateSmem)));
   CUDA_TRY(cudaFuncSetAttribute(gdn_chunk_out_kernel<D, kSplit>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 static_cast<int>(kOutSmem)));
   const int nc = (p.T + kChunk - 1) / kChunk;
   gdn_chunk_prep_kernel<D, kSplit><<<dim3(nc, p.n_v), kThreads, kPrepSmem, stream>>>(p, s);
   CUDA_TRY(cudaGetLastError());
-  gdn_chunk_state_kernel<D, NW, kSplit><<<p.n_v * (D / kChunkCols), NW * 32, kStateSmem, stream>>>(p, s);
+  gdn_chunk_state_kernel<D, NW, kSplit, kSepAcc><<<p.n_v * (D / kChunkCols), NW * 32, kStateSmem, stream>>>(p, s);
   CUDA_TRY(cudaGetLastError());
   gdn_chunk_out_kernel<D, kSplit><<<dim3(nc, p.n_v, D / kOutCols), kThreads, kOutSmem, stream>>>(p, s);
   return cudaGetLastError();
@@ -1184,6 +1229,8 @@ cudaError_t launch(const GdnPrefillParams& p, const Scratch& s, cudaStream_t str
     case 10: CUDA_TRY((launch_chunked<DK, 8, true>(p, s, stream))); break;
     case 11: CUDA_TRY((launch_chunked_split<DK, 8, true>(p, s, stream))); break;
     case 12: CUDA_TRY((launch_chunked_split<DK, 4, false>(p, s, stream))); break;
+    case 13: CUDA_TRY((launch_chunked_split<DK, 8, true, true>(p, s, stream))); break;
+    case 14: CUDA_TRY((launch_chunked_split<DK, 4, true, true>(p, s, stream))); break;
     default: gdn_scan_cols_kernel<DK, 8><<<grid, 32 * 8, 0, stream>>>(p, s); break;
   }
   CUDA_TRY(cudaGetLastError());

@@ -9,7 +9,7 @@
 // slot p % kernel; after the call it holds positions pos0+T-kernel .. pos0+T-1 exactly as T decode steps would.
 // Moves the proj rows (T * (2*conv_dim... ) * 4 bytes) and S twice; FLOPs ~ 4 * T * n_v * d_k * d_v.
 // Scratch (gdn_prefill_scratch_bytes) is linear in T: ~73 KB a row at full geometry for the row-wise sections, plus
-// the chunk-start states of the split chunked path (variants 11, 12): ceil(T / 64) * n_v * d_k * d_v * 4 bytes,
+// the chunk-start states of the split chunked path (variants 11-14): ceil(T / 64) * n_v * d_k * d_v * 4 bytes,
 // 2 MiB per 64 rows at full geometry (128 MiB at T = 4096), reserved whichever variant runs.
 #pragma once
 #include <cuda_fp16.h>
@@ -40,6 +40,9 @@ struct GdnPrefillParams {
   // (flash-linear-attention's fwd_h / fwd_o) into a serial pass that only carries the state (storing each chunk's
   // start state and V') and a fully parallel output pass; 11 in 3xTF32 (8 warps), 12 in tf32 (4 warps); the same
   // arithmetic as 9, 10 and 7, 8 (11 is bit-identical to 10; at 4K rows 0.96 vs 1.03 ms a layer on the H200).
+  // 13, 14: 11 with the state pass's 3xTF32 correction products (lo*hi, hi*lo) in accumulators of their own, added
+  // once per product (three independent mma per k-step, not a chain of three; fp32-class, not bit-identical to 11),
+  // 8 warps (13) or 4 (14). Opt-in, UNVERIFIED ON GPU.
   // 0, the default (crossovers measured on the H200) when d_v = d_k: 5 below 256 rows, 10 below 512, then 11; else 5.
   int scan_variant = 0;
 };
