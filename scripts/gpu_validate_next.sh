@@ -9,7 +9,8 @@
 #                                                                 # copy the tokenizer fixture to models/
 # There (one device call): run(command="scripts/gpu_validate_next.sh run",
 #                              carry=["build-carry", "models/qwen3-tokenizer"])
-# STEPS (env) picks steps by name, e.g. STEPS="decode_ab prefill_ab" for a second call; default: all.
+# STEPS (env) picks steps by name; STEPS=part1 (correctness: probes .. ttft) and STEPS=part2 (timings) split the
+# run over two device calls if one 10-minute call cannot hold it; default: all.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 B=build-cuda; C=build-carry; TOK=models/qwen3-tokenizer
@@ -27,12 +28,17 @@ fi
 O=${OUT:-/tmp/lily-validate}
 mkdir -p "$O" "$B/tests"
 for b in "${BINS[@]}"; do
-  [[ -f "$C/$(basename "$b").xz" ]] && xz -dc "$C/$(basename "$b").xz" > "$B/$b" && chmod +x "$B/$b"
+  x="$C/$(basename "$b").xz"  # unpack where the binary is missing or older than its pack (the device's copy)
+  if [[ -f "$x" && ( ! -f "$B/$b" || "$x" -nt "$B/$b" ) ]]; then xz -dc "$x" > "$B/$b" && chmod +x "$B/$b"; fi
 done
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$O/gpu.txt"
 K=$B/tests/test_cuda_kernels
 E=$B/tests/test_cuda
 export LILY_TOKENIZER_DIR=$PWD/$TOK
+case "${STEPS:-}" in
+  part1) STEPS="probes qgemm_knobs attn_wgmma moe_wgmma moe_fused gdn_fused gdn_scan sample attn_fused e2e ttft" ;;
+  part2) STEPS="sweeps decode_ab prefill_ab" ;;
+esac
 want() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* ]]; }
 step() {
   local name=$1 limit=$2; shift 2
