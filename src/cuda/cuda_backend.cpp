@@ -195,7 +195,11 @@ std::unique_ptr<SequenceState> CudaBackend::new_sequence() {
   auto s = std::make_unique<CudaSequence>();
   s->owner = this;
   if (options_.sequence_pool > 0) s->pool = pool_;
-  if (!s->allocate(config(), options_.max_context, pool_->take()).ok()) return nullptr;
+  auto parked = pool_->take();
+  // An error path may have returned with kernels of the parked sequence still in flight on stream_; the reuse
+  // clears the block on the legacy stream, which does not wait for stream_.
+  if (parked && cudaStreamSynchronize(stream_) != cudaSuccess) return nullptr;
+  if (!s->allocate(config(), options_.max_context, std::move(parked)).ok()) return nullptr;
   return s;
 }
 
@@ -576,23 +580,21 @@ Result<std::unique_ptr<Checkpoint>> CudaBackend::forward_with_checkpoint(Sequenc
   const int64_t V = config().vocab_size;
   for (int32_t id : tokens)
     if (id < 0 || id >= V) return invalid_argument("token id %d is outside the vocabulary [0, %lld)", id, (long long)V);
+  // Backend contract (engine/backend.h): `rows` refer to the tokens after the split; no device memory for the
+  // checkpoint gives a null one, not an error.
+  const auto tail = tokens.subspan(static_cast<size_t>(split));
   if (!(T > std::max(1, options_.decode_rows_max) && prefill_supported())) {  // the three calls it stands for
-    const bool all = rows == LogitsRows::all;
-    std::vector<float> head;
-    const auto first = tokens.first(static_cast<size_t>(split));
-    RETURN_IF_ERROR(forward(*s, first, all ? LogitsRows::all : LogitsRows::none, all ? &head : nullptr));
+    RETURN_IF_ERROR(forward(*s, tokens.first(static_cast<size_t>(split)), LogitsRows::none, nullptr));
     std::unique_ptr<Checkpoint> cp = s->checkpoint();
-    if (!cp) return error(ErrorCode::out_of_range, "no device memory for a checkpoint");
-    RETURN_IF_ERROR(forward(*s, tokens.subspan(static_cast<size_t>(split)), rows, logits));
-    if (all) logits->insert(logits->begin(), head.begin(), head.end());
+    RETURN_IF_ERROR(forward(*s, tail, rows, logits));
     return cp;
   }
   std::unique_ptr<CudaCheckpoint> cp = s->empty_checkpoint(s->n + split);
-  if (!cp) return error(ErrorCode::out_of_range, "no device memory for a checkpoint");
   RETURN_IF_ERROR(upload_tokens(tokens));
   if (rows != LogitsRows::none) logits->resize(static_cast<size_t>((rows == LogitsRows::all ? T : 1) * V));
-  RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr, split, cp.get()));
+  RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr, cp ? split : 0, cp.get()));
   CUDA_RETURN(cudaStreamSynchronize(stream_), "prefill");
+  if (rows == LogitsRows::all) logits->erase(logits->begin(), logits->begin() + split * V);
   return std::unique_ptr<Checkpoint>(std::move(cp));
 }
 

@@ -234,31 +234,52 @@ TEST(CudaSequenceStorage, ForwardWithCheckpointMatchesThreeCalls) {
   ASSERT_TRUE(made.ok());
   cuda::CudaBackendApi& b = **made;
   const int64_t V = w->config.vocab_size;
-  const auto tokens = random_tokens(120, 61);
-  for (int split : {30, 64, 80, 99}) {
-    std::vector<float> ref, got, ref_next, got_next;
-    auto a = b.new_sequence(), c = b.new_sequence();
-    ASSERT_TRUE(b.forward(*a, part(tokens, 0, split), LogitsRows::none, nullptr).ok());
-    auto cp_ref = a->checkpoint();
-    ASSERT_TRUE(cp_ref);
-    ASSERT_TRUE(b.forward(*a, part(tokens, split, 100 - split), LogitsRows::last, &ref).ok());
-    auto cp = b.forward_with_checkpoint(*c, part(tokens, 0, 100), split, LogitsRows::last, &got);
+  const auto tokens = random_tokens(160, 61);
+  // From an empty sequence and after a 37-token prefix (the engine resumes mid-ring: pos0 % 4 != 0); splits
+  // shorter than the conv kernel, inside a chunk, on the chunk boundary (64 rows into the call) and in the
+  // second chunk.
+  for (int prefix : {0, 37}) {
+    for (int split : {2, 30, 64, 80, 99}) {
+      std::vector<float> ref, got, ref_next, got_next;
+      auto a = b.new_sequence(), c = b.new_sequence();
+      if (prefix > 0) {
+        ASSERT_TRUE(b.forward(*a, part(tokens, 0, prefix), LogitsRows::none, nullptr).ok());
+        ASSERT_TRUE(b.forward(*c, part(tokens, 0, prefix), LogitsRows::none, nullptr).ok());
+      }
+      ASSERT_TRUE(b.forward(*a, part(tokens, prefix, split), LogitsRows::none, nullptr).ok());
+      auto cp_ref = a->checkpoint();
+      ASSERT_TRUE(cp_ref);
+      ASSERT_TRUE(b.forward(*a, part(tokens, prefix + split, 100 - split), LogitsRows::last, &ref).ok());
+      auto cp = b.forward_with_checkpoint(*c, part(tokens, prefix, 100), split, LogitsRows::last, &got);
+      ASSERT_TRUE(cp.ok()) << cp.status().message();
+      ASSERT_TRUE(*cp) << "no checkpoint (out of device memory?)";
+      EXPECT_EQ((*cp)->n_tokens(), prefix + split);
+      EXPECT_EQ(c->n_tokens(), prefix + 100);
+      const Diff end = diff(ref, got, V);
+      // Both checkpoints continue with the same 20 tokens.
+      ASSERT_TRUE(a->restore(*cp_ref).ok());
+      ASSERT_TRUE(c->restore(**cp).ok());
+      ASSERT_TRUE(b.forward(*a, part(tokens, prefix + split, 20), LogitsRows::all, &ref_next).ok());
+      ASSERT_TRUE(b.forward(*c, part(tokens, prefix + split, 20), LogitsRows::all, &got_next).ok());
+      const Diff next = diff(ref_next, got_next, V);
+      std::printf(
+          "[small, chunk 64] prefix %d, split %d of 100: last logits rel. error %.3g (top-1 %d/%d), after "
+          "restoring the checkpoint %.3g (top-1 %d/%d)\n",
+          prefix, split, end.rel, end.top1, end.rows, next.rel, next.top1, next.rows);
+      EXPECT_LE(end.rel, 2e-2);
+      EXPECT_LE(next.rel, 2e-2);
+      if (split == 64) {  // a chunk boundary: both routes run the very same kernels
+        EXPECT_EQ(end.rel, 0.0) << "prefix " << prefix;
+        EXPECT_EQ(next.rel, 0.0) << "prefix " << prefix;
+      }
+    }
+  }
+  {  // LogitsRows::all: the rows after the split only (engine/backend.h)
+    auto d = b.new_sequence();
+    std::vector<float> all;
+    auto cp = b.forward_with_checkpoint(*d, part(tokens, 0, 100), 30, LogitsRows::all, &all);
     ASSERT_TRUE(cp.ok()) << cp.status().message();
-    EXPECT_EQ((*cp)->n_tokens(), split);
-    EXPECT_EQ(c->n_tokens(), 100);
-    const Diff end = diff(ref, got, V);
-    // Both checkpoints continue with the same 20 tokens.
-    ASSERT_TRUE(a->restore(*cp_ref).ok());
-    ASSERT_TRUE(c->restore(**cp).ok());
-    ASSERT_TRUE(b.forward(*a, part(tokens, split, 20), LogitsRows::all, &ref_next).ok());
-    ASSERT_TRUE(b.forward(*c, part(tokens, split, 20), LogitsRows::all, &got_next).ok());
-    const Diff next = diff(ref_next, got_next, V);
-    std::printf(
-        "[small, chunk 64] split %d of 100: last logits rel. error %.3g (top-1 %d/%d), after restoring the "
-        "checkpoint %.3g (top-1 %d/%d)\n",
-        split, end.rel, end.top1, end.rows, next.rel, next.top1, next.rows);
-    EXPECT_LE(end.rel, 2e-2);
-    EXPECT_LE(next.rel, 2e-2);
+    EXPECT_EQ(all.size(), static_cast<size_t>(70 * V));
   }
   auto s = b.new_sequence();
   EXPECT_FALSE(b.forward_with_checkpoint(*s, part(tokens, 0, 10), 10, LogitsRows::none, nullptr).ok());
