@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "cli/bench_ttft.h"
 #include "cli/commands.h"
 #include "model/synth.h"
 
@@ -32,6 +33,7 @@ struct BenchArgs {
   bool moe_wgmma = false, attn_wgmma = false, moe_fused = false, gdn_fused = false, attn_fused = false;
   std::string moe_select = "experts";
   std::string variants;  // "key=value,...;key=value,...": one whole run per variant, the model loaded once
+  TtftOptions ttft;      // --mode ttft
 };
 
 #ifdef LILY_HAVE_CUDA
@@ -202,7 +204,7 @@ Status run_one(const BenchArgs& a, std::shared_ptr<const ModelWeights> weights, 
 
 Status run_bench(const BenchArgs& a) {
   if (a.mode != "all" && a.mode != "decode" && a.mode != "prefill")
-    return invalid_argument("--mode must be decode, prefill or all, got `%s`", a.mode.c_str());
+    return invalid_argument("--mode must be decode, prefill, all or ttft, got `%s`", a.mode.c_str());
   if (a.reps < 1) return invalid_argument("--reps must be at least 1");
   const bool do_decode = a.mode != "prefill", do_prefill = a.mode != "decode";
   cuda::CudaBackendOptions base;
@@ -250,12 +252,30 @@ Status run_bench(const BenchArgs& a) {
 Status run_bench(const BenchArgs&) { return error(ErrorCode::unsupported, "lily was built without CUDA"); }
 #endif
 
+// --mode ttft runs on any backend (the server's); the others need the CUDA build.
+Status bench_main(BenchArgs a) {
+  if (a.mode != "ttft") return run_bench(a);
+  a.ttft.model = a.model;
+  a.ttft.reps = a.reps;
+  nlohmann::json out;
+  RETURN_IF_ERROR(run_ttft_bench(a.ttft, out));
+  if (!a.json_path.empty()) std::ofstream(a.json_path) << out.dump(2);
+  return ok_status();
+}
+
 void setup(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench", "Benchmark prefill and decode on the GPU at the standard lengths");
   auto a = std::make_shared<BenchArgs>();
   cmd->add_option("--model", a->model, "checkpoint directory (default: synthetic model in memory)");
   cmd->add_option("--synthetic", a->synthetic, "synthetic preset when no --model: full | full4 | small | tiny");
-  cmd->add_option("--mode", a->mode, "decode | prefill | all");
+  cmd->add_option("--mode", a->mode,
+                  "decode | prefill | all (the GPU benchmark) | ttft (time to first token through `lily serve` on "
+                  "--model, any backend)");
+  cmd->add_option("--prompt-tokens", a->ttft.prompt_tokens, "ttft: prompt length in tokens (chat template included)");
+  cmd->add_option("--port", a->ttft.port, "ttft: the server's port");
+  cmd->add_option("--backend", a->ttft.backend, "ttft: the server's backend (auto | cpu | cuda)");
+  cmd->add_option("--ctx-size", a->ttft.ctx_size, "ttft: the server's context length");
+  cmd->add_option("--threads", a->ttft.threads, "ttft: the server's CPU threads (0: all)");
   cmd->add_option("--contexts", a->contexts, "decode context lengths")->delimiter(',');
   cmd->add_option("--lengths", a->lengths, "prefill prompt lengths")->delimiter(',');
   cmd->add_option("--reps", a->reps, "timed repetitions per length (median, min, max reported)");
@@ -278,7 +298,7 @@ void setup(CLI::App& app) {
   cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");
   cmd->add_option("--json", a->json_path, "write results as JSON");
   cmd->callback([a] {
-    Status st = run_bench(*a);
+    Status st = bench_main(*a);
     if (!st.ok()) {
       std::fprintf(stderr, "lily bench: %s\n", st.message().c_str());
       set_exit_code(1);

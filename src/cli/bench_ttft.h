@@ -1,0 +1,27 @@
+// `lily bench --mode ttft`: time to first token through the server. Starts `lily serve` (this binary) on a model
+// directory as a child process, sends streaming chat completions whose single user message is about
+// `prompt_tokens` tokens (each one different, so the session cache cannot reuse a prefix), and measures on the
+// client the time from sending the request to the first SSE chunk that carries content or reasoning_content:
+// tokenization, chat formatting, prefill, the first sampled token and the HTTP/SSE path all included.
+#pragma once
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "util/status.h"
+
+namespace lily::cli {
+
+struct TtftOptions {
+  std::string model;            // checkpoint directory with its tokenizer
+  std::string backend = "auto";
+  int prompt_tokens = 1024;
+  int reps = 5;                 // timed requests (one untimed warm-up first)
+  int port = 18080;
+  int ctx_size = 8192;
+  int threads = 0;              // CPU backend threads (0: the server's default)
+};
+
+// Runs the measurement; `out` gets the prompt's token count, every request's ms and their median/min/max.
+Status run_ttft_bench(const TtftOptions& o, nlohmann::json& out);
+
+}  // namespace lily::cli

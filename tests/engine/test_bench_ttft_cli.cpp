@@ -1,0 +1,86 @@
+// `lily bench --mode ttft` on the tiny model with the CPU backend: it starts `lily serve`, calibrates the prompt to
+// the asked token count, times streamed requests to their first content chunk and writes them as JSON; without a
+// model, or with a model the server cannot load, it fails with a message and leaves no server behind. The binary
+// is $LILY_BIN, else ../lily beside this test's build directory; the tests skip when there is none.
+#include <sys/types.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "test_engine_util.h"
+
+namespace lily::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string lily_binary() {
+  if (const char* env = std::getenv("LILY_BIN")) return env;
+  std::error_code ec;
+  fs::path candidate = fs::read_symlink("/proc/self/exe", ec).parent_path().parent_path() / "lily";
+  return !ec && fs::exists(candidate, ec) ? candidate.string() : "";
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+class BenchTtftCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    bin_ = lily_binary();
+    if (bin_.empty()) GTEST_SKIP() << "no lily binary (set LILY_BIN)";
+    dir_ = fs::temp_directory_path() / ("lily_bench_ttft_" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  // `lily bench --mode ttft` with `args`; returns the exit status (stderr in dir_/err).
+  int bench(const std::string& args) {
+    const int port = 20000 + static_cast<int>(::getpid() % 20000);
+    const std::string cmd = bin_ + " bench --mode ttft --backend cpu --threads 2 --port " + std::to_string(port) +
+                            " " + args + " > " + (dir_ / "out").string() + " 2> " + (dir_ / "err").string();
+    return std::system(cmd.c_str());
+  }
+  std::string bin_;
+  fs::path dir_;
+};
+
+TEST_F(BenchTtftCli, TimesStreamedRequestsOfTheAskedLength) {
+  const fs::path json_path = dir_ / "ttft.json";
+  ASSERT_EQ(bench("--model " + tiny_model().dir.string() + " --prompt-tokens 96 --reps 2 --json " +
+                  json_path.string()),
+            0)
+      << slurp(dir_ / "err");
+  const auto j = nlohmann::json::parse(slurp(json_path));
+  const int tokens = j["prompt_tokens"];
+  EXPECT_NEAR(tokens, 96, 3) << "calibrated prompt length";
+  ASSERT_EQ(j["ttft_ms"].size(), 2u);
+  for (double ms : j["ttft_ms"]) {
+    EXPECT_GT(ms, 0.0);
+    EXPECT_LT(ms, 60000.0);
+  }
+  EXPECT_LE(j["ttft_ms_min"].get<double>(), j["ttft_ms_median"].get<double>());
+  EXPECT_LE(j["ttft_ms_median"].get<double>(), j["ttft_ms_max"].get<double>());
+  EXPECT_NE(slurp(dir_ / "out").find("time to first token through the server"), std::string::npos);
+}
+
+TEST_F(BenchTtftCli, RefusesWithoutAModelAndReportsAServerThatCannotLoad) {
+  EXPECT_NE(bench(""), 0);
+  EXPECT_NE(slurp(dir_ / "err").find("--mode ttft needs --model DIR"), std::string::npos) << slurp(dir_ / "err");
+  EXPECT_NE(bench("--model " + (dir_ / "missing").string()), 0);
+  EXPECT_NE(slurp(dir_ / "err").find("exited (code 1) before it was ready"), std::string::npos) << slurp(dir_ / "err");
+  EXPECT_NE(bench("--model " + tiny_model().dir.string() + " --prompt-tokens 4"), 0);
+  EXPECT_NE(slurp(dir_ / "err").find("--prompt-tokens must be >= 16"), std::string::npos) << slurp(dir_ / "err");
+}
+
+}  // namespace
+}  // namespace lily::test
