@@ -37,9 +37,9 @@ E=$B/tests/test_cuda
 export LILY_TOKENIZER_DIR=$PWD/$TOK
 case "${STEPS:-}" in
   part1) STEPS="probes qgemm_knobs attn_wgmma moe_wgmma moe_fused gdn_fused gdn_scan sample attn_fused e2e ttft" ;;
-  part2) STEPS="sweeps decode_ab prefill_ab" ;;
+  part2) STEPS="sweeps decode_ab prefill_ab server_ttft" ;;
 esac
-want() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* ]]; }
+want() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* || ( $1 == synth_full && " $STEPS " == *" server_ttft "* ) ]]; }
 step() {
   local name=$1 limit=$2; shift 2
   want "$name" || return 0
@@ -68,6 +68,12 @@ step decode_ab   300 $B/lily bench --mode decode --contexts 4096,32768 --reps 3 
   --variants ";moe_select_in_experts=0;moe_fused=1;gdn_fused=1;moe_fused=1,gdn_fused=1;attn_fused=1;moe_fused=1,gdn_fused=1,attn_fused=1"
 step prefill_ab  300 $B/lily bench --mode prefill --lengths 1024,4096,16384 --reps 3 \
   --variants ";moe_wgmma=1;attn_wgmma=1;gdn_scan=13;gdn_scan=14;moe_wgmma=1,attn_wgmma=1,gdn_scan=13"
+# time to first token through the server, with wip/next's per-request changes (needs a 20 GB model directory)
+if want server_ttft; then
+  step synth_full  180 $B/lily synth --preset full --layout mlx --out /tmp/lily_full --tokenizer "$TOK"
+  step server_ttft 240 $B/lily bench --mode ttft --model /tmp/lily_full --prompt-tokens 1024 --reps 5
+  grep -h "time to first token" "$O/server_ttft.log"
+fi
 echo
 echo "== summary ($(cut -d, -f1 "$O/gpu.txt"))"
 cat "$O/summary.txt"
