@@ -17,20 +17,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string lily_binary() {
-  if (const char* env = std::getenv("LILY_BIN")) return env;
-  std::error_code ec;
-  fs::path candidate = fs::read_symlink("/proc/self/exe", ec).parent_path().parent_path() / "lily";
-  return !ec && fs::exists(candidate, ec) ? candidate.string() : "";
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 class BenchTtftCli : public ::testing::Test {
  protected:
   void SetUp() override {

@@ -24,16 +24,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string lily_binary() {
-  if (const char* env = std::getenv("LILY_BIN")) return env;
-  std::error_code ec;
-  fs::path self = fs::read_symlink("/proc/self/exe", ec);
-  if (ec) return "";
-  fs::path candidate =
-      self.parent_path().parent_path() / "lily";  // <build>/tests/test_engine -> <build>/lily
-  return fs::exists(candidate, ec) ? candidate.string() : "";
-}
-
 std::string read_all(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
   std::stringstream ss;

@@ -4,8 +4,11 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -71,6 +74,24 @@ inline GenerationResult run(Engine& engine, const GenerationRequest& request, st
   });
   EXPECT_TRUE(r.ok()) << r.status().message();
   return r.ok() ? *r : GenerationResult{};
+}
+
+// The lily binary the CLI tests run: $LILY_BIN, else <build>/lily beside <build>/tests/<this test>; "" if none.
+inline std::string lily_binary() {
+  if (const char* env = std::getenv("LILY_BIN")) return env;
+  std::error_code ec;
+  const std::filesystem::path self = std::filesystem::read_symlink("/proc/self/exe", ec);
+  if (ec) return "";
+  const std::filesystem::path candidate = self.parent_path().parent_path() / "lily";
+  return std::filesystem::exists(candidate, ec) ? candidate.string() : "";
+}
+
+// A whole file's bytes ("" if it cannot be read).
+inline std::string slurp(const std::filesystem::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
 }
 
 }  // namespace lily::test

@@ -18,24 +18,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string score_binary() {
-  if (const char* env = std::getenv("LILY_BIN")) return env;
-  std::error_code ec;
-  fs::path candidate = fs::read_symlink("/proc/self/exe", ec).parent_path().parent_path() / "lily";
-  return !ec && fs::exists(candidate, ec) ? candidate.string() : "";
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
 class ScoreCli : public ::testing::Test {
  protected:
   void SetUp() override {
-    bin_ = score_binary();
+    bin_ = lily_binary();
     if (bin_.empty()) GTEST_SKIP() << "no lily binary (set LILY_BIN)";
     dir_ = tiny_model().dir / ("score_" + std::to_string(::getpid()));
     fs::create_directories(dir_);
