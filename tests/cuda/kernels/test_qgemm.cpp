@@ -68,26 +68,6 @@ Dot dot_row(const std::vector<float>& w, const float* x, const double* x_err = n
   return d;
 }
 
-// Fast random quantized matrix (random codes and group scales; values of about N(0, 0.02)-like spread): the
-// full-geometry expert tensors are too large for random_qmatrix's quantization of random floats.
-HostQMatrix fast_qmatrix(int rows, int cols, int bits, uint32_t seed) {
-  HostQMatrix m;
-  m.rows = rows, m.cols = cols, m.bits = bits;
-  std::mt19937 rng(seed);
-  m.words.resize(rows * m.words_per_row());
-  for (uint32_t& w : m.words) w = static_cast<uint32_t>(rng());
-  m.scales.resize(rows * m.groups_per_row());
-  m.biases.resize(rows * m.groups_per_row());
-  const float levels = static_cast<float>((1 << bits) - 1);
-  std::uniform_real_distribution<float> u(0.6f, 1.4f);
-  for (size_t g = 0; g < m.scales.size(); ++g) {
-    const float s = 0.07f / levels * u(rng);
-    m.scales[g] = to_bf16_bits(s);
-    m.biases[g] = to_bf16_bits(-s * levels * 0.5f * u(rng));
-  }
-  return m;
-}
-
 std::vector<uint16_t> to_f16(const std::vector<float>& v) {
   std::vector<uint16_t> b(v.size());
   for (size_t i = 0; i < v.size(); ++i) b[i] = to_f16_bits(v[i]);

@@ -32,26 +32,6 @@ float f16_round(float v) {
   return f16_bits_to_float(to_f16_bits(v));
 }
 
-// Random quantized matrix: random codes, group scales and biases of N(0, 0.02)-like weights (quantizing
-// random floats with mlx_quantize is too slow for the 12352 x 4096 matrices).
-HostQMatrix fresh_qmatrix(int rows, int cols, int bits, uint32_t seed) {
-  HostQMatrix m;
-  m.rows = rows, m.cols = cols, m.bits = bits;
-  std::mt19937 rng(seed);
-  m.words.resize(rows * m.words_per_row());
-  for (uint32_t& w : m.words) w = static_cast<uint32_t>(rng());
-  m.scales.resize(rows * m.groups_per_row());
-  m.biases.resize(rows * m.groups_per_row());
-  const float levels = static_cast<float>((1 << bits) - 1);
-  std::uniform_real_distribution<float> u(0.6f, 1.4f);
-  for (size_t g = 0; g < m.scales.size(); ++g) {
-    const float s = 0.07f / levels * u(rng);
-    m.scales[g] = to_bf16_bits(s);
-    m.biases[g] = to_bf16_bits(-s * levels * 0.5f * u(rng));
-  }
-  return m;
-}
-
 // Row `row` of m, dequantized in fp32 and rounded to fp16 as the kernels do.
 void dequant_row_f16(const HostQMatrix& m, size_t row, std::vector<float>& out) {
   out.resize(m.cols);
@@ -96,7 +76,7 @@ struct Weights {
   QMatrix dev;
   std::vector<std::vector<float>> rows;  // [N][K] dequantized, fp16-rounded
   std::vector<double> max_abs;           // [N] max |w| of each row
-  Weights(int N, int K, int bits, uint32_t seed) : host(fresh_qmatrix(N, K, bits, seed)) {
+  Weights(int N, int K, int bits, uint32_t seed) : host(fast_qmatrix(N, K, bits, seed)) {
     dev = host.upload();
     rows.resize(N);
     max_abs.assign(N, 0.0);
@@ -280,7 +260,7 @@ TEST(CudaQgemmWgmma, MatchesMmaSyncAndCpu) {
 TEST(CudaQgemmWgmma, DirectCallAndBadShapes) {
   SKIP_WITHOUT_GPU();
   SKIP_WITHOUT_HOPPER();
-  HostQMatrix w = fresh_qmatrix(16, 128, 4, 77);
+  HostQMatrix w = fast_qmatrix(16, 128, 4, 77);
   DeviceBuffer<uint16_t> a(std::vector<uint16_t>(4 * 128, to_f16_bits(1.0f)));
   DeviceBuffer<float> c(4 * 16);
   QGemmParams p;
