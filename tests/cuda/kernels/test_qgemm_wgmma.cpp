@@ -320,7 +320,7 @@ TEST(CudaQgemmWgmma, KnobsMatchDefault) {
                           {1024, 12352, 2048, GemmOut::f32},  {129, 2048, 4096, GemmOut::add_f32},
                           {4096, 2048, 4096, GemmOut::f32}};
   for (const Shape& s : shapes) {
-    HostQMatrix hw = fresh_qmatrix(s.N, s.K, 4, 500 + s.N + s.K);
+    HostQMatrix hw = fast_qmatrix(s.N, s.K, 4, 500 + s.N + s.K);
     const QMatrix w = hw.upload();
     std::vector<float> a = random_vector(static_cast<size_t>(s.M) * s.K, 600 + s.M);
     const DeviceBuffer<uint16_t> d_a(to_f16(a));
@@ -346,7 +346,7 @@ TEST(CudaQgemmWgmma, KnobsMatchDefault) {
     }
   }
   // Combinations that are not compiled are refused.
-  HostQMatrix hw = fresh_qmatrix(256, 128, 8, 77);
+  HostQMatrix hw = fast_qmatrix(256, 128, 8, 77);
   const DeviceBuffer<uint16_t> a(std::vector<uint16_t>(128 * 128, to_f16_bits(1.0f)));
   DeviceBuffer<float> c(128 * 256);
   QGemmParams p;
