@@ -30,7 +30,7 @@ struct BenchArgs {
   int prefill_chunk = 4096;
   int gdn_scan = 0;
   bool wgmma = true;
-  bool moe_wgmma = false, attn_wgmma = false, moe_fused = false, gdn_fused = false, attn_fused = false;
+  bool moe_wgmma = true, attn_wgmma = true, moe_fused = false, gdn_fused = false, attn_fused = false;
   std::string moe_select = "experts";
   std::string variants;  // "key=value,...;key=value,...": one whole run per variant, the model loaded once
   TtftOptions ttft;      // --mode ttft
@@ -288,8 +288,10 @@ void setup(CLI::App& app) {
                   "(keys: gdn_scan, wgmma, moe_wgmma, attn_wgmma, moe_fused, gdn_fused, attn_fused, "
                   "moe_select_in_experts, "
                   "decode_rows_max, sequence_pool)");
-  cmd->add_flag("--moe-wgmma", a->moe_wgmma, "prefill expert GEMMs on the wgmma kernel");
-  cmd->add_flag("--attn-wgmma", a->attn_wgmma, "prefill attention on the wgmma kernel");
+  cmd->add_flag("--moe-wgmma,!--no-moe-wgmma", a->moe_wgmma,
+                "prefill expert GEMMs on the wgmma kernel (default, for 4,096-row chunks) or on mma.sync");
+  cmd->add_flag("--attn-wgmma,!--no-attn-wgmma", a->attn_wgmma,
+                "prefill attention on the wgmma kernel (default) or on mma.sync");
   cmd->add_flag("--moe-fused", a->moe_fused, "decode MoE block as one persistent kernel (moe_fused.cu)");
   cmd->add_flag("--gdn-fused", a->gdn_fused, "decode Gated DeltaNet layer as one persistent kernel (gdn_fused.cu)");
   cmd->add_flag("--attn-fused", a->attn_fused, "decode attention layer as one persistent kernel (attn_fused.cu)");

@@ -52,7 +52,9 @@
 //    bit-identical to 10, 0.962 vs 1.032 ms a layer at T = 4096. scan_variant 13 (8 warps) / 14 (4 warps): 11 with
 //    the state pass's 3xTF32 products summed in three accumulators (hi*hi, lo*hi, hi*lo; mma_sep), added once per
 //    product, so a k-step's three mma are independent instead of a chain of three; prep and output pass as 11.
-//    fp32-class, not bit-identical to 11 (bound at gdn_chunk_state_kernel). UNVERIFIED ON GPU.
+//    fp32-class, not bit-identical to 11 (bound at gdn_chunk_state_kernel). Measured on the H200 (2026-11-30):
+//    0.928 vs 0.964 ms a layer at T = 4096 (predicted 0.91), the model's logits as close to the CPU as 11's
+//    (teacher-forced full4, 512 positions: 3.03e-3 both); the default from kSplitMinT rows.
 // 3. gdn_norm, block per row: eq 19 x = norm_w * o / RMS(o_head) * silu(z) in fp16 (as gdn.cu's fused norm), and the
 //    rows t >= T-K copy their pre-conv vector into ring slot (pos0+t) mod K (after kernel 1 has read the ring).
 //
@@ -78,7 +80,7 @@ constexpr int kKernel = 4;
 constexpr int kScanVariants = 14;  // GdnPrefillParams::scan_variant
 constexpr int kChunk = 64;        // rows per chunk of the chunked formulation
 constexpr int kChunkedMinT = 256; // the default (scan_variant 0) takes the chunked path (10) from this many rows
-constexpr int kSplitMinT = 512;   // and the split chunked path (11) from this many (H200: 0.105 vs 0.099 ms at 256
+constexpr int kSplitMinT = 512;   // and the split chunked path (13) from this many (H200: 0.105 vs 0.099 ms at 256
                                   // rows, 0.146 vs 0.153 at 512, 0.962 vs 1.032 at 4096)
 
 __device__ __forceinline__ float silu_exact(float x) { return x / (1.0f + expf(-x)); }
@@ -1214,7 +1216,7 @@ template <int DK>
 cudaError_t launch(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream) {
   gdn_prep_kernel<DK><<<dim3((p.T + kPrepRows - 1) / kPrepRows, p.n_k), kThreads, 0, stream>>>(p, s);
   CUDA_TRY(cudaGetLastError());
-  const int by_length = p.d_v != DK ? 5 : p.T >= kSplitMinT ? 11 : p.T >= kChunkedMinT ? 10 : 5;
+  const int by_length = p.d_v != DK ? 5 : p.T >= kSplitMinT ? 13 : p.T >= kChunkedMinT ? 10 : 5;
   const int variant = p.scan_variant != 0 ? p.scan_variant : by_length;
   const dim3 grid(p.n_v * (p.d_v / kCols));
   switch (variant) {

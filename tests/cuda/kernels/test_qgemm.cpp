@@ -533,8 +533,10 @@ TEST(CudaMoePrefillWgmma, FullGeometry) {
   SKIP_WITHOUT_HOPPER();
   MoeModel m(2048, 256, 512, 8, 1100);
   m.upload();
+  // The seeds of CudaMoePrefill.FullGeometry: with 2102 the single row of T = 1 has its 8th and 9th router logits
+  // within the error bound, so no row could be checked against the CPU (the H200 run of 2026-11-30).
   for (int T : {1, 65, 4096}) {
-    const std::vector<float> h = random_vector(static_cast<size_t>(T) * m.H, 2101 + T);
+    const std::vector<float> h = random_vector(static_cast<size_t>(T) * m.H, 1101 + T);
     for (int tile_rows : {64, 128}) compare_moe_paths(m, h, T > 100 ? 16 : 4, tile_rows);
   }
 }
