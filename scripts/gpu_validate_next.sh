@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Validates, on the GPU machine, every path of this branch that was written without a GPU (all opt-in): the
-# probes and correctness tests of each new kernel first (each in its own log, under its own timeout, so a hang or a
+# Validates, on the GPU machine, the kernel families written without a GPU in the sessions of 2026-11-29/30 (run
+# and merged 2026-11-30: main ab69adc; docs/PERF_NOTES.md), and is the template for the next such batch: the
+# probes and correctness tests of each kernel family first (each in its own log, under its own timeout, so a hang or a
 # trap costs only that step), then the end-to-end tests against the CPU reference, then the timings: the kernel
 # sweeps and `lily bench --variants` A/B runs (one model load for all variants). Prints a summary.
 #
@@ -65,9 +66,9 @@ step ttft        200 $E --gtest_filter='TtftBreakdown.*'
 # 3. timings
 step sweeps      240 $K --gtest_filter='CudaGdnPrefillBench.*:CudaQgemmWgmmaBench.Sweep:CudaMoePrefillBench.WgmmaVsMmaSync:CudaAttnPrefillWgmmaBench.Timing:CudaMoeFusedBench.*:CudaGdnFusedBench.*:CudaAttnFusedBench.*'
 step decode_ab   300 $B/lily bench --mode decode --contexts 4096,32768 --reps 3 \
-  --variants ";moe_select_in_experts=0;moe_fused=1;gdn_fused=1;moe_fused=1,gdn_fused=1;attn_fused=1;moe_fused=1,gdn_fused=1,attn_fused=1"
+  --variants ";gdn_fused=1;moe_select_in_experts=0;moe_fused=1;moe_fused=1,gdn_fused=1;attn_fused=1"
 step prefill_ab  300 $B/lily bench --mode prefill --lengths 1024,4096,16384 --reps 3 \
-  --variants ";moe_wgmma=1;attn_wgmma=1;gdn_scan=13;gdn_scan=14;moe_wgmma=1,attn_wgmma=1,gdn_scan=13"
+  --variants ";moe_wgmma=0;attn_wgmma=0;gdn_scan=11;gdn_scan=14;moe_wgmma=0,attn_wgmma=0,gdn_scan=11"
 # time to first token through the server, with wip/next's per-request changes (needs a 20 GB model directory)
 if want server_ttft; then
   step synth_full  180 $B/lily synth --preset full --layout mlx --out /tmp/lily_full --tokenizer "$TOK"
