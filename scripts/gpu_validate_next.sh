@@ -37,7 +37,7 @@ K=$B/tests/test_cuda_kernels
 E=$B/tests/test_cuda
 export LILY_TOKENIZER_DIR=$PWD/$TOK
 case "${STEPS:-}" in
-  part1) STEPS="probes qgemm_knobs attn_wgmma moe_wgmma moe_fused gdn_fused gdn_scan sample attn_fused e2e ttft" ;;
+  part1) STEPS="probes qgemm_knobs attn_wgmma moe_wgmma moe_fused gdn_fused gdn_scan sample attn_fused prefetch e2e ttft" ;;
   part2) STEPS="sweeps decode_ab prefill_ab server_ttft" ;;
 esac
 want() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* || ( $1 == synth_full && " $STEPS " == *" server_ttft "* ) ]]; }
@@ -60,13 +60,14 @@ step gdn_fused   120 $K --gtest_filter='CudaGdnFused.*:CudaGdn.*:CudaGemv.*'
 step gdn_scan    150 $K --gtest_filter='CudaGdnPrefill.*'
 step sample      60 $K --gtest_filter='CudaSample.*'
 step attn_fused  120 $K --gtest_filter='CudaAttnFused.*:CudaAttention.*'
+step prefetch    60 $K --gtest_filter='CudaL2Prefetch*'
 # 2. end to end against the CPU reference (every case, the new fused ones included), then the per-request costs
 step e2e         300 $E --gtest_filter='-TtftBreakdown.*'
 step ttft        200 $E --gtest_filter='TtftBreakdown.*'
 # 3. timings
 step sweeps      240 $K --gtest_filter='CudaGdnPrefillBench.*:CudaQgemmWgmmaBench.Sweep:CudaMoePrefillBench.WgmmaVsMmaSync:CudaAttnPrefillWgmmaBench.Timing:CudaMoeFusedBench.*:CudaGdnFusedBench.*:CudaAttnFusedBench.*'
 step decode_ab   300 $B/lily bench --mode decode --contexts 4096,32768 --reps 3 \
-  --variants ";gdn_fused=1;moe_select_in_experts=0;moe_fused=1;moe_fused=1,gdn_fused=1;attn_fused=1"
+  --variants ";decode_prefetch=1;decode_prefetch=2;gdn_fused=1;decode_prefetch=2,gdn_fused=1"
 step prefill_ab  300 $B/lily bench --mode prefill --lengths 1024,4096,16384 --reps 3 \
   --variants ";moe_wgmma=0;attn_wgmma=0;gdn_scan=11;gdn_scan=14;moe_wgmma=0,attn_wgmma=0,gdn_scan=11"
 # time to first token through the server, with wip/next's per-request changes (needs a 20 GB model directory)

@@ -77,6 +77,7 @@ constexpr OptionKey kOptionKeys[] = {
     {"moe_select_in_experts", &cuda::CudaBackendOptions::moe_select_in_experts, nullptr},
     {"decode_rows_max", nullptr, &cuda::CudaBackendOptions::decode_rows_max},
     {"sequence_pool", nullptr, &cuda::CudaBackendOptions::sequence_pool},
+    {"decode_prefetch", nullptr, &cuda::CudaBackendOptions::decode_prefetch},
 };
 
 Status set_option(const OptionKey& k, const std::string& v, cuda::CudaBackendOptions& o) {
@@ -287,7 +288,7 @@ void setup(CLI::App& app) {
                   "backend option sets, each run in full on one loaded model: key=value,...;key=value,... "
                   "(keys: gdn_scan, wgmma, moe_wgmma, attn_wgmma, moe_fused, gdn_fused, attn_fused, "
                   "moe_select_in_experts, "
-                  "decode_rows_max, sequence_pool)");
+                  "decode_rows_max, sequence_pool, decode_prefetch)");
   cmd->add_flag("--moe-wgmma,!--no-moe-wgmma", a->moe_wgmma,
                 "prefill expert GEMMs on the wgmma kernel (default, for 4,096-row chunks) or on mma.sync");
   cmd->add_flag("--attn-wgmma,!--no-attn-wgmma", a->attn_wgmma,

@@ -14,6 +14,7 @@
 #include "cuda/kernels/gdn.cuh"
 #include "cuda/kernels/gdn_prefill.cuh"
 #include "cuda/kernels/gemv.cuh"
+#include "cuda/kernels/l2_prefetch.cuh"
 #include "cuda/kernels/moe.cuh"
 #include "cuda/kernels/qgemm.cuh"
 #include "cuda/kernels/sample.cuh"
@@ -74,6 +75,9 @@ class CudaBackend final : public CudaBackendApi {
   }
   ~CudaBackend() override {
     if (ring_) cudaFreeHost(ring_);
+    if (fork_) cudaEventDestroy(fork_);
+    if (join_) cudaEventDestroy(join_);
+    if (side_) cudaStreamDestroy(side_);
     if (stream_) cudaStreamDestroy(stream_);
   }
 
@@ -114,6 +118,7 @@ class CudaBackend final : public CudaBackendApi {
 
  private:
   Status enqueue_step(CudaSequence& s, int n_splits, const DeviceSampling* sampling, Profiler* prof);
+  Status fork_prefetch(const DeviceLayer& L);
   Result<cudaGraphExec_t> graph_for(CudaSequence& s, const DeviceSampling* sampling);
   Status run_step(CudaSequence& s, const DeviceSampling* sampling);
   Result<CudaSequence*> check_sequence(SequenceState& base, int64_t new_tokens);
@@ -131,6 +136,10 @@ class CudaBackend final : public CudaBackendApi {
   std::unique_ptr<DeviceModel> model_;
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
+  // The decode step's parallel branch (options_.decode_prefetch): side_ at the lowest priority, forked from
+  // stream_ by fork_ and joined back by join_.
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
   // Scratch shared by all sequences (batch 1: one step runs at a time).
   DeviceArray<float> h_, proj_, q_, attn_out_, gdn_o_, moe_x_, moe_logits_, topk_w_, shared_gate_, act_, logits_;
   DeviceArray<float> part_o_, part_ml_, sample_scratch_;
@@ -160,6 +169,11 @@ Status CudaBackend::init() {
   if (prop.major != 9 || prop.minor != 0) options_.dense_wgmma = options_.moe_wgmma = options_.attn_wgmma = false;
   if (options_.attn_wgmma && !attn_prefill_wgmma_built()) options_.attn_wgmma = false;  // no sm_90a code here
   CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
+  int least = 0, greatest = 0;
+  CUDA_RETURN(cudaDeviceGetStreamPriorityRange(&least, &greatest), "stream priorities");
+  CUDA_RETURN(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, least), "cudaStreamCreate");
+  CUDA_RETURN(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "cudaEventCreate");
+  CUDA_RETURN(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "cudaEventCreate");
   ASSIGN_OR_RETURN(model_, DeviceModel::upload(*weights_));
   const ModelConfig& c = config();
   const size_t H = c.hidden_size, D = c.head_dim, nq = c.num_attention_heads, I = c.moe_intermediate_size;
@@ -237,14 +251,36 @@ bool gated_norm_in_gdn_step(const ModelConfig& c) {
     if (prof) prof->end();                                                             \
   } while (0)
 
+// The decode step's parallel branch: from this point of stream_, side_ prefetches into the L2 the matrices of layer
+// L that do not depend on the routing (its attention or Gated DeltaNet in/out projections, the router, the shared
+// expert: 21.3 MB for a Gated DeltaNet layer at full geometry, 17.7 MB for an attention layer), while stream_ goes
+// on with the current layer. Nothing waits for it but the step's end (join_).
+Status CudaBackend::fork_prefetch(const DeviceLayer& L) {
+  L2PrefetchParams p;
+  p.evict_last = options_.decode_prefetch == 2;
+  const bool gdn = L.type == LayerType::linear_attention;
+  for (const QMatrix* q : {gdn ? &L.gdn_in : &L.attn_in, gdn ? &L.gdn_out : &L.attn_out, &L.router,
+                           &L.shared_gate_row, &L.shared_gate, &L.shared_up, &L.shared_down})
+    if (!p.add(*q))
+      return error(ErrorCode::internal, "decode prefetch: more than %d ranges", L2PrefetchParams::kMaxRanges);
+  CUDA_RETURN(cudaEventRecord(fork_, stream_), "fork");
+  CUDA_RETURN(cudaStreamWaitEvent(side_, fork_, 0), "fork");
+  CUDA_RETURN(l2_prefetch(p, side_), "l2_prefetch");
+  return ok_status();
+}
+
 // One decode step (eqs 4-6 with every block), reading the input token from token_in_ and the position from s.pos.
+// With options_.decode_prefetch, a second branch of the step prefetches layer l + 1's routing-independent weights
+// into the L2 from the start of layer l (fork_prefetch; not when profiling, whose events time one stream).
 Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSampling* sampling, Profiler* prof) {
   const ModelConfig& c = config();
   const DeviceModel& m = *model_;
   const float eps = c.rms_norm_eps;
+  const bool branch = options_.decode_prefetch > 0 && prof == nullptr;
   STEP_OP("embed", m.embed.bytes() / m.embed.rows, embed_lookup({m.embed, token_in_.ptr, h_.ptr}, stream_));
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const DeviceLayer& L = m.layers[l];
+    if (branch && l + 1 < m.layers.size()) RETURN_IF_ERROR(fork_prefetch(m.layers[l + 1]));
     if (L.type == LayerType::linear_attention) {
       // Opt-in: the whole layer as one persistent kernel (gdn_fused.cu) where its launcher takes the geometry.
       GdnFusedParams gf;
@@ -342,6 +378,10 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
     STEP_OP("sample", 4.0 * c.vocab_size, sample_token(sp, stream_));
   }
   STEP_OP("advance", 0, advance_position(s.pos.ptr, stream_));
+  if (branch && m.layers.size() > 1) {  // the branch rejoins stream_ (a capture must end with every fork joined)
+    CUDA_RETURN(cudaEventRecord(join_, side_), "join");
+    CUDA_RETURN(cudaStreamWaitEvent(stream_, join_, 0), "join");
+  }
   return ok_status();
 }
 
@@ -709,6 +749,8 @@ Result<std::vector<KernelTiming>> CudaBackend::profile_step(SequenceState& base)
 
 Result<std::unique_ptr<CudaBackendApi>> make_cuda_backend(std::shared_ptr<const ModelWeights> weights,
                                                           const CudaBackendOptions& options) {
+  if (options.decode_prefetch < 0 || options.decode_prefetch > 2)
+    return invalid_argument("decode_prefetch must be 0, 1 or 2, got %d", options.decode_prefetch);
   auto b = std::make_unique<CudaBackend>(std::move(weights), options);
   RETURN_IF_ERROR(b->init());
   return std::unique_ptr<CudaBackendApi>(std::move(b));

@@ -215,6 +215,47 @@ TEST(CudaBackend, FusedAttnDecodeMatchesCpu) {
 // chunked from 256 rows, fp32-accurate), the sequential scan (5), plain tf32 chunks (7) and the split 3xTF32 scan
 // with separate correction accumulators (13: 8 warps, 14: 4 warps), each against the CPU reference by the same
 // criteria.
+// The decode step with its parallel branch (CudaBackendOptions::decode_prefetch 1, and 2 with evict_last): the
+// branch only asks the L2 to fetch weights, so every logit of full4 teacher-forced through 64 decode steps, and
+// the tokens of a sampled device-side generation, must equal the single-stream step's bit for bit; values other
+// than 0-2 are refused.
+TEST(CudaBackend, DecodePrefetchBranchLeavesResultsUnchanged) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("full4");
+  const int64_t V = w->config.vocab_size;
+  const auto tokens = random_tokens(64, static_cast<int>(V), 26);
+  std::vector<float> base;
+  std::vector<int32_t> base_sampled;
+  for (int pf : {0, 1, 2}) {
+    cuda::CudaBackendOptions o;
+    o.max_context = 1024, o.prefill_chunk = 0, o.decode_prefetch = pf;
+    auto b = cuda::make_cuda_backend(w, o);
+    ASSERT_TRUE(b.ok()) << b.status().message();
+    auto seq = (*b)->new_sequence();
+    std::vector<float> got;
+    ASSERT_TRUE((*b)->forward(*seq, tokens, LogitsRows::all, &got).ok());
+    std::vector<int32_t> sampled;
+    const DeviceSampling hot{1.0f, 20, 0.9f, 0.0f, 42};
+    ASSERT_TRUE((*b)->generate_on_device(*seq, 17, hot, 32, [&](int32_t t) { sampled.push_back(t); return true; }).ok());
+    if (pf == 0) {
+      base = std::move(got), base_sampled = std::move(sampled);
+      continue;
+    }
+    size_t same = 0;
+    for (size_t i = 0; i < std::min(got.size(), base.size()); ++i) same += got[i] == base[i];
+    std::printf("[full4] decode_prefetch %d: %zu of %zu logits bit-identical to the single-stream step; sampled "
+                "tokens %s\n", pf, same, base.size(), sampled == base_sampled ? "identical" : "DIFFER");
+    EXPECT_EQ(same, base.size());
+    EXPECT_EQ(got.size(), base.size());
+    EXPECT_EQ(sampled, base_sampled);
+  }
+  cuda::CudaBackendOptions bad;
+  bad.max_context = 1024, bad.decode_prefetch = 3;
+  auto refused = cuda::make_cuda_backend(w, bad);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), ErrorCode::invalid_argument);
+}
+
 TEST(CudaBackend, GdnScanVariantsFullWidthFourLayers) {
   SKIP_WITHOUT_GPU();
   auto w = synth_model("full4");
