@@ -68,8 +68,9 @@ step ttft        200 $E --gtest_filter='TtftBreakdown.*'
 step sweeps      240 $K --gtest_filter='CudaGdnPrefillBench.*:CudaQgemmWgmmaBench.Sweep:CudaMoePrefillBench.WgmmaVsMmaSync:CudaAttnPrefillWgmmaBench.Timing:CudaMoeFusedBench.*:CudaGdnFusedBench.*:CudaAttnFusedBench.*'
 step decode_ab   300 $B/lily bench --mode decode --contexts 4096,32768 --reps 3 \
   --variants ";decode_prefetch=1;decode_prefetch=2;gdn_fused=1;decode_prefetch=2,gdn_fused=1"
-step prefill_ab  300 $B/lily bench --mode prefill --lengths 1024,4096,16384 --reps 3 \
-  --variants ";moe_wgmma=0;attn_wgmma=0;gdn_scan=11;gdn_scan=14;moe_wgmma=0,attn_wgmma=0,gdn_scan=11"
+# the 1K chunk's breakdown (the time to first token's prefill), and where the wgmma expert GEMMs start to win
+step prefill_ab  300 $B/lily bench --mode prefill --lengths 1024,2048 --profile-context 1024 --reps 3 \
+  --variants ";moe_wgmma_min_rows=1024;moe_wgmma_min_rows=2048"
 # time to first token through the server, with wip/next's per-request changes (needs a 20 GB model directory)
 if want server_ttft; then
   step synth_full  180 $B/lily synth --preset full --layout mlx --out /tmp/lily_full --tokenizer "$TOK"

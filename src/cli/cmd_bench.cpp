@@ -70,6 +70,7 @@ constexpr OptionKey kOptionKeys[] = {
     {"gdn_scan", nullptr, &cuda::CudaBackendOptions::gdn_scan_variant},
     {"wgmma", &cuda::CudaBackendOptions::dense_wgmma, nullptr},
     {"moe_wgmma", &cuda::CudaBackendOptions::moe_wgmma, nullptr},
+    {"moe_wgmma_min_rows", nullptr, &cuda::CudaBackendOptions::moe_wgmma_min_rows},
     {"attn_wgmma", &cuda::CudaBackendOptions::attn_wgmma, nullptr},
     {"moe_fused", &cuda::CudaBackendOptions::moe_fused, nullptr},
     {"gdn_fused", &cuda::CudaBackendOptions::gdn_fused, nullptr},
@@ -286,7 +287,7 @@ void setup(CLI::App& app) {
                 "dense prefill projections on the wgmma GEMM (qgemm_wgmma.cu; default) or on mma.sync");
   cmd->add_option("--variants", a->variants,
                   "backend option sets, each run in full on one loaded model: key=value,...;key=value,... "
-                  "(keys: gdn_scan, wgmma, moe_wgmma, attn_wgmma, moe_fused, gdn_fused, attn_fused, "
+                  "(keys: gdn_scan, wgmma, moe_wgmma, moe_wgmma_min_rows, attn_wgmma, moe_fused, gdn_fused, attn_fused, "
                   "moe_select_in_experts, "
                   "decode_rows_max, sequence_pool, decode_prefetch)");
   cmd->add_flag("--moe-wgmma,!--no-moe-wgmma", a->moe_wgmma,

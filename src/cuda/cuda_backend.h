@@ -29,10 +29,10 @@ struct CudaBackendOptions {
   // captures anew.
   int sequence_pool = 0;
   // moe_prefill's grouped expert GEMMs on the wgmma kernel (MoePrefillParams::use_wgmma) for chunks of at least
-  // kMoeWgmmaMinRows rows; only on a compute 9.0 device, else mma.sync. H200 (2026-11-30, whole prefill): 4K +2.0%,
-  // 16K +2.1%, 64K +1.5%, but 1K -3.7% (hence the row threshold).
+  // moe_wgmma_min_rows rows; only on a compute 9.0 device, else mma.sync. H200 (2026-11-30, whole prefill): 4K
+  // +2.0%, 16K +2.1%, 64K +1.5%, but 1K -3.7% (hence the row threshold; 2K not measured yet).
   bool moe_wgmma = true;
-  static constexpr int kMoeWgmmaMinRows = 4096;
+  int moe_wgmma_min_rows = 4096;
   // Prefill flash attention on the wgmma kernel (AttnPrefillParams::variant 1, attn_prefill_wgmma.cu); only on a
   // compute 9.0 device and head_dim 256. H200 (2026-11-30): attention 158 -> 217 TFLOP/s at a 4K chunk; whole
   // prefill 1K +0.3%, 4K +1.7%, 16K +6.4%, 64K +21.5%.
