@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <random>
 #include <nlohmann/json.hpp>
 
 #include "cli/bench_ttft.h"
@@ -79,7 +80,54 @@ constexpr OptionKey kOptionKeys[] = {
     {"decode_rows_max", nullptr, &cuda::CudaBackendOptions::decode_rows_max},
     {"sequence_pool", nullptr, &cuda::CudaBackendOptions::sequence_pool},
     {"decode_prefetch", nullptr, &cuda::CudaBackendOptions::decode_prefetch},
+    {"anchor_from_chunk_states", &cuda::CudaBackendOptions::anchor_from_chunk_states, nullptr},
 };
+
+// A chat's first turn as the engine prefills it: forward_with_checkpoint of n random tokens split at the anchor,
+// n - 6 (a 1,026-token prompt's last <|im_start|> at 1,019 and the last token decoded), from an empty sequence (a
+// checkpoint at 0 restored before each), against a plain forward of the n tokens: wall milliseconds, median of
+// `reps`, and the position the checkpoint was taken at (anchor_from_chunk_states may take it up to 63 earlier).
+Status anchor_rows(cuda::CudaBackendApi& b, const std::vector<int64_t>& lengths, int reps, nlohmann::json& out) {
+  std::printf("\n%10s %8s %14s %12s %14s\n", "prompt", "split", "checkpoint at", "fwc ms", "forward ms");
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int32_t> id(0, b.config().vocab_size - 1);
+  auto seq = b.new_sequence();
+  if (!seq) return error(ErrorCode::internal, "cannot allocate a sequence");
+  const std::unique_ptr<Checkpoint> empty = seq->checkpoint();
+  if (!empty) return error(ErrorCode::internal, "cannot allocate a checkpoint");
+  for (int64_t n : lengths) {
+    if (n <= 6 || n > 4096) continue;  // a chat's first turn
+    std::vector<int32_t> tokens(static_cast<size_t>(n));
+    for (auto& t : tokens) t = id(rng);
+    const int64_t split = n - 6;
+    std::vector<double> fwc, plain;
+    int64_t at = 0;
+    for (int r = 0; r <= reps; ++r) {  // the first of each untimed (warm-up)
+      RETURN_IF_ERROR(seq->restore(*empty));
+      auto t0 = std::chrono::steady_clock::now();
+      ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> cp,
+                       b.forward_with_checkpoint(*seq, tokens, split, LogitsRows::none, nullptr));
+      auto t1 = std::chrono::steady_clock::now();
+      RETURN_IF_ERROR(seq->restore(*empty));
+      auto t2 = std::chrono::steady_clock::now();
+      RETURN_IF_ERROR(b.forward(*seq, tokens, LogitsRows::none, nullptr));
+      auto t3 = std::chrono::steady_clock::now();
+      at = cp ? cp->n_tokens() : -1;
+      if (r == 0) continue;
+      fwc.push_back(std::chrono::duration<double, std::milli>(t1 - t0).count());
+      plain.push_back(std::chrono::duration<double, std::milli>(t3 - t2).count());
+    }
+    std::sort(fwc.begin(), fwc.end());
+    std::sort(plain.begin(), plain.end());
+    const double fwc_ms = fwc[fwc.size() / 2], plain_ms = plain[plain.size() / 2];
+    std::printf("%10lld %8lld %14lld %12.2f %14.2f\n", (long long)n, (long long)split, (long long)at, fwc_ms,
+                plain_ms);
+    std::fflush(stdout);
+    out.push_back({{"length", n}, {"split", split}, {"checkpoint_at", at}, {"forward_with_checkpoint_ms", fwc_ms},
+                   {"forward_ms", plain_ms}});
+  }
+  return ok_status();
+}
 
 Status set_option(const OptionKey& k, const std::string& v, cuda::CudaBackendOptions& o) {
   if (k.flag) {
@@ -169,6 +217,7 @@ Status run_one(const BenchArgs& a, std::shared_ptr<const ModelWeights> weights, 
       row["device_bytes_in_use"] = used;
       out["prefill"].push_back(row);
     }
+    RETURN_IF_ERROR(anchor_rows(*backend, a.lengths, a.reps, out["anchor_checkpoint"]));
     const int64_t pn = std::min<int64_t>(a.profile_context, a.prefill_chunk);
     std::vector<cuda::KernelTiming> kernels;
     RETURN_IF_ERROR(backend->time_prefill(*seq, pn, &kernels).status());
@@ -289,7 +338,7 @@ void setup(CLI::App& app) {
                   "backend option sets, each run in full on one loaded model: key=value,...;key=value,... "
                   "(keys: gdn_scan, wgmma, moe_wgmma, moe_wgmma_min_rows, attn_wgmma, moe_fused, gdn_fused, attn_fused, "
                   "moe_select_in_experts, "
-                  "decode_rows_max, sequence_pool, decode_prefetch)");
+                  "decode_rows_max, sequence_pool, decode_prefetch, anchor_from_chunk_states)");
   cmd->add_flag("--moe-wgmma,!--no-moe-wgmma", a->moe_wgmma,
                 "prefill expert GEMMs on the wgmma kernel (default, for 4,096-row chunks) or on mma.sync");
   cmd->add_flag("--attn-wgmma,!--no-attn-wgmma", a->attn_wgmma,

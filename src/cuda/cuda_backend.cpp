@@ -108,6 +108,7 @@ class CudaBackend final : public CudaBackendApi {
   size_t weight_bytes_per_token() const override { return model_->decode_weight_bytes(); }
   std::string device_name() const override { return device_name_; }
   void set_decode_rows_max(int rows) override { options_.decode_rows_max = rows; }
+  void set_anchor_from_chunk_states(bool on) override { options_.anchor_from_chunk_states = on; }
   void set_sequence_pool(int max_parked) override {
     options_.sequence_pool = max_parked;
     std::lock_guard lock(pool_->mu);
@@ -129,6 +130,8 @@ class CudaBackend final : public CudaBackendApi {
   Status prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits, Profiler* prof,
                  int64_t split = 0, CudaCheckpoint* cp = nullptr);
   Status copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, int layer);
+  GdnPrefillParams gdn_shape(int T) const;
+  int64_t checkpoint_row(int64_t T, int64_t split) const;
   Status upload_tokens(std::span<const int32_t> ids);
 
   std::shared_ptr<const ModelWeights> weights_;
@@ -429,7 +432,9 @@ Status CudaBackend::ensure_prefill_scratch() {
 // 65504 range). Leaves the final residual
 // rows in ph_ for the lm_head. With 0 < split < T, each Gated DeltaNet layer scans rows [0, split), copies its conv
 // ring and state S into *cp (the state at pos0 + split), then scans [split, T): the same two gdn_prefill calls as
-// two chunks would make, while every other kernel still runs once over the T rows.
+// two chunks would make, while every other kernel still runs once over the T rows. With anchor_from_chunk_states,
+// a split at a multiple of 64 rows and a scan that stores its chunk states, each layer scans the T rows once and
+// copies the state at the split out of the scan's scratch instead (gdn_prefill_checkpoint).
 Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof, int split,
                                   CudaCheckpoint* cp) {
   const ModelConfig& c = config();
@@ -447,8 +452,12 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
     if (L.type == LayerType::linear_attention) {
       STEP_OP("qgemm gdn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
       const bool split_here = cp && split > 0 && split < T;
-      for (int part = 0; part < (split_here ? 2 : 1); ++part) {
-        const int r0 = part == 0 ? 0 : split, Tp = split_here ? (part == 0 ? split : T - split) : T;
+      // The checkpoint from the scan's stored chunk states (checkpoint_row chose such a split): one call.
+      const bool from_states = split_here && options_.anchor_from_chunk_states && split % kGdnPrefillChunkRows == 0 &&
+                               gdn_prefill_stores_chunk_states(gdn_shape(T));
+      const bool two_calls = split_here && !from_states;
+      for (int part = 0; part < (two_calls ? 2 : 1); ++part) {
+        const int r0 = part == 0 ? 0 : split, Tp = two_calls ? (part == 0 ? split : T - split) : T;
         GdnPrefillParams g{pproj_.ptr + static_cast<size_t>(r0) * in.rows, Tp, pos0 + r0, s.conv[l]->ptr, L.conv_w,
                            L.A_log, L.dt_bias, s.S[l]->ptr, c.linear_num_key_heads, c.linear_num_value_heads,
                            c.linear_key_head_dim, c.linear_value_head_dim, c.linear_conv_kernel_dim, L.gdn_norm,
@@ -456,7 +465,10 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
                            pscratch_.bytes(), options_.gdn_scan_variant};
         STEP_OP("gdn_prefill", 2.0 * s.S[l]->bytes(), gdn_prefill(g, stream_),
                 4.0 * Tp * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim);
-        if (split_here && part == 0) RETURN_IF_ERROR(copy_recurrent(s, *cp, static_cast<int>(l)));
+        if (two_calls && part == 0) RETURN_IF_ERROR(copy_recurrent(s, *cp, static_cast<int>(l)));
+        if (from_states)  // before the MoE block reuses the scratch
+          STEP_OP("gdn_checkpoint", 2.0 * (cp->S[l]->bytes() + cp->conv[l]->bytes()),
+                  gdn_prefill_checkpoint(g, split, cp->S[l]->ptr, cp->conv[l]->ptr, stream_));
       }
       QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0, options_.dense_wgmma};
       STEP_OP("qgemm gdn_out", out.bytes(), qgemm(gout, stream_), 2.0 * rows * out.rows * out.cols);
@@ -498,6 +510,30 @@ Status CudaBackend::copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, in
   CUDA_RETURN(cudaMemcpyAsync(cp.S[l]->ptr, s.S[l]->ptr, s.S[l]->bytes(), cudaMemcpyDeviceToDevice, stream_),
               "checkpoint");
   return ok_status();
+}
+
+// The shape of the Gated DeltaNet scan over a T-row prefill chunk, for gdn_prefill_stores_chunk_states.
+GdnPrefillParams CudaBackend::gdn_shape(int T) const {
+  const ModelConfig& c = config();
+  GdnPrefillParams g;
+  g.T = T;
+  g.n_k = c.linear_num_key_heads, g.n_v = c.linear_num_value_heads;
+  g.d_k = c.linear_key_head_dim, g.d_v = c.linear_value_head_dim, g.kernel = c.linear_conv_kernel_dim;
+  g.scan_variant = options_.gdn_scan_variant;
+  return g;
+}
+
+// Where forward_with_checkpoint of T prefill rows takes the checkpoint asked at `split` (rows from the call's
+// start). With anchor_from_chunk_states: the last multiple of 64 rows at or before the split, counted from the start
+// of the prefill chunk that holds it, when that chunk's scan stores its chunk states and the multiple is past the
+// chunk's start (split - 63 <= row <= split, Backend::kCheckpointEarly: the next turn prefills the difference
+// again). Otherwise the split.
+int64_t CudaBackend::checkpoint_row(int64_t T, int64_t split) const {
+  static_assert(kGdnPrefillChunkRows - 1 <= Backend::kCheckpointEarly, "the contract's slack");
+  const int64_t C = options_.prefill_chunk, off = split / C * C, in_chunk = split - off;
+  if (!options_.anchor_from_chunk_states || in_chunk < kGdnPrefillChunkRows) return split;
+  if (!gdn_prefill_stores_chunk_states(gdn_shape(static_cast<int>(std::min(C, T - off))))) return split;
+  return off + in_chunk / kGdnPrefillChunkRows * kGdnPrefillChunkRows;
 }
 
 // Prefills the T tokens in tokens_ (device) in chunks; logits of the rows asked for go to the host. With cp, the
@@ -629,10 +665,11 @@ Result<std::unique_ptr<Checkpoint>> CudaBackend::forward_with_checkpoint(Sequenc
     RETURN_IF_ERROR(forward(*s, tail, rows, logits));
     return cp;
   }
-  std::unique_ptr<CudaCheckpoint> cp = s->empty_checkpoint(s->n + split);
+  const int64_t at = checkpoint_row(T, split);  // split - 63 <= at <= split (engine/backend.h)
+  std::unique_ptr<CudaCheckpoint> cp = s->empty_checkpoint(s->n + at);
   RETURN_IF_ERROR(upload_tokens(tokens));
   if (rows != LogitsRows::none) logits->resize(static_cast<size_t>((rows == LogitsRows::all ? T : 1) * V));
-  RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr, cp ? split : 0, cp.get()));
+  RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr, cp ? at : 0, cp.get()));
   CUDA_RETURN(cudaStreamSynchronize(stream_), "prefill");
   if (rows == LogitsRows::all) logits->erase(logits->begin(), logits->begin() + split * V);
   return std::unique_ptr<Checkpoint>(std::move(cp));

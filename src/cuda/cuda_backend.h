@@ -56,6 +56,12 @@ struct CudaBackendOptions {
   // Decode, three-kernel MoE chain: the expert kernels select the experts from the router logits (where their
   // shapes allow; see select_in_expert_kernels) or, false, moe_route selects them.
   bool moe_select_in_experts = true;
+  // forward_with_checkpoint (the engine's chat anchor): take the checkpoint at the last multiple of 64 rows at or
+  // before the split (from the start of the prefill chunk) when the Gated DeltaNet scan of that chunk stores its
+  // chunk states (scan variants 11-14; the default from 512 rows): each layer scans once and its state there is copied
+  // out of the scan's scratch (gdn_prefill_checkpoint), instead of two gdn_prefill calls split at the anchor. The
+  // next turn resumes up to 63 tokens earlier. Off: today's two calls. UNVERIFIED ON GPU.
+  bool anchor_from_chunk_states = false;
 };
 
 // One kernel launch of a profiled step.
@@ -94,6 +100,7 @@ class CudaBackendApi : public Backend {
   virtual std::string device_name() const = 0;
   // Test and bench hooks: the options above that choose between equivalent paths, changed after construction.
   virtual void set_decode_rows_max(int rows) = 0;
+  virtual void set_anchor_from_chunk_states(bool on) = 0;
   virtual void set_sequence_pool(int max_parked) = 0;
   virtual GraphCaptureStats graph_capture_stats() const = 0;
 };

@@ -63,6 +63,12 @@ class Backend {
   // forward(first split) + checkpoint() + forward(rest); a backend whose prefill can copy its recurrent state in
   // mid-call (CUDA) does it in one pass, so the few tokens after a chat prompt's anchor cost a few rows, not a
   // forward of their own.
+  // The checkpoint may instead be taken a little earlier, where the backend has the state without another pass
+  // (CUDA with anchor_from_chunk_states: the last 64-row boundary of its chunked scan): at p = cp->n_tokens()
+  // (relative to the sequence) with split - kCheckpointEarly <= p <= split and p past the call's first token.
+  // The caller keeps it at p; a later request resuming there prefills tokens [p, ...) again. The default (and
+  // the CPU backend) take it at the split exactly.
+  static constexpr int64_t kCheckpointEarly = 63;
   virtual Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq,
                                                                       std::span<const int32_t> tokens, int64_t split,
                                                                       LogitsRows rows, std::vector<float>* logits) {

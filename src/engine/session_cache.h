@@ -27,9 +27,11 @@ struct CachedSequence {
   std::vector<int32_t>
       tokens;  // exactly the tokens `state` has consumed (tokens.size() == state->n_tokens())
   std::map<int64_t, std::shared_ptr<const Checkpoint>> checkpoints;  // position -> recurrent state there
-  // The last request's generation-prompt position (its last <|im_start|>). A later request that resumes at or
-  // after it continues this conversation and takes the entry over; one that resumes earlier (an edited older
-  // message, another conversation with the same system prompt) forks a copy so that this one stays intact.
+  // The last request's generation-prompt position (its last <|im_start|>), or the position of the checkpoint
+  // taken for it when the backend took that a little earlier (Backend::forward_with_checkpoint). A later
+  // request that resumes at or after it continues this conversation and takes the entry over; one that
+  // resumes earlier (an edited older message, another conversation with the same system prompt) forks a copy
+  // so that this one stays intact.
   int64_t anchor = 0;
   std::vector<int64_t>
       recent_marks;  // anchor/end checkpoint positions of the last requests (pruning keeps them)

@@ -3,7 +3,9 @@
 //  (the
 //    recurrent region copied as one block), a clone and a checkpoint restored into the clone continue as the
 //    original, a pooled sequence (storage and graphs reused) generates as a fresh one, a short forward
-//    through decode steps (decode_rows_max) agrees with the prefill path;
+//    through decode steps (decode_rows_max) agrees with the prefill path; anchor_from_chunk_states's
+//    checkpoint (taken at the last 64-row boundary before the split from the scan's stored chunk states)
+//    continues as an uninterrupted forward and holds the state of the option-off split there bit for bit;
 //  - TtftBreakdown.FullModel (synthetic full geometry, 32K capacity): first the two routes of the 6-token
 //  forward
 //    after the anchor checked against each other, then a table of wall times (cudaDeviceSynchronize around
@@ -286,6 +288,109 @@ TEST(CudaSequenceStorage, ForwardWithCheckpointMatchesThreeCalls) {
   EXPECT_FALSE(b.forward_with_checkpoint(*s, part(tokens, 0, 10), 0, LogitsRows::none, nullptr).ok());
 }
 
+// The recurrent state a checkpoint holds (every Gated DeltaNet layer's conv ring, then every S), on the host.
+std::vector<float> checkpoint_state(const Checkpoint& base) {
+  const auto* cp = dynamic_cast<const cuda::CudaCheckpoint*>(&base);
+  EXPECT_TRUE(cp);
+  std::vector<float> out;
+  if (!cp) return out;
+  for (const auto* views : {&cp->conv, &cp->S})
+    for (const auto& v : *views) {
+      if (!v) continue;
+      const size_t at = out.size();
+      out.resize(at + v->n);
+      EXPECT_EQ(cudaMemcpy(out.data() + at, v->ptr, v->bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+    }
+  return out;
+}
+
+size_t count_differ(const std::vector<float>& a, const std::vector<float>& b) {
+  size_t n = a.size() != b.size() ? std::max(a.size(), b.size()) : 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) n += a[i] != b[i];
+  return n;
+}
+
+// anchor_from_chunk_states on a chat-shaped call: forward_with_checkpoint of T rows asked to split at
+// `split` returns the checkpoint at `at`, the last multiple of 64 rows before it (the scan's stored chunk
+// state). Checked:
+//  - the call's own last logits against one uninterrupted forward of the T tokens: the same kernels on the
+//    same rows (the option only adds copies out of the scan's scratch), so within expect_same's 4 ULP;
+//  - restoring the checkpoint and prefilling tokens [at, T) against that forward: within the prefill's own
+//    tolerance (the tail's scan is a shorter call of another variant);
+//  - the checkpoint's state (conv rings and S) against the option off with the split at `at` itself (the
+//    first of two gdn_prefill calls, `at` rows, leaves S): bit for bit. Every kernel other than the scan sees
+//    the same T rows in both and rows < at identical inputs layer after layer; the scan's stored chunk state
+//    is the final S of the at-row call (CudaGdnPrefill.CheckpointFromChunkStatesEqualsShorterCall);
+//  - and against a sequence forwarded exactly `at` tokens in one call: within 2e-2 relative (L2), the
+//    bit-identical count printed; the GEMMs and attention there see `at` rows, not T (other row tiles, KV
+//    splits).
+// Then the same at full geometry in TtftBreakdown.FullModel (1,025 rows split at 1,019).
+void check_anchor_from_chunk_states(cuda::CudaBackendApi& b, const std::vector<int32_t>& tokens, int T,
+                                    int split, int at, const char* what) {
+  SCOPED_TRACE(std::string(what) + ": " + std::to_string(T) + " rows, split " + std::to_string(split));
+  const int64_t V = b.config().vocab_size;
+  std::vector<float> ref, got, resumed;
+  auto a = b.new_sequence(), c = b.new_sequence(), e = b.new_sequence(), f = b.new_sequence();
+  ASSERT_TRUE(a && c && e && f);
+  ASSERT_TRUE(b.forward(*a, part(tokens, 0, T), LogitsRows::last, &ref).ok());
+  b.set_anchor_from_chunk_states(true);
+  auto cp = b.forward_with_checkpoint(*c, part(tokens, 0, T), split, LogitsRows::last, &got);
+  b.set_anchor_from_chunk_states(false);
+  ASSERT_TRUE(cp.ok()) << cp.status().message();
+  ASSERT_TRUE(*cp) << "no checkpoint (out of device memory?)";
+  EXPECT_EQ((*cp)->n_tokens(), at);
+  EXPECT_EQ(c->n_tokens(), T);
+  expect_same(ref, got, (std::string(what) + ", the call's last logits vs one forward").c_str());
+  ASSERT_TRUE(c->restore(**cp).ok());
+  ASSERT_TRUE(b.forward(*c, part(tokens, at, T - at), LogitsRows::last, &resumed).ok());
+  const Diff dr = diff(ref, resumed, V);
+  EXPECT_LE(dr.rel, 2e-2);
+  auto cp_off = b.forward_with_checkpoint(*e, part(tokens, 0, T), at, LogitsRows::none, nullptr);
+  ASSERT_TRUE(cp_off.ok()) << cp_off.status().message();
+  ASSERT_TRUE(*cp_off);
+  ASSERT_TRUE(b.forward(*f, part(tokens, 0, at), LogitsRows::none, nullptr).ok());
+  auto cp_plain = f->checkpoint();
+  ASSERT_TRUE(cp_plain);
+  const auto st = checkpoint_state(**cp), st_off = checkpoint_state(**cp_off);
+  const auto st_plain = checkpoint_state(*cp_plain);
+  ASSERT_FALSE(st.empty());
+  const size_t differ_off = count_differ(st, st_off), differ_plain = count_differ(st, st_plain);
+  double num = 0, den = 0;
+  for (size_t i = 0; i < std::min(st.size(), st_plain.size()); ++i) {
+    num += (double(st[i]) - st_plain[i]) * (double(st[i]) - st_plain[i]);
+    den += double(st_plain[i]) * st_plain[i];
+  }
+  const double rel_plain = std::sqrt(num / std::max(den, 1e-30));
+  EXPECT_EQ(differ_off, 0u) << "state vs the option off split at " << at;
+  EXPECT_LE(rel_plain, 2e-2) << "state vs a forward of " << at << " tokens";
+  std::printf(
+      "[%s] anchor_from_chunk_states, %d rows split %d: checkpoint at %lld; resumed there + %d rows: "
+      "last logits rel. error %.3g (top-1 %d/%d) vs one forward; state (%zu values) vs the option off "
+      "split at %d: %zu differ; vs a %d-token forward: %zu differ, rel. error %.3g\n",
+      what, T, split, (long long)(*cp)->n_tokens(), T - at, dr.rel, dr.top1, dr.rows, st.size(), at,
+      differ_off, at, differ_plain, rel_plain);
+}
+
+TEST(CudaSequenceStorage, AnchorCheckpointFromChunkStates) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("small");
+  auto made = backend(w, 2048);
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  cuda::CudaBackendApi& b = **made;
+  const auto tokens = random_tokens(1025, 71);
+  check_anchor_from_chunk_states(b, tokens, 1025, 1019, 960, "small");
+  check_anchor_from_chunk_states(b, tokens, 900, 700, 640, "small");
+  // Where the scan stores no chunk states or the split is within the first 64 rows: at the split exactly.
+  for (auto [T, split] : {std::pair{300, 200}, std::pair{900, 50}}) {  // 300 rows: variant 10
+    b.set_anchor_from_chunk_states(true);
+    auto s = b.new_sequence();
+    auto cp = b.forward_with_checkpoint(*s, part(tokens, 0, T), split, LogitsRows::none, nullptr);
+    b.set_anchor_from_chunk_states(false);
+    ASSERT_TRUE(cp.ok() && *cp) << T;
+    EXPECT_EQ((*cp)->n_tokens(), split) << T;
+  }
+}
+
 // ---- the per-request breakdown (full geometry)
 // ---------------------------------------------------------------
 
@@ -388,11 +493,13 @@ void engine_ttft(std::unique_ptr<cuda::CudaBackendApi> owned, const Tokenizer& t
     int rows, pool;
     bool clear;  // empty the session cache after each request, as a full cache evicts one entry per new
                  // request
+    bool anchor_from_chunk_states = false;
   };
   const Case cases[] = {{"today", 1, 0, false},
                         {"decode_rows_max 8", 8, 0, false},
                         {"sequence_pool 1 (cache emptied after each)", 1, 1, true},
-                        {"decode_rows_max 8 + sequence_pool 1 (emptied)", 8, 1, true}};
+                        {"decode_rows_max 8 + sequence_pool 1 (emptied)", 8, 1, true},
+                        {"anchor_from_chunk_states", 1, 0, false, true}};
   std::printf("\n%-50s %11s %10s %11s\n", "engine, 1,026-token prompt, greedy", "first TTFT", "median",
               "prefill_ms");
   uint32_t seed = 200;
@@ -400,6 +507,7 @@ void engine_ttft(std::unique_ptr<cuda::CudaBackendApi> owned, const Tokenizer& t
     engine.clear_cache();
     b.set_decode_rows_max(c.rows);
     b.set_sequence_pool(c.pool);
+    b.set_anchor_from_chunk_states(c.anchor_from_chunk_states);
     std::vector<double> ttft, prefill;
     for (int rep = 0; rep < 6; ++rep) {
       GenerationRequest r;
@@ -420,6 +528,7 @@ void engine_ttft(std::unique_ptr<cuda::CudaBackendApi> owned, const Tokenizer& t
   engine.clear_cache();
   b.set_decode_rows_max(1);
   b.set_sequence_pool(0);
+  b.set_anchor_from_chunk_states(false);
 }
 
 TEST(TtftBreakdown, FullModel) {
@@ -471,6 +580,7 @@ TEST(TtftBreakdown, FullModel) {
         "logits rel. error %.3g, top-1 %d/%d\n",
         kAnchor, kAnchor + kTail, kTail, dc.rel, dc.top1, dc.rows);
     EXPECT_LE(dc.rel, 2e-2);
+    check_anchor_from_chunk_states(b, prompt, kAnchor + kTail, kAnchor, kAnchor / 64 * 64, "full");
   }
 
   // 2. Every step of one request as Engine::generate runs it (reuse_cache: checkpoints at the anchor and at
@@ -490,6 +600,7 @@ TEST(TtftBreakdown, FullModel) {
                            {"6 single-token forward calls (decode graph, a sync each)", {}},
                            {"destroy the sequence (cudaFree) + its checkpoints", {}},
                            {"forward_with_checkpoint 1025 rows, split 1019 (fresh seq)", {}},
+                           {"  the same, anchor_from_chunk_states (checkpoint at 960)", {}},
                            {"before this branch: new_sequence (81 cudaMalloc + cudaMemset)", {}},
                            {"before this branch: one checkpoint (60 x cudaMalloc+Memset+Memcpy)", {}},
                            {"before this branch: free a sequence and one checkpoint", {}}};
@@ -532,7 +643,17 @@ TEST(TtftBreakdown, FullModel) {
       EXPECT_TRUE(cp.ok()) << cp.status().message();
     }));
     s.reset();
-    old_storage_pattern(w->config, 32768, rows[14], rows[15], rows[16]);
+    s = b.new_sequence();
+    ASSERT_TRUE(s);
+    b.set_anchor_from_chunk_states(true);
+    rows[i++].ms.push_back(sync_ms([&] {
+      auto cp =
+          b.forward_with_checkpoint(*s, part(p, 0, kAnchor + kTail), kAnchor, LogitsRows::none, nullptr);
+      EXPECT_TRUE(cp.ok()) << cp.status().message();
+    }));
+    b.set_anchor_from_chunk_states(false);
+    s.reset();
+    old_storage_pattern(w->config, 32768, rows[15], rows[16], rows[17]);
   }
   print_rows(rows);
   auto med = [&](int r) { return median(std::vector<double>(rows[r].ms.begin() + 1, rows[r].ms.end())); };
@@ -540,7 +661,7 @@ TEST(TtftBreakdown, FullModel) {
   std::printf(
       "sum of the steps a request takes (this branch, engine unchanged): %.2f ms; with the storage "
       "before this branch: %.2f ms\n",
-      today, today - med(0) - med(2) - med(4) + med(14) + 2 * med(15));
+      today, today - med(0) - med(2) - med(4) + med(15) + 2 * med(16));
   std::printf("  of which beyond the 1019-token prefill: %.2f ms\n", today - med(1));
   std::printf(
       "  with the 6 tokens as decode steps (first on the sequence): %.2f ms; with a pooled sequence "
@@ -551,6 +672,10 @@ TEST(TtftBreakdown, FullModel) {
       "pooled sequence: %.2f ms\n",
       today - med(1) - med(2) - med(3) + med(13),
       today - med(1) - med(2) - med(3) + med(13) - med(5) + med(7));
+  std::printf(
+      "  anchor_from_chunk_states: forward_with_checkpoint %.2f -> %.2f ms (%+.2f ms; the plain "
+      "1019-row prefill: %.2f ms); the next turn prefills 59 more rows\n",
+      med(13), med(14), med(14) - med(13), med(1));
   const cuda::GraphCaptureStats gs = b.graph_capture_stats();
   std::printf("graph captures: %d, %.3f ms capture + %.3f ms instantiate each\n", gs.captures,
               gs.capture_ms / std::max(gs.captures, 1), gs.instantiate_ms / std::max(gs.captures, 1));

@@ -4,6 +4,8 @@
 // budget.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "test_engine_util.h"
 #include "tokenizer/chat_format.h"
 
@@ -64,6 +66,96 @@ TEST(EngineSessions, FiveTurnChatReusesThePreviousTurnAndMatchesNoReuse) {
   EXPECT_EQ(s.cache_misses, 1u);
   EXPECT_EQ(s.cache_entries, 1u);
   EXPECT_GT(s.cache_bytes, 0u);
+}
+
+// The CPU backend, but forward_with_checkpoint takes its checkpoint `lead` tokens before the split (never at
+// or before the call's first token), as Backend::forward_with_checkpoint allows (the CUDA backend does so
+// from its chunked scan's stored states); every call's start position and length is logged.
+class EarlyCheckpointBackend final : public Backend {
+ public:
+  explicit EarlyCheckpointBackend(int64_t lead) : cpu_(tiny_backend()), lead_(lead) {}
+  const char* name() const override { return "cpu-early-checkpoint"; }
+  const ModelConfig& config() const override { return cpu_->config(); }
+  std::unique_ptr<SequenceState> new_sequence() override { return cpu_->new_sequence(); }
+  Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
+                 std::vector<float>* logits) override {
+    calls.push_back({seq.n_tokens(), static_cast<int64_t>(tokens.size())});
+    return cpu_->forward(seq, tokens, rows, logits);
+  }
+  Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq,
+                                                              std::span<const int32_t> tokens, int64_t split,
+                                                              LogitsRows rows,
+                                                              std::vector<float>* /*logits*/) override {
+    if (split <= 0 || split >= static_cast<int64_t>(tokens.size()))
+      return invalid_argument("split %lld", (long long)split);
+    if (rows != LogitsRows::none) return invalid_argument("this test backend gives no logits here");
+    const int64_t at = std::max<int64_t>(1, split - lead_), start = seq.n_tokens();
+    calls.push_back({start, static_cast<int64_t>(tokens.size())});
+    RETURN_IF_ERROR(cpu_->forward(seq, tokens.first(static_cast<size_t>(at)), LogitsRows::none, nullptr));
+    std::unique_ptr<Checkpoint> cp = seq.checkpoint();
+    RETURN_IF_ERROR(cpu_->forward(seq, tokens.subspan(static_cast<size_t>(at)), LogitsRows::none, nullptr));
+    fwc_start = start, asked_at = start + split, checkpoint_at = cp->n_tokens();
+    return cp;
+  }
+  struct Call {
+    int64_t start, n;
+  };
+  std::vector<Call> calls;
+  int64_t fwc_start = -1, asked_at = -1, checkpoint_at = -1;  // the last forward_with_checkpoint's
+
+ private:
+  std::unique_ptr<Backend> cpu_;
+  int64_t lead_;
+};
+
+// A backend that takes the anchor's checkpoint early (5 tokens, and the contract's most, 63: then at the
+// call's second token for these short prompts): each turn of a chat resumes from that position, prefills the
+// prompt from there, takes the entry over (no fork) and generates the same tokens as without the cache.
+TEST(EngineSessions, AnchorCheckpointTakenEarlyResumesThere) {
+  for (int64_t lead : {5, 63}) {
+    SCOPED_TRACE("lead " + std::to_string(lead));
+    auto owned = std::make_unique<EarlyCheckpointBackend>(lead);
+    EarlyCheckpointBackend& b = *owned;
+    Engine engine(std::move(owned), tiny_model().tokenizer, EngineOptions{});
+    json messages = json::array();
+    messages.push_back(
+        {{"role", "system"}, {"content", "You are terse; answer in a few words, never more."}});
+    const char* questions[] = {"Name a large river in Europe.", "And one in Asia?", "Which is longer?"};
+    int64_t previous_cp = -1;
+    for (int turn = 0; turn < 3; ++turn) {
+      messages.push_back({{"role", "user"}, {"content", questions[turn]}});
+      b.calls.clear();
+      b.fwc_start = b.checkpoint_at = b.asked_at = -1;
+      std::string reply;
+      GenerationResult with = run(engine, chat_request(messages, true), &reply);
+      ASSERT_FALSE(b.calls.empty());
+      const int64_t cp_at = b.checkpoint_at, asked = b.asked_at;
+      // The anchor (the last <|im_start|>) was asked for and the checkpoint taken `lead` before it.
+      const std::vector<int32_t> prompt = render(messages);
+      const auto last_im_start =
+          std::find(prompt.rbegin(), prompt.rend(), tiny_model().tokenizer.token_id("<|im_start|>"));
+      EXPECT_EQ(asked, static_cast<int64_t>(prompt.rend() - last_im_start) - 1);
+      EXPECT_EQ(cp_at, std::max<int64_t>(b.fwc_start + 1, asked - lead));
+      EXPECT_LT(cp_at, asked);
+      if (turn == 0) {
+        EXPECT_EQ(with.cached_tokens, 0);
+      } else {
+        EXPECT_EQ(with.cached_tokens, previous_cp) << "turn " << turn + 1 << " resumes at the checkpoint";
+        EXPECT_EQ(b.calls.front().start, previous_cp) << "and prefills the prompt from there";
+      }
+      GenerationResult without = run(engine, chat_request(messages, false));
+      EXPECT_EQ(with.tokens, without.tokens) << "turn " << turn + 1;
+      std::printf("lead %lld, turn %d: prompt %d tokens, anchor %lld, checkpoint at %lld, cached %d\n",
+                  (long long)lead, turn + 1, with.prompt_tokens, (long long)asked, (long long)cp_at,
+                  with.cached_tokens);
+      previous_cp = cp_at;
+      messages.push_back({{"role", "assistant"}, {"content", "Sure."}, {"reasoning_content", reply}});
+    }
+    EngineStats s = engine.stats();
+    EXPECT_EQ(s.cache_hits, 2u);
+    EXPECT_EQ(s.cache_misses, 1u);
+    EXPECT_EQ(s.cache_entries, 1u) << "each turn took the entry over (a fork would leave two)";
+  }
 }
 
 TEST(EngineSessions, ResumesFromTheLatestGridCheckpointInsideTheSharedPrefix) {

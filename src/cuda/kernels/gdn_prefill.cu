@@ -57,6 +57,9 @@
 //    (teacher-forced full4, 512 positions: 3.03e-3 both); the default from kSplitMinT rows.
 // 3. gdn_norm, block per row: eq 19 x = norm_w * o / RMS(o_head) * silu(z) in fp16 (as gdn.cu's fused norm), and the
 //    rows t >= T-K copy their pre-conv vector into ring slot (pos0+t) mod K (after kernel 1 has read the ring).
+// gdn_prefill_checkpoint (no kernel: three device copies) then takes the state after a multiple of 64 rows out of a
+// split-path call: S_c from hs, the ring's K slots from the proj rows before it, as a call of only those rows would
+// have left them (the engine's anchor checkpoint without a second scan: CudaBackendOptions::anchor_from_chunk_states).
 //
 // Traffic (full geometry, per row): proj 49 KB read, scratch ~2 * 49 KB written and read, 8 KB fp16 out; S (2 MiB)
 // read and written once per call. The scan does 8 FLOPs per element of S per row, 4.2 MFLOP per row (17 GFLOP at
@@ -78,7 +81,7 @@ constexpr int kCols = 32;                     // columns of S per scan block
 constexpr int kRowsPerStage = 16;             // rows staged into shared memory at a time
 constexpr int kKernel = 4;
 constexpr int kScanVariants = 14;  // GdnPrefillParams::scan_variant
-constexpr int kChunk = 64;        // rows per chunk of the chunked formulation
+constexpr int kChunk = kGdnPrefillChunkRows;  // rows per chunk of the chunked formulation
 constexpr int kChunkedMinT = 256; // the default (scan_variant 0) takes the chunked path (10) from this many rows
 constexpr int kSplitMinT = 512;   // and the split chunked path (13) from this many (H200: 0.105 vs 0.099 ms at 256
                                   // rows, 0.146 vs 0.153 at 512, 0.962 vs 1.032 at 4096)
@@ -1212,12 +1215,17 @@ __global__ void __launch_bounds__(kThreads) gdn_norm_kernel(const __grid_constan
   }
 }
 
+// The scan variant gdn_prefill(p) runs: p.scan_variant, or for 0 the default by length.
+int resolved_variant(const GdnPrefillParams& p) {
+  if (p.scan_variant != 0) return p.scan_variant;
+  return p.d_v != p.d_k ? 5 : p.T >= kSplitMinT ? 13 : p.T >= kChunkedMinT ? 10 : 5;
+}
+
 template <int DK>
 cudaError_t launch(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream) {
   gdn_prep_kernel<DK><<<dim3((p.T + kPrepRows - 1) / kPrepRows, p.n_k), kThreads, 0, stream>>>(p, s);
   CUDA_TRY(cudaGetLastError());
-  const int by_length = p.d_v != DK ? 5 : p.T >= kSplitMinT ? 13 : p.T >= kChunkedMinT ? 10 : 5;
-  const int variant = p.scan_variant != 0 ? p.scan_variant : by_length;
+  const int variant = resolved_variant(p);
   const dim3 grid(p.n_v * (p.d_v / kCols));
   switch (variant) {
     case 1: gdn_scan_kernel<DK, 2><<<grid, 32 * kCols / 2, 0, stream>>>(p, s); break;
@@ -1240,6 +1248,19 @@ cudaError_t launch(const GdnPrefillParams& p, const Scratch& s, cudaStream_t str
   return cudaGetLastError();
 }
 
+// The shapes and arguments gdn_prefill takes.
+bool valid(const GdnPrefillParams& p) {
+  if (!p.proj || !p.conv_ring || !p.conv_w || !p.A_log || !p.dt_bias || !p.S || !p.norm_w || !p.out || !p.scratch)
+    return false;
+  if (p.T < 1 || p.pos0 < 0 || p.kernel != kKernel) return false;
+  if (p.scan_variant < 0 || p.scan_variant > kScanVariants) return false;
+  if (p.scan_variant >= 7 && p.d_v != p.d_k) return false;  // the chunked path: d_v = d_k
+  if (p.d_k != 64 && p.d_k != 128) return false;
+  if (p.d_v <= 0 || p.d_v % kCols != 0) return false;
+  if (p.n_k <= 0 || p.n_v <= 0 || p.n_v % p.n_k != 0) return false;
+  return p.scratch_bytes >= gdn_prefill_scratch_bytes(p.T, p.n_k, p.n_v, p.d_k, p.d_v);
+}
+
 }  // namespace
 
 size_t gdn_prefill_scratch_bytes(int T, int n_k, int n_v, int d_k, int d_v) {
@@ -1250,17 +1271,38 @@ size_t gdn_prefill_scratch_bytes(int T, int n_k, int n_v, int d_k, int d_v) {
 }
 
 cudaError_t gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream) {
-  if (!p.proj || !p.conv_ring || !p.conv_w || !p.A_log || !p.dt_bias || !p.S || !p.norm_w || !p.out || !p.scratch)
-    return cudaErrorInvalidValue;
-  if (p.T < 1 || p.pos0 < 0 || p.kernel != kKernel) return cudaErrorInvalidValue;
-  if (p.scan_variant < 0 || p.scan_variant > kScanVariants) return cudaErrorInvalidValue;
-  if (p.scan_variant >= 7 && p.d_v != p.d_k) return cudaErrorInvalidValue;  // the chunked path: d_v = d_k
-  if (p.d_k != 64 && p.d_k != 128) return cudaErrorInvalidValue;
-  if (p.d_v <= 0 || p.d_v % kCols != 0) return cudaErrorInvalidValue;
-  if (p.n_k <= 0 || p.n_v <= 0 || p.n_v % p.n_k != 0) return cudaErrorInvalidValue;
-  if (p.scratch_bytes < gdn_prefill_scratch_bytes(p.T, p.n_k, p.n_v, p.d_k, p.d_v)) return cudaErrorInvalidValue;
+  if (!valid(p)) return cudaErrorInvalidValue;
   const Scratch s = carve(p.scratch, p.T, p.n_k, p.n_v, p.d_k, p.d_v, nullptr);
   return p.d_k == 128 ? launch<128>(p, s, stream) : launch<64>(p, s, stream);
+}
+
+bool gdn_prefill_stores_chunk_states(const GdnPrefillParams& p) {
+  const int variant = resolved_variant(p);
+  return p.d_k == p.d_v && variant >= 11 && variant <= 14;
+}
+
+// Three copies on the stream: S from hs[row / 64], then the ring's slots as at most two runs of consecutive slots
+// (rows row-K .. row-1 go to slots (pos0 + row - K + i) % K, i = 0 .. K-1: from slot s0 = (pos0 + row) % K to K-1,
+// then 0 to s0-1), each run a pitched copy of proj rows (pitch: the proj row) into ring rows (pitch conv_dim).
+cudaError_t gdn_prefill_checkpoint(const GdnPrefillParams& p, int row, float* S_out, float* ring_out,
+                                   cudaStream_t stream) {
+  if (!valid(p) || !S_out || !ring_out || !gdn_prefill_stores_chunk_states(p)) return cudaErrorInvalidValue;
+  if (row <= 0 || row >= p.T || row % kChunk != 0) return cudaErrorInvalidValue;
+  const Scratch s = carve(p.scratch, p.T, p.n_k, p.n_v, p.d_k, p.d_v, nullptr);
+  const size_t state = static_cast<size_t>(p.n_v) * p.d_k * p.d_v;
+  CUDA_TRY(cudaMemcpyAsync(S_out, s.hs + static_cast<size_t>(row / kChunk) * state, state * sizeof(float),
+                           cudaMemcpyDeviceToDevice, stream));
+  const size_t conv_dim = static_cast<size_t>(2 * p.n_k * p.d_k + p.n_v * p.d_v);
+  const size_t stride = conv_dim + static_cast<size_t>(p.n_v) * p.d_v + 2 * p.n_v;  // floats per proj row
+  const int s0 = (p.pos0 + row) % kKernel, first = row - kKernel;  // proj row first goes to slot s0
+  const int runs[2][3] = {{s0, kKernel - s0, first}, {0, s0, first + kKernel - s0}};  // {slot, slots, proj row}
+  for (const auto& r : runs) {
+    if (r[1] == 0) continue;
+    CUDA_TRY(cudaMemcpy2DAsync(ring_out + static_cast<size_t>(r[0]) * conv_dim, conv_dim * sizeof(float),
+                               p.proj + static_cast<size_t>(r[2]) * stride, stride * sizeof(float),
+                               conv_dim * sizeof(float), static_cast<size_t>(r[1]), cudaMemcpyDeviceToDevice, stream));
+  }
+  return cudaSuccess;
 }
 
 }  // namespace lily::cuda

@@ -47,7 +47,26 @@ struct GdnPrefillParams {
   int scan_variant = 0;
 };
 
+// Rows per chunk of the chunked formulation (variants 7-14): the split chunked path stores the state at every
+// multiple of it.
+constexpr int kGdnPrefillChunkRows = 64;
+
 size_t gdn_prefill_scratch_bytes(int T, int n_k, int n_v, int d_k, int d_v);
 cudaError_t gdn_prefill(const GdnPrefillParams& p, cudaStream_t stream);
+
+// Whether gdn_prefill(p) runs the split chunked path (variants 11-14, given or chosen by length; d_k = d_v), which
+// leaves every chunk's start state in its scratch for gdn_prefill_checkpoint.
+bool gdn_prefill_stores_chunk_states(const GdnPrefillParams& p);
+
+// The conv ring and the state S as they were after the first `row` rows of the gdn_prefill(p) call just enqueued on
+// `stream` (before anything else writes p.scratch), without a second scan: S from the chunk-start state the scan
+// stored in scratch (hs[row / 64], fp32 [n_v, d_k, d_v], S's own layout; the very values the scan carried, so equal
+// to the final S of a call of only those rows, bit for bit), the ring's `kernel` slots from proj rows row-kernel ..
+// row-1 (position pos0 + t in slot (pos0 + t) % kernel, as gdn_norm writes them). Into S_out [n_v, d_k, d_v] and
+// ring_out [kernel, conv_dim]: device-to-device copies of n_v * d_k * d_v * 4 bytes (2 MiB at full geometry) and
+// kernel * conv_dim * 4 (128 KB). Needs gdn_prefill_stores_chunk_states(p) and `row` a multiple of 64 with
+// 0 < row < p.T; cudaErrorInvalidValue otherwise.
+cudaError_t gdn_prefill_checkpoint(const GdnPrefillParams& p, int row, float* S_out, float* ring_out,
+                                   cudaStream_t stream);
 
 }  // namespace lily::cuda

@@ -1,7 +1,8 @@
 // gdn_prefill (eqs 14-19 over T rows) against a host reference of the same equations written from
 // src/cpu/delta_net.cpp (double sums), against T decode steps (dispatch::gdn_step with its gated norm), one chunk
 // against two, the split chunked path against the unsplit one and its separate-accumulator form (13, 14) against
-// 11; plus a timing test (prints only).
+// 11, the state copied out of its stored chunk states (gdn_prefill_checkpoint) against a shorter call; plus a timing
+// test (prints only).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -444,6 +445,84 @@ TEST(CudaGdnPrefill, SeparateAccumulatorsWithinBound) {
     check_pair(kFull, T, 660 + T, 14, 13, 1e-6, 1e-6, 1e-6);
     check_pair(kTiny, T, 670 + T, 14, 13, 1e-6, 1e-6, 1e-6);
   }
+}
+
+// gdn_prefill_checkpoint after a T-row call of a split-path variant (11-14, or 0 from 512 rows) against a call of
+// only the first `row` rows (a multiple of 64) from the same state: S and the conv ring bit for bit. The chunked path
+// groups rows in 64-row chunks from the call's row 0, every chunk reads only its own rows and the carried state, and
+// the stored chunk-start state is the very fp32 value the state pass carries on, so both calls compute S after `row`
+// rows with the same kernels on the same operands; the ring slots are copies of proj values. pos0 is chosen so
+// that (pos0 + row) % 4, the slot of proj row row-4, takes every value (the ring copy's two runs).
+void check_checkpoint(const Geometry& g, int T, int row, int pos0, uint32_t seed, int variant) {
+  SCOPED_TRACE(std::string(g.name) + " T=" + std::to_string(T) + " row=" + std::to_string(row) + " pos0=" +
+               std::to_string(pos0) + " variant " + std::to_string(variant));
+  const Weights w = random_weights(g, seed);
+  const State st = random_state(g, seed + 10);
+  const auto proj = random_vector(static_cast<size_t>(T) * g.gdn_proj(), seed + 20);
+  const DeviceBuffer<float> d_proj(proj);
+  DeviceGdn whole(g, w, st, T), first(g, w, st, T);
+  whole.variant = first.variant = variant;
+  DeviceBuffer<float> S_cp(st.S.size()), ring_cp(st.ring.size());
+  const GdnPrefillParams p = whole.params(d_proj.get(), T, pos0, reinterpret_cast<__half*>(whole.out.get()));
+  ASSERT_TRUE(gdn_prefill_stores_chunk_states(p));
+  ASSERT_CUDA(gdn_prefill(p, nullptr));
+  ASSERT_CUDA(gdn_prefill_checkpoint(p, row, S_cp.get(), ring_cp.get(), nullptr));
+  ASSERT_CUDA(first.prefill(d_proj.get(), row, pos0));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  const auto s_cp = S_cp.download(), s_first = first.S.download();
+  size_t differ = 0;
+  for (size_t i = 0; i < s_cp.size(); ++i) differ += s_cp[i] != s_first[i];
+  EXPECT_EQ(differ, 0u) << "S elements not bit-identical";
+  EXPECT_EQ(ring_mismatches(ring_cp.download(), first.ring.download()), 0u) << "conv ring";
+  printf("[gdn_prefill checkpoint] %-4s T=%d, state after row %d (pos0 %d, variant %d): %zu of %zu S elements "
+         "differ from a %d-row call\n",
+         g.name, T, row, pos0, variant, differ, s_cp.size(), row);
+}
+
+TEST(CudaGdnPrefill, CheckpointFromChunkStatesEqualsShorterCall) {
+  SKIP_WITHOUT_GPU();
+  for (int variant : {11, 12, 13, 14}) {
+    check_checkpoint(kFull, 200, 64, 0, 700, variant);
+    check_checkpoint(kFull, 200, 192, 37, 701, variant);  // the last whole chunk before a partial one
+    check_checkpoint(kTiny, 130, 128, 3, 702, variant);
+  }
+  check_checkpoint(kFull, 600, 512, 2, 703, 0);  // the default from 512 rows (13)
+  check_checkpoint(kFull, 1025, 960, 1, 704, 0);  // the chat anchor's shape: 1,025 rows, split 1,019
+}
+
+TEST(CudaGdnPrefill, ChunkStatesPredicateAndCheckpointRejects) {
+  GdnPrefillParams p;
+  p.n_k = 16, p.n_v = 32, p.d_k = 128, p.d_v = 128;
+  for (int variant = 1; variant <= 14; ++variant) {
+    p.scan_variant = variant;
+    EXPECT_EQ(gdn_prefill_stores_chunk_states(p), variant >= 11) << "variant " << variant;
+  }
+  p.scan_variant = 0, p.T = 511;  // the default: 10 below 512 rows, 13 from 512
+  EXPECT_FALSE(gdn_prefill_stores_chunk_states(p));
+  p.T = 512;
+  EXPECT_TRUE(gdn_prefill_stores_chunk_states(p));
+  p.d_v = 64;  // the chunked path needs d_v = d_k
+  EXPECT_FALSE(gdn_prefill_stores_chunk_states(p));
+  p.d_v = 128;
+
+  float dummy[4];
+  __half out[4];
+  p.proj = p.conv_w = p.A_log = p.dt_bias = p.norm_w = dummy;
+  p.conv_ring = p.S = dummy;
+  p.out = out;
+  p.scratch = dummy;
+  p.scratch_bytes = ~size_t{0};
+  p.T = 200, p.scan_variant = 13;
+  for (int row : {0, 63, 65, 256})  // a multiple of 64 inside the call
+    EXPECT_EQ(gdn_prefill_checkpoint(p, row, dummy, dummy, nullptr), cudaErrorInvalidValue) << "row " << row;
+  EXPECT_EQ(gdn_prefill_checkpoint(p, 64, nullptr, dummy, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(gdn_prefill_checkpoint(p, 64, dummy, nullptr, nullptr), cudaErrorInvalidValue);
+  p.T = 256;
+  EXPECT_EQ(gdn_prefill_checkpoint(p, 256, dummy, dummy, nullptr), cudaErrorInvalidValue);  // row = T
+  p.scan_variant = 10;  // no stored chunk states
+  EXPECT_EQ(gdn_prefill_checkpoint(p, 64, dummy, dummy, nullptr), cudaErrorInvalidValue);
+  p.scan_variant = 13, p.kernel = 3;  // a shape gdn_prefill refuses
+  EXPECT_EQ(gdn_prefill_checkpoint(p, 64, dummy, dummy, nullptr), cudaErrorInvalidValue);
 }
 
 TEST(CudaGdnPrefill, RejectsBadShapes) {
