@@ -37,7 +37,7 @@ K=$B/tests/test_cuda_kernels
 E=$B/tests/test_cuda
 export LILY_TOKENIZER_DIR=$PWD/$TOK
 case "${STEPS:-}" in
-  part1) STEPS="probes qgemm_knobs attn_wgmma moe_wgmma moe_fused gdn_fused gdn_scan sample attn_fused prefetch e2e ttft" ;;
+  part1) STEPS="probes qgemm_knobs attn_wgmma moe_wgmma moe_fused gdn_fused gdn_scan sample attn_fused prefetch anchor e2e ttft" ;;
   part2) STEPS="sweeps decode_ab prefill_ab server_ttft" ;;
 esac
 want() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* || ( $1 == synth_full && " $STEPS " == *" server_ttft "* ) ]]; }
@@ -61,6 +61,7 @@ step gdn_scan    150 $K --gtest_filter='CudaGdnPrefill.*'
 step sample      60 $K --gtest_filter='CudaSample.*'
 step attn_fused  120 $K --gtest_filter='CudaAttnFused.*:CudaAttention.*'
 step prefetch    60 $K --gtest_filter='CudaL2Prefetch*'
+step anchor      90 $K --gtest_filter='CudaGdnPrefill.CheckpointFromChunkStates*:CudaGdnPrefill.ChunkStatesPredicate*'
 # 2. end to end against the CPU reference (every case, the new fused ones included), then the per-request costs
 step e2e         300 $E --gtest_filter='-TtftBreakdown.*'
 step ttft        200 $E --gtest_filter='TtftBreakdown.*'
@@ -69,8 +70,8 @@ step sweeps      240 $K --gtest_filter='CudaGdnPrefillBench.*:CudaQgemmWgmmaBenc
 step decode_ab   300 $B/lily bench --mode decode --contexts 4096,32768 --reps 3 \
   --variants ";decode_prefetch=1;decode_prefetch=2;gdn_fused=1;decode_prefetch=2,gdn_fused=1"
 # the 1K chunk's breakdown (the time to first token's prefill), and where the wgmma expert GEMMs start to win
-step prefill_ab  300 $B/lily bench --mode prefill --lengths 1024,2048 --profile-context 1024 --reps 3 \
-  --variants ";moe_wgmma_min_rows=1024;moe_wgmma_min_rows=2048"
+step prefill_ab  300 $B/lily bench --mode prefill --lengths 1025,2048 --profile-context 1024 --reps 3 \
+  --variants ";moe_wgmma_min_rows=1024;moe_wgmma_min_rows=2048;anchor_from_chunk_states=on"
 # time to first token through the server, with wip/next's per-request changes (needs a 20 GB model directory)
 if want server_ttft; then
   step synth_full  180 $B/lily synth --preset full --layout mlx --out /tmp/lily_full --tokenizer "$TOK"
