@@ -38,9 +38,10 @@ E=$B/tests/test_cuda
 export LILY_TOKENIZER_DIR=$PWD/$TOK
 case "${STEPS:-}" in
   part1) STEPS="probes qgemm_knobs attn_wgmma moe_wgmma moe_fused gdn_fused gdn_scan sample attn_fused prefetch anchor e2e ttft" ;;
-  part2) STEPS="sweeps decode_ab prefill_ab server_ttft" ;;
+  part2) STEPS="decode_ab prefill_ab ncu server_ttft" ;;
 esac
-want() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* || ( $1 == synth_full && " $STEPS " == *" server_ttft "* ) ]]; }
+want() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* || ( $1 == synth_full && " $STEPS " == *" server_ttft "* ) ||
+           ( $1 == ncu_* && " $STEPS " == *" ncu "* ) ]]; }
 step() {
   local name=$1 limit=$2; shift 2
   want "$name" || return 0
@@ -72,6 +73,13 @@ step decode_ab   300 $B/lily bench --mode decode --contexts 4096,32768 --reps 3 
 # the 1K chunk's breakdown (the time to first token's prefill), and where the wgmma expert GEMMs start to win
 step prefill_ab  300 $B/lily bench --mode prefill --lengths 1025,2048 --profile-context 1024 --reps 3 \
   --variants ";moe_wgmma_min_rows=1024;moe_wgmma_min_rows=2048;anchor_from_chunk_states=on"
+# one decode step under Nsight Compute, the chain and the prefetch branch (per-kernel time without event overhead,
+# DRAM bytes, L2 hit rate)
+if want ncu; then
+  OUT="$O/ncu_chain" step ncu_chain 180 scripts/profile_decode.sh "$B/lily"
+  OUT="$O/ncu_prefetch" step ncu_prefetch 180 scripts/profile_decode.sh "$B/lily" -- --variants "decode_prefetch=2"
+  cat "$O"/ncu_chain/summary.txt "$O"/ncu_prefetch/summary.txt 2>/dev/null
+fi
 # time to first token through the server, with wip/next's per-request changes (needs a 20 GB model directory)
 if want server_ttft; then
   step synth_full  180 $B/lily synth --preset full --layout mlx --out /tmp/lily_full --tokenizer "$TOK"
