@@ -8,12 +8,14 @@
 # Here (2 cores, no GPU):  cmake --build build-cuda --target lily test_cuda test_cuda_kernels -j2
 #                          scripts/gpu_validate_next.sh pack      # xz the three binaries into build-carry/ and
 #                                                                 # copy the tokenizer fixture to models/
-# There (one device call): run(command="scripts/gpu_validate_next.sh run",
+# There (one device call): run(command="build-carry/gpu_validate_next.sh run",
 #                              carry=["build-carry", "models/qwen3-tokenizer"])
+#   (the device copies the main checkout's tree: copy build-carry/ and models/ there if packed in a worktree)
 # STEPS (env) picks steps by name; STEPS=part1 (correctness: probes .. ttft) and STEPS=part2 (timings) split the
 # run over two device calls if one 10-minute call cannot hold it; default: all.
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"  # scripts/, or build-carry/ holding copies of the scripts
+cd "$HERE/.."
 B=build-cuda; C=build-carry; TOK=models/qwen3-tokenizer
 BINS=(lily tests/test_cuda_kernels tests/test_cuda)
 
@@ -21,6 +23,8 @@ if [[ "${1:-}" == pack ]]; then
   mkdir -p "$C" "$TOK"
   for b in "${BINS[@]}"; do xz -T2 -6 -c "$B/$b" > "$C/$(basename "$b").xz" || exit 1; done
   cp ../shared/fixtures/qwen3-tokenizer/tokenizer.json ../shared/fixtures/qwen3-tokenizer/tokenizer_config.json "$TOK/"
+  # the scripts too, so that a tree without them (main, before this branch lands) runs build-carry/gpu_validate_next.sh
+  cp scripts/gpu_validate_next.sh scripts/profile_decode.sh scripts/ncu_summary.py "$C/"
   du -sh "$C" "$TOK"
   exit 0
 fi
@@ -76,8 +80,8 @@ step prefill_ab  300 $B/lily bench --mode prefill --lengths 1025,2048 --profile-
 # one decode step under Nsight Compute, the chain and the prefetch branch (per-kernel time without event overhead,
 # DRAM bytes, L2 hit rate)
 if want ncu; then
-  OUT="$O/ncu_chain" step ncu_chain 180 scripts/profile_decode.sh "$B/lily"
-  OUT="$O/ncu_prefetch" step ncu_prefetch 180 scripts/profile_decode.sh "$B/lily" -- --variants "decode_prefetch=2"
+  OUT="$O/ncu_chain" step ncu_chain 180 "$HERE/profile_decode.sh" "$B/lily"
+  OUT="$O/ncu_prefetch" step ncu_prefetch 180 "$HERE/profile_decode.sh" "$B/lily" -- --variants "decode_prefetch=2"
   cat "$O"/ncu_chain/summary.txt "$O"/ncu_prefetch/summary.txt 2>/dev/null
 fi
 # time to first token through the server, with wip/next's per-request changes (needs a 20 GB model directory)

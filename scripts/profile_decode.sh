@@ -9,7 +9,8 @@
 #   env: OUT (output folder, default /tmp/lily-ncu), CONTEXT (default 4096), COUNT (kernels profiled, default 200:
 #        one step is ~131 launches, ~170 with decode_prefetch)
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$HERE/.."
 LILY=${1:-build-cuda/lily}
 [[ $# -gt 0 ]] && shift
 [[ "${1:-}" == -- ]] && shift
@@ -22,4 +23,4 @@ ncu --clock-control none --cache-control none --graph-profiling node \
   --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,launch__grid_size \
   --csv --page raw --log-file "$O/ncu.log" \
   "$LILY" bench --mode decode --contexts "${CONTEXT:-4096}" --steps 4 --reps 1 "$@" > "$O/ncu.csv"
-python3 scripts/ncu_summary.py "$O/ncu.csv" | tee "$O/summary.txt"
+python3 "$HERE/ncu_summary.py" "$O/ncu.csv" | tee "$O/summary.txt"
