@@ -490,6 +490,16 @@ TEST(CudaGdnPrefill, CheckpointFromChunkStatesEqualsShorterCall) {
   check_checkpoint(kFull, 1025, 960, 1, 704, 0);  // the chat anchor's shape: 1,025 rows, split 1,019
 }
 
+// Every pointer of p at a few dummy values and unlimited scratch: for the argument checks, which fail before any
+// launch.
+void point_at(GdnPrefillParams& p, float* dummy, __half* out) {
+  p.proj = p.conv_w = p.A_log = p.dt_bias = p.norm_w = dummy;
+  p.conv_ring = p.S = dummy;
+  p.out = out;
+  p.scratch = dummy;
+  p.scratch_bytes = ~size_t{0};
+}
+
 TEST(CudaGdnPrefill, ChunkStatesPredicateAndCheckpointRejects) {
   GdnPrefillParams p;
   p.n_k = 16, p.n_v = 32, p.d_k = 128, p.d_v = 128;
@@ -507,11 +517,7 @@ TEST(CudaGdnPrefill, ChunkStatesPredicateAndCheckpointRejects) {
 
   float dummy[4];
   __half out[4];
-  p.proj = p.conv_w = p.A_log = p.dt_bias = p.norm_w = dummy;
-  p.conv_ring = p.S = dummy;
-  p.out = out;
-  p.scratch = dummy;
-  p.scratch_bytes = ~size_t{0};
+  point_at(p, dummy, out);
   p.T = 200, p.scan_variant = 13;
   for (int row : {0, 63, 65, 256})  // a multiple of 64 inside the call
     EXPECT_EQ(gdn_prefill_checkpoint(p, row, dummy, dummy, nullptr), cudaErrorInvalidValue) << "row " << row;
@@ -530,11 +536,7 @@ TEST(CudaGdnPrefill, RejectsBadShapes) {
   EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
   float dummy[4];
   __half out[4];
-  p.proj = p.conv_w = p.A_log = p.dt_bias = p.norm_w = dummy;
-  p.conv_ring = p.S = dummy;
-  p.out = out;
-  p.scratch = dummy;
-  p.scratch_bytes = ~size_t{0};
+  point_at(p, dummy, out);
   p.T = 1;
   p.d_k = 96;  // only 64 and 128
   EXPECT_EQ(gdn_prefill(p, nullptr), cudaErrorInvalidValue);
