@@ -65,7 +65,7 @@ step gdn_fused   120 $K --gtest_filter='CudaGdnFused.*:CudaGdn.*:CudaGemv.*'
 step gdn_scan    150 $K --gtest_filter='CudaGdnPrefill.*'
 step sample      60 $K --gtest_filter='CudaSample.*'
 step attn_fused  120 $K --gtest_filter='CudaAttnFused.*:CudaAttention.*'
-step prefetch    60 $K --gtest_filter='CudaL2Prefetch*'
+step prefetch    60 $K --gtest_filter='CudaL2Prefetch*:CudaMoePrefetchDown*'
 step anchor      90 $K --gtest_filter='CudaGdnPrefill.CheckpointFromChunkStates*:CudaGdnPrefill.ChunkStatesPredicate*'
 # 2. end to end against the CPU reference (every case, the new fused ones included), then the per-request costs
 step e2e         300 $E --gtest_filter='-TtftBreakdown.*'
@@ -73,7 +73,7 @@ step ttft        200 $E --gtest_filter='TtftBreakdown.*'
 # 3. timings
 step sweeps      240 $K --gtest_filter='CudaGdnPrefillBench.*:CudaQgemmWgmmaBench.Sweep:CudaMoePrefillBench.WgmmaVsMmaSync:CudaAttnPrefillWgmmaBench.Timing:CudaMoeFusedBench.*:CudaGdnFusedBench.*:CudaAttnFusedBench.*'
 step decode_ab   300 $B/lily bench --mode decode --contexts 4096,32768 --reps 3 \
-  --variants ";decode_prefetch=1;decode_prefetch=2;gdn_fused=1;decode_prefetch=2,gdn_fused=1"
+  --variants ";decode_prefetch=1;decode_prefetch=2;decode_prefetch=3;gdn_fused=1;decode_prefetch=3,gdn_fused=1"
 # the 1K chunk's breakdown (the time to first token's prefill), and where the wgmma expert GEMMs start to win
 step prefill_ab  300 $B/lily bench --mode prefill --lengths 1025,2048 --profile-context 1024 --reps 3 \
   --variants ";moe_wgmma_min_rows=1024;moe_wgmma_min_rows=2048;anchor_from_chunk_states=on"
@@ -81,7 +81,7 @@ step prefill_ab  300 $B/lily bench --mode prefill --lengths 1025,2048 --profile-
 # DRAM bytes, L2 hit rate)
 if want ncu; then
   OUT="$O/ncu_chain" step ncu_chain 180 "$HERE/profile_decode.sh" "$B/lily"
-  OUT="$O/ncu_prefetch" step ncu_prefetch 180 "$HERE/profile_decode.sh" "$B/lily" -- --variants "decode_prefetch=2"
+  OUT="$O/ncu_prefetch" step ncu_prefetch 180 "$HERE/profile_decode.sh" "$B/lily" -- --variants "decode_prefetch=3"
   cat "$O"/ncu_chain/summary.txt "$O"/ncu_prefetch/summary.txt 2>/dev/null
 fi
 # time to first token through the server, with wip/next's per-request changes (needs a 20 GB model directory)

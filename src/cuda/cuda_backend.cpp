@@ -120,6 +120,7 @@ class CudaBackend final : public CudaBackendApi {
  private:
   Status enqueue_step(CudaSequence& s, int n_splits, const DeviceSampling* sampling, Profiler* prof);
   Status fork_prefetch(const DeviceLayer& L);
+  Status fork_side();
   Result<cudaGraphExec_t> graph_for(CudaSequence& s, const DeviceSampling* sampling);
   Status run_step(CudaSequence& s, const DeviceSampling* sampling);
   Result<CudaSequence*> check_sequence(SequenceState& base, int64_t new_tokens);
@@ -260,21 +261,28 @@ bool gated_norm_in_gdn_step(const ModelConfig& c) {
 // on with the current layer. Nothing waits for it but the step's end (join_).
 Status CudaBackend::fork_prefetch(const DeviceLayer& L) {
   L2PrefetchParams p;
-  p.evict_last = options_.decode_prefetch == 2;
+  p.evict_last = options_.decode_prefetch >= 2;
   const bool gdn = L.type == LayerType::linear_attention;
   for (const QMatrix* q : {gdn ? &L.gdn_in : &L.attn_in, gdn ? &L.gdn_out : &L.attn_out, &L.router,
                            &L.shared_gate_row, &L.shared_gate, &L.shared_up, &L.shared_down})
     if (!p.add(*q))
       return error(ErrorCode::internal, "decode prefetch: more than %d ranges", L2PrefetchParams::kMaxRanges);
+  RETURN_IF_ERROR(fork_side());
+  CUDA_RETURN(l2_prefetch(p, side_), "l2_prefetch");
+  return ok_status();
+}
+
+// side_ continues from this point of stream_ (the step's prefetch branch).
+Status CudaBackend::fork_side() {
   CUDA_RETURN(cudaEventRecord(fork_, stream_), "fork");
   CUDA_RETURN(cudaStreamWaitEvent(side_, fork_, 0), "fork");
-  CUDA_RETURN(l2_prefetch(p, side_), "l2_prefetch");
   return ok_status();
 }
 
 // One decode step (eqs 4-6 with every block), reading the input token from token_in_ and the position from s.pos.
 // With options_.decode_prefetch, a second branch of the step prefetches layer l + 1's routing-independent weights
-// into the L2 from the start of layer l (fork_prefetch; not when profiling, whose events time one stream).
+// into the L2 from the start of layer l (fork_prefetch) and, with 3, each MoE block's selected experts' down
+// matrices from the end of moe_route (moe_prefetch_down); not when profiling, whose events time one stream.
 Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSampling* sampling, Profiler* prof) {
   const ModelConfig& c = config();
   const DeviceModel& m = *model_;
@@ -362,6 +370,10 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
                          counters_.ptr, topk_idx_.ptr, topk_w_.ptr, shared_gate_.ptr};
     route.select_top_k = !select_in_experts;
     STEP_OP("moe_route", L.router.bytes() + L.shared_gate_row.bytes(), dispatch::moe_route(route, stream_));
+    if (branch && options_.decode_prefetch == 3) {  // the selected experts' down matrices, during moe_expert_in
+      RETURN_IF_ERROR(fork_side());
+      CUDA_RETURN(moe_prefetch_down({moe_logits_.ptr, k, L.expert_down, c.num_experts}, side_), "moe_prefetch_down");
+    }
     MoeExpertInParams ein{L.expert_gate, L.expert_up, L.shared_gate, L.shared_up, moe_x_.ptr, topk_idx_.ptr, k,
                           act_.ptr};
     if (select_in_experts) ein.router_logits = moe_logits_.ptr, ein.n_experts = c.num_experts;
@@ -786,8 +798,8 @@ Result<std::vector<KernelTiming>> CudaBackend::profile_step(SequenceState& base)
 
 Result<std::unique_ptr<CudaBackendApi>> make_cuda_backend(std::shared_ptr<const ModelWeights> weights,
                                                           const CudaBackendOptions& options) {
-  if (options.decode_prefetch < 0 || options.decode_prefetch > 2)
-    return invalid_argument("decode_prefetch must be 0, 1 or 2, got %d", options.decode_prefetch);
+  if (options.decode_prefetch < 0 || options.decode_prefetch > 3)
+    return invalid_argument("decode_prefetch must be 0, 1, 2 or 3, got %d", options.decode_prefetch);
   auto b = std::make_unique<CudaBackend>(std::move(weights), options);
   RETURN_IF_ERROR(b->init());
   return std::unique_ptr<CudaBackendApi>(std::move(b));

@@ -51,7 +51,8 @@ struct CudaBackendOptions {
   bool attn_fused = false;
   // Decode: a parallel branch in the step's graph that prefetches, from the start of each layer, the next layer's
   // routing-independent weights into the L2 (l2_prefetch.cuh) while the chain runs at ~1 TB/s. 0: off; 1: on;
-  // 2: on, with the L2 evict_last policy. UNVERIFIED ON GPU (docs/PERF_NOTES.md): off.
+  // 2: on, with the L2 evict_last policy; 3: as 2, and each MoE block's selected experts' down matrices too
+  // (moe_prefetch_down, moe.cuh). UNVERIFIED ON GPU (docs/PERF_NOTES.md): off.
   int decode_prefetch = 0;
   // Decode, three-kernel MoE chain: the expert kernels select the experts from the router logits (where their
   // shapes allow; see select_in_expert_kernels) or, false, moe_route selects them.

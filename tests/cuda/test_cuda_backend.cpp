@@ -187,10 +187,10 @@ TEST(CudaBackend, FusedAttnDecodeMatchesCpu) {
   expect_fused_decode(fused, 45, "fused attention + GDN + MoE decode", {"attn_fused", "gdn_fused", "moe_fused"});
 }
 
-// The decode step with its parallel branch (CudaBackendOptions::decode_prefetch 1, and 2 with evict_last): the
-// branch only asks the L2 to fetch weights, so every logit of full4 teacher-forced through 64 decode steps, and
-// the tokens of a sampled device-side generation, must equal the single-stream step's bit for bit; values other
-// than 0-2 are refused.
+// The decode step with its parallel branch (CudaBackendOptions::decode_prefetch 1, 2 with evict_last, 3 with the
+// selected experts' down matrices too): the branch only asks the L2 to fetch weights, so every logit of full4
+// teacher-forced through 64 decode steps, and the tokens of a sampled device-side generation, must equal the
+// single-stream step's bit for bit; values other than 0-3 are refused.
 TEST(CudaBackend, DecodePrefetchBranchLeavesResultsUnchanged) {
   SKIP_WITHOUT_GPU();
   auto w = synth_model("full4");
@@ -198,7 +198,7 @@ TEST(CudaBackend, DecodePrefetchBranchLeavesResultsUnchanged) {
   const auto tokens = random_tokens(64, static_cast<int>(V), 26);
   std::vector<float> base;
   std::vector<int32_t> base_sampled;
-  for (int pf : {0, 1, 2}) {
+  for (int pf : {0, 1, 2, 3}) {
     cuda::CudaBackendOptions o;
     o.max_context = 1024, o.prefill_chunk = 0, o.decode_prefetch = pf;
     auto b = cuda::make_cuda_backend(w, o);
@@ -222,7 +222,7 @@ TEST(CudaBackend, DecodePrefetchBranchLeavesResultsUnchanged) {
     EXPECT_EQ(sampled, base_sampled);
   }
   cuda::CudaBackendOptions bad;
-  bad.max_context = 1024, bad.decode_prefetch = 3;
+  bad.max_context = 1024, bad.decode_prefetch = 4;
   auto refused = cuda::make_cuda_backend(w, bad);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), ErrorCode::invalid_argument);

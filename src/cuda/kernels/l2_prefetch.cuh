@@ -48,6 +48,45 @@ struct L2PrefetchParams {
   }
 };
 
+#if defined(__CUDACC__)
+// Asks the L2 for `bytes` at p (both 16-byte aligned: cp.async.bulk.prefetch.L2 on sm_90, with the evict_last policy
+// when asked; on older devices a prefetch.global.L2 per 128-byte line). Returns at once.
+__device__ __forceinline__ void l2_prefetch_bytes(const void* p, uint32_t bytes, bool evict_last) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (evict_last) {
+    uint64_t policy;
+    asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(p), "r"(bytes), "l"(policy)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+  }
+#else
+  (void)evict_last;
+  for (uint32_t o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(static_cast<const char*>(p) + o));
+#endif
+}
+
+// kernel<<<grid, block, 0, stream>>>(p) at the device's lowest stream priority (the prefetch branch's kernels: the
+// blocks of the step's own kernels go first).
+template <class Params>
+cudaError_t launch_lowest_priority(void (*kernel)(Params), dim3 grid, dim3 block, cudaStream_t stream,
+                                   const Params& p) {
+  int least = 0, greatest = 0;
+  CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributePriority;
+  attr[0].val.priority = least;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, p);
+}
+#endif  // __CUDACC__
+
 // One small grid (a few blocks of 128 threads: the prefetch instructions are asynchronous, so few threads issue
 // them all) at the lowest stream priority, so the blocks of the step's own kernels go first. cudaErrorInvalidValue
 // for n outside [0, kMaxRanges] or a null pointer with a non-zero size.

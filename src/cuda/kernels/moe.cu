@@ -18,6 +18,7 @@
 //   dots in a fixed order with the routing weights (sigmoid gate for the shared slot) and adds them to h.
 //   Moves (k+1) * H * (I/2 + I/16) bytes: 5.3 MB.
 // Weight layouts: quant_dot.cuh / common.cuh (MLX, stacked experts via QMatrix::expert).
+#include "cuda/kernels/l2_prefetch.cuh"
 #include "cuda/kernels/moe.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 
@@ -261,6 +262,54 @@ cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream) {
     case 1024: return launch(moe_expert_out_kernel<1024>, Q4Layout<1024>::kRowsPerChunk);
     default: return cudaErrorInvalidValue;
   }
+}
+
+// ---- moe_prefetch_down (the step's prefetch branch) ---------------------------------------------------------
+
+namespace {
+
+constexpr int kPrefetchThreads = 128;
+constexpr uint32_t kPrefetchPiece = 32 * 1024;
+
+__global__ void __launch_bounds__(kPrefetchThreads) moe_prefetch_down_kernel(const __grid_constant__ MoePrefetchDownParams p) {
+  __shared__ int idx_s[kMaxTopK];
+  if (threadIdx.x < 32) {
+    const RouteChoice c = warp_route_top_k<8>(p.logits, p.n_experts, p.top_k);
+    if (threadIdx.x < p.top_k) idx_s[threadIdx.x] = c.idx;
+  }
+  __syncthreads();
+  // Per expert: its words (H rows of I/2 bytes) in 32 KiB pieces, then its scales and its biases in one piece each.
+  const size_t words = static_cast<size_t>(p.down.rows) * p.down.words_per_row() * 4;
+  const size_t groups = static_cast<size_t>(p.down.rows) * p.down.groups_per_row() * 2;
+  const int word_pieces = static_cast<int>((words + kPrefetchPiece - 1) / kPrefetchPiece), per_expert = word_pieces + 2;
+  for (int u = threadIdx.x; u < p.top_k * per_expert; u += blockDim.x) {
+    const QMatrix m = p.down.expert(idx_s[u / per_expert]);
+    const int piece = u % per_expert;
+    if (piece < word_pieces) {
+      const size_t off = static_cast<size_t>(piece) * kPrefetchPiece;
+      l2_prefetch_bytes(reinterpret_cast<const char*>(m.w) + off,
+                        static_cast<uint32_t>(words - off < kPrefetchPiece ? words - off : kPrefetchPiece), true);
+    } else {
+      l2_prefetch_bytes(piece == word_pieces ? static_cast<const void*>(m.scales) : static_cast<const void*>(m.biases),
+                        static_cast<uint32_t>(groups), true);
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t moe_prefetch_down(const MoePrefetchDownParams& p, cudaStream_t stream) {
+  const QMatrix& d = p.down;
+  if (!p.logits || !d.w || !d.scales || !d.biases || d.bits != 4 || p.n_experts < 1 || p.n_experts > 256 ||
+      p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > p.n_experts || d.rows < 1 || d.cols < 64 || d.cols % 64 != 0)
+    return cudaErrorInvalidValue;
+  // The bulk prefetch takes 16-byte aligned addresses: every expert's arrays start aligned when these are.
+  const size_t words = static_cast<size_t>(d.rows) * d.words_per_row() * 4;
+  const size_t groups = static_cast<size_t>(d.rows) * d.groups_per_row() * 2;
+  if (reinterpret_cast<uintptr_t>(d.w) % 16 || reinterpret_cast<uintptr_t>(d.scales) % 16 ||
+      reinterpret_cast<uintptr_t>(d.biases) % 16 || words % 16 || groups % 16)
+    return cudaErrorInvalidValue;
+  return launch_lowest_priority(moe_prefetch_down_kernel, dim3(1), dim3(kPrefetchThreads), stream, p);
 }
 
 }  // namespace lily::cuda

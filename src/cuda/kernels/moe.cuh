@@ -98,6 +98,19 @@ struct MoeFusedParams {
   int grid_blocks = 0;                   // 0: every block that can be resident at once; else at most that many
 };
 
+// Decode, on the step's prefetch branch (CudaBackendOptions::decode_prefetch 3), forked after moe_route: selects
+// the experts from the router logits as the expert kernels do (warp_route_top_k) and asks the L2 for their down
+// matrices (evict_last) while moe_expert_in runs, so that moe_expert_out finds them there. One block of 128
+// threads at the lowest stream priority. Moves top_k * H * (I/2 + I/16) bytes from DRAM into the L2 (4.7 MB at
+// k = 8, H = 2048, I = 512); writes nothing. E <= 256, top_k <= 16; cudaErrorInvalidValue otherwise.
+struct MoePrefetchDownParams {
+  const float* logits = nullptr;  // [E], written by moe_route
+  int top_k = 8;
+  QMatrix down;                   // stacked [E, H, I] 4-bit (use .expert(e))
+  int n_experts = 0;
+};
+cudaError_t moe_prefetch_down(const MoePrefetchDownParams& p, cudaStream_t stream);
+
 cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream);
 cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream);
 cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream);

@@ -1,11 +1,13 @@
 // l2_prefetch (l2_prefetch.cuh): argument checks, ranges with unaligned or empty interiors, both policies; and a
 // probe of what it buys: a 16 MiB device-to-device copy whose source was evicted from the L2 against one whose
-// source was prefetched first (printed, not asserted).
+// source was prefetched first (printed, not asserted). moe_prefetch_down (moe.cuh): argument checks, and a run
+// over a full-geometry stacked down tensor.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 
 #include "cuda/kernels/l2_prefetch.cuh"
+#include "cuda/kernels/moe.cuh"
 #include "cuda_test_util.h"
 
 namespace lily::cuda {
@@ -87,6 +89,46 @@ TEST(CudaL2PrefetchBench, CopyAfterPrefetch) {
   ASSERT_CUDA(cudaGetLastError());
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
+}
+
+// Runs without a GPU: every check fails before a launch.
+TEST(CudaMoePrefetchDown, RejectsBadArguments) {
+  float logits[4] = {};
+  uint32_t w[4] = {};
+  __nv_bfloat16 sb[4] = {};
+  MoePrefetchDownParams p{logits, 8, {}, 256};
+  p.down.w = w, p.down.scales = p.down.biases = sb, p.down.rows = 2048, p.down.cols = 512, p.down.bits = 4;
+  auto refused = [&](MoePrefetchDownParams q) { return moe_prefetch_down(q, nullptr) == cudaErrorInvalidValue; };
+  MoePrefetchDownParams q = p;
+  q.logits = nullptr;
+  EXPECT_TRUE(refused(q));
+  q = p, q.n_experts = 257;  // warp_route_top_k<8>: 256 at most
+  EXPECT_TRUE(refused(q));
+  q = p, q.top_k = 17;
+  EXPECT_TRUE(refused(q));
+  q = p, q.top_k = 0;
+  EXPECT_TRUE(refused(q));
+  q = p, q.down.bits = 8;
+  EXPECT_TRUE(refused(q));
+  q = p, q.down.cols = 96;  // groups of 64
+  EXPECT_TRUE(refused(q));
+  q = p, q.down.w = reinterpret_cast<const uint32_t*>(reinterpret_cast<const char*>(w) + 4);  // not 16-byte aligned
+  EXPECT_TRUE(refused(q));
+}
+
+TEST(CudaMoePrefetchDown, RunsOnFullGeometry) {
+  SKIP_WITHOUT_GPU();
+  const int E = 256, H = 2048, I = 512;
+  DeviceBuffer<uint32_t> w(size_t{E} * H * I / 8);
+  DeviceBuffer<__nv_bfloat16> s(size_t{E} * H * I / 64), b(size_t{E} * H * I / 64);
+  std::vector<float> host(E);
+  for (int e = 0; e < E; ++e) host[e] = static_cast<float>((e * 37) % E) / E;  // a permutation: no ties
+  DeviceBuffer<float> logits(host);
+  ASSERT_TRUE(w.get() && s.get() && b.get() && logits.get());
+  MoePrefetchDownParams p{logits.get(), 8, {}, E};
+  p.down.w = w.get(), p.down.scales = s.get(), p.down.biases = b.get(), p.down.rows = H, p.down.cols = I;
+  ASSERT_CUDA(moe_prefetch_down(p, nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
 }
 
 }  // namespace
