@@ -45,6 +45,7 @@ case "${STEPS:-}" in
   part2) STEPS="decode_ab prefill_ab ncu server_ttft" ;;
 esac
 want() { [[ -z "${STEPS:-}" || " $STEPS " == *" $1 "* || ( $1 == synth_full && " $STEPS " == *" server_ttft "* ) ||
+           ( $1 == server_ttft_opts && " $STEPS " == *" server_ttft "* ) ||
            ( $1 == ncu_* && " $STEPS " == *" ncu "* ) ]]; }
 step() {
   local name=$1 limit=$2; shift 2
@@ -88,7 +89,9 @@ fi
 if want server_ttft; then
   step synth_full  180 $B/lily synth --preset full --layout mlx --out /tmp/lily_full --tokenizer "$TOK"
   step server_ttft 240 $B/lily bench --mode ttft --model /tmp/lily_full --prompt-tokens 1024 --reps 5
-  grep -h "time to first token" "$O/server_ttft.log"
+  step server_ttft_opts 240 $B/lily bench --mode ttft --model /tmp/lily_full --prompt-tokens 1024 --reps 5 \
+    --cuda-options anchor_from_chunk_states=on,decode_prefetch=3
+  grep -h "time to first token" "$O/server_ttft.log" "$O/server_ttft_opts.log"
 fi
 echo
 echo "== summary ($(cut -d, -f1 "$O/gpu.txt"))"

@@ -179,7 +179,7 @@ Status run_ttft_bench(const TtftOptions& o, json& out) {
   if (child == 0) {
     ::execl("/proc/self/exe", "lily", "serve", "--model", o.model.c_str(), "--port", port.c_str(), "--backend",
             o.backend.c_str(), "--ctx-size", ctx.c_str(), "--threads", threads.c_str(), "--quiet",
-            static_cast<char*>(nullptr));
+            "--cuda-options", o.cuda_options.c_str(), static_cast<char*>(nullptr));
     std::_Exit(127);
   }
   struct Reap {  // the server goes down with this function, however it returns

@@ -19,6 +19,7 @@ struct TtftOptions {
   int port = 18080;
   int ctx_size = 8192;
   int threads = 0;              // CPU backend threads (0: the server's default)
+  std::string cuda_options;     // the server's --cuda-options (empty: none)
 };
 
 // Runs the measurement; `out` gets the prompt's token count, every request's ms and their median/min/max.

@@ -17,6 +17,9 @@ void add_engine_options(CLI::App* cmd, EngineArgs& args) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--ctx-size", args.ctx_size, "tokens a sequence may hold")
       ->check(CLI::Range(int64_t{16}, int64_t{1} << 30));
+  cmd->add_option("--cuda-options", args.cuda_options,
+                  "CUDA backend tuning, key=value,... (the keys of `lily bench --variants`; experiments, off by "
+                  "default)");
 }
 
 Result<LoadedEngine> load_engine(const EngineArgs& args) {
@@ -33,8 +36,10 @@ Result<LoadedEngine> load_engine(const EngineArgs& args) {
   ASSIGN_OR_RETURN(BackendKind kind, parse_backend_kind(args.backend));
   ASSIGN_OR_RETURN(ModelWeights w, ModelWeights::load(args.model));
   auto weights = std::make_shared<const ModelWeights>(std::move(w));
-  BackendOptions backend_options{kind, args.threads};
+  BackendOptions backend_options;
+  backend_options.kind = kind, backend_options.n_threads = args.threads;
   if (args.ctx_size > 0) backend_options.max_context = args.ctx_size;  // the CUDA backend's KV capacity
+  backend_options.cuda_options = args.cuda_options;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(weights, backend_options));
 
   auto add_stop = [&](int32_t id) {

@@ -16,9 +16,10 @@ struct EngineArgs {
   std::string model, backend = "auto";
   int threads = 0;           // CPU backend; 0: all cores
   int64_t ctx_size = 32768;  // tokens a sequence may hold (the CUDA backend's default KV capacity)
+  std::string cuda_options;  // CUDA backend tuning (BackendOptions::cuda_options)
 };
 
-// --model (required), --backend, --threads, --ctx-size.
+// --model (required), --backend, --threads, --ctx-size, --cuda-options.
 void add_engine_options(CLI::App* cmd, EngineArgs& args);
 
 struct LoadedEngine {

@@ -60,29 +60,6 @@ void print_breakdown(const std::vector<cuda::KernelTiming>& kernels, nlohmann::j
   std::printf("%-16s %8s %10.4f\n", "total", "", total);
 }
 
-// Backend options a variant may set (`--variants`): a name and the bool or int member it sets.
-struct OptionKey {
-  const char* name;
-  bool cuda::CudaBackendOptions::*flag = nullptr;
-  int cuda::CudaBackendOptions::*number = nullptr;
-};
-
-constexpr OptionKey kOptionKeys[] = {
-    {"gdn_scan", nullptr, &cuda::CudaBackendOptions::gdn_scan_variant},
-    {"wgmma", &cuda::CudaBackendOptions::dense_wgmma, nullptr},
-    {"moe_wgmma", &cuda::CudaBackendOptions::moe_wgmma, nullptr},
-    {"moe_wgmma_min_rows", nullptr, &cuda::CudaBackendOptions::moe_wgmma_min_rows},
-    {"attn_wgmma", &cuda::CudaBackendOptions::attn_wgmma, nullptr},
-    {"moe_fused", &cuda::CudaBackendOptions::moe_fused, nullptr},
-    {"gdn_fused", &cuda::CudaBackendOptions::gdn_fused, nullptr},
-    {"attn_fused", &cuda::CudaBackendOptions::attn_fused, nullptr},
-    {"moe_select_in_experts", &cuda::CudaBackendOptions::moe_select_in_experts, nullptr},
-    {"decode_rows_max", nullptr, &cuda::CudaBackendOptions::decode_rows_max},
-    {"sequence_pool", nullptr, &cuda::CudaBackendOptions::sequence_pool},
-    {"decode_prefetch", nullptr, &cuda::CudaBackendOptions::decode_prefetch},
-    {"anchor_from_chunk_states", &cuda::CudaBackendOptions::anchor_from_chunk_states, nullptr},
-};
-
 // A chat's first turn as the engine prefills it: forward_with_checkpoint of n random tokens split at the anchor,
 // n - 6 (a 1,026-token prompt's last <|im_start|> at 1,019 and the last token decoded), from an empty sequence (a
 // checkpoint at 0 restored before each), against a plain forward of the n tokens: wall milliseconds, median of
@@ -125,43 +102,6 @@ Status anchor_rows(cuda::CudaBackendApi& b, const std::vector<int64_t>& lengths,
     std::fflush(stdout);
     out.push_back({{"length", n}, {"split", split}, {"checkpoint_at", at}, {"forward_with_checkpoint_ms", fwc_ms},
                    {"forward_ms", plain_ms}});
-  }
-  return ok_status();
-}
-
-Status set_option(const OptionKey& k, const std::string& v, cuda::CudaBackendOptions& o) {
-  if (k.flag) {
-    if (v == "1" || v == "on" || v == "true") return o.*k.flag = true, ok_status();
-    if (v == "0" || v == "off" || v == "false") return o.*k.flag = false, ok_status();
-    return invalid_argument("--variants: %s=%s is not on/off", k.name, v.c_str());
-  }
-  char* end = nullptr;
-  const long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0') return invalid_argument("--variants: %s=%s is not an integer", k.name, v.c_str());
-  o.*k.number = static_cast<int>(x);
-  return ok_status();
-}
-
-// One variant: comma-separated key=value pairs applied over the flags' options.
-Status apply_variant(const std::string& spec, cuda::CudaBackendOptions& opt) {
-  size_t at = 0;
-  while (at < spec.size()) {
-    size_t comma = spec.find(',', at);
-    if (comma == std::string::npos) comma = spec.size();
-    const std::string kv = spec.substr(at, comma - at);
-    at = comma + 1;
-    if (kv.empty()) continue;
-    const size_t eq = kv.find('=');
-    if (eq == std::string::npos) return invalid_argument("--variants: `%s` is not key=value", kv.c_str());
-    const std::string key = kv.substr(0, eq);
-    const OptionKey* k = std::find_if(std::begin(kOptionKeys), std::end(kOptionKeys),
-                                      [&](const OptionKey& o) { return key == o.name; });
-    if (k == std::end(kOptionKeys)) {
-      std::string names;
-      for (const OptionKey& o : kOptionKeys) names += std::string(names.empty() ? "" : ", ") + o.name;
-      return invalid_argument("--variants: unknown key `%s` (known: %s)", key.c_str(), names.c_str());
-    }
-    RETURN_IF_ERROR(set_option(*k, kv.substr(eq + 1), opt));
   }
   return ok_status();
 }
@@ -275,11 +215,12 @@ Status run_bench(const BenchArgs& a) {
   if (a.moe_select != "experts" && a.moe_select != "route")
     return invalid_argument("--moe-select must be route or experts, got `%s`", a.moe_select.c_str());
   base.moe_select_in_experts = a.moe_select == "experts";
+  RETURN_IF_ERROR(cuda::apply_option_spec(a.ttft.cuda_options, base, "--cuda-options"));
   const std::vector<std::string> variants = a.variants.empty() ? std::vector<std::string>{""} : split_variants(a.variants);
   std::vector<cuda::CudaBackendOptions> opts;
   for (const std::string& v : variants) {  // every variant checked before the (slow) load
     opts.push_back(base);
-    RETURN_IF_ERROR(apply_variant(v, opts.back()));
+    RETURN_IF_ERROR(cuda::apply_option_spec(v, opts.back(), "--variants"));
   }
   auto t0 = std::chrono::steady_clock::now();
   Result<ModelWeights> w = a.model.empty() ? synth_in_memory(a.synthetic, CheckpointLayout::mlx, 0)
@@ -327,6 +268,9 @@ void setup(CLI::App& app) {
   cmd->add_option("--backend", a->ttft.backend, "ttft: the server's backend (auto | cpu | cuda)");
   cmd->add_option("--ctx-size", a->ttft.ctx_size, "ttft: the server's context length");
   cmd->add_option("--threads", a->ttft.threads, "ttft: the server's CPU threads (0: all)");
+  cmd->add_option("--cuda-options", a->ttft.cuda_options,
+                  "CUDA backend options key=value,... (the --variants keys): the base of every variant; ttft: the "
+                  "server's --cuda-options");
   cmd->add_option("--contexts", a->contexts, "decode context lengths")->delimiter(',');
   cmd->add_option("--lengths", a->lengths, "prefill prompt lengths")->delimiter(',');
   cmd->add_option("--reps", a->reps, "timed repetitions per length (median, min, max reported)");

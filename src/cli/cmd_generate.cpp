@@ -30,13 +30,14 @@ static Result<std::vector<int32_t>> parse_ids(const std::string& s) {
   return ids;
 }
 
-static Status run_ids(const std::string& model, const std::string& ids_text, int max_tokens,
-                      const std::string& backend_name, int threads) {
+static Status run_ids(const std::string& ids_text, int max_tokens, const EngineArgs& engine) {
   ASSIGN_OR_RETURN(std::vector<int32_t> ids, parse_ids(ids_text));
-  ASSIGN_OR_RETURN(ModelWeights w, ModelWeights::load(model));
+  ASSIGN_OR_RETURN(ModelWeights w, ModelWeights::load(engine.model));
   auto weights = std::make_shared<const ModelWeights>(std::move(w));
-  ASSIGN_OR_RETURN(BackendKind kind, parse_backend_kind(backend_name));
-  ASSIGN_OR_RETURN(auto backend, make_backend(weights, {kind, threads}));
+  BackendOptions options;
+  ASSIGN_OR_RETURN(options.kind, parse_backend_kind(engine.backend));
+  options.n_threads = engine.threads, options.cuda_options = engine.cuda_options;
+  ASSIGN_OR_RETURN(auto backend, make_backend(weights, options));
   auto seq = backend->new_sequence();
   std::vector<float> logits;
   auto t0 = std::chrono::steady_clock::now();
@@ -121,7 +122,7 @@ static void setup(CLI::App& app) {
       int max_tokens = *a->sampling.max_tokens_opt ? a->sampling.max_tokens : 16;
       st = max_tokens < 1
                ? invalid_argument("--max-tokens must be >= 1 with --prompt-ids")
-               : run_ids(a->engine.model, a->prompt_ids, max_tokens, a->engine.backend, a->engine.threads);
+               : run_ids(a->prompt_ids, max_tokens, a->engine);
     } else {
       st = run_text(*a);
     }

@@ -63,7 +63,8 @@ Status run_score(const ScoreArgs& a) {
   ASSIGN_OR_RETURN(std::vector<int32_t> ids, read_ids(a.ids_file, vocab));
   const int64_t n = static_cast<int64_t>(ids.size());
   ASSIGN_OR_RETURN(BackendKind kind, parse_backend_kind(a.backend));
-  BackendOptions options{kind, a.threads};
+  BackendOptions options;
+  options.kind = kind, options.n_threads = a.threads;
   options.max_context = std::max<int64_t>(n + 16, 4096);
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(weights, options));
   auto seq = backend->new_sequence();

@@ -13,7 +13,7 @@ namespace lily::cli {
 namespace {
 
 struct ServeArgs {
-  std::string model, host = "127.0.0.1", api_key, backend = "auto", name;
+  std::string model, host = "127.0.0.1", api_key, backend = "auto", name, cuda_options;
   int port = 8080, ctx_size = 0, threads = 0, grace_s = 10;
   size_t max_queue = 64, max_body_mb = 16, cache_mb = 8192;
   bool quiet = false;
@@ -40,7 +40,8 @@ int run_serve(const ServeArgs& a) {
     std::fprintf(stderr, "lily serve: %s\n", kind.status().message().c_str());
     return 2;
   }
-  o.backend = {*kind, a.threads};
+  o.backend.kind = *kind, o.backend.n_threads = a.threads;
+  o.backend.cuda_options = a.cuda_options;
   o.ctx_size = a.ctx_size;
   o.max_queue = a.max_queue;
   o.shutdown_grace_ms = a.grace_s * 1000;
@@ -80,6 +81,9 @@ void setup(CLI::App& app) {
   cmd->add_option("--threads", a->threads, "CPU backend threads (0: all)")->check(CLI::Range(0, 1024));
   cmd->add_option("--ctx-size", a->ctx_size, "context length in tokens (0: the model's maximum)")
       ->check(CLI::Range(0, 1 << 30));
+  cmd->add_option("--cuda-options", a->cuda_options,
+                  "CUDA backend tuning, key=value,... (the keys of `lily bench --variants`; experiments, off by "
+                  "default)");
   cmd->add_option("--max-queue", a->max_queue, "requests that may wait behind the running one (then 429)")
       ->check(CLI::Range(1, 100000));
   cmd->add_option("--max-body-mb", a->max_body_mb, "largest request body in MiB (then 413)")

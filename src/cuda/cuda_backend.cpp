@@ -818,6 +818,7 @@ void register_cuda_backend() {
                                    const BackendOptions& o) -> Result<std::unique_ptr<Backend>> {
     CudaBackendOptions co;
     co.max_context = std::min<int64_t>(o.max_context, w->config.max_position_embeddings);
+    RETURN_IF_ERROR(apply_option_spec(o.cuda_options, co, "--cuda-options"));
     ASSIGN_OR_RETURN(auto b, make_cuda_backend(std::move(w), co));
     return std::unique_ptr<Backend>(std::move(b));
   });

@@ -65,6 +65,13 @@ struct CudaBackendOptions {
   bool anchor_from_chunk_states = false;
 };
 
+// Applies a spec `key=value,key=value` to o: the keys are the options above by name (gdn_scan for
+// gdn_scan_variant, wgmma for dense_wgmma; option_keys() lists them), bools as on/off/1/0/true/false, ints in
+// decimal. `lily bench --variants` and `--cuda-options` take these specs. Errors (prefixed with `what`) name the
+// unknown key or the bad value; o may be partly set then.
+Status apply_option_spec(const std::string& spec, CudaBackendOptions& o, const char* what);
+std::string option_keys();
+
 // One kernel launch of a profiled step.
 struct KernelTiming {
   std::string name;

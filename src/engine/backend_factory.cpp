@@ -22,11 +22,16 @@ Result<std::unique_ptr<Backend>> make_backend(std::shared_ptr<const ModelWeights
   if (options.kind != BackendKind::cpu) {
     if (g_cuda_factory) {
       auto cuda = g_cuda_factory(weights, options);
-      if (cuda.ok() || options.kind == BackendKind::cuda) return cuda;
+      // A bad --cuda-options is the caller's error even where auto would fall back to the CPU.
+      if (cuda.ok() || options.kind == BackendKind::cuda || cuda.status().code() == ErrorCode::invalid_argument)
+        return cuda;
     } else if (options.kind == BackendKind::cuda) {
       return error(ErrorCode::unsupported, "this lily was built without CUDA");
     }
   }
+  if (!options.cuda_options.empty())
+    return invalid_argument("--cuda-options `%s`: the backend is the CPU one (%s)", options.cuda_options.c_str(),
+                            options.kind == BackendKind::cpu ? "--backend cpu" : "no usable CUDA device");
   CpuBackendOptions cpu;
   cpu.n_threads = options.n_threads;
   return std::unique_ptr<Backend>(std::make_unique<CpuBackend>(std::move(weights), cpu));

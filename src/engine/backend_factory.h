@@ -16,6 +16,9 @@ struct BackendOptions {
   BackendKind kind = BackendKind::automatic;
   int n_threads = 0;             // CPU backend
   int64_t max_context = 32768;   // CUDA backend: KV capacity of each sequence (the CPU backend grows as needed)
+  // CUDA backend tuning, `key=value,...` (cuda::apply_option_spec: the `lily bench --variants` keys); refused
+  // when the backend is the CPU one.
+  std::string cuda_options;
 };
 
 // Returns a CUDA backend, or an error saying why none is available (no GPU, not built with CUDA).

@@ -325,5 +325,38 @@ TEST(CudaBackend, CheckpointRestoreAndDeviceSampling) {
   EXPECT_EQ(run(topk), run(topk));
 }
 
+// The option specs of `lily bench --variants` and `--cuda-options` (cuda::apply_option_spec; no GPU needed).
+TEST(CudaOptions, SpecSetsOptionsAndNamesErrors) {
+  cuda::CudaBackendOptions o;
+  ASSERT_TRUE(cuda::apply_option_spec("", o, "--x").ok());
+  ASSERT_TRUE(cuda::apply_option_spec("decode_prefetch=3,attn_wgmma=off,,gdn_scan=13,moe_fused=on", o, "--x").ok());
+  EXPECT_EQ(o.decode_prefetch, 3);
+  EXPECT_FALSE(o.attn_wgmma);
+  EXPECT_EQ(o.gdn_scan_variant, 13);
+  EXPECT_TRUE(o.moe_fused);
+  for (const char* v : {"1", "true", "on"}) {
+    o.gdn_fused = false;
+    ASSERT_TRUE(cuda::apply_option_spec(std::string("gdn_fused=") + v, o, "--x").ok());
+    EXPECT_TRUE(o.gdn_fused) << v;
+  }
+  for (const char* v : {"0", "false", "off"}) {
+    o.gdn_fused = true;
+    ASSERT_TRUE(cuda::apply_option_spec(std::string("gdn_fused=") + v, o, "--x").ok());
+    EXPECT_FALSE(o.gdn_fused) << v;
+  }
+  auto message = [&](const std::string& spec) {
+    Status st = cuda::apply_option_spec(spec, o, "--cuda-options");
+    EXPECT_EQ(st.code(), ErrorCode::invalid_argument) << spec;
+    return st.message();
+  };
+  EXPECT_NE(message("nope=1").find("--cuda-options: unknown key `nope` (known: gdn_scan, "), std::string::npos);
+  EXPECT_NE(message("gdn_fused").find("`gdn_fused` is not key=value"), std::string::npos);
+  EXPECT_NE(message("gdn_fused=maybe").find("gdn_fused=maybe is not on/off"), std::string::npos);
+  EXPECT_NE(message("gdn_scan=13x").find("gdn_scan=13x is not an integer"), std::string::npos);
+  EXPECT_NE(message("gdn_scan=99999999999").find("is not an integer"), std::string::npos);
+  EXPECT_NE(message("gdn_scan=").find("is not an integer"), std::string::npos);
+  EXPECT_NE(cuda::option_keys().find("anchor_from_chunk_states"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace lily

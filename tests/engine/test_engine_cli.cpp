@@ -81,6 +81,28 @@ TEST_F(Cli, GenerateStreamsTheEnginesText) {
   EXPECT_EQ(read_all(out_ / "gen"), text + "\n");
 }
 
+// --cuda-options (the CUDA backend's tuning keys) is refused, with the reason, when the backend is the CPU one, by
+// generate and by serve (which exits instead of serving); a key that does not exist is named (by the CUDA
+// backend's parser where lily is built with CUDA, else as above: either way the run fails and says why).
+TEST_F(Cli, CudaOptionsAreRefusedOnTheCpuBackendAndUnknownKeysNamed) {
+  const std::string gen = bin_ + " generate --model " + model_ + " --threads 2 --max-tokens 2 --prompt hi";
+  const std::string err = (out_ / "cuda_opt_err").string();
+  ASSERT_NE(std::system((gen + " --backend cpu --cuda-options decode_prefetch=1 > /dev/null 2> " + err).c_str()), 0);
+  EXPECT_NE(read_all(err).find("--cuda-options `decode_prefetch=1`: the backend is the CPU one (--backend cpu)"),
+            std::string::npos)
+      << read_all(err);
+  ASSERT_NE(std::system((gen + " --cuda-options no_such_key=1 > /dev/null 2> " + err).c_str()), 0);
+  const std::string e = read_all(err);
+  EXPECT_TRUE(e.find("unknown key `no_such_key`") != std::string::npos ||
+              e.find("the backend is the CPU one") != std::string::npos)
+      << e;
+  const std::string serve = bin_ + " serve --model " + model_ +
+                            " --port 0 --backend cpu --threads 2 --cuda-options decode_prefetch=1 > /dev/null 2> " + err;
+  ASSERT_NE(std::system(("timeout 60 " + serve).c_str()), 0);
+  EXPECT_NE(read_all(err).find("the model failed to load: --cuda-options"), std::string::npos) << read_all(err);
+  // Without the flag both run as before (GenerateStreamsTheEnginesText).
+}
+
 // Waits up to `seconds` for `pred`.
 template <typename Pred>
 bool wait_for(Pred pred, double seconds) {
