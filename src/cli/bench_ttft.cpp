@@ -18,6 +18,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <sstream>
+#include <string>
 #include <string_view>
 #include <thread>
 #include <vector>
@@ -167,6 +169,47 @@ Result<double> time_first_token(int port, const std::string& model, const std::s
   return first;
 }
 
+// The server's own sums from GET /metrics: time to first token (arrival -> first generated token, queue
+// included) and the engine's prefill time (prefill start -> first token), each summed over its requests, once
+// the server has ended all `chat_requests` chat completions sent so far and is idle (the client stops reading at
+// the first token, so a generation - and its prefill record - may end a little after; the server counts such a
+// request as 499).
+struct ServerSums {
+  double ttft_s = 0, ttft_count = 0, prefill_s = 0;
+};
+
+Result<ServerSums> server_sums(int port, int chat_requests) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (true) {
+    ASSIGN_OR_RETURN(auto r, request(port, "GET", "/metrics", ""));
+    if (r.first != 200)
+      return error(ErrorCode::internal, "GET /metrics answered %d: %.300s", r.first, r.second.c_str());
+    ServerSums s;
+    double finished = 0, busy = 0;
+    std::istringstream in(r.second);
+    std::string line;
+    while (std::getline(in, line)) {
+      const size_t sp = line.rfind(' ');
+      if (sp == std::string::npos || line[0] == '#') continue;
+      const std::string name = line.substr(0, sp);
+      const double v = std::strtod(line.c_str() + sp + 1, nullptr);
+      if (name == "lily_time_to_first_token_seconds_sum") s.ttft_s = v;
+      if (name == "lily_time_to_first_token_seconds_count") s.ttft_count = v;
+      if (name == "lily_prefill_seconds_total") s.prefill_s = v;
+      if (name == "lily_requests_running" || name == "lily_queue_depth") busy += v;
+      // Answered (200), or ended by the client leaving after its first token (499).
+      if (name == "lily_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"}" ||
+          name == "lily_requests_total{endpoint=\"/v1/chat/completions\",status=\"499\"}")
+        finished += v;
+    }
+    if (finished >= chat_requests && busy == 0) return s;  // every generation done (and recorded: job.run)
+    if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(30))
+      return error(ErrorCode::internal, "the server finished %.0f of %d chat requests after 30 s", finished,
+                   chat_requests);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 }  // namespace
 
 Status run_ttft_bench(const TtftOptions& o, json& out) {
@@ -214,8 +257,9 @@ Status run_ttft_bench(const TtftOptions& o, json& out) {
   const std::string served = mj["data"][0].value("id", "");
 
   // Calibrate the word count on the server's own prompt token count (chat template included).
-  int words = o.prompt_tokens / 2, prompt_tokens = 0;
+  int words = o.prompt_tokens / 2, prompt_tokens = 0, sent = 0;  // sent: chat requests so far
   for (int round = 0; round < 3; ++round) {
+    ++sent;
     ASSIGN_OR_RETURN(auto r, request(o.port, "POST", "/v1/chat/completions", chat_body(served, prompt_text(words, 0), 1, false)));
     const json j = json::parse(r.second, nullptr, false);
     if (r.first != 200 || j.is_discarded() || !j.contains("usage"))
@@ -226,18 +270,30 @@ Status run_ttft_bench(const TtftOptions& o, json& out) {
   }
 
   std::vector<double> ms;
+  ServerSums before;
   for (int i = 0; i <= o.reps; ++i) {  // request 0 warms up
     ASSIGN_OR_RETURN(double t, time_first_token(o.port, served, prompt_text(words, i + 1)));
+    ++sent;
     if (i > 0) ms.push_back(t);
+    if (i == 0) {  // the server's sums before the timed requests
+      ASSIGN_OR_RETURN(before, server_sums(o.port, sent));
+    }
   }
+  ASSIGN_OR_RETURN(ServerSums after, server_sums(o.port, sent));
+  const double n_timed = after.ttft_count - before.ttft_count;
+  const double server_ms = n_timed > 0 ? 1e3 * (after.ttft_s - before.ttft_s) / n_timed : 0;
+  const double engine_ms = n_timed > 0 ? 1e3 * (after.prefill_s - before.prefill_s) / n_timed : 0;
   std::vector<double> sorted = ms;
   std::sort(sorted.begin(), sorted.end());
   const size_t n = sorted.size();
   const double median = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
   std::printf("time to first token through the server, ~%d-token prompt: median %.1f ms (min %.1f, max %.1f) over "
               "%d requests\n", prompt_tokens, median, sorted.front(), sorted.back(), o.reps);
+  std::printf("  server side (its /metrics, mean of the same requests): arrival -> first token %.1f ms, of which "
+              "the engine's prefill and first token %.1f ms\n", server_ms, engine_ms);
   out = {{"prompt_tokens", prompt_tokens}, {"ttft_ms_median", median}, {"ttft_ms_min", sorted.front()},
-         {"ttft_ms_max", sorted.back()}, {"ttft_ms", ms}, {"backend", o.backend}, {"model", o.model}};
+         {"ttft_ms_max", sorted.back()}, {"ttft_ms", ms}, {"server_ttft_ms_mean", server_ms},
+         {"engine_prefill_ms_mean", engine_ms}, {"backend", o.backend}, {"model", o.model}};
   return ok_status();
 }
 

@@ -57,6 +57,14 @@ TEST_F(BenchTtftCli, TimesStreamedRequestsOfTheAskedLength) {
   EXPECT_LE(j["ttft_ms_min"].get<double>(), j["ttft_ms_median"].get<double>());
   EXPECT_LE(j["ttft_ms_median"].get<double>(), j["ttft_ms_max"].get<double>());
   EXPECT_NE(slurp(dir_ / "out").find("time to first token through the server"), std::string::npos);
+  // The server's own view of the same two requests (its /metrics): the engine's prefill and first token lie
+  // within the server's arrival -> first token. (Not compared with the client's figure: the two clocks start and
+  // stop at different points of the same exchange, a millisecond apart either way.)
+  const double server = j["server_ttft_ms_mean"], engine = j["engine_prefill_ms_mean"];
+  EXPECT_GT(engine, 0.0);
+  EXPECT_LE(engine, server);
+  EXPECT_LT(server, 60000.0);
+  EXPECT_NE(slurp(dir_ / "out").find("server side (its /metrics"), std::string::npos);
 }
 
 TEST_F(BenchTtftCli, RefusesWithoutAModelAndReportsAServerThatCannotLoad) {
