@@ -417,15 +417,8 @@ cudaError_t launch_fused(const AttnFusedParams& p, cudaStream_t stream) {
   auto kernel = attn_fused_kernel<H, OD>;
   const size_t smem = fused_smem_bytes(H, OD);
   CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  // The barriers need every block resident at once: the grid is at most what fits the whole device (an ordinary
-  // launch, so PDL works and it can be captured; see moe_fused.cu's launcher for why that cannot deadlock).
-  int per_sm = 0, device = 0, sms = 0;
-  CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-  CUDA_TRY(cudaGetDevice(&device));
-  CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int resident = per_sm * sms;
-  const int blocks = p.grid_blocks > 0 ? p.grid_blocks : resident;
-  if (resident < 1 || blocks > resident) return cudaErrorCooperativeLaunchTooLarge;
+  int blocks = 0, sms = 0;
+  CUDA_TRY(persistent_grid(kernel, kThreads, smem, p.grid_blocks, blocks, sms));
   const int x_threads = gemv_q4_async_threads(p.in_proj, sms);
   if (x_threads > kVirtual * kThreads || H > 16 * x_threads) return cudaErrorInvalidValue;  // block_load_x_virtual
   return launch_pdl(kernel, dim3(blocks), dim3(kThreads), smem, stream, FusedArgs{p, x_threads});

@@ -34,6 +34,21 @@ __device__ __forceinline__ void prefetch_q4_chunk_l2(const QMatrix& m, int u, in
   }
 }
 
+// A persistent kernel's grid: the barriers need every block resident at once, so the grid is at most what fits the
+// whole device (an ordinary launch, so PDL keeps working and the launch is legal in stream capture: see
+// moe_fused.cu's launcher for why that cannot deadlock). Sets `sms` and `blocks` (`asked` if > 0, else every block
+// that fits); cudaErrorCooperativeLaunchTooLarge when none fits or `asked` is more.
+template <class Kernel>
+cudaError_t persistent_grid(Kernel kernel, int threads, size_t smem, int asked, int& blocks, int& sms) {
+  int per_sm = 0, device = 0;
+  CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  CUDA_TRY(cudaGetDevice(&device));
+  CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int resident = per_sm * sms;
+  blocks = asked > 0 ? asked : resident;
+  return resident < 1 || blocks > resident ? cudaErrorCooperativeLaunchTooLarge : cudaSuccess;
+}
+
 // A launcher's check: m is a 4-bit [rows, cols] matrix with 16-byte aligned arrays.
 inline bool is_q4(const QMatrix& m, int rows, int cols) {
   return m.w && m.scales && m.biases && m.bits == 4 && m.rows == rows && m.cols == cols && aligned16(m.w) &&
