@@ -187,20 +187,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_fused_kernel(const __grid_con
     if (rank + k * n_warps < n_a) issue_chunk<H>(p.in_proj, rank + k * n_warps, lane, ring + k * kStageBytes);
     cp_async_commit();
   }
-  for (int u = rank_c; u < n_c; u += n_warps) {
-#pragma unroll
-    for (int pass = 0; pass < LayC::kPasses; ++pass) {
-      const int row = u * LayC::kRowsPerChunk + pass * LayC::kRowsPerPass + lane / LayC::kLanesPerRow;
-      const uint4* w_row = reinterpret_cast<const uint4*>(p.out_proj.w) + static_cast<size_t>(row) * LayC::kVecsPerRow;
-#pragma unroll
-      for (int v = 0; v < LayC::kVecsPerLane; ++v)
-        prefetch_l2(w_row + v * LayC::kLanesPerRow + lane % LayC::kLanesPerRow);
-      if (lane % LayC::kLanesPerRow == 0) {
-        prefetch_l2(p.out_proj.scales + static_cast<size_t>(row) * (VD / 64));
-        prefetch_l2(p.out_proj.biases + static_cast<size_t>(row) * (VD / 64));
-      }
-    }
-  }
+  for (int u = rank_c; u < n_c; u += n_warps) prefetch_q4_chunk_l2<VD>(p.out_proj, u, lane);
   __syncthreads();  // state_bar initialised
 
   // Head h's inputs: the state (bulk copy into S_s, one thread), this thread's conv channel, weights and history.
@@ -381,25 +368,13 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_fused_kernel(const __grid_con
 
 // ---- launcher --------------------------------------------------------------------------------------------------
 
-bool is_q4(const QMatrix& m, int rows, int cols) {
-  return m.w && m.scales && m.biases && m.bits == 4 && m.rows == rows && m.cols == cols && aligned16(m.w) &&
-         aligned16(m.scales) && aligned16(m.biases);
-}
-
 template <int H, int VD>
 cudaError_t launch_fused(const GdnFusedParams& p, cudaStream_t stream) {
   auto kernel = gdn_fused_kernel<H, VD>;
   const size_t smem = fused_smem_bytes(H);
   CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  // The barriers need every block resident at once: the grid is at most what fits the whole device (an ordinary
-  // launch, so PDL works and it can be captured; see moe_fused.cu's launcher for why that cannot deadlock).
-  int per_sm = 0, device = 0, sms = 0;
-  CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
-  CUDA_TRY(cudaGetDevice(&device));
-  CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int resident = per_sm * sms;
-  const int blocks = p.grid_blocks > 0 ? p.grid_blocks : resident;
-  if (resident < 1 || blocks > resident) return cudaErrorCooperativeLaunchTooLarge;
+  int blocks = 0, sms = 0;
+  CUDA_TRY(persistent_grid(kernel, kThreads, smem, p.grid_blocks, blocks, sms));
   const int x_threads = gemv_q4_async_threads(p.in_proj, sms);
   if (x_threads > kThreads || H > 16 * x_threads) return cudaErrorInvalidValue;  // block_load_x_as's fast path
   return launch_pdl(kernel, dim3(blocks), dim3(kThreads), smem, stream, FusedArgs{p, x_threads});

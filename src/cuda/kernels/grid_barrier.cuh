@@ -1,8 +1,9 @@
-// Device helpers of the persistent decode kernels (moe_fused.cu, gdn_fused.cu): a grid-wide barrier between the
-// phases of one launch, and an L2 prefetch. The barrier needs every block of the grid resident at once: the
+// Helpers of the persistent decode kernels (moe_fused.cu, gdn_fused.cu, attn_fused.cu): a grid-wide barrier between
+// the phases of one launch, L2 prefetches, and their launchers' check of a 4-bit matrix. The barrier needs every block of the grid resident at once: the
 // launchers size the grid from the occupancy API and refuse larger grids.
 #pragma once
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/quant_dot.cuh"
 
 #if defined(__CUDACC__)
 namespace lily::cuda {
@@ -14,6 +15,45 @@ __device__ __forceinline__ unsigned ld_acquire_gpu(const unsigned* p) {
 }
 
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+// Asks the L2 for chunk u of m's rows (Q4Layout<COLS>: rows u * kRowsPerChunk ..) as this lane will load them in
+// a later phase: its 16-byte word vectors, and from the first lane of each row the row's scales and biases.
+template <int COLS>
+__device__ __forceinline__ void prefetch_q4_chunk_l2(const QMatrix& m, int u, int lane) {
+  using Lay = Q4Layout<COLS>;
+#pragma unroll
+  for (int pass = 0; pass < Lay::kPasses; ++pass) {
+    const int row = u * Lay::kRowsPerChunk + pass * Lay::kRowsPerPass + lane / Lay::kLanesPerRow;
+    const uint4* w_row = reinterpret_cast<const uint4*>(m.w) + static_cast<size_t>(row) * Lay::kVecsPerRow;
+#pragma unroll
+    for (int v = 0; v < Lay::kVecsPerLane; ++v) prefetch_l2(w_row + v * Lay::kLanesPerRow + lane % Lay::kLanesPerRow);
+    if (lane % Lay::kLanesPerRow == 0) {
+      prefetch_l2(m.scales + static_cast<size_t>(row) * (COLS / 64));
+      prefetch_l2(m.biases + static_cast<size_t>(row) * (COLS / 64));
+    }
+  }
+}
+
+// A persistent kernel's grid: the barriers need every block resident at once, so the grid is at most what fits the
+// whole device (an ordinary launch, so PDL keeps working and the launch is legal in stream capture: see
+// moe_fused.cu's launcher for why that cannot deadlock). Sets `sms` and `blocks` (`asked` if > 0, else every block
+// that fits); cudaErrorCooperativeLaunchTooLarge when none fits or `asked` is more.
+template <class Kernel>
+cudaError_t persistent_grid(Kernel kernel, int threads, size_t smem, int asked, int& blocks, int& sms) {
+  int per_sm = 0, device = 0;
+  CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  CUDA_TRY(cudaGetDevice(&device));
+  CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const int resident = per_sm * sms;
+  blocks = asked > 0 ? asked : resident;
+  return resident < 1 || blocks > resident ? cudaErrorCooperativeLaunchTooLarge : cudaSuccess;
+}
+
+// A launcher's check: m is a 4-bit [rows, cols] matrix with 16-byte aligned arrays.
+inline bool is_q4(const QMatrix& m, int rows, int cols) {
+  return m.w && m.scales && m.biases && m.bits == 4 && m.rows == rows && m.cols == cols && aligned16(m.w) &&
+         aligned16(m.scales) && aligned16(m.biases);
+}
 
 __device__ __forceinline__ unsigned long long global_ns() {
   unsigned long long t;

@@ -205,13 +205,8 @@ cudaError_t launch_fused(const MoeFusedParams& p, cudaStream_t stream) {
   // launch, so PDL keeps working and the launch is legal in stream capture): blocks queued behind the
   // predecessor's run once it exits (it never waits for this grid), and this grid lets its own dependents launch
   // only after barrier 1, when all its blocks have arrived, so nothing that waits for it can hold their place.
-  int per_sm = 0, device = 0, sms = 0;
-  CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kFusedThreads, smem));
-  CUDA_TRY(cudaGetDevice(&device));
-  CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int resident = per_sm * sms;
-  const int blocks = p.grid_blocks > 0 ? p.grid_blocks : resident;
-  if (resident < 1 || blocks > resident) return cudaErrorCooperativeLaunchTooLarge;
+  int blocks = 0, sms = 0;
+  CUDA_TRY(persistent_grid(kernel, kFusedThreads, smem, p.grid_blocks, blocks, sms));
   return launch_pdl(kernel, dim3(blocks), dim3(kFusedThreads), smem, stream, p);
 }
 

@@ -360,18 +360,21 @@ TEST(CudaAttnPrefill, RejectsBadShapes) {
   EXPECT_EQ(attn_prefill(p, nullptr), cudaErrorInvalidValue);
 }
 
-// Prints ms and TFLOP/s (useful causal FLOPs 4 * nq * D * sum_t (pos0+t+1)) at the full geometry; prep included.
-TEST(CudaAttnPrefillBench, Timing) {
-  SKIP_WITHOUT_GPU();
+// The timing tests' inputs at the full geometry: a 131,072-row KV cache, 4,096 rows of projections, scratch, the
+// q/k norm; repeated random blocks (non-degenerate values: zeros would flatter the hardware).
+struct BenchInputs {
+  static constexpr int cap = 131072, max_T = 4096;
   const Geometry g = test::kFull;
-  const int D = g.head_dim, cap = 131072, max_T = 4096;
+  const int D = g.head_dim;
   const size_t row_elems = static_cast<size_t>(g.nkv) * D;
-  DeviceBuffer<uint16_t> k(cap * row_elems), v(cap * row_elems), out(static_cast<size_t>(max_T) * g.nq * D);
-  DeviceBuffer<float> proj(max_T * proj_stride(g));
-  DeviceBuffer<unsigned char> scratch(attn_prefill_scratch_bytes(max_T, g.nq, D));
-  ASSERT_NE(k.get(), nullptr);
-  ASSERT_NE(v.get(), nullptr);
-  {  // repeated random blocks: non-degenerate values (zeros would flatter the hardware)
+  DeviceBuffer<uint16_t> k{cap * row_elems}, v{cap * row_elems}, out{static_cast<size_t>(max_T) * g.nq * D};
+  DeviceBuffer<float> proj{static_cast<size_t>(max_T) * proj_stride(g)};
+  DeviceBuffer<unsigned char> scratch{attn_prefill_scratch_bytes(max_T, g.nq, D)};
+  DeviceBuffer<float> d_norm{random_vector(D, 7, 0.1f, 1.0f)};
+
+  void fill() {
+    ASSERT_NE(k.get(), nullptr);
+    ASSERT_NE(v.get(), nullptr);
     std::vector<uint16_t> block(1u << 20);
     const auto f = random_vector(block.size(), 5);
     for (size_t i = 0; i < block.size(); ++i) block[i] = to_bf16_bits(f[i]);
@@ -383,8 +386,18 @@ TEST(CudaAttnPrefillBench, Timing) {
     for (size_t off = 0; off < proj.size(); off += pf.size())
       ASSERT_CUDA(cudaMemcpy(proj.get() + off, pf.data(), std::min(pf.size(), proj.size() - off) * 4, cudaMemcpyHostToDevice));
   }
-  const auto norm = random_vector(D, 7, 0.1f, 1.0f);
-  DeviceBuffer<float> d_norm(norm);
+};
+
+// Prints ms and TFLOP/s (useful causal FLOPs 4 * nq * D * sum_t (pos0+t+1)) at the full geometry; prep included.
+TEST(CudaAttnPrefillBench, Timing) {
+  SKIP_WITHOUT_GPU();
+  BenchInputs in;
+  ASSERT_NO_FATAL_FAILURE(in.fill());
+  const Geometry& g = in.g;
+  const int D = in.D;
+  auto &k = in.k, &v = in.v, &out = in.out;
+  auto &proj = in.proj, &d_norm = in.d_norm;
+  auto& scratch = in.scratch;
   printf("[prefill bench] full geometry (nq 16, nkv 2, D 256), prep + flash, vs 790 TFLOP/s dense bf16\n");
   printf("%6s %7s %10s %10s %8s\n", "T", "pos0", "ms", "TFLOP/s", "of_peak");
   for (auto [T, pos0] : {std::pair{4096, 0}, std::pair{4096, 28672}, std::pair{4096, 126976}, std::pair{512, 0},
@@ -585,28 +598,13 @@ TEST(CudaAttnPrefillWgmma, RejectsWhatItDoesNotTake) {
 TEST(CudaAttnPrefillWgmmaBench, Timing) {
   SKIP_WITHOUT_GPU();
   SKIP_WITHOUT_WGMMA();
-  const Geometry g = test::kFull;
-  const int D = g.head_dim, cap = 131072, max_T = 4096;
-  const size_t row_elems = static_cast<size_t>(g.nkv) * D;
-  DeviceBuffer<uint16_t> k(cap * row_elems), v(cap * row_elems), out(static_cast<size_t>(max_T) * g.nq * D);
-  DeviceBuffer<float> proj(max_T * proj_stride(g));
-  DeviceBuffer<unsigned char> scratch(attn_prefill_scratch_bytes(max_T, g.nq, D));
-  ASSERT_NE(k.get(), nullptr);
-  ASSERT_NE(v.get(), nullptr);
-  {
-    std::vector<uint16_t> block(1u << 20);
-    const auto f = random_vector(block.size(), 5);
-    for (size_t i = 0; i < block.size(); ++i) block[i] = to_bf16_bits(f[i]);
-    for (size_t off = 0; off < k.size(); off += block.size()) {
-      ASSERT_CUDA(cudaMemcpy(k.get() + off, block.data(), std::min(block.size(), k.size() - off) * 2, cudaMemcpyHostToDevice));
-      ASSERT_CUDA(cudaMemcpy(v.get() + off, block.data(), std::min(block.size(), v.size() - off) * 2, cudaMemcpyHostToDevice));
-    }
-    const auto pf = random_vector(64 * proj_stride(g), 6);
-    for (size_t off = 0; off < proj.size(); off += pf.size())
-      ASSERT_CUDA(cudaMemcpy(proj.get() + off, pf.data(), std::min(pf.size(), proj.size() - off) * 4, cudaMemcpyHostToDevice));
-  }
-  const auto norm = random_vector(D, 7, 0.1f, 1.0f);
-  DeviceBuffer<float> d_norm(norm);
+  BenchInputs in;
+  ASSERT_NO_FATAL_FAILURE(in.fill());
+  const Geometry& g = in.g;
+  const int D = in.D;
+  auto &k = in.k, &v = in.v, &out = in.out;
+  auto &proj = in.proj, &d_norm = in.d_norm;
+  auto& scratch = in.scratch;
   printf("[prefill wgmma bench] full geometry, prep + flash, TFLOP/s of the causal FLOPs (790 = dense bf16 peak)\n");
   printf("%6s %7s %12s %12s %10s %10s %8s\n", "T", "pos0", "mma.sync ms", "wgmma ms", "TFLOP/s", "TFLOP/s", "speedup");
   for (auto [T, pos0] : {std::pair{4096, 0}, std::pair{4096, 28672}, std::pair{4096, 126976}, std::pair{1024, 0},
