@@ -7,7 +7,7 @@ import re
 import sys
 from collections import OrderedDict
 
-UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3,
+UNITS = {"byte": 1, "ns": 1e-9, "us": 1e-6, "ms": 1e-3, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3,
          "second": 1.0, "%": 1.0, "": 1.0}
 
 

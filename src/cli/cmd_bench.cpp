@@ -28,6 +28,7 @@ struct BenchArgs {
   int steps = 64;
   int reps = 3;
   int profile_context = 4096;
+  int trace_steps = 0;  // --trace: decode steps replayed with the block timeline (kernels/trace.cuh)
   int prefill_chunk = 4096;
   int gdn_scan = 0;
   bool wgmma = true;
@@ -58,6 +59,56 @@ void print_breakdown(const std::vector<cuda::KernelTiming>& kernels, nlohmann::j
                    {"flops", k.flops}, {"tflop_per_s", tfs}});
   }
   std::printf("%-16s %8s %10.4f\n", "total", "", total);
+}
+
+// The block timeline of the last traced step (cuda::TraceLaunch), by op name along the chain. For launch i and
+// its chain predecessor p: share = end(i) - end(p) (what the launch adds to the step), release = first
+// pdl_wait() return of i - end(p), after = end(i) - last wait return of i, ahead = end(p) - first start of i
+// (how early its blocks were resident).
+void print_trace(const std::vector<cuda::TraceLaunch>& all, nlohmann::json& out) {
+  for (const auto& l : all)
+    out["launches"].push_back({{"name", l.name}, {"kind", l.kind}, {"chain", l.chain}, {"blocks", l.blocks},
+                               {"start_first", l.start_first}, {"start_last", l.start_last},
+                               {"wait_first", l.wait_first}, {"wait_last", l.wait_last},
+                               {"end_first", l.end_first}, {"end_last", l.end_last}});
+  size_t begin = 0;  // the last step: from the last "embed" on
+  for (size_t i = 0; i < all.size(); ++i)
+    if (all[i].name == "embed") begin = i;
+  struct Agg {
+    int n = 0;
+    double share = 0, release = 0, after = 0, ahead = 0, blocks = 0;
+  };
+  std::vector<std::pair<std::string, Agg>> by;
+  const cuda::TraceLaunch* prev = nullptr;
+  double t_begin = 0, t_end = 0;
+  for (size_t i = begin; i < all.size(); ++i) {
+    const auto& l = all[i];
+    if (!l.chain) continue;
+    if (!prev) t_begin = l.start_first;
+    auto it = std::find_if(by.begin(), by.end(), [&](auto& e) { return e.first == l.name; });
+    if (it == by.end()) it = by.insert(by.end(), {l.name, Agg{}});
+    Agg& a = it->second;
+    a.n += 1;
+    a.blocks += l.blocks;
+    a.share += l.end_last - (prev ? prev->end_last : l.start_first);
+    if (prev) {
+      a.release += (l.wait_first > 0 ? l.wait_first : l.start_first) - prev->end_last;
+      a.ahead += prev->end_last - l.start_first;
+    }
+    a.after += l.end_last - (l.wait_last > 0 ? l.wait_last : l.start_first);
+    prev = &l;
+    t_end = std::max(t_end, l.end_last);
+  }
+  std::printf("%-16s %8s %7s %10s %7s %11s %11s %11s\n", "op", "launches", "blocks", "share ms", "share",
+              "release us", "after us", "ahead us");
+  for (auto& [name, a] : by) {
+    std::printf("%-16s %8d %7.0f %10.4f %6.1f%% %11.2f %11.2f %11.2f\n", name.c_str(), a.n, a.blocks / a.n,
+                a.share * 1e-3, 100 * a.share / (t_end - t_begin), a.release / a.n, a.after / a.n, a.ahead / a.n);
+    out["by_op"].push_back({{"name", name}, {"launches", a.n}, {"share_ms", a.share * 1e-3},
+                            {"release_us", a.release / a.n}, {"after_us", a.after / a.n}, {"ahead_us", a.ahead / a.n}});
+  }
+  std::printf("%-16s %8s %7s %10.4f\n", "step", "", "", (t_end - t_begin) * 1e-3);
+  out["step_ms"] = (t_end - t_begin) * 1e-3;
 }
 
 // A chat's first turn as the engine prefills it: forward_with_checkpoint of n random tokens split at the anchor,
@@ -189,6 +240,13 @@ Status run_one(const BenchArgs& a, std::shared_ptr<const ModelWeights> weights, 
     std::printf("\nper-kernel breakdown of one decode step at context %d (events around each launch, no graph):\n",
                 a.profile_context);
     print_breakdown(kernels, out["kernels"]);
+    if (a.trace_steps > 0) {
+      RETURN_IF_ERROR(backend->set_context_for_bench(*seq, a.profile_context));
+      ASSIGN_OR_RETURN(auto launches, backend->trace_decode(*seq, a.trace_steps));
+      std::printf("\nblock timeline of one decode step at context %d (graph replay, %%globaltimer):\n",
+                  a.profile_context);
+      print_trace(launches, out["trace"]);
+    }
   }
   return ok_status();
 }
@@ -293,6 +351,10 @@ void setup(CLI::App& app) {
   cmd->add_option("--moe-select", a->moe_select, "decode top-k selection in: experts (default) | route");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
   cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");
+  cmd->add_option("--trace", a->trace_steps,
+                  "decode: replay this many steps with the block timeline recorded (kernels/trace.cuh) and print the "
+                  "last one's by op; all launches go to the JSON")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--json", a->json_path, "write results as JSON");
   cmd->callback([a] {
     Status st = bench_main(*a);

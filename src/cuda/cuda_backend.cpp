@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <random>
 
 #include "cuda/cuda_sequence.h"
@@ -18,6 +19,7 @@
 #include "cuda/kernels/moe.cuh"
 #include "cuda/kernels/qgemm.cuh"
 #include "cuda/kernels/sample.cuh"
+#include "cuda/kernels/trace.cuh"
 #include "engine/backend_factory.h"
 
 namespace lily::cuda {
@@ -39,16 +41,21 @@ struct Profiler {
   };
   std::vector<Entry> entries;
   cudaStream_t stream;
+  bool names_only = false;  // record the launches' names in order, no events (trace_decode)
   void begin(const std::string& name, double bytes, double flops = 0) {
     Entry e{name, bytes, flops, nullptr, nullptr};
+    if (names_only) return entries.push_back(e);
     cudaEventCreate(&e.start);
     cudaEventCreate(&e.stop);
     cudaEventRecord(e.start, stream);
     entries.push_back(e);
   }
-  void end() { cudaEventRecord(entries.back().stop, stream); }
+  void end() {
+    if (!names_only) cudaEventRecord(entries.back().stop, stream);
+  }
   ~Profiler() {
-    for (auto& e : entries) cudaEventDestroy(e.start), cudaEventDestroy(e.stop);
+    for (auto& e : entries)
+      if (e.start) cudaEventDestroy(e.start), cudaEventDestroy(e.stop);
   }
   // Totals per kernel kind (call after the stream has finished).
   std::vector<KernelTiming> totals() const {
@@ -99,6 +106,7 @@ class CudaBackend final : public CudaBackendApi {
   Status set_context_for_bench(SequenceState& seq, int64_t n) override;
   Result<double> time_decode(SequenceState& seq, int steps) override;
   Result<std::vector<KernelTiming>> profile_step(SequenceState& seq) override;
+  Result<std::vector<TraceLaunch>> trace_decode(SequenceState& seq, int steps) override;
   Result<double> time_prefill(SequenceState& seq, int64_t n, std::vector<KernelTiming>* profile) override;
   size_t prefill_scratch_bytes() const override { return prefill_bytes_; }
   size_t device_bytes_in_use() const override {
@@ -792,6 +800,82 @@ Result<std::vector<KernelTiming>> CudaBackend::profile_step(SequenceState& base)
   s->n += 1;
   CUDA_RETURN(cudaStreamSynchronize(stream_), "profile");
   return prof.totals();
+}
+
+Result<std::vector<TraceLaunch>> CudaBackend::trace_decode(SequenceState& base, int steps) {
+  if (steps < 1) return invalid_argument("trace_decode: steps must be at least 1");
+  if (!trace::kEnabled)
+    return error(ErrorCode::unsupported, "the block timeline needs a build with -DLILY_TRACE=ON (kernels/trace.cuh)");
+  ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, steps + 2));
+  DeviceSampling greedy;
+  // The chain's op names in launch order: the step enqueued once more under a capture that is thrown away.
+  Profiler names;
+  names.names_only = true;
+  cudaGraph_t unused = nullptr;
+  CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "trace: begin capture");
+  Status st = enqueue_step(*s, attention_splits(s->n + 1), &greedy, &names);
+  cudaError_t end = cudaStreamEndCapture(stream_, &unused);
+  if (unused) cudaGraphDestroy(unused);
+  RETURN_IF_ERROR(st);
+  CUDA_RETURN(end, "trace: end capture");
+
+  int zero = 0;
+  CUDA_RETURN(cudaMemcpy(token_in_.ptr, &zero, sizeof(int), cudaMemcpyHostToDevice), "token");
+  RETURN_IF_ERROR(run_step(*s, &greedy));  // the graph captured before tracing starts
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "trace: warm-up");
+  // One step per replay: a graph's kernel nodes keep their %gridid from one replay to the next.
+  const uint32_t capacity = 200000u;
+  DeviceArray<trace::BlockRecord> rec;
+  DeviceArray<uint32_t> count;
+  RETURN_IF_ERROR(rec.alloc(capacity));
+  RETURN_IF_ERROR(count.alloc(1));
+  std::vector<TraceLaunch> out;
+  size_t next_name = 0;
+  for (int step = 0; step < steps; ++step) {
+    CUDA_RETURN(cudaMemset(count.ptr, 0, sizeof(uint32_t)), "trace: count");
+    CUDA_RETURN(trace::trace_set_buffer({rec.ptr, count.ptr, capacity}), "trace: set buffer");
+    Status run = run_step(*s, &greedy);
+    cudaError_t sync = cudaStreamSynchronize(stream_);
+    cudaError_t unset = trace::trace_set_buffer({});
+    RETURN_IF_ERROR(run);
+    CUDA_RETURN(sync, "trace: step");
+    CUDA_RETURN(unset, "trace: unset buffer");
+    uint32_t n = 0;
+    CUDA_RETURN(cudaMemcpy(&n, count.ptr, sizeof n, cudaMemcpyDeviceToHost), "trace: count");
+    if (n > capacity) return error(ErrorCode::internal, "trace: %u block records, room for %u", n, capacity);
+    std::vector<trace::BlockRecord> host(n);
+    CUDA_RETURN(cudaMemcpy(host.data(), rec.ptr, n * sizeof(trace::BlockRecord), cudaMemcpyDeviceToHost), "trace");
+
+    std::map<uint64_t, std::vector<const trace::BlockRecord*>> by_grid;  // %gridid grows with launch order
+    uint64_t t0 = UINT64_MAX;
+    for (const auto& r : host) by_grid[r.grid].push_back(&r), t0 = std::min(t0, r.t_start);
+    for (auto& [grid, blocks] : by_grid) {
+      TraceLaunch l;
+      l.kind = blocks.front()->kind;
+      l.blocks = static_cast<int>(blocks.size());
+      l.chain = l.kind != trace::kL2Prefetch && l.kind != trace::kMoePrefetchDown;
+      auto us = [&](uint64_t t) { return static_cast<double>(t - t0) * 1e-3; };
+      uint64_t s0 = UINT64_MAX, s1 = 0, w0 = UINT64_MAX, w1 = 0, e0 = UINT64_MAX, e1 = 0;
+      for (const auto* b : blocks) {
+        s0 = std::min(s0, b->t_start), s1 = std::max(s1, b->t_start);
+        e0 = std::min(e0, b->t_end), e1 = std::max(e1, b->t_end);
+        if (b->t_wait) w0 = std::min(w0, b->t_wait), w1 = std::max(w1, b->t_wait);
+      }
+      l.start_first = us(s0), l.start_last = us(s1), l.end_first = us(e0), l.end_last = us(e1);
+      l.wait_first = w1 ? us(w0) : 0.0, l.wait_last = w1 ? us(w1) : 0.0;
+      if (l.chain && !names.entries.empty()) {
+        l.name = names.entries[next_name % names.entries.size()].name;
+        next_name += 1;
+      } else {
+        l.name = l.kind == trace::kL2Prefetch ? "l2_prefetch" : "moe_prefetch_down";
+      }
+      out.push_back(std::move(l));
+    }
+  }
+  if (next_name != names.entries.size() * static_cast<size_t>(steps))
+    return error(ErrorCode::internal, "trace: %zu launches on the chain for %d steps of %zu ops", next_name, steps,
+                 names.entries.size());
+  return out;
 }
 
 }  // namespace

@@ -81,6 +81,17 @@ struct KernelTiming {
   int launches = 0;
 };
 
+// One launch of a traced decode step (kernels/trace.cuh; `lily bench --trace`): its blocks' first and last start,
+// pdl_wait() return and end, in microseconds from the first traced block's start (%globaltimer). wait 0: thread 0
+// of no block waited (a kernel launched without programmatic dependent launch).
+struct TraceLaunch {
+  std::string name;  // the step's op name, or the kernel kind for launches off the main chain
+  uint32_t kind = 0;
+  bool chain = true;  // on the step's main stream (false: the prefetch branch)
+  int blocks = 0;
+  double start_first = 0, start_last = 0, wait_first = 0, wait_last = 0, end_first = 0, end_last = 0;
+};
+
 // Decode-graph captures so far: how many, and the host wall time spent capturing and instantiating them.
 struct GraphCaptureStats {
   int captures = 0;
@@ -96,6 +107,9 @@ class CudaBackendApi : public Backend {
   virtual Result<double> time_decode(SequenceState& seq, int steps) = 0;
   // One step with an event around every kernel: per-kernel-kind totals.
   virtual Result<std::vector<KernelTiming>> profile_step(SequenceState& seq) = 0;
+  // Replays `steps` decode steps (the step graph, greedy) with the block timeline recorded: every launch of
+  // every step, in launch order.
+  virtual Result<std::vector<TraceLaunch>> trace_decode(SequenceState& seq, int steps) = 0;
   // Empties `seq` (zero recurrent state, no tokens), then prefills n random tokens with the logits of the last
   // row copied to the host, as a prompt would: wall milliseconds. With profile, one event pair per kernel launch
   // of the first chunk instead (slower), summed by kind into *profile.

@@ -11,11 +11,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <cuda_runtime.h>
 #include <random>
 
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/kernels/trace.cuh"
 #include "model/synth.h"
 
 namespace lily {
@@ -229,6 +231,75 @@ TEST(CudaBackend, DecodePrefetchBranchLeavesResultsUnchanged) {
   auto refused = cuda::make_cuda_backend(w, bad);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), ErrorCode::invalid_argument);
+}
+
+// The block timeline (trace_decode, kernels/trace.cuh) on full4, with and without the prefetch branch: every op
+// of every step is one launch on the chain, named in launch order, with the kernel kind that op launches; every
+// block started before it waited and waited before it ended; each chain launch ends after its predecessor (PDL:
+// its blocks wait for it); the traced steps leave the logits of the next step bit-identical to an untraced run.
+TEST(CudaBackend, DecodeTraceTimeline) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("full4");
+  if (!cuda::trace::kEnabled) {  // the normal build: refused with the reason
+    cuda::CudaBackendOptions o;
+    o.max_context = 1024;
+    auto b = cuda::make_cuda_backend(w, o);
+    ASSERT_TRUE(b.ok()) << b.status().message();
+    auto seq = (*b)->new_sequence();
+    auto tr = (*b)->trace_decode(*seq, 1);
+    ASSERT_FALSE(tr.ok());
+    EXPECT_EQ(tr.status().code(), ErrorCode::unsupported);
+    EXPECT_NE(tr.status().message().find("LILY_TRACE"), std::string::npos);
+    GTEST_SKIP() << "built without LILY_TRACE";
+  }
+  const std::map<std::string, uint32_t> kind_of = {
+      {"embed", 1}, {"gemv gdn_in", 2}, {"gdn_step", 3}, {"gemv gdn_out", 2}, {"moe_route", 4},
+      {"moe_expert_in", 5}, {"moe_expert_out", 6}, {"gemv attn_in", 2}, {"attn_prep", 7}, {"attn_decode", 8},
+      {"attn_combine", 9}, {"gemv attn_out", 2}, {"gemv lm_head", 2}, {"sample", 10}, {"advance", 11}};
+  for (int pf : {0, 3}) {
+    cuda::CudaBackendOptions o;
+    o.max_context = 1024, o.prefill_chunk = 0, o.decode_prefetch = pf;
+    auto b = cuda::make_cuda_backend(w, o);
+    ASSERT_TRUE(b.ok()) << b.status().message();
+    auto seq = (*b)->new_sequence();
+    ASSERT_TRUE((*b)->set_context_for_bench(*seq, 300).ok());
+    auto tr = (*b)->trace_decode(*seq, 3);
+    ASSERT_TRUE(tr.ok()) << tr.status().message();
+    int chain = 0, side = 0, embeds = 0;
+    const cuda::TraceLaunch* prev = nullptr;
+    for (const auto& l : *tr) {
+      EXPECT_GT(l.blocks, 0) << l.name;
+      EXPECT_LE(l.start_first, l.end_last) << l.name;
+      if (l.wait_first > 0) {
+        EXPECT_LE(l.start_first, l.wait_first) << l.name;
+        EXPECT_LE(l.wait_last, l.end_last) << l.name;
+      }
+      if (!l.chain) {
+        ++side;
+        continue;
+      }
+      ++chain;
+      embeds += l.name == "embed";
+      auto k = kind_of.find(l.name);
+      ASSERT_NE(k, kind_of.end()) << "unexpected op " << l.name;
+      EXPECT_EQ(l.kind, k->second) << l.name;
+      if (prev && l.name != "embed") {
+        EXPECT_GE(l.end_last, prev->end_last) << l.name << " after " << prev->name;
+      }
+      prev = &l;
+    }
+    // full4: embed, 3 x (gdn_in, gdn_step, gdn_out, route, in, out), attention (in, prep, decode, combine, out,
+    // route, in, out), lm_head, sample, advance.
+    EXPECT_EQ(embeds, 3);
+    EXPECT_EQ(chain, 3 * (1 + 3 * 6 + 8 + 3));
+    if (pf == 0) {
+      EXPECT_EQ(side, 0);
+    } else {
+      EXPECT_GT(side, 0);
+    }
+    std::printf("[full4] decode_prefetch %d: %d chain launches and %d on the prefetch branch in 3 traced steps\n",
+                pf, chain, side);
+  }
 }
 
 // The Gated DeltaNet scan variants of the prefill (gdn_prefill.cuh) on the full4 model: the default (3xTF32

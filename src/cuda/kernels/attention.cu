@@ -45,6 +45,7 @@ using namespace attn_util::decode;  // constants, tiles, the online softmax and 
 // ---- attn_prep -----------------------------------------------------------------------------------------------
 
 __global__ void attn_prep_kernel(const __grid_constant__ AttnPrepParams p) {
+  const trace::BlockTrace trace_block(trace::kAttnPrep);
   __shared__ float y_s[1024];
   __shared__ float scratch[32];
   const int D = p.head_dim, d = threadIdx.x, b = blockIdx.x;
@@ -80,6 +81,7 @@ __global__ void attn_prep_kernel(const __grid_constant__ AttnPrepParams p) {
 // ---- attn_decode ---------------------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __grid_constant__ AttnDecodeParams p) {
+  const trace::BlockTrace trace_block(trace::kAttnDecode);
   extern __shared__ __align__(16) unsigned char smem[];
   __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(smem);  // [16][kRowPitch]: rows 0-7 q_hi, 8-15 q_lo
   __nv_bfloat16* tiles_s = q_s + 2 * kMaxGroup * kRowPitch;      // [kWarps][kStages][K, V][kTileElems]
@@ -171,6 +173,7 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __gri
 // ---- attn_combine --------------------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __grid_constant__ AttnCombineParams p) {
+  const trace::BlockTrace trace_block(trace::kAttnCombine);
   extern __shared__ float ml_s[];  // [n_splits][2]: (max, sum), then (weight exp(m_s - M), sum)
   __shared__ float scratch[32];
   __shared__ float acc_s[kCombineThreads / 32][32];

@@ -187,6 +187,7 @@ struct Unit {
 
 template <int H, int OD>
 __global__ void __launch_bounds__(kThreads, 1) attn_fused_kernel(const __grid_constant__ FusedArgs args) {
+  const trace::BlockTrace trace_block(trace::kFused);
   const AttnFusedParams& p = args.p;
   using LayA = Q4Layout<H>;
   using LayD = Q4Layout<OD>;

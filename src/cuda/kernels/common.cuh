@@ -5,6 +5,8 @@
 
 #include <cstdint>
 
+#include "cuda/kernels/trace.cuh"
+
 namespace lily::cuda {
 
 #define CUDA_TRY(expr)                            \
@@ -77,7 +79,10 @@ __device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
 __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_wait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  trace::mark_wait();  // the block timeline (trace.cuh), when a buffer is set
+}
 
 // Launches kernel<<<grid, block, smem, stream>>>(p) allowing programmatic dependent launch (see pdl_wait()), in
 // thread block clusters of cluster_x blocks when cluster_x > 1 (grid.x must be a multiple).

@@ -24,10 +24,12 @@ __global__ void embed_rows_kernel(const QMatrix table, const int* tokens, float*
 __global__ void set_position_kernel(int* pos, int value) { *pos = value; }
 
 __global__ void embed_lookup_kernel(const __grid_constant__ EmbedParams p) {
+  const trace::BlockTrace trace_block(trace::kEmbed);
   embed_row(p.table, *p.token, p.h, blockIdx.x * blockDim.x + threadIdx.x, gridDim.x * blockDim.x);
 }
 
-__global__ void advance_position_kernel(int* pos) { *pos += 1; }
+__global__ void advance_position_kernel(int* pos) {
+  const trace::BlockTrace trace_block(trace::kAdvance); *pos += 1; }
 
 }  // namespace
 

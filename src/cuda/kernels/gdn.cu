@@ -104,6 +104,7 @@ __device__ __forceinline__ void conv_step(const GdnStepParams& p, const ConvInpu
 
 template <int K>
 __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constant__ GdnStepParams p) {
+  const trace::BlockTrace trace_block(trace::kGdnStep);
   __shared__ float q_s[kDk], k_s[kDk], v_s[kCols];
   __shared__ float norm_s[3];  // 1/|q|, 1/|k|, raw q.k
   __shared__ float part_s[2][kWarps][kCols];

@@ -156,6 +156,7 @@ struct HeadIn {
 
 template <int H, int VD>
 __global__ void __launch_bounds__(kThreads, 1) gdn_fused_kernel(const __grid_constant__ FusedArgs args) {
+  const trace::BlockTrace trace_block(trace::kFused);
   const GdnFusedParams& p = args.p;
   using LayA = Q4Layout<H>;
   using LayC = Q4Layout<VD>;

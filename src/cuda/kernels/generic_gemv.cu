@@ -44,6 +44,7 @@ __device__ void build_x_generic(const GemvParams& p, float* x_s, float* red_s) {
 }
 
 __global__ void __launch_bounds__(gen::kThreads) gemv_generic_kernel(const __grid_constant__ GemvParams p) {
+  const trace::BlockTrace trace_block(trace::kGemv);
   extern __shared__ float x_s[];  // [cols]
   __shared__ float red_s[32];
   build_x_generic(p, x_s, red_s);

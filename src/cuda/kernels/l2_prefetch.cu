@@ -11,6 +11,7 @@ constexpr int kBlocks = 4;
 constexpr size_t kPiece = 32 * 1024;
 
 __global__ void __launch_bounds__(kThreads) l2_prefetch_kernel(L2PrefetchParams p) {
+  const trace::BlockTrace trace_block(trace::kL2Prefetch);
   const size_t threads = static_cast<size_t>(gridDim.x) * blockDim.x;
   size_t piece = 0;  // index of the current range's first piece among all ranges' pieces
   const size_t me = static_cast<size_t>(blockIdx.x) * blockDim.x + threadIdx.x;

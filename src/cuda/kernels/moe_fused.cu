@@ -45,6 +45,7 @@ __host__ __device__ constexpr int fused_smem_floats(int hidden, int inter, int t
 
 template <int H, int I>
 __global__ void __launch_bounds__(kFusedThreads, 2) moe_fused_kernel(const __grid_constant__ MoeFusedParams p) {
+  const trace::BlockTrace trace_block(trace::kFused);
   using In = Q4Layout<H>;                   // gate/up rows of H columns, as moe_expert_in
   constexpr int kPairs = In::kPasses / 2;   // (gate, up) pairs a warp unit: passes [0, kPairs) gate, the rest up
   constexpr int kUnitsPerExpert = I / kPairs;

@@ -104,6 +104,7 @@ __device__ __forceinline__ SampleKnobs knobs_of(const SampleParams& p) {
 
 template <bool kGumbel>
 __global__ void __launch_bounds__(kArgmaxThreads) sample_argmax_kernel(const __grid_constant__ SampleParams p) {
+  const trace::BlockTrace trace_block(trace::kSample);
   __shared__ u64 warp_best[kArgmaxThreads / 32];
   u64* block_best = reinterpret_cast<u64*>(p.scratch);
   pdl_launch_dependents();
@@ -285,6 +286,7 @@ __device__ void draw_from_candidates(const SampleParams& p, const SampleKnobs& k
 }
 
 __global__ void __launch_bounds__(kTopThreads) sample_top_kernel(const __grid_constant__ SampleParams p) {
+  const trace::BlockTrace trace_block(trace::kSample);
   __shared__ SelectShared sh;
   u64* candidates = reinterpret_cast<u64*>(p.scratch);
   pdl_launch_dependents();
