@@ -22,7 +22,6 @@
 #include "cuda/kernels/quant_dot.cuh"
 
 #include <algorithm>
-#include <cstdlib>
 
 namespace lily::cuda {
 
@@ -84,21 +83,21 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_q4_kernel(const __grid_const
   }
 }
 
-template <int COLS, int STAGES, int MAX_THREADS>
-__global__ void __launch_bounds__(MAX_THREADS, 32 * kAsyncMaxWarps / MAX_THREADS) gemv_q4_async_kernel(const __grid_constant__ GemvParams p) {
+template <int COLS>
+__global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_async_kernel(const __grid_constant__ GemvParams p) {
   const trace::BlockTrace trace_block(trace::kGemv);
   using Lay = Q4Layout<COLS>;
   extern __shared__ __align__(16) char smem[];
   __shared__ float red_s[32];
   float* x_s = reinterpret_cast<float*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-  char* ring = smem + xpad_floats(COLS) * sizeof(float) + warp * STAGES * kStageBytes;
+  char* ring = smem + xpad_floats(COLS) * sizeof(float) + warp * kStages * kStageBytes;
   const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
   const int first = blockIdx.x * n_warps + warp, stride = gridDim.x * n_warps;
 
   pdl_launch_dependents();
 #pragma unroll
-  for (int k = 0; k < STAGES; ++k) {  // weights first: they do not depend on the previous kernel
+  for (int k = 0; k < kStages; ++k) {  // weights first: they do not depend on the previous kernel
     if (first + k * stride < n_chunks) issue_chunk<COLS>(p.m, first + k * stride, lane, ring + k * kStageBytes);
     cp_async_commit();
   }
@@ -107,15 +106,15 @@ __global__ void __launch_bounds__(MAX_THREADS, 32 * kAsyncMaxWarps / MAX_THREADS
   build_x(p, x_s, red_s);
 
   for (int k = 0, chunk = first; chunk < n_chunks; ++k, chunk += stride) {
-    char* stage = ring + (k % STAGES) * kStageBytes;
+    char* stage = ring + (k % kStages) * kStageBytes;
     const float res = res_next;
     res_next = load_residual<COLS>(p, chunk + stride, n_chunks, lane);
-    cp_async_wait<STAGES - 1>();  // this lane's copies of chunk k have landed
+    cp_async_wait<kStages - 1>();  // this lane's copies of chunk k have landed
     __syncwarp();                  // ... and every lane's
     float part[Lay::kPasses];
     dot_stage<COLS>(stage, x_s, lane, part);
     __syncwarp();  // the stage is free again
-    if (chunk + STAGES * stride < n_chunks) issue_chunk<COLS>(p.m, chunk + STAGES * stride, lane, stage);
+    if (chunk + kStages * stride < n_chunks) issue_chunk<COLS>(p.m, chunk + kStages * stride, lane, stage);
     cp_async_commit();
     group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part, lane);
     const int row = out_row<COLS>(chunk, lane);
@@ -184,17 +183,7 @@ cudaError_t launch_q4(const GemvParams& p, cudaStream_t stream) {
   const int warps = gemv_q4_async_threads(p.m, n_sms) / 32;
   const int blocks = std::max(1, std::min(n_sms, (n_chunks + warps - 1) / warps));
   const size_t smem = xpad_floats(COLS) * sizeof(float) + static_cast<size_t>(warps) * kStages * kStageBytes;
-  static const int stages4 = std::getenv("LILY_GEMV_STAGES") && std::atoi(std::getenv("LILY_GEMV_STAGES")) == 4;
-  if (stages4) {  // half the warps, twice the chunks in flight each: the same bytes in flight, half the registers
-    const int warps4 = std::max(2, (warps + 1) / 2);
-    const int blocks4 = std::max(1, std::min(n_sms, (n_chunks + warps4 - 1) / warps4));
-    const size_t smem4 = xpad_floats(COLS) * sizeof(float) + static_cast<size_t>(warps4) * 4 * kStageBytes;
-    auto kernel = gemv_q4_async_kernel<COLS, 4, 32 * kAsyncMaxWarps / 2>;
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  xpad_floats(COLS) * sizeof(float) + kAsyncMaxWarps / 2 * 4 * kStageBytes));
-    return launch_pdl(kernel, dim3(blocks4), dim3(32 * warps4), smem4, stream, p);
-  }
-  auto kernel = gemv_q4_async_kernel<COLS, kStages, 32 * kAsyncMaxWarps>;
+  auto kernel = gemv_q4_async_kernel<COLS>;
   CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                 xpad_floats(COLS) * sizeof(float) + kAsyncMaxWarps * kStages * kStageBytes));
   return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);

@@ -22,8 +22,6 @@
 #include "cuda/kernels/moe.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 
-#include <cstdlib>
-
 namespace lily::cuda {
 
 namespace {
@@ -77,8 +75,8 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const __grid_c
 constexpr int kExpertThreads = 128;
 constexpr int kExpertWarps = kExpertThreads / 32;
 
-template <int H, int MIN_BLOCKS>
-__global__ void __launch_bounds__(kExpertThreads, MIN_BLOCKS) moe_expert_in_kernel(const __grid_constant__ MoeExpertInParams p) {
+template <int H>
+__global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __grid_constant__ MoeExpertInParams p) {
   const trace::BlockTrace trace_block(trace::kMoeExpertIn);
   using Lay = Q4Layout<H>;
   constexpr int kPairs = Lay::kPasses / 2;  // (gate, up) pairs per warp: passes [0, kPairs) gate, the rest up
@@ -236,18 +234,15 @@ cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) {
   if (!is_q(p.shared_gate, 4, n_rows, hidden) || !is_q(p.shared_up, 4, n_rows, hidden)) {
     return cudaErrorInvalidValue;  // the shared expert must have the routed experts' shape (Is == I)
   }
-  static const int min_blocks = std::getenv("LILY_EXPERT_IN_MINB") ? std::atoi(std::getenv("LILY_EXPERT_IN_MINB")) : 1;
   auto launch = [&](auto kernel, int pairs_per_warp) {
     const int pairs_per_block = kExpertWarps * pairs_per_warp;
     const dim3 grid((n_rows + pairs_per_block - 1) / pairs_per_block, p.top_k + 1);
     return launch_pdl(kernel, grid, dim3(kExpertThreads), 0, stream, p);
   };
   switch (hidden) {
-    case 1024: return launch(moe_expert_in_kernel<1024, 4>, Q4Layout<1024>::kPasses / 2);
-    case 2048:
-      return launch(min_blocks == 5 ? moe_expert_in_kernel<2048, 5> : moe_expert_in_kernel<2048, 4>,
-                    Q4Layout<2048>::kPasses / 2);
-    case 4096: return launch(moe_expert_in_kernel<4096, 4>, Q4Layout<4096>::kPasses / 2);
+    case 1024: return launch(moe_expert_in_kernel<1024>, Q4Layout<1024>::kPasses / 2);
+    case 2048: return launch(moe_expert_in_kernel<2048>, Q4Layout<2048>::kPasses / 2);
+    case 4096: return launch(moe_expert_in_kernel<4096>, Q4Layout<4096>::kPasses / 2);
     default: return cudaErrorInvalidValue;
   }
 }
