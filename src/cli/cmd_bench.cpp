@@ -260,8 +260,11 @@ Status run_bench(const BenchArgs& a) {
   base.max_context = 0;
   if (do_decode)
     for (int64_t c : a.contexts) base.max_context = std::max(base.max_context, c + a.steps * (a.reps + 1) + 16);
-  if (do_prefill)
+  if (do_prefill) {
     for (int64_t n : a.lengths) base.max_context = std::max(base.max_context, n + 16);
+    // the per-kernel breakdown prefills min(--profile-context, --prefill-chunk) rows
+    base.max_context = std::max<int64_t>(base.max_context, std::min(a.profile_context, a.prefill_chunk) + 16);
+  }
   base.prefill_chunk = a.prefill_chunk;
   base.gdn_scan_variant = a.gdn_scan;
   base.dense_wgmma = a.wgmma;

@@ -52,7 +52,8 @@ struct CudaBackendOptions {
   // Decode: a parallel branch in the step's graph that prefetches, from the start of each layer, the next layer's
   // routing-independent weights into the L2 (l2_prefetch.cuh) while the chain runs at ~1 TB/s. 0: off; 1: on;
   // 2: on, with the L2 evict_last policy; 3: as 2, and each MoE block's selected experts' down matrices too
-  // (moe_prefetch_down, moe.cuh). UNVERIFIED ON GPU (docs/PERF_NOTES.md): off.
+  // (moe_prefetch_down, moe.cuh). Correct (bit-identical results) but slower on the H200 (2026-11-30: 4K step
+  // 1.576 -> 1.815 / 1.809 / 2.634 ms for 1 / 2 / 3; docs/PERF_NOTES.md): off.
   int decode_prefetch = 0;
   // Decode, three-kernel MoE chain: the expert kernels select the experts from the router logits (where their
   // shapes allow; see select_in_expert_kernels) or, false, moe_route selects them.
@@ -61,7 +62,8 @@ struct CudaBackendOptions {
   // before the split (from the start of the prefill chunk) when the Gated DeltaNet scan of that chunk stores its
   // chunk states (scan variants 11-14; the default from 512 rows): each layer scans once and its state there is copied
   // out of the scan's scratch (gdn_prefill_checkpoint), instead of two gdn_prefill calls split at the anchor. The
-  // next turn resumes up to 63 tokens earlier. Off: today's two calls. UNVERIFIED ON GPU.
+  // next turn resumes up to 63 tokens earlier. Off: today's two calls. Correct, but no faster on the H200
+  // (2026-11-30: forward_with_checkpoint of 1,025 rows 54.76 -> 54.65 ms; the split itself costs ~0.4 ms).
   bool anchor_from_chunk_states = false;
 };
 
