@@ -238,6 +238,20 @@ double state_tol(int variant) { return chunked_tf32(variant) ? kTf32StateTol : k
 double out_abs(int variant) { return chunked_tf32(variant) ? kTf32OutAbs : kOutAbs; }
 double out_rel(int variant) { return chunked_tf32(variant) ? kTf32OutRel : kOutRel; }
 
+// The random operands of one check: weights (seed), a start state (seed + 10) and T rows of projections
+// (seed + 20), those also on the device.
+struct Inputs {
+  Weights w;
+  State st;
+  std::vector<float> proj;
+  DeviceBuffer<float> d_proj;
+  Inputs(const Geometry& g, int T, uint32_t seed)
+      : w(random_weights(g, seed)),
+        st(random_state(g, seed + 10)),
+        proj(random_vector(static_cast<size_t>(T) * g.gdn_proj(), seed + 20)),
+        d_proj(proj) {}
+};
+
 void check_against_reference(const Geometry& g, int T, int pos0, bool random_start, uint32_t seed) {
   SCOPED_TRACE(std::string(g.name) + " T=" + std::to_string(T) + " pos0=" + std::to_string(pos0) +
                (random_start ? " random start state" : " zero start state"));
@@ -278,10 +292,8 @@ TEST(CudaGdnPrefill, MatchesReferenceTiny) {
 // T rows through gdn_prefill against T calls of dispatch::gdn_step (the decode path) from the same state.
 void check_against_decode(const Geometry& g, int T, int pos0, uint32_t seed, int variant) {
   SCOPED_TRACE(std::string(g.name) + " T=" + std::to_string(T) + " variant " + std::to_string(variant));
-  const Weights w = random_weights(g, seed);
-  const State st = random_state(g, seed + 10);
-  const auto proj = random_vector(static_cast<size_t>(T) * g.gdn_proj(), seed + 20);
-  const DeviceBuffer<float> d_proj(proj);
+  const Inputs in(g, T, seed);
+  const auto& [w, st, proj, d_proj] = in;
   DeviceGdn pre(g, w, st, T), dec(g, w, st, T);
   pre.variant = variant;
   ASSERT_CUDA(pre.prefill(d_proj.get(), T, pos0));
@@ -346,10 +358,8 @@ void check_chunks(const Geometry& g, int T1, int T2, uint32_t seed, int variant)
   SCOPED_TRACE(std::string(g.name) + " T1=" + std::to_string(T1) + " T2=" + std::to_string(T2) + " variant " +
                std::to_string(variant));
   const int T = T1 + T2, pos0 = 37;
-  const Weights w = random_weights(g, seed);
-  const State st = random_state(g, seed + 10);
-  const auto proj = random_vector(static_cast<size_t>(T) * g.gdn_proj(), seed + 20);
-  const DeviceBuffer<float> d_proj(proj);
+  const Inputs in(g, T, seed);
+  const auto& [w, st, proj, d_proj] = in;
   DeviceGdn one(g, w, st, T), two(g, w, st, T);
   one.variant = two.variant = variant;
   ASSERT_CUDA(one.prefill(d_proj.get(), T, pos0));
@@ -385,10 +395,8 @@ void check_pair(const Geometry& g, int T, uint32_t seed, int split, int unsplit,
                 double s_tol) {
   SCOPED_TRACE(std::string(g.name) + " T=" + std::to_string(T) + " variant " + std::to_string(split) + " vs " +
                std::to_string(unsplit));
-  const Weights w = random_weights(g, seed);
-  const State st = random_state(g, seed + 10);
-  const auto proj = random_vector(static_cast<size_t>(T) * g.gdn_proj(), seed + 20);
-  const DeviceBuffer<float> d_proj(proj);
+  const Inputs in(g, T, seed);
+  const auto& [w, st, proj, d_proj] = in;
   DeviceGdn a(g, w, st, T), b(g, w, st, T);
   a.variant = split, b.variant = unsplit;
   ASSERT_CUDA(a.prefill(d_proj.get(), T, 37));
@@ -456,10 +464,8 @@ TEST(CudaGdnPrefill, SeparateAccumulatorsWithinBound) {
 void check_checkpoint(const Geometry& g, int T, int row, int pos0, uint32_t seed, int variant) {
   SCOPED_TRACE(std::string(g.name) + " T=" + std::to_string(T) + " row=" + std::to_string(row) + " pos0=" +
                std::to_string(pos0) + " variant " + std::to_string(variant));
-  const Weights w = random_weights(g, seed);
-  const State st = random_state(g, seed + 10);
-  const auto proj = random_vector(static_cast<size_t>(T) * g.gdn_proj(), seed + 20);
-  const DeviceBuffer<float> d_proj(proj);
+  const Inputs in(g, T, seed);
+  const auto& [w, st, proj, d_proj] = in;
   DeviceGdn whole(g, w, st, T), first(g, w, st, T);
   whole.variant = first.variant = variant;
   DeviceBuffer<float> S_cp(st.S.size()), ring_cp(st.ring.size());
