@@ -3,6 +3,8 @@
 # benchmark (prefill and decode, `lily bench`), then prints a summary table. Build first (here or there) with:
 #   cmake --preset cuda && cmake --build build-cuda -j
 # Usage: scripts/gpu_check.sh [build-dir] [out-dir]
+# env: TRACE_BUILD=dir of a -DLILY_TRACE=ON build (cmake -S . -B build-cuda-trace -DLILY_TRACE=ON): also runs the
+#      block timeline test there and prints the 4K decode step's timeline by op (docs/BENCH_HARNESS.md)
 set -uo pipefail
 build=${1:-build-cuda}
 out=${2:-${OUT:-/tmp/lily-gpu}}
@@ -27,4 +29,13 @@ grep -h -E '^\[(tiny|small|full4)\]' "$out/e2e_tests.log" | sed 's/^/  /'
 grep -h -E 'FAILED|Failure|Expected|Which is' "$out/kernel_tests.log" "$out/e2e_tests.log" | head -20 | sed 's/^/  /'
 printf '%-28s %s\n' "benchmark (prefill, decode)" "$(status $b_rc)"
 cat "$out/bench.log"
-exit $((k_rc | e_rc | b_rc))
+t_rc=0
+if [ -n "${TRACE_BUILD:-}" ]; then
+  { "$TRACE_BUILD/tests/test_cuda" --gtest_filter='CudaBackend.DecodeTraceTimeline' --gtest_brief=1 &&
+    "$TRACE_BUILD/lily" bench --mode decode --contexts 4096 --reps 1 --steps 16 --trace 3 --json "$out/trace.json"
+  } >"$out/trace.log" 2>&1
+  t_rc=$?
+  printf '%-28s %s\n' "decode block timeline" "$(status $t_rc)"
+  grep -A16 '^op ' "$out/trace.log"
+fi
+exit $((k_rc | e_rc | b_rc | t_rc))
