@@ -342,7 +342,7 @@ void setup(CLI::App& app) {
   cmd->add_option("--variants", a->variants,
                   "backend option sets, each run in full on one loaded model: key=value,...;key=value,... "
                   "(keys: gdn_scan, wgmma, moe_wgmma, moe_wgmma_min_rows, attn_wgmma, moe_fused, gdn_fused, attn_fused, "
-                  "moe_select_in_experts, "
+                  "moe_select_in_experts, moe_out_reads_selection, "
                   "decode_rows_max, sequence_pool, decode_prefetch, anchor_from_chunk_states)");
   cmd->add_flag("--moe-wgmma,!--no-moe-wgmma", a->moe_wgmma,
                 "prefill expert GEMMs on the wgmma kernel (default, for 4,096-row chunks) or on mma.sync");

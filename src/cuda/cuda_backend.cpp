@@ -385,11 +385,13 @@ Status CudaBackend::enqueue_step(CudaSequence& s, int n_splits, const DeviceSamp
     MoeExpertInParams ein{L.expert_gate, L.expert_up, L.shared_gate, L.shared_up, moe_x_.ptr, topk_idx_.ptr, k,
                           act_.ptr};
     if (select_in_experts) ein.router_logits = moe_logits_.ptr, ein.n_experts = c.num_experts;
+    const bool out_reads = select_in_experts && options_.moe_out_reads_selection;
+    if (out_reads) ein.topk_idx_out = topk_idx_.ptr, ein.topk_w_out = topk_w_.ptr;
     STEP_OP("moe_expert_in", k * (L.expert_gate.bytes() + L.expert_up.bytes()) + L.shared_gate.bytes() + L.shared_up.bytes(),
             dispatch::moe_expert_in(ein, stream_));
     MoeExpertOutParams eout{L.expert_down, L.shared_down, act_.ptr, topk_idx_.ptr, topk_w_.ptr, shared_gate_.ptr, k,
                             h_.ptr};
-    if (select_in_experts) eout.router_logits = moe_logits_.ptr, eout.n_experts = c.num_experts;
+    if (select_in_experts && !out_reads) eout.router_logits = moe_logits_.ptr, eout.n_experts = c.num_experts;
     STEP_OP("moe_expert_out", k * L.expert_down.bytes() + L.shared_down.bytes(), dispatch::moe_expert_out(eout, stream_));
   }
   GemvParams head{m.lm_head, h_.ptr, GemvPrologue::rms_norm, m.final_norm, nullptr, 0, eps, nullptr, logits_.ptr};

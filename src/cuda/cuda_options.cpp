@@ -28,6 +28,7 @@ constexpr OptionKey kOptionKeys[] = {
     {"gdn_fused", &CudaBackendOptions::gdn_fused, nullptr},
     {"attn_fused", &CudaBackendOptions::attn_fused, nullptr},
     {"moe_select_in_experts", &CudaBackendOptions::moe_select_in_experts, nullptr},
+    {"moe_out_reads_selection", &CudaBackendOptions::moe_out_reads_selection, nullptr},
     {"decode_rows_max", nullptr, &CudaBackendOptions::decode_rows_max},
     {"sequence_pool", nullptr, &CudaBackendOptions::sequence_pool},
     {"decode_prefetch", nullptr, &CudaBackendOptions::decode_prefetch},

@@ -233,6 +233,33 @@ TEST(CudaBackend, DecodePrefetchBranchLeavesResultsUnchanged) {
   EXPECT_EQ(refused.status().code(), ErrorCode::invalid_argument);
 }
 
+// moe_out_reads_selection (moe_expert_out reads the selection moe_expert_in wrote instead of selecting itself):
+// every logit of full4 teacher-forced through 64 decode steps, and a sampled generation, as without it, bit for bit.
+TEST(CudaBackend, MoeOutReadsSelectionLeavesResultsUnchanged) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("full4");
+  const auto tokens = random_tokens(64, static_cast<int>(w->config.vocab_size), 27);
+  std::vector<float> logits[2];
+  std::vector<int32_t> sampled[2];
+  for (int on : {0, 1}) {
+    cuda::CudaBackendOptions o;
+    o.max_context = 1024, o.prefill_chunk = 0, o.moe_out_reads_selection = on;
+    auto b = cuda::make_cuda_backend(w, o);
+    ASSERT_TRUE(b.ok()) << b.status().message();
+    auto seq = (*b)->new_sequence();
+    ASSERT_TRUE((*b)->forward(*seq, tokens, LogitsRows::all, &logits[on]).ok());
+    const DeviceSampling hot{1.0f, 20, 0.9f, 0.0f, 43};
+    ASSERT_TRUE((*b)->generate_on_device(*seq, 17, hot, 32, [&](int32_t t) { sampled[on].push_back(t); return true; }).ok());
+  }
+  size_t same = 0;
+  for (size_t i = 0; i < std::min(logits[0].size(), logits[1].size()); ++i) same += logits[0][i] == logits[1][i];
+  std::printf("[full4] moe_out_reads_selection: %zu of %zu logits bit-identical; sampled tokens %s\n", same,
+              logits[0].size(), sampled[0] == sampled[1] ? "identical" : "DIFFER");
+  EXPECT_EQ(logits[1].size(), logits[0].size());
+  EXPECT_EQ(same, logits[0].size());
+  EXPECT_EQ(sampled[1], sampled[0]);
+}
+
 // The block timeline (trace_decode, kernels/trace.cuh) on full4, with and without the prefetch branch: every op
 // of every step is one launch on the chain, named in launch order, with the kernel kind that op launches; every
 // block started before it waited and waited before it ended; each chain launch ends after its predecessor (PDL:

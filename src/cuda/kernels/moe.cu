@@ -107,6 +107,9 @@ __global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __g
     if (threadIdx.x < 32) {
       const RouteChoice choice = warp_route_top_k<8>(p.router_logits, p.n_experts, p.top_k);
       if (threadIdx.x == slot) expert_s = choice.idx;
+      if (p.topk_idx_out && blockIdx.x == 0 && slot == 0 && threadIdx.x < p.top_k) {
+        p.topk_idx_out[threadIdx.x] = choice.idx, p.topk_w_out[threadIdx.x] = choice.weight;
+      }
     }
   } else if (!shared && threadIdx.x == 0) {
     expert_s = p.topk_idx[slot];
@@ -230,6 +233,8 @@ cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) {
   const int n_rows = p.gate.rows, hidden = p.gate.cols;
   if (p.top_k < 1 || p.top_k > kMaxTopK || !p.x || !p.act || !aligned16(p.x)) return cudaErrorInvalidValue;
   if (!valid_selection(p.router_logits, p.n_experts, p.top_k, p.topk_idx)) return cudaErrorInvalidValue;
+  if ((p.topk_idx_out || p.topk_w_out) && (!p.router_logits || !p.topk_idx_out || !p.topk_w_out))
+    return cudaErrorInvalidValue;  // the selection is written only where it is made, and both halves of it
   if (!is_q(p.gate, 4, n_rows, hidden) || !is_q(p.up, 4, n_rows, hidden)) return cudaErrorInvalidValue;
   if (!is_q(p.shared_gate, 4, n_rows, hidden) || !is_q(p.shared_up, 4, n_rows, hidden)) {
     return cudaErrorInvalidValue;  // the shared expert must have the routed experts' shape (Is == I)

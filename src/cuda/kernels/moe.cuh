@@ -50,6 +50,10 @@ struct MoeExpertInParams {
   float* act = nullptr;            // out [top_k + 1, I]; row top_k is the shared expert
   const float* router_logits = nullptr;  // optional [n_experts]: select from these, not from topk_idx
   int n_experts = 0;                     // with router_logits, <= 256
+  // Optional, with router_logits: the selection (expert ids and renormalised weights, slot order) is also written
+  // here, by one block, so that moe_expert_out can read it after its wait instead of selecting itself.
+  int* topk_idx_out = nullptr;   // [top_k]
+  float* topk_w_out = nullptr;   // [top_k]
 };
 
 struct MoeExpertOutParams {

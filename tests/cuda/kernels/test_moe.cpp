@@ -330,7 +330,9 @@ TEST(CudaMoe, LayerChainSelectingInTheExpertKernels) {
     std::vector<float> h, logits, w;
     std::vector<int> idx;
   };
-  auto run = [&](bool in_experts) {
+  // in_experts: the expert kernels select; out_reads: moe_expert_in also writes its selection and moe_expert_out
+  // reads it (CudaBackendOptions::moe_out_reads_selection).
+  auto run = [&](bool in_experts, bool out_reads = false) {
     DeviceBuffer<float> d_h(h);
     MoeRouteParams rp;
     rp.router = q_router, rp.shared_gate = q_sgate, rp.h = d_h.get(), rp.norm_w = d_norm.get(), rp.top_k = k;
@@ -345,7 +347,11 @@ TEST(CudaMoe, LayerChainSelectingInTheExpertKernels) {
     op.down = q_down, op.shared_down = q_sd, op.act = d_act.get(), op.shared_gate_value = d_sg.get(),
     op.top_k = k;
     op.h = d_h.get();
-    if (in_experts) {
+    if (in_experts && out_reads) {
+      ip.router_logits = d_logits.get(), ip.n_experts = E;
+      ip.topk_idx_out = op.topk_idx = d_idx.get();
+      ip.topk_w_out = op.topk_w = d_w.get();
+    } else if (in_experts) {
       ip.router_logits = op.router_logits = d_logits.get();
       ip.n_experts = op.n_experts = E;
     } else {
@@ -375,6 +381,11 @@ TEST(CudaMoe, LayerChainSelectingInTheExpertKernels) {
   EXPECT_EQ(by_experts.logits, by_route.logits);
   EXPECT_EQ(by_experts.idx, std::vector<int>(k, 0)) << "the expert kernels write no selection";
   for (int r = 0; r < H; ++r) ASSERT_EQ(by_experts.h[r], by_route.h[r]) << "row " << r;
+  // moe_expert_in writes its selection and moe_expert_out reads it: the same selection, weights and h, bit for bit.
+  const ChainOut by_in = run(true, true);
+  EXPECT_EQ(by_in.idx, by_route.idx);
+  EXPECT_EQ(by_in.w, by_route.w);
+  for (int r = 0; r < H; ++r) ASSERT_EQ(by_in.h[r], by_route.h[r]) << "row " << r;
   // The route-selected chain's second-layer routing against the CPU on its own logits.
   const std::vector<float> logits = d_logits.download();
   std::vector<float> probs(logits);
@@ -406,6 +417,13 @@ TEST(CudaMoe, RejectsBadArguments) {
   in.shared_up = w.s_up.upload(), in.x = x.get(), in.top_k = 2, in.act = act.get();
   in.router_logits = logits.get(), in.n_experts = 4;
   EXPECT_EQ(moe_expert_in(in, nullptr), cudaSuccess);
+  DeviceBuffer<int> sel_idx(2);
+  DeviceBuffer<float> sel_w(2);
+  in.topk_idx_out = sel_idx.get();  // the selection written needs both halves
+  EXPECT_EQ(moe_expert_in(in, nullptr), cudaErrorInvalidValue);
+  in.topk_w_out = sel_w.get();
+  EXPECT_EQ(moe_expert_in(in, nullptr), cudaSuccess);
+  in.topk_idx_out = nullptr, in.topk_w_out = nullptr;
   in.n_experts = 300;
   EXPECT_EQ(moe_expert_in(in, nullptr), cudaErrorInvalidValue);
   in.router_logits = nullptr;  // and no topk_idx either
