@@ -349,8 +349,8 @@ TEST(CudaMoe, LayerChainSelectingInTheExpertKernels) {
     op.h = d_h.get();
     if (in_experts && out_reads) {
       ip.router_logits = d_logits.get(), ip.n_experts = E;
-      ip.topk_idx_out = op.topk_idx = d_idx.get();
-      ip.topk_w_out = op.topk_w = d_w.get();
+      ip.topk_idx_out = d_idx.get(), op.topk_idx = d_idx.get();
+      ip.topk_w_out = d_w.get(), op.topk_w = d_w.get();
     } else if (in_experts) {
       ip.router_logits = op.router_logits = d_logits.get();
       ip.n_experts = op.n_experts = E;
