@@ -61,7 +61,8 @@ struct CudaBackendOptions {
   // Decode, with moe_select_in_experts: moe_expert_in also writes its selection, and moe_expert_out reads it after
   // its wait instead of selecting from the logits itself (its blocks become resident only as moe_expert_in's leave,
   // so its own selection sat on the critical path: the block timeline's 2.5 us release). Results bit-identical.
-  bool moe_out_reads_selection = false;
+  // H200 (2026-11-30): 4K step 1.587 -> 1.548 ms (+2.5%), 32K 1.786 -> 1.727 (+3.4%): on.
+  bool moe_out_reads_selection = true;
   // forward_with_checkpoint (the engine's chat anchor): take the checkpoint at the last multiple of 64 rows at or
   // before the split (from the start of the prefill chunk) when the Gated DeltaNet scan of that chunk stores its
   // chunk states (scan variants 11-14; the default from 512 rows): each layer scans once and its state there is copied
