@@ -192,6 +192,37 @@ TEST(CudaBackend, FusedAttnDecodeMatchesCpu) {
   expect_fused_decode(fused, 45, "fused attention + GDN + MoE decode", {"attn_fused", "gdn_fused", "moe_fused"});
 }
 
+// full4 through `tokens` as decode steps (prefill_chunk 0; every row's logits), then a sampled 32-token generation
+// on the device from token 17: what the options that must not change results are compared by.
+struct DecodeRun {
+  std::vector<float> logits;
+  std::vector<int32_t> sampled;
+};
+DecodeRun decode_run(std::shared_ptr<const ModelWeights> w, cuda::CudaBackendOptions o,
+                     const std::vector<int32_t>& tokens, uint64_t seed) {
+  o.max_context = 1024, o.prefill_chunk = 0;
+  DecodeRun r;
+  auto b = cuda::make_cuda_backend(std::move(w), o);
+  EXPECT_TRUE(b.ok()) << b.status().message();
+  if (!b.ok()) return r;
+  auto seq = (*b)->new_sequence();
+  EXPECT_TRUE((*b)->forward(*seq, tokens, LogitsRows::all, &r.logits).ok());
+  const DeviceSampling hot{1.0f, 20, 0.9f, 0.0f, seed};
+  EXPECT_TRUE((*b)->generate_on_device(*seq, 17, hot, 32, [&](int32_t t) { r.sampled.push_back(t); return true; }).ok());
+  return r;
+}
+
+// How many of got's logits equal base's bit for bit (printed with what), and the check that all do.
+void expect_same_run(const DecodeRun& got, const DecodeRun& base, const char* what) {
+  size_t same = 0;
+  for (size_t i = 0; i < std::min(got.logits.size(), base.logits.size()); ++i) same += got.logits[i] == base.logits[i];
+  std::printf("[full4] %s: %zu of %zu logits bit-identical; sampled tokens %s\n", what, same, base.logits.size(),
+              got.sampled == base.sampled ? "identical" : "DIFFER");
+  EXPECT_EQ(got.logits.size(), base.logits.size());
+  EXPECT_EQ(same, base.logits.size());
+  EXPECT_EQ(got.sampled, base.sampled);
+}
+
 // The decode step with its parallel branch (CudaBackendOptions::decode_prefetch 1, 2 with evict_last, 3 with the
 // selected experts' down matrices too): the branch only asks the L2 to fetch weights, so every logit of full4
 // teacher-forced through 64 decode steps, and the tokens of a sampled device-side generation, must equal the
@@ -199,32 +230,13 @@ TEST(CudaBackend, FusedAttnDecodeMatchesCpu) {
 TEST(CudaBackend, DecodePrefetchBranchLeavesResultsUnchanged) {
   SKIP_WITHOUT_GPU();
   auto w = synth_model("full4");
-  const int64_t V = w->config.vocab_size;
-  const auto tokens = random_tokens(64, static_cast<int>(V), 26);
-  std::vector<float> base;
-  std::vector<int32_t> base_sampled;
-  for (int pf : {0, 1, 2, 3}) {
+  const auto tokens = random_tokens(64, static_cast<int>(w->config.vocab_size), 26);
+  const DecodeRun base = decode_run(w, {}, tokens, 42);
+  for (int pf : {1, 2, 3}) {
     cuda::CudaBackendOptions o;
-    o.max_context = 1024, o.prefill_chunk = 0, o.decode_prefetch = pf;
-    auto b = cuda::make_cuda_backend(w, o);
-    ASSERT_TRUE(b.ok()) << b.status().message();
-    auto seq = (*b)->new_sequence();
-    std::vector<float> got;
-    ASSERT_TRUE((*b)->forward(*seq, tokens, LogitsRows::all, &got).ok());
-    std::vector<int32_t> sampled;
-    const DeviceSampling hot{1.0f, 20, 0.9f, 0.0f, 42};
-    ASSERT_TRUE((*b)->generate_on_device(*seq, 17, hot, 32, [&](int32_t t) { sampled.push_back(t); return true; }).ok());
-    if (pf == 0) {
-      base = std::move(got), base_sampled = std::move(sampled);
-      continue;
-    }
-    size_t same = 0;
-    for (size_t i = 0; i < std::min(got.size(), base.size()); ++i) same += got[i] == base[i];
-    std::printf("[full4] decode_prefetch %d: %zu of %zu logits bit-identical to the single-stream step; sampled "
-                "tokens %s\n", pf, same, base.size(), sampled == base_sampled ? "identical" : "DIFFER");
-    EXPECT_EQ(same, base.size());
-    EXPECT_EQ(got.size(), base.size());
-    EXPECT_EQ(sampled, base_sampled);
+    o.decode_prefetch = pf;
+    const std::string what = "decode_prefetch " + std::to_string(pf);
+    expect_same_run(decode_run(w, o, tokens, 42), base, what.c_str());
   }
   cuda::CudaBackendOptions bad;
   bad.max_context = 1024, bad.decode_prefetch = 4;
@@ -239,31 +251,15 @@ TEST(CudaBackend, MoeOutReadsSelectionLeavesResultsUnchanged) {
   SKIP_WITHOUT_GPU();
   auto w = synth_model("full4");
   const auto tokens = random_tokens(64, static_cast<int>(w->config.vocab_size), 27);
-  std::vector<float> logits[2];
-  std::vector<int32_t> sampled[2];
-  for (int on : {0, 1}) {
-    cuda::CudaBackendOptions o;
-    o.max_context = 1024, o.prefill_chunk = 0, o.moe_out_reads_selection = on;
-    auto b = cuda::make_cuda_backend(w, o);
-    ASSERT_TRUE(b.ok()) << b.status().message();
-    auto seq = (*b)->new_sequence();
-    ASSERT_TRUE((*b)->forward(*seq, tokens, LogitsRows::all, &logits[on]).ok());
-    const DeviceSampling hot{1.0f, 20, 0.9f, 0.0f, 43};
-    ASSERT_TRUE((*b)->generate_on_device(*seq, 17, hot, 32, [&](int32_t t) { sampled[on].push_back(t); return true; }).ok());
-  }
-  size_t same = 0;
-  for (size_t i = 0; i < std::min(logits[0].size(), logits[1].size()); ++i) same += logits[0][i] == logits[1][i];
-  std::printf("[full4] moe_out_reads_selection: %zu of %zu logits bit-identical; sampled tokens %s\n", same,
-              logits[0].size(), sampled[0] == sampled[1] ? "identical" : "DIFFER");
-  EXPECT_EQ(logits[1].size(), logits[0].size());
-  EXPECT_EQ(same, logits[0].size());
-  EXPECT_EQ(sampled[1], sampled[0]);
+  cuda::CudaBackendOptions off, on;
+  off.moe_out_reads_selection = false, on.moe_out_reads_selection = true;
+  expect_same_run(decode_run(w, on, tokens, 43), decode_run(w, off, tokens, 43), "moe_out_reads_selection");
 }
 
 // The block timeline (trace_decode, kernels/trace.cuh) on full4, with and without the prefetch branch: every op
 // of every step is one launch on the chain, named in launch order, with the kernel kind that op launches; every
 // block started before it waited and waited before it ended; each chain launch ends after its predecessor (PDL:
-// its blocks wait for it); the traced steps leave the logits of the next step bit-identical to an untraced run.
+// its blocks wait for it). In a build without LILY_TRACE: refused with the reason.
 TEST(CudaBackend, DecodeTraceTimeline) {
   SKIP_WITHOUT_GPU();
   auto w = synth_model("full4");
