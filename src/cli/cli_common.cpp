@@ -17,9 +17,7 @@ void add_engine_options(CLI::App* cmd, EngineArgs& args) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--ctx-size", args.ctx_size, "tokens a sequence may hold")
       ->check(CLI::Range(int64_t{16}, int64_t{1} << 30));
-  cmd->add_option("--cuda-options", args.cuda_options,
-                  "CUDA backend tuning, key=value,... (the keys of `lily bench --variants`; experiments, off by "
-                  "default)");
+  cmd->add_option("--cuda-options", args.cuda_options, kCudaOptionsHelp);
 }
 
 Result<LoadedEngine> load_engine(const EngineArgs& args) {

@@ -22,6 +22,10 @@ struct EngineArgs {
 // --model (required), --backend, --threads, --ctx-size, --cuda-options.
 void add_engine_options(CLI::App* cmd, EngineArgs& args);
 
+// The help of every command's --cuda-options (serve, chat, generate).
+inline constexpr const char* kCudaOptionsHelp =
+    "CUDA backend tuning, key=value,... (the keys of `lily bench --variants`; experiments, off by default)";
+
 struct LoadedEngine {
   std::unique_ptr<Engine> engine;
   SamplingDefaults defaults;

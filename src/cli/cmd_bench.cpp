@@ -339,11 +339,14 @@ void setup(CLI::App& app) {
   cmd->add_option("--gdn-scan", a->gdn_scan, "Gated DeltaNet prefill scan variant (0: chosen by length; gdn_prefill.cuh)");
   cmd->add_flag("--wgmma,!--no-wgmma", a->wgmma,
                 "dense prefill projections on the wgmma GEMM (qgemm_wgmma.cu; default) or on mma.sync");
+#ifdef LILY_HAVE_CUDA
+  const std::string keys = cuda::option_keys();
+#else
+  const std::string keys = "those of the CUDA backend; this lily was built without it";
+#endif
   cmd->add_option("--variants", a->variants,
-                  "backend option sets, each run in full on one loaded model: key=value,...;key=value,... "
-                  "(keys: gdn_scan, wgmma, moe_wgmma, moe_wgmma_min_rows, attn_wgmma, moe_fused, gdn_fused, attn_fused, "
-                  "moe_select_in_experts, moe_out_reads_selection, "
-                  "decode_rows_max, sequence_pool, decode_prefetch, anchor_from_chunk_states)");
+                  "backend option sets, each run in full on one loaded model: key=value,...;key=value,... (keys: " +
+                      keys + ")");
   cmd->add_flag("--moe-wgmma,!--no-moe-wgmma", a->moe_wgmma,
                 "prefill expert GEMMs on the wgmma kernel (default, for 4,096-row chunks) or on mma.sync");
   cmd->add_flag("--attn-wgmma,!--no-attn-wgmma", a->attn_wgmma,

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "cli/cli_common.h"
 #include "cli/commands.h"
 #include "server/server.h"
 
@@ -81,9 +82,7 @@ void setup(CLI::App& app) {
   cmd->add_option("--threads", a->threads, "CPU backend threads (0: all)")->check(CLI::Range(0, 1024));
   cmd->add_option("--ctx-size", a->ctx_size, "context length in tokens (0: the model's maximum)")
       ->check(CLI::Range(0, 1 << 30));
-  cmd->add_option("--cuda-options", a->cuda_options,
-                  "CUDA backend tuning, key=value,... (the keys of `lily bench --variants`; experiments, off by "
-                  "default)");
+  cmd->add_option("--cuda-options", a->cuda_options, kCudaOptionsHelp);
   cmd->add_option("--max-queue", a->max_queue, "requests that may wait behind the running one (then 429)")
       ->check(CLI::Range(1, 100000));
   cmd->add_option("--max-body-mb", a->max_body_mb, "largest request body in MiB (then 413)")

@@ -131,6 +131,7 @@ class CudaBackend final : public CudaBackendApi {
   Status fork_side();
   Result<cudaGraphExec_t> graph_for(CudaSequence& s, const DeviceSampling* sampling);
   Status run_step(CudaSequence& s, const DeviceSampling* sampling);
+  Status warm_up_decode(CudaSequence& s, const DeviceSampling& greedy);
   Result<CudaSequence*> check_sequence(SequenceState& base, int64_t new_tokens);
   bool prefill_supported() const;
   Status ensure_prefill_scratch();
@@ -738,13 +739,19 @@ Status CudaBackend::set_context_for_bench(SequenceState& base, int64_t n) {
   return ok_status();
 }
 
+// The benchmarks' first step: token 0 in, one greedy step (capturing the graph), synchronised.
+Status CudaBackend::warm_up_decode(CudaSequence& s, const DeviceSampling& greedy) {
+  int zero = 0;
+  CUDA_RETURN(cudaMemcpy(token_in_.ptr, &zero, sizeof(int), cudaMemcpyHostToDevice), "token");
+  RETURN_IF_ERROR(run_step(s, &greedy));
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "warm-up");
+  return ok_status();
+}
+
 Result<double> CudaBackend::time_decode(SequenceState& base, int steps) {
   ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, steps + 2));
   DeviceSampling greedy;
-  int zero = 0;
-  CUDA_RETURN(cudaMemcpy(token_in_.ptr, &zero, sizeof(int), cudaMemcpyHostToDevice), "token");
-  RETURN_IF_ERROR(run_step(*s, &greedy));  // warm-up (and capture)
-  CUDA_RETURN(cudaStreamSynchronize(stream_), "warm-up");
+  RETURN_IF_ERROR(warm_up_decode(*s, greedy));
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
@@ -804,6 +811,33 @@ Result<std::vector<KernelTiming>> CudaBackend::profile_step(SequenceState& base)
   return prof.totals();
 }
 
+// One replay's block records, one TraceLaunch per launch (%gridid), in launch order, times from its first block's
+// start; unnamed but for the prefetch branch's kernels.
+std::vector<TraceLaunch> launches_of(const std::vector<trace::BlockRecord>& records) {
+  std::map<uint64_t, std::vector<const trace::BlockRecord*>> by_grid;  // %gridid grows with launch order
+  uint64_t t0 = UINT64_MAX;
+  for (const auto& r : records) by_grid[r.grid].push_back(&r), t0 = std::min(t0, r.t_start);
+  auto us = [&](uint64_t t) { return static_cast<double>(t - t0) * 1e-3; };
+  std::vector<TraceLaunch> out;
+  for (auto& [grid, blocks] : by_grid) {
+    TraceLaunch l;
+    l.kind = blocks.front()->kind;
+    l.blocks = static_cast<int>(blocks.size());
+    l.chain = l.kind != trace::kL2Prefetch && l.kind != trace::kMoePrefetchDown;
+    if (!l.chain) l.name = l.kind == trace::kL2Prefetch ? "l2_prefetch" : "moe_prefetch_down";
+    uint64_t s0 = UINT64_MAX, s1 = 0, w0 = UINT64_MAX, w1 = 0, e0 = UINT64_MAX, e1 = 0;
+    for (const auto* b : blocks) {
+      s0 = std::min(s0, b->t_start), s1 = std::max(s1, b->t_start);
+      e0 = std::min(e0, b->t_end), e1 = std::max(e1, b->t_end);
+      if (b->t_wait) w0 = std::min(w0, b->t_wait), w1 = std::max(w1, b->t_wait);
+    }
+    l.start_first = us(s0), l.start_last = us(s1), l.end_first = us(e0), l.end_last = us(e1);
+    l.wait_first = w1 ? us(w0) : 0.0, l.wait_last = w1 ? us(w1) : 0.0;
+    out.push_back(std::move(l));
+  }
+  return out;
+}
+
 Result<std::vector<TraceLaunch>> CudaBackend::trace_decode(SequenceState& base, int steps) {
   if (steps < 1) return invalid_argument("trace_decode: steps must be at least 1");
   if (!trace::kEnabled)
@@ -821,10 +855,7 @@ Result<std::vector<TraceLaunch>> CudaBackend::trace_decode(SequenceState& base, 
   RETURN_IF_ERROR(st);
   CUDA_RETURN(end, "trace: end capture");
 
-  int zero = 0;
-  CUDA_RETURN(cudaMemcpy(token_in_.ptr, &zero, sizeof(int), cudaMemcpyHostToDevice), "token");
-  RETURN_IF_ERROR(run_step(*s, &greedy));  // the graph captured before tracing starts
-  CUDA_RETURN(cudaStreamSynchronize(stream_), "trace: warm-up");
+  RETURN_IF_ERROR(warm_up_decode(*s, greedy));  // the graph captured before tracing starts
   // One step per replay: a graph's kernel nodes keep their %gridid from one replay to the next.
   const uint32_t capacity = 200000u;
   DeviceArray<trace::BlockRecord> rec;
@@ -848,29 +879,8 @@ Result<std::vector<TraceLaunch>> CudaBackend::trace_decode(SequenceState& base, 
     std::vector<trace::BlockRecord> host(n);
     CUDA_RETURN(cudaMemcpy(host.data(), rec.ptr, n * sizeof(trace::BlockRecord), cudaMemcpyDeviceToHost), "trace");
 
-    std::map<uint64_t, std::vector<const trace::BlockRecord*>> by_grid;  // %gridid grows with launch order
-    uint64_t t0 = UINT64_MAX;
-    for (const auto& r : host) by_grid[r.grid].push_back(&r), t0 = std::min(t0, r.t_start);
-    for (auto& [grid, blocks] : by_grid) {
-      TraceLaunch l;
-      l.kind = blocks.front()->kind;
-      l.blocks = static_cast<int>(blocks.size());
-      l.chain = l.kind != trace::kL2Prefetch && l.kind != trace::kMoePrefetchDown;
-      auto us = [&](uint64_t t) { return static_cast<double>(t - t0) * 1e-3; };
-      uint64_t s0 = UINT64_MAX, s1 = 0, w0 = UINT64_MAX, w1 = 0, e0 = UINT64_MAX, e1 = 0;
-      for (const auto* b : blocks) {
-        s0 = std::min(s0, b->t_start), s1 = std::max(s1, b->t_start);
-        e0 = std::min(e0, b->t_end), e1 = std::max(e1, b->t_end);
-        if (b->t_wait) w0 = std::min(w0, b->t_wait), w1 = std::max(w1, b->t_wait);
-      }
-      l.start_first = us(s0), l.start_last = us(s1), l.end_first = us(e0), l.end_last = us(e1);
-      l.wait_first = w1 ? us(w0) : 0.0, l.wait_last = w1 ? us(w1) : 0.0;
-      if (l.chain && !names.entries.empty()) {
-        l.name = names.entries[next_name % names.entries.size()].name;
-        next_name += 1;
-      } else {
-        l.name = l.kind == trace::kL2Prefetch ? "l2_prefetch" : "moe_prefetch_down";
-      }
+    for (TraceLaunch& l : launches_of(host)) {
+      if (l.chain && !names.entries.empty()) l.name = names.entries[next_name++ % names.entries.size()].name;
       out.push_back(std::move(l));
     }
   }

@@ -386,23 +386,9 @@ struct BenchInputs {
     for (size_t off = 0; off < proj.size(); off += pf.size())
       ASSERT_CUDA(cudaMemcpy(proj.get() + off, pf.data(), std::min(pf.size(), proj.size() - off) * 4, cudaMemcpyHostToDevice));
   }
-};
 
-// Prints ms and TFLOP/s (useful causal FLOPs 4 * nq * D * sum_t (pos0+t+1)) at the full geometry; prep included.
-TEST(CudaAttnPrefillBench, Timing) {
-  SKIP_WITHOUT_GPU();
-  BenchInputs in;
-  ASSERT_NO_FATAL_FAILURE(in.fill());
-  const Geometry& g = in.g;
-  const int D = in.D;
-  auto &k = in.k, &v = in.v, &out = in.out;
-  auto &proj = in.proj, &d_norm = in.d_norm;
-  auto& scratch = in.scratch;
-  printf("[prefill bench] full geometry (nq 16, nkv 2, D 256), prep + flash, vs 790 TFLOP/s dense bf16\n");
-  printf("%6s %7s %10s %10s %8s\n", "T", "pos0", "ms", "TFLOP/s", "of_peak");
-  for (auto [T, pos0] : {std::pair{4096, 0}, std::pair{4096, 28672}, std::pair{4096, 126976}, std::pair{512, 0},
-                         std::pair{1024, 0}, std::pair{2048, 0}, std::pair{256, 0}, std::pair{64, 65536},
-                         std::pair{1, 131000}}) {
+  // The call for T rows at pos0 on these inputs (flash stage `variant`).
+  AttnPrefillParams params(int T, int pos0, int variant = 0) {
     AttnPrefillParams p;
     p.proj = proj.get();
     p.T = T;
@@ -414,11 +400,32 @@ TEST(CudaAttnPrefillBench, Timing) {
     p.out = reinterpret_cast<__half*>(out.get());
     p.scratch = scratch.get();
     p.scratch_bytes = scratch.size();
-    const double us = test::graph_time_us([&](int, cudaStream_t s) { return attn_prefill(p, s); }, 2, 5);
-    ASSERT_GT(us, 0) << "benchmark launch failed";
+    p.variant = variant;
+    return p;
+  }
+
+  // Useful causal FLOPs of that call: 4 * nq * D * sum_t (pos0 + t + 1).
+  double causal_flops(int T, int pos0) const {
     double pairs = 0;
     for (int t = 0; t < T; ++t) pairs += pos0 + t + 1;
-    const double tflops = 4.0 * g.nq * D * pairs / (us * 1e-6) * 1e-12;
+    return 4.0 * g.nq * D * pairs;
+  }
+};
+
+// Prints ms and TFLOP/s (useful causal FLOPs 4 * nq * D * sum_t (pos0+t+1)) at the full geometry; prep included.
+TEST(CudaAttnPrefillBench, Timing) {
+  SKIP_WITHOUT_GPU();
+  BenchInputs in;
+  ASSERT_NO_FATAL_FAILURE(in.fill());
+  printf("[prefill bench] full geometry (nq 16, nkv 2, D 256), prep + flash, vs 790 TFLOP/s dense bf16\n");
+  printf("%6s %7s %10s %10s %8s\n", "T", "pos0", "ms", "TFLOP/s", "of_peak");
+  for (auto [T, pos0] : {std::pair{4096, 0}, std::pair{4096, 28672}, std::pair{4096, 126976}, std::pair{512, 0},
+                         std::pair{1024, 0}, std::pair{2048, 0}, std::pair{256, 0}, std::pair{64, 65536},
+                         std::pair{1, 131000}}) {
+    const AttnPrefillParams p = in.params(T, pos0);
+    const double us = test::graph_time_us([&](int, cudaStream_t s) { return attn_prefill(p, s); }, 2, 5);
+    ASSERT_GT(us, 0) << "benchmark launch failed";
+    const double tflops = in.causal_flops(T, pos0) / (us * 1e-6) * 1e-12;
     printf("%6d %7d %10.3f %10.1f %7.1f%%\n", T, pos0, us * 1e-3, tflops, 100.0 * tflops / 790.0);
   }
 }
@@ -600,35 +607,17 @@ TEST(CudaAttnPrefillWgmmaBench, Timing) {
   SKIP_WITHOUT_WGMMA();
   BenchInputs in;
   ASSERT_NO_FATAL_FAILURE(in.fill());
-  const Geometry& g = in.g;
-  const int D = in.D;
-  auto &k = in.k, &v = in.v, &out = in.out;
-  auto &proj = in.proj, &d_norm = in.d_norm;
-  auto& scratch = in.scratch;
   printf("[prefill wgmma bench] full geometry, prep + flash, TFLOP/s of the causal FLOPs (790 = dense bf16 peak)\n");
   printf("%6s %7s %12s %12s %10s %10s %8s\n", "T", "pos0", "mma.sync ms", "wgmma ms", "TFLOP/s", "TFLOP/s", "speedup");
   for (auto [T, pos0] : {std::pair{4096, 0}, std::pair{4096, 28672}, std::pair{4096, 126976}, std::pair{1024, 0},
                          std::pair{64, 65536}}) {
     double us[2];
     for (int variant = 0; variant < 2; ++variant) {
-      AttnPrefillParams p;
-      p.proj = proj.get();
-      p.T = T;
-      p.pos0 = pos0;
-      p.q_norm = p.k_norm = d_norm.get();
-      p.nq = g.nq, p.nkv = g.nkv, p.head_dim = D, p.rotary_dim = g.rotary_dim, p.rope_theta = test::kTheta;
-      p.k_cache = reinterpret_cast<__nv_bfloat16*>(k.get());
-      p.v_cache = reinterpret_cast<__nv_bfloat16*>(v.get());
-      p.out = reinterpret_cast<__half*>(out.get());
-      p.scratch = scratch.get();
-      p.scratch_bytes = scratch.size();
-      p.variant = variant;
+      const AttnPrefillParams p = in.params(T, pos0, variant);
       us[variant] = test::graph_time_us([&](int, cudaStream_t s) { return attn_prefill(p, s); }, 2, 5);
       ASSERT_GT(us[variant], 0) << "benchmark launch failed, variant " << variant;
     }
-    double pairs = 0;
-    for (int t = 0; t < T; ++t) pairs += pos0 + t + 1;
-    const double flops = 4.0 * g.nq * D * pairs;
+    const double flops = in.causal_flops(T, pos0);
     printf("%6d %7d %12.3f %12.3f %10.1f %10.1f %7.2fx\n", T, pos0, us[0] * 1e-3, us[1] * 1e-3, flops / us[0] * 1e-6,
            flops / us[1] * 1e-6, us[0] / us[1]);
   }
