@@ -41,6 +41,11 @@ struct L2PrefetchParams {
     add(m.biases, groups);
     return true;
   }
+  size_t total_bytes() const {
+    size_t t = 0;
+    for (int i = 0; i < n; ++i) t += bytes[i];
+    return t;
+  }
 };
 
 #if defined(__CUDACC__)
