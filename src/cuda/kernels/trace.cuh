@@ -3,8 +3,8 @@
 // thread 0 of every block of an instrumented kernel records when the block started, when its pdl_wait() returned
 // and when it ended (%globaltimer, ns), keyed by %gridid (one launch per replay of a graph node). The kernels
 // read the buffer pointer at run time, so the step graph replays with tracing on or off. Not in the normal
-// build: the instrumentation holds a few registers through every kernel, enough to cost expert_in a block per SM
-// (measured 2026-11-30: 4K step 1.576 -> 1.907 ms with the hooks compiled in and tracing off).
+// build: the instrumentation holds a few registers through every kernel (measured 2026-11-30: 4K step 1.576 ->
+// 1.907 ms with the hooks compiled in and tracing off; inferred to be moe_expert_in's occupancy, not profiled).
 //
 // Each CUDA translation unit has its own copy of the device-side pointer (no relocatable device code), so each
 // registers a setter at static initialisation; trace_set_buffer() calls them all.
