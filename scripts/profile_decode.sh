@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # One decode step under Nsight Compute, on the GPU machine: every kernel of the step (graph nodes profiled one by
-# one, caches NOT flushed between them, clocks left alone: shared/DEVICE.md) with its duration, DRAM bytes, L2 hit
+# one, caches NOT flushed between them, clocks left alone: the device notes) with its duration, DRAM bytes, L2 hit
 # rate and achieved bandwidth, summed per kernel name. What the event breakdown of `lily bench` cannot give:
 # times without the ~8 us of event overhead per launch, and whether a kernel's bytes came from DRAM or the L2
-# (e.g. with --variants decode_prefetch=2: the next layer's weights should be L2 hits).
 #
-#   scripts/profile_decode.sh [LILY] [-- extra lily bench arguments, e.g. --gdn-fused]
+#   scripts/profile_decode.sh [LILY] [-- extra lily bench arguments]
 #   env: OUT (output folder, default /tmp/lily-ncu), CONTEXT (default 4096), COUNT (kernels profiled, default 200:
-#        one step is ~131 launches, ~170 with decode_prefetch)
+#        one step is ~264 launches)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$HERE/.."
@@ -18,7 +17,7 @@ O=${OUT:-/tmp/lily-ncu}
 mkdir -p "$O"
 command -v ncu >/dev/null || { echo "profile_decode.sh: ncu not found (Nsight Compute)" >&2; exit 1; }
 ncu --clock-control none --cache-control none --graph-profiling node \
-  --kernel-name 'regex:gemv|gdn_step|gdn_fused|moe_route|moe_expert|moe_fused|attn_prep|attn_decode|attn_combine|attn_fused|embed_lookup|sample|advance|l2_prefetch' \
+  --kernel-name 'regex:gemv|gdn_step|moe_route|moe_expert|attn_prep|attn_decode|attn_combine|embed_lookup|sample|advance' \
   --launch-count "${COUNT:-200}" \
   --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct,launch__grid_size \
   --csv --page raw --log-file "$O/ncu.log" \

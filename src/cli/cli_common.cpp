@@ -1,10 +1,9 @@
 #include "cli/cli_common.h"
 
-#include <algorithm>
-#include <chrono>
-#include <filesystem>
+#include <cstdlib>
 
 #include "engine/backend_factory.h"
+#include "engine/model_loader.h"
 
 namespace lily::cli {
 
@@ -15,45 +14,33 @@ void add_engine_options(CLI::App* cmd, EngineArgs& args) {
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   cmd->add_option("--threads", args.threads, "CPU backend threads (0: all cores)")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--ctx-size", args.ctx_size, "tokens a sequence may hold")
-      ->check(CLI::Range(int64_t{16}, int64_t{1} << 30));
+  cmd->add_option("--ctx-size", args.ctx_size, kCtxSizeHelp);
   cmd->add_option("--cuda-options", args.cuda_options, kCudaOptionsHelp);
 }
 
+Result<int64_t> parse_ctx_size(const std::string& s) {
+  if (s.empty()) return int64_t{0};
+  if (s == "auto") return BackendOptions::kContextAuto;
+  char* end = nullptr;
+  const long long n = std::strtoll(s.c_str(), &end, 10);
+  if (*end != '\0' || n < 16 || n > (1ll << 30))
+    return invalid_argument("--ctx-size `%s`: a number of tokens from 16 to 2^30, or auto", s.c_str());
+  return static_cast<int64_t>(n);
+}
+
 Result<LoadedEngine> load_engine(const EngineArgs& args) {
-  const auto t0 = std::chrono::steady_clock::now();
-  const std::filesystem::path dir(args.model);
-  const std::string tokenizer_path = (dir / "tokenizer.json").string();
-  std::error_code ec;
-  if (!std::filesystem::exists(tokenizer_path, ec))
-    return error(ErrorCode::not_found, "%s: no tokenizer.json in the model directory",
-                 tokenizer_path.c_str());
-  ASSIGN_OR_RETURN(Tokenizer tokenizer, Tokenizer::load(tokenizer_path));
+  ModelLoadOptions o;
+  o.model_dir = args.model;
+  ASSIGN_OR_RETURN(o.backend.kind, parse_backend_kind(args.backend));
+  o.backend.n_threads = args.threads;
+  ASSIGN_OR_RETURN(o.backend.max_context, parse_ctx_size(args.ctx_size));
+  o.backend.cuda_options = args.cuda_options;
+  ASSIGN_OR_RETURN(LoadedModel m, load_model(o));
   LoadedEngine out;
-  ASSIGN_OR_RETURN(out.defaults, load_generation_config(args.model));
-  ASSIGN_OR_RETURN(BackendKind kind, parse_backend_kind(args.backend));
-  ASSIGN_OR_RETURN(ModelWeights w, ModelWeights::load(args.model));
-  auto weights = std::make_shared<const ModelWeights>(std::move(w));
-  BackendOptions backend_options;
-  backend_options.kind = kind, backend_options.n_threads = args.threads;
-  if (args.ctx_size > 0) backend_options.max_context = args.ctx_size;  // the CUDA backend's KV capacity
-  backend_options.cuda_options = args.cuda_options;
-  ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(weights, backend_options));
-
-  auto add_stop = [&](int32_t id) {
-    if (id >= 0 &&
-        std::find(out.stop_token_ids.begin(), out.stop_token_ids.end(), id) == out.stop_token_ids.end())
-      out.stop_token_ids.push_back(id);
-  };
-  for (int id : weights->config.eos_token_ids) add_stop(id);
-  for (int32_t id : out.defaults.eos_token_ids) add_stop(id);
-  add_stop(tokenizer.token_id("<|im_end|>"));
-  add_stop(tokenizer.token_id("<|endoftext|>"));
-
-  EngineOptions options;
-  options.max_context = args.ctx_size;
-  out.engine = std::make_unique<Engine>(std::move(backend), std::move(tokenizer), options);
-  out.load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  out.engine = std::move(m.engine);
+  out.defaults = std::move(m.defaults);
+  out.stop_token_ids = std::move(m.stop_token_ids);
+  out.load_s = m.load_s;
   return out;
 }
 

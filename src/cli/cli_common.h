@@ -15,16 +15,21 @@ namespace lily::cli {
 struct EngineArgs {
   std::string model, backend = "auto";
   int threads = 0;           // CPU backend; 0: all cores
-  int64_t ctx_size = 32768;  // tokens a sequence may hold (the CUDA backend's default KV capacity)
-  std::string cuda_options;  // CUDA backend tuning (BackendOptions::cuda_options)
+  std::string ctx_size;      // --ctx-size: tokens a sequence may hold, or "auto" (parse_ctx_size); empty: default
+  std::string cuda_options;  // CUDA backend options (BackendOptions::cuda_options)
 };
 
 // --model (required), --backend, --threads, --ctx-size, --cuda-options.
 void add_engine_options(CLI::App* cmd, EngineArgs& args);
 
-// The help of every command's --cuda-options (serve, chat, generate).
-inline constexpr const char* kCudaOptionsHelp =
-    "CUDA backend tuning, key=value,... (the keys of `lily bench --variants`; experiments, off by default)";
+// The help of every command's --cuda-options (serve, chat, generate) and --ctx-size.
+inline constexpr const char* kCudaOptionsHelp = "CUDA backend options, key=value,... (the keys of `lily bench --variants`)";
+inline constexpr const char* kCtxSizeHelp =
+    "tokens a sequence may hold, or auto: the largest that fits (CUDA: the GPU's free memory after the weights; "
+    "CPU: the model's maximum). Default: 32768 on CUDA, the model's maximum on the CPU";
+
+// --ctx-size: a positive count, or "auto" (BackendOptions::kContextAuto); empty: 0 (the backend's default).
+Result<int64_t> parse_ctx_size(const std::string& s);
 
 struct LoadedEngine {
   std::unique_ptr<Engine> engine;
@@ -33,8 +38,7 @@ struct LoadedEngine {
   double load_s = 0;
 };
 
-// Reads <model>/tokenizer.json, <model>/generation_config.json (optional) and the weights, and builds the
-// backend the flags ask for. Errors name the file.
+// engine/model_loader.h's load_model with the flags (the loader `lily serve` uses too).
 Result<LoadedEngine> load_engine(const EngineArgs& args);
 
 // --temperature --top-k --top-p --min-p --seed --max-tokens; unset ones come from generation_config.json.

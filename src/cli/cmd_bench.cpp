@@ -14,7 +14,7 @@
 #include "model/synth.h"
 
 #ifdef LILY_HAVE_CUDA
-#include "cuda/cuda_backend.h"
+#include "cuda/cuda_bench.h"
 #endif
 
 namespace lily::cli {
@@ -30,10 +30,6 @@ struct BenchArgs {
   int profile_context = 4096;
   int trace_steps = 0;  // --trace: decode steps replayed with the block timeline (kernels/trace.cuh)
   int prefill_chunk = 4096;
-  int gdn_scan = 0;
-  bool wgmma = true;
-  bool moe_wgmma = true, attn_wgmma = true, moe_fused = false, gdn_fused = false, attn_fused = false;
-  std::string moe_select = "experts";
   std::string variants;  // "key=value,...;key=value,...": one whole run per variant, the model loaded once
   TtftOptions ttft;      // --mode ttft
 };
@@ -67,7 +63,7 @@ void print_breakdown(const std::vector<cuda::KernelTiming>& kernels, nlohmann::j
 // (how early its blocks were resident).
 void print_trace(const std::vector<cuda::TraceLaunch>& all, nlohmann::json& out) {
   for (const auto& l : all)
-    out["launches"].push_back({{"name", l.name}, {"kind", l.kind}, {"chain", l.chain}, {"blocks", l.blocks},
+    out["launches"].push_back({{"name", l.name}, {"kind", l.kind}, {"blocks", l.blocks},
                                {"start_first", l.start_first}, {"start_last", l.start_last},
                                {"wait_first", l.wait_first}, {"wait_last", l.wait_last},
                                {"end_first", l.end_first}, {"end_last", l.end_last}});
@@ -83,7 +79,6 @@ void print_trace(const std::vector<cuda::TraceLaunch>& all, nlohmann::json& out)
   double t_begin = 0, t_end = 0;
   for (size_t i = begin; i < all.size(); ++i) {
     const auto& l = all[i];
-    if (!l.chain) continue;
     if (!prev) t_begin = l.start_first;
     auto it = std::find_if(by.begin(), by.end(), [&](auto& e) { return e.first == l.name; });
     if (it == by.end()) it = by.insert(by.end(), {l.name, Agg{}});
@@ -114,8 +109,8 @@ void print_trace(const std::vector<cuda::TraceLaunch>& all, nlohmann::json& out)
 // A chat's first turn as the engine prefills it: forward_with_checkpoint of n random tokens split at the anchor,
 // n - 6 (a 1,026-token prompt's last <|im_start|> at 1,019 and the last token decoded), from an empty sequence (a
 // checkpoint at 0 restored before each), against a plain forward of the n tokens: wall milliseconds, median of
-// `reps`, and the position the checkpoint was taken at (anchor_from_chunk_states may take it up to 63 earlier).
-Status anchor_rows(cuda::CudaBackendApi& b, const std::vector<int64_t>& lengths, int reps, nlohmann::json& out) {
+// `reps`, and the position the checkpoint was taken at.
+Status anchor_rows(cuda::CudaBench& b, const std::vector<int64_t>& lengths, int reps, nlohmann::json& out) {
   std::printf("\n%10s %8s %14s %12s %14s\n", "prompt", "split", "checkpoint at", "fwc ms", "forward ms");
   std::mt19937 rng(17);
   std::uniform_int_distribution<int32_t> id(0, b.config().vocab_size - 1);
@@ -174,14 +169,15 @@ Status run_one(const BenchArgs& a, std::shared_ptr<const ModelWeights> weights, 
                double load_s, nlohmann::json& out) {
   const bool do_decode = a.mode != "prefill", do_prefill = a.mode != "decode";
   auto t0 = std::chrono::steady_clock::now();
-  ASSIGN_OR_RETURN(auto backend, cuda::make_cuda_backend(std::move(weights), opt));
+  ASSIGN_OR_RETURN(auto backend, cuda::make_cuda_bench(std::move(weights), opt));
   load_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const double wbytes = static_cast<double>(backend->weight_bytes_per_token());
   std::fprintf(stderr, "model ready in %.1f s on %s; %.3f GB of weights read per token\n", load_s,
                backend->device_name().c_str(), wbytes / 1e9);
   out = {{"device", backend->device_name()}, {"model", a.model.empty() ? "synthetic " + a.synthetic : a.model},
          {"weight_bytes_per_token", wbytes}, {"steps", a.steps}, {"reps", a.reps},
-         {"prefill_chunk", opt.prefill_chunk}, {"gdn_scan", opt.gdn_scan_variant}, {"wgmma", opt.dense_wgmma}};
+         {"prefill_chunk", opt.prefill_chunk}, {"kernel_paths", backend->kernel_paths()},
+         {"max_context", backend->max_context()}};
   auto seq = backend->new_sequence();
   if (!seq) return error(ErrorCode::internal, "cannot allocate a sequence of %lld tokens", (long long)opt.max_context);
   if (do_prefill) {
@@ -266,16 +262,6 @@ Status run_bench(const BenchArgs& a) {
     base.max_context = std::max<int64_t>(base.max_context, std::min(a.profile_context, a.prefill_chunk) + 16);
   }
   base.prefill_chunk = a.prefill_chunk;
-  base.gdn_scan_variant = a.gdn_scan;
-  base.dense_wgmma = a.wgmma;
-  base.moe_wgmma = a.moe_wgmma;
-  base.attn_wgmma = a.attn_wgmma;
-  base.moe_fused = a.moe_fused;
-  base.gdn_fused = a.gdn_fused;
-  base.attn_fused = a.attn_fused;
-  if (a.moe_select != "experts" && a.moe_select != "route")
-    return invalid_argument("--moe-select must be route or experts, got `%s`", a.moe_select.c_str());
-  base.moe_select_in_experts = a.moe_select == "experts";
   RETURN_IF_ERROR(cuda::apply_option_spec(a.ttft.cuda_options, base, "--cuda-options"));
   const std::vector<std::string> variants = a.variants.empty() ? std::vector<std::string>{""} : split_variants(a.variants);
   std::vector<cuda::CudaBackendOptions> opts;
@@ -336,9 +322,6 @@ void setup(CLI::App& app) {
   cmd->add_option("--lengths", a->lengths, "prefill prompt lengths")->delimiter(',');
   cmd->add_option("--reps", a->reps, "timed repetitions per length (median, min, max reported)");
   cmd->add_option("--prefill-chunk", a->prefill_chunk, "rows per prefill chunk");
-  cmd->add_option("--gdn-scan", a->gdn_scan, "Gated DeltaNet prefill scan variant (0: chosen by length; gdn_prefill.cuh)");
-  cmd->add_flag("--wgmma,!--no-wgmma", a->wgmma,
-                "dense prefill projections on the wgmma GEMM (qgemm_wgmma.cu; default) or on mma.sync");
 #ifdef LILY_HAVE_CUDA
   const std::string keys = cuda::option_keys();
 #else
@@ -347,14 +330,6 @@ void setup(CLI::App& app) {
   cmd->add_option("--variants", a->variants,
                   "backend option sets, each run in full on one loaded model: key=value,...;key=value,... (keys: " +
                       keys + ")");
-  cmd->add_flag("--moe-wgmma,!--no-moe-wgmma", a->moe_wgmma,
-                "prefill expert GEMMs on the wgmma kernel (default, for 4,096-row chunks) or on mma.sync");
-  cmd->add_flag("--attn-wgmma,!--no-attn-wgmma", a->attn_wgmma,
-                "prefill attention on the wgmma kernel (default) or on mma.sync");
-  cmd->add_flag("--moe-fused", a->moe_fused, "decode MoE block as one persistent kernel (moe_fused.cu)");
-  cmd->add_flag("--gdn-fused", a->gdn_fused, "decode Gated DeltaNet layer as one persistent kernel (gdn_fused.cu)");
-  cmd->add_flag("--attn-fused", a->attn_fused, "decode attention layer as one persistent kernel (attn_fused.cu)");
-  cmd->add_option("--moe-select", a->moe_select, "decode top-k selection in: experts (default) | route");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
   cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");
   cmd->add_option("--trace", a->trace_steps,

@@ -15,7 +15,8 @@ namespace {
 
 struct ServeArgs {
   std::string model, host = "127.0.0.1", api_key, backend = "auto", name, cuda_options;
-  int port = 8080, ctx_size = 0, threads = 0, grace_s = 10;
+  std::string ctx_size;
+  int port = 8080, threads = 0, grace_s = 10;
   size_t max_queue = 64, max_body_mb = 16, cache_mb = 8192;
   bool quiet = false;
 };
@@ -43,7 +44,12 @@ int run_serve(const ServeArgs& a) {
   }
   o.backend.kind = *kind, o.backend.n_threads = a.threads;
   o.backend.cuda_options = a.cuda_options;
-  o.ctx_size = a.ctx_size;
+  Result<int64_t> ctx = parse_ctx_size(a.ctx_size);
+  if (!ctx.ok()) {
+    std::fprintf(stderr, "lily serve: %s\n", ctx.status().message().c_str());
+    return 2;
+  }
+  o.ctx_size = *ctx;
   o.max_queue = a.max_queue;
   o.shutdown_grace_ms = a.grace_s * 1000;
   o.log_requests = !a.quiet;
@@ -80,8 +86,7 @@ void setup(CLI::App& app) {
   cmd->add_option("--api-key", a->api_key, "require `Authorization: Bearer KEY` on the API");
   cmd->add_option("--backend", a->backend, "auto | cpu | cuda");
   cmd->add_option("--threads", a->threads, "CPU backend threads (0: all)")->check(CLI::Range(0, 1024));
-  cmd->add_option("--ctx-size", a->ctx_size, "context length in tokens (0: the model's maximum)")
-      ->check(CLI::Range(0, 1 << 30));
+  cmd->add_option("--ctx-size", a->ctx_size, kCtxSizeHelp);
   cmd->add_option("--cuda-options", a->cuda_options, kCudaOptionsHelp);
   cmd->add_option("--max-queue", a->max_queue, "requests that may wait behind the running one (then 429)")
       ->check(CLI::Range(1, 100000));

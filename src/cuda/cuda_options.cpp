@@ -11,40 +11,22 @@ namespace lily::cuda {
 
 namespace {
 
-// The options a spec may set: a name and the bool or int member it sets.
+// The options a spec may set: a name and the int member it sets. The kernel paths are not options: the backend
+// picks them from the binary's device code and the GPU (cuda_backend.cpp).
 struct OptionKey {
   const char* name;
-  bool CudaBackendOptions::*flag = nullptr;
   int CudaBackendOptions::*number = nullptr;
 };
 
 constexpr OptionKey kOptionKeys[] = {
-    {"gdn_scan", nullptr, &CudaBackendOptions::gdn_scan_variant},
-    {"wgmma", &CudaBackendOptions::dense_wgmma, nullptr},
-    {"moe_wgmma", &CudaBackendOptions::moe_wgmma, nullptr},
-    {"moe_wgmma_min_rows", nullptr, &CudaBackendOptions::moe_wgmma_min_rows},
-    {"attn_wgmma", &CudaBackendOptions::attn_wgmma, nullptr},
-    {"moe_fused", &CudaBackendOptions::moe_fused, nullptr},
-    {"gdn_fused", &CudaBackendOptions::gdn_fused, nullptr},
-    {"attn_fused", &CudaBackendOptions::attn_fused, nullptr},
-    {"moe_select_in_experts", &CudaBackendOptions::moe_select_in_experts, nullptr},
-    {"moe_out_reads_selection", &CudaBackendOptions::moe_out_reads_selection, nullptr},
-    {"decode_rows_max", nullptr, &CudaBackendOptions::decode_rows_max},
-    {"sequence_pool", nullptr, &CudaBackendOptions::sequence_pool},
-    {"decode_prefetch", nullptr, &CudaBackendOptions::decode_prefetch},
-    {"anchor_from_chunk_states", &CudaBackendOptions::anchor_from_chunk_states, nullptr},
+    {"prefill_chunk", &CudaBackendOptions::prefill_chunk},
 };
 
 Status set_option(const OptionKey& k, const std::string& v, CudaBackendOptions& o, const char* what) {
-  if (k.flag) {
-    if (v == "1" || v == "on" || v == "true") return o.*k.flag = true, ok_status();
-    if (v == "0" || v == "off" || v == "false") return o.*k.flag = false, ok_status();
-    return invalid_argument("%s: %s=%s is not on/off", what, k.name, v.c_str());
-  }
   char* end = nullptr;
   const long x = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || x < INT_MIN || x > INT_MAX)
-    return invalid_argument("%s: %s=%s is not an integer", what, k.name, v.c_str());
+  if (v.empty() || *end != '\0' || x < 0 || x > INT_MAX)
+    return invalid_argument("%s: %s=%s is not a non-negative integer", what, k.name, v.c_str());
   o.*k.number = static_cast<int>(x);
   return ok_status();
 }

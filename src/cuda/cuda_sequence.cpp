@@ -49,25 +49,6 @@ SequenceLayout SequenceLayout::of(const ModelConfig& c, int64_t capacity) {
   return L;
 }
 
-bool SequencePool::park(DeviceBlock& storage, GraphMap& graphs) {
-  std::lock_guard lock(mu);
-  if (parked.size() >= max_parked || !storage.ptr) return false;
-  parked.push_back(Parked{std::move(storage), std::move(graphs)});
-  return true;
-}
-
-std::optional<SequencePool::Parked> SequencePool::take() {
-  std::lock_guard lock(mu);
-  if (parked.empty()) return std::nullopt;
-  std::optional<Parked> p(std::move(parked.back()));
-  parked.pop_back();
-  return p;
-}
-
-CudaSequence::~CudaSequence() {
-  if (auto p = pool.lock()) p->park(storage, graphs);
-}
-
 void CudaSequence::bind_views() {
   const SequenceLayout& L = layout;
   const size_t n_layers = L.attention.size();
@@ -85,18 +66,13 @@ void CudaSequence::bind_views() {
   pos = span_at<int>(storage, L.pos_off, 1);
 }
 
-Status CudaSequence::allocate(const ModelConfig& c, int64_t cap, std::optional<SequencePool::Parked> reuse) {
+Status CudaSequence::allocate(const ModelConfig& c, int64_t cap) {
   capacity = cap;
   n = 0;
   layout = SequenceLayout::of(c, cap);
-  if (reuse && reuse->storage.bytes == layout.total_bytes) {
-    storage = std::move(reuse->storage);
-    graphs = std::move(reuse->graphs);
-  } else {
-    RETURN_IF_ERROR(storage.alloc(layout.total_bytes));
-  }
+  RETURN_IF_ERROR(storage.alloc(layout.total_bytes));
   bind_views();
-  // Everything zero, as a fresh allocation always was (the KV rows past the position included).
+  // Everything zero (the KV rows past the position included).
   CUDA_RETURN(cudaMemsetAsync(storage.ptr, 0, storage.bytes, 0), "cudaMemset");
   CUDA_RETURN(cudaStreamSynchronize(0), "cudaMemset");
   return ok_status();
@@ -147,7 +123,6 @@ Status CudaSequence::restore(const Checkpoint& base) {
 std::unique_ptr<SequenceState> CudaSequence::clone() const {
   auto s = std::make_unique<CudaSequence>();
   s->owner = owner;
-  s->pool = pool;
   s->n = n;
   s->capacity = capacity;
   s->layout = layout;

@@ -18,7 +18,6 @@
 #include <algorithm>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -100,23 +99,6 @@ struct SequenceLayout {
   static SequenceLayout of(const ModelConfig& c, int64_t capacity);
 };
 
-// Storage and graphs of destroyed sequences, kept for the next new_sequence() of the same backend
-// (CudaBackendOptions::sequence_pool). Shared between the backend and its sequences; a sequence holds it
-// weakly, so a sequence that outlives its backend simply frees its storage.
-struct SequencePool {
-  struct Parked {
-    DeviceBlock storage;
-    GraphMap graphs;
-  };
-  size_t max_parked = 0;
-  std::mutex mu;
-  std::vector<Parked> parked;
-  // Takes `storage` (and the graphs that bake its pointers) unless the pool is full; false: the caller keeps
-  // them.
-  bool park(DeviceBlock& storage, GraphMap& graphs);
-  std::optional<Parked> take();
-};
-
 class CudaCheckpoint final : public Checkpoint {
  public:
   int64_t n = 0;
@@ -142,12 +124,10 @@ class CudaSequence final : public SequenceState {
   std::vector<std::optional<DeviceSpan<__nv_bfloat16>>> k, v;
   std::vector<std::optional<DeviceSpan<float>>> conv, S;
   GraphMap graphs;
-  std::weak_ptr<SequencePool> pool;
 
   CudaSequence() = default;
   CudaSequence(const CudaSequence&) = delete;
   CudaSequence& operator=(const CudaSequence&) = delete;
-  ~CudaSequence() override;
 
   int64_t n_tokens() const override { return n; }
   size_t bytes() const override {
@@ -163,10 +143,8 @@ class CudaSequence final : public SequenceState {
   std::unique_ptr<CudaCheckpoint> empty_checkpoint(int64_t at) const;
   Status restore(const Checkpoint& base) override;
   std::unique_ptr<SequenceState> clone() const override;
-  // A fresh, zeroed sequence of `cap` tokens in a new allocation, or in `reuse` (a parked block of this
-  // layout, whose graphs then come along: they bake exactly these pointers).
-  Status allocate(const ModelConfig& c, int64_t cap,
-                  std::optional<SequencePool::Parked> reuse = std::nullopt);
+  // A fresh, zeroed sequence of `cap` tokens.
+  Status allocate(const ModelConfig& c, int64_t cap);
 
  private:
   void bind_views();  // k, v, conv, S, pos from layout and storage

@@ -15,7 +15,7 @@
 namespace lily {
 
 // The recurrent part of a sequence at one position: conv and Gated DeltaNet state. The KV cache is not copied:
-// restoring truncates it to `n_tokens` (shared/DESIGN.md section 2).
+// restoring truncates it to `n_tokens` (docs/DESIGN.md section 2).
 class Checkpoint {
  public:
   virtual ~Checkpoint() = default;
@@ -52,6 +52,9 @@ class Backend {
   virtual const char* name() const = 0;
   virtual const ModelConfig& config() const = 0;
   virtual std::unique_ptr<SequenceState> new_sequence() = 0;
+  // Tokens one sequence can hold: the CUDA backend's KV capacity (checked against the GPU's free memory at load),
+  // the CPU backend's the model's max_position_embeddings (its state grows as needed).
+  virtual int64_t max_context() const { return config().max_position_embeddings; }
   // Consumes `tokens` at positions n_tokens().. of `seq`. Writes logits [rows, vocab_size] for the rows asked.
   virtual Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
                          std::vector<float>* logits) = 0;
@@ -63,12 +66,6 @@ class Backend {
   // forward(first split) + checkpoint() + forward(rest); a backend whose prefill can copy its recurrent state in
   // mid-call (CUDA) does it in one pass, so the few tokens after a chat prompt's anchor cost a few rows, not a
   // forward of their own.
-  // The checkpoint may instead be taken a little earlier, where the backend has the state without another pass
-  // (CUDA with anchor_from_chunk_states: the last 64-row boundary of its chunked scan): at p = cp->n_tokens()
-  // (relative to the sequence) with split - kCheckpointEarly <= p <= split and p past the call's first token.
-  // The caller keeps it at p; a later request resuming there prefills tokens [p, ...) again. The default (and
-  // the CPU backend) take it at the split exactly.
-  static constexpr int64_t kCheckpointEarly = 63;
   virtual Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq,
                                                                       std::span<const int32_t> tokens, int64_t split,
                                                                       LogitsRows rows, std::vector<float>* logits) {

@@ -15,8 +15,12 @@ Result<BackendKind> parse_backend_kind(const std::string& s);
 struct BackendOptions {
   BackendKind kind = BackendKind::automatic;
   int n_threads = 0;             // CPU backend
-  int64_t max_context = 32768;   // CUDA backend: KV capacity of each sequence (the CPU backend grows as needed)
-  // CUDA backend tuning, `key=value,...` (cuda::apply_option_spec: the `lily bench --variants` keys); refused
+  // Tokens a sequence may hold (Backend::max_context reports what the backend took). 0: the backend's default
+  // (CUDA: 32,768, at most the model's maximum; CPU: the model's maximum); kContextAuto: the largest that fits
+  // (CUDA: the GPU's free memory after the weights; CPU: the model's maximum, its state grows as needed).
+  int64_t max_context = 0;
+  static constexpr int64_t kContextAuto = -1;
+  // CUDA backend options, `key=value,...` (cuda::apply_option_spec: the `lily bench --variants` keys); refused
   // when the backend is the CPU one.
   std::string cuda_options;
 };

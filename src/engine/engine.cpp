@@ -110,12 +110,12 @@ struct Engine::Impl {
   }
 
   int64_t max_context() const {
-    int64_t model = backend->config().max_position_embeddings;
-    return options.max_context > 0 ? std::min<int64_t>(options.max_context, model) : model;
+    const int64_t capacity = backend->max_context();
+    return options.max_context > 0 ? std::min<int64_t>(options.max_context, capacity) : capacity;
   }
   Status validate(const GenerationRequest& request) const;
   int64_t anchor_of(std::span<const int32_t> prompt) const;
-  Status prefill(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t& anchor,
+  Status prefill(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t anchor,
                  bool checkpoints, const GenerationRequest& request);
   Status decode_on_host(SequenceState& state, const GenerationRequest& request, TokenSink& sink);
   Status decode(SequenceState& state, const GenerationRequest& request, TokenSink& sink, int64_t budget);
@@ -146,10 +146,8 @@ int64_t Engine::Impl::anchor_of(std::span<const int32_t> prompt) const {
 // Consumes prompt[seq.tokens.size():to] in forward calls split at multiples of checkpoint_interval and every
 // prefill_chunk tokens, the piece holding the anchor through forward_with_checkpoint (the same calls whether or
 // not the cache is used, so reuse changes nothing numerically); checkpoints at the anchor, the grid and `to`.
-// The backend may take the anchor's checkpoint up to kCheckpointEarly tokens before it (engine/backend.h):
-// `anchor` is then moved to the checkpoint's position, where the next turn resumes. Stops early (consistently)
-// when cancelled.
-Status Engine::Impl::prefill(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t& anchor,
+// Stops early (consistently) when cancelled.
+Status Engine::Impl::prefill(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t anchor,
                              bool checkpoints, const GenerationRequest& request) {
   const int64_t interval = options.checkpoint_interval;
   int64_t pos = static_cast<int64_t>(seq.tokens.size());
@@ -162,13 +160,9 @@ Status Engine::Impl::prefill(CachedSequence& seq, std::span<const int32_t> promp
       // with and without the cache).
       ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> cp,
                        backend->forward_with_checkpoint(*seq.state, part, anchor - pos, LogitsRows::none, nullptr));
-      if (cp) {
-        const int64_t at = cp->n_tokens();
-        if (at <= pos || at > anchor || at < anchor - Backend::kCheckpointEarly)
-          return error(ErrorCode::internal, "%s backend: the checkpoint for %lld is at %lld (piece from %lld)",
-                       backend->name(), (long long)anchor, (long long)at, (long long)pos);
-        anchor = at;
-      }
+      if (cp && cp->n_tokens() != anchor)
+        return error(ErrorCode::internal, "%s backend: the checkpoint for %lld is at %lld (piece from %lld)",
+                     backend->name(), (long long)anchor, (long long)cp->n_tokens(), (long long)pos);
       if (checkpoints && cp && !seq.checkpoints.contains(anchor)) seq.checkpoints[anchor] = std::move(cp);
     } else {
       RETURN_IF_ERROR(backend->forward(*seq.state, part, LogitsRows::none, nullptr));
@@ -255,7 +249,7 @@ Result<GenerationResult> Engine::generate(const GenerationRequest& request, cons
   result.prompt_tokens = static_cast<int>(n_prompt);
   result.cached_tokens = static_cast<int>(seq->tokens.size());
 
-  int64_t anchor = m.anchor_of(prompt);  // then the anchor's checkpoint position (prefill may move it back)
+  const int64_t anchor = m.anchor_of(prompt);  // the next turn resumes from its checkpoint
   const auto t_prefill = Clock::now();
   RETURN_IF_ERROR(m.prefill(*seq, prompt, to, anchor, request.reuse_cache, request));
   const int64_t max_tokens = request.sampling.max_tokens > 0 ? request.sampling.max_tokens : INT64_MAX;

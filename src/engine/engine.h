@@ -24,8 +24,7 @@ struct EngineOptions {
   int checkpoint_interval = 0;
   int prefill_chunk = 0;                    // prompt tokens per backend forward call; 0: the backend's
                                             // preferred_prefill_tokens()
-  // Tokens a sequence may hold; 0: the model's max_position_embeddings (set it to the backend's KV capacity
-  // when that is smaller, as the CUDA backend's is).
+  // Tokens a sequence may hold; 0: what the backend holds (Backend::max_context).
   int64_t max_context = 0;
 };
 

@@ -14,7 +14,7 @@ struct Server::Loaded {
   Tokenizer tokenizer;             // thread-safe; handlers tokenize on their own threads
   SamplingDefaults defaults;       // generation_config.json
   ServedModel served;
-  std::vector<int32_t> stop_token_ids;  // eos ids of config.json and generation_config.json, <|im_end|>
+  std::vector<int32_t> stop_token_ids;  // engine/model_loader.h stop_token_ids (the CLI's too)
   int32_t tool_call_token = -1;         // <tool_call>, banned when tool_choice is none
   std::string fingerprint;              // system_fingerprint: "lily-<backend>"
 };

@@ -9,6 +9,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include "engine/model_loader.h"
 #include "server/generation_job.h"
 #include "server/loaded_model.h"
 #include "server/sse.h"
@@ -103,52 +104,23 @@ void Server::load_model() {
     shutdown();
   };
   LoadProgress progress(5);
-  const std::string& dir = options_.model_dir;
-  progress.stage("mapping weights from " + dir);
-  Result<ModelWeights> weights = ModelWeights::load(dir);
-  if (!weights.ok()) return fail(weights.status());
-  auto shared = std::make_shared<const ModelWeights>(std::move(weights).value());
-  const ModelConfig& config = shared->config;
-  int ctx = options_.ctx_size > 0 ? options_.ctx_size : config.max_position_embeddings;
-  if (ctx > config.max_position_embeddings) {
-    return fail(invalid_argument("--ctx-size %d exceeds the model's max_position_embeddings %d", ctx,
-                                 config.max_position_embeddings));
-  }
-  progress.stage("creating the backend");
-  BackendOptions backend_options = options_.backend;
-  // The CUDA backend allocates each sequence's KV cache for the whole context up front (20 KiB a token at full
-  // size): without --ctx-size it gets its default capacity, and the served context is what it can hold.
-  if (options_.ctx_size > 0) backend_options.max_context = ctx;
-  Result<std::unique_ptr<Backend>> backend = make_backend(shared, backend_options);
-  if (!backend.ok()) return fail(backend.status());
-  if (std::string((*backend)->name()) == "cuda" && options_.ctx_size <= 0)
-    ctx = static_cast<int>(std::min<int64_t>(ctx, backend_options.max_context));
-  progress.stage("loading the tokenizer");
-  Result<Tokenizer> tokenizer = Tokenizer::load(dir + "/tokenizer.json");
-  if (!tokenizer.ok()) return fail(tokenizer.status());
-  progress.stage("reading generation_config.json");
-  Result<SamplingDefaults> defaults = load_generation_config(dir);
-  if (!defaults.ok()) return fail(defaults.status());
-  progress.stage(std::string("starting the engine on ") + (*backend)->name());
-  EngineOptions engine_options = options_.engine;
-  engine_options.max_context = ctx;
-  std::string backend_name = (*backend)->name();
-  auto loaded = std::make_unique<Loaded>(
-      Loaded{std::make_unique<Engine>(std::move(backend).value(), *tokenizer, engine_options),
-             *tokenizer,
-             *defaults,
-             ServedModel{options_.served_model_name, config.vocab_size, ctx},
-             {},
-             -1,
-             "lily-" + backend_name});
-  auto add_stop = [&](int32_t id) {
-    auto& ids = loaded->stop_token_ids;
-    if (id >= 0 && std::find(ids.begin(), ids.end(), id) == ids.end()) ids.push_back(id);
-  };
-  for (int id : config.eos_token_ids) add_stop(id);
-  for (int32_t id : defaults->eos_token_ids) add_stop(id);
-  add_stop(tokenizer->token_id("<|im_end|>"));
-  loaded->tool_call_token = tokenizer->token_id("<tool_call>");
+  ModelLoadOptions o;
+  o.model_dir = options_.model_dir;
+  o.backend = options_.backend;
+  o.backend.max_context = options_.ctx_size;  // 0: the backend's default; kContextAuto: the largest that fits
+  o.engine = options_.engine;
+  Result<LoadedModel> m = ::lily::load_model(o, [&](const std::string& what) { progress.stage(what); });
+  if (!m.ok()) return fail(m.status());
+  const int ctx = static_cast<int>(std::min<int64_t>(m->ctx_size, INT32_MAX));
+  const std::string backend_name = m->backend_name;
+  auto loaded = std::make_unique<Loaded>(Loaded{std::move(m->engine),
+                                                m->tokenizer,
+                                                m->defaults,
+                                                ServedModel{options_.served_model_name, m->vocab_size, ctx},
+                                                m->stop_token_ids,
+                                                -1,
+                                                "lily-" + backend_name});
+  loaded->tool_call_token = loaded->tokenizer.token_id("<tool_call>");
   loaded_ = std::move(loaded);
   state_.store(State::ready);
   progress.finish(format("ready: %s on %s, context %d tokens", options_.served_model_name.c_str(),

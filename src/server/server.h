@@ -33,7 +33,7 @@ struct ServerOptions {
   std::string served_model_name;  // empty: the model directory's name
   std::string api_key;            // empty: no authentication
   BackendOptions backend;
-  int ctx_size = 0;               // 0: the model's max_position_embeddings
+  int64_t ctx_size = 0;           // 0: the backend's default; BackendOptions::kContextAuto: the largest that fits
   size_t max_queue = 64;          // requests waiting behind the running one; more get 429
   int shutdown_grace_ms = 10000;  // SIGTERM: in-flight work may finish within this, then is cancelled
   bool log_requests = true;

@@ -1,12 +1,11 @@
-// End to end: the CUDA backend against the CPU reference (issue 5's criteria). Skipped without a GPU.
+// End to end: the CUDA backend against the CPU reference. Skipped without a GPU.
 //  - greedy tokens identical for 64 steps on the tiny and small synthetic models;
 //  - full width, 4 layers (3 Gated DeltaNet + 1 attention, 256 experts, full vocabulary), teacher-forced over 256
 //    positions: top-1 agreement >= 99% and relative logit error <= 2e-2;
 //  - checkpoint/restore and device sampling reproducibility;
-//  - the same with the fused MoE decode kernel (moe_fused.cu, opt-in), with the fused Gated DeltaNet layer kernel
-//    (gdn_fused.cu, opt-in) on as well, and with the fused attention layer kernel (attn_fused.cu, opt-in) on too;
-//  - the prefill path (issue 6): chunked prompts against the CPU reference and against the token-by-token decode
-//    path, decode after a chunked prefill equal to decode after a single prefill, a prompt longer than a chunk.
+//  - the prefill path: chunked prompts against the CPU reference and against the token-by-token decode path,
+//    decode after a chunked prefill equal to decode after a single prefill, a prompt longer than a chunk;
+//  - the kernel paths chosen at start (by the device code in the binary) and the context that fits.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,7 +15,8 @@
 #include <random>
 
 #include "cpu/cpu_backend.h"
-#include "cuda/cuda_backend.h"
+#include "cuda/cuda_bench.h"
+#include "cuda/kernels/common.cuh"
 #include "cuda/kernels/trace.cuh"
 #include "model/synth.h"
 
@@ -68,7 +68,7 @@ Agreement compare_logits(const std::vector<float>& ref, const std::vector<float>
   return {static_cast<double>(agree) / std::max<int64_t>(T, 1), std::sqrt(num / den)};
 }
 
-// A forward of `tokens` with every row's logits on a fresh sequence of `b`, against `ref` by issue 5's bar
+// A forward of `tokens` with every row's logits on a fresh sequence of `b`, against `ref` by the end-to-end bar
 // (top-1 agreement >= 99%, relative logit error <= 2e-2); prints "what: ...".
 void expect_teacher_forced(Backend& b, const std::vector<int32_t>& tokens, const std::vector<float>& ref, int64_t V,
                            const std::string& what) {
@@ -137,138 +137,19 @@ TEST(CudaBackend, TeacherForcedFullWidthFourLayers) {
   expect_teacher_forced(**step, tokens, ref, V, format("[full4] teacher-forced %d positions (decode steps)", T));
 }
 
-// Issue 5's criteria for a decode step built with `fused`: full4 teacher-forced through decode steps against the CPU
-// (top-1 >= 99%, relative logit error <= 2e-2), the kernels named in `must_run` in the step (a launcher that
-// refused the geometry would have left the chain in place), small greedy for 64 steps (prompt prefilled) identical
-// to the CPU.
-void expect_fused_decode(cuda::CudaBackendOptions fused, uint32_t seed, const std::string& what,
-                         std::initializer_list<const char*> must_run) {
-  fused.max_context = 1024, fused.prefill_chunk = 0;
-  auto w = synth_model("full4");
-  CpuBackend cpu(w);
-  const int T = 256;
-  const int64_t V = w->config.vocab_size;
-  auto tokens = random_tokens(T, static_cast<int>(V), seed);
-  std::vector<float> ref;
-  auto s1 = cpu.new_sequence();
-  ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
-  auto step = cuda::make_cuda_backend(w, fused);
-  ASSERT_TRUE(step.ok()) << step.status().message();
-  expect_teacher_forced(**step, tokens, ref, V, format("[full4] teacher-forced %d positions (%s)", T, what.c_str()));
-  if (must_run.size() > 0) {
-    auto seq = (*step)->new_sequence();
-    auto kernels = (*step)->profile_step(*seq);
-    ASSERT_TRUE(kernels.ok()) << kernels.status().message();
-    for (const char* name : must_run) {
-      EXPECT_TRUE(std::any_of(kernels->begin(), kernels->end(), [&](const auto& k) { return k.name == name; }))
-          << name << " is not in the decode step";
-    }
-  }
-  fused.prefill_chunk = 4096;
-  expect_same_greedy("small", fused);
-}
-
-// The decode step with each layer's MoE block as one persistent kernel (CudaBackendOptions::moe_fused, moe_fused.cu).
-TEST(CudaBackend, FusedMoeDecodeMatchesCpu) {
-  SKIP_WITHOUT_GPU();
-  cuda::CudaBackendOptions fused;
-  fused.moe_fused = true;
-  expect_fused_decode(fused, 25, "fused MoE decode", {});
-}
-
-// ... and each Gated DeltaNet layer as one persistent kernel too (gdn_fused, gdn_fused.cu).
-TEST(CudaBackend, FusedGdnDecodeMatchesCpu) {
-  SKIP_WITHOUT_GPU();
-  cuda::CudaBackendOptions fused;
-  fused.moe_fused = true, fused.gdn_fused = true;
-  expect_fused_decode(fused, 35, "fused GDN + MoE decode", {});
-}
-
-// ... and each attention layer as one persistent kernel too (attn_fused): all three, each seen in the step.
-TEST(CudaBackend, FusedAttnDecodeMatchesCpu) {
-  SKIP_WITHOUT_GPU();
-  cuda::CudaBackendOptions fused;
-  fused.moe_fused = true, fused.gdn_fused = true, fused.attn_fused = true;
-  expect_fused_decode(fused, 45, "fused attention + GDN + MoE decode", {"attn_fused", "gdn_fused", "moe_fused"});
-}
-
-// full4 through `tokens` as decode steps (prefill_chunk 0; every row's logits), then a sampled 32-token generation
-// on the device from token 17: what the options that must not change results are compared by.
-struct DecodeRun {
-  std::vector<float> logits;
-  std::vector<int32_t> sampled;
-};
-DecodeRun decode_run(std::shared_ptr<const ModelWeights> w, cuda::CudaBackendOptions o,
-                     const std::vector<int32_t>& tokens, uint64_t seed) {
-  o.max_context = 1024, o.prefill_chunk = 0;
-  DecodeRun r;
-  auto b = cuda::make_cuda_backend(std::move(w), o);
-  EXPECT_TRUE(b.ok()) << b.status().message();
-  if (!b.ok()) return r;
-  auto seq = (*b)->new_sequence();
-  EXPECT_TRUE((*b)->forward(*seq, tokens, LogitsRows::all, &r.logits).ok());
-  const DeviceSampling hot{1.0f, 20, 0.9f, 0.0f, seed};
-  EXPECT_TRUE((*b)->generate_on_device(*seq, 17, hot, 32, [&](int32_t t) { r.sampled.push_back(t); return true; }).ok());
-  return r;
-}
-
-// How many of got's logits equal base's bit for bit (printed with what), and the check that all do.
-void expect_same_run(const DecodeRun& got, const DecodeRun& base, const char* what) {
-  size_t same = 0;
-  for (size_t i = 0; i < std::min(got.logits.size(), base.logits.size()); ++i) same += got.logits[i] == base.logits[i];
-  std::printf("[full4] %s: %zu of %zu logits bit-identical; sampled tokens %s\n", what, same, base.logits.size(),
-              got.sampled == base.sampled ? "identical" : "DIFFER");
-  EXPECT_EQ(got.logits.size(), base.logits.size());
-  EXPECT_EQ(same, base.logits.size());
-  EXPECT_EQ(got.sampled, base.sampled);
-}
-
-// The decode step with its parallel branch (CudaBackendOptions::decode_prefetch 1, 2 with evict_last, 3 with the
-// selected experts' down matrices too): the branch only asks the L2 to fetch weights, so every logit of full4
-// teacher-forced through 64 decode steps, and the tokens of a sampled device-side generation, must equal the
-// single-stream step's bit for bit; values other than 0-3 are refused.
-TEST(CudaBackend, DecodePrefetchBranchLeavesResultsUnchanged) {
-  SKIP_WITHOUT_GPU();
-  auto w = synth_model("full4");
-  const auto tokens = random_tokens(64, static_cast<int>(w->config.vocab_size), 26);
-  const DecodeRun base = decode_run(w, {}, tokens, 42);
-  for (int pf : {1, 2, 3}) {
-    cuda::CudaBackendOptions o;
-    o.decode_prefetch = pf;
-    const std::string what = "decode_prefetch " + std::to_string(pf);
-    expect_same_run(decode_run(w, o, tokens, 42), base, what.c_str());
-  }
-  cuda::CudaBackendOptions bad;
-  bad.max_context = 1024, bad.decode_prefetch = 4;
-  auto refused = cuda::make_cuda_backend(w, bad);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_EQ(refused.status().code(), ErrorCode::invalid_argument);
-}
-
-// moe_out_reads_selection (moe_expert_out reads the selection moe_expert_in wrote instead of selecting itself):
-// every logit of full4 teacher-forced through 64 decode steps, and a sampled generation, as without it, bit for bit.
-TEST(CudaBackend, MoeOutReadsSelectionLeavesResultsUnchanged) {
-  SKIP_WITHOUT_GPU();
-  auto w = synth_model("full4");
-  const auto tokens = random_tokens(64, static_cast<int>(w->config.vocab_size), 27);
-  cuda::CudaBackendOptions off, on;
-  off.moe_out_reads_selection = false, on.moe_out_reads_selection = true;
-  expect_same_run(decode_run(w, on, tokens, 43), decode_run(w, off, tokens, 43), "moe_out_reads_selection");
-}
-
-// The block timeline (trace_decode, kernels/trace.cuh) on full4, with and without the prefetch branch: every op
-// of every step is one launch on the chain, named in launch order, with the kernel kind that op launches; every
-// block started before it waited and waited before it ended; each chain launch ends after its predecessor (PDL:
-// its blocks wait for it). In a build without LILY_TRACE: refused with the reason.
+// The block timeline (trace_decode, kernels/trace.cuh) on full4: every op of every step is one launch, named in
+// launch order, with the kernel kind that op launches; every block started before it waited and waited before it
+// ended; each launch ends after its predecessor (PDL: its blocks wait for it). In a build without LILY_TRACE:
+// refused with the reason.
 TEST(CudaBackend, DecodeTraceTimeline) {
   SKIP_WITHOUT_GPU();
   auto w = synth_model("full4");
+  cuda::CudaBackendOptions o;
+  o.max_context = 1024, o.prefill_chunk = 0;
+  auto b = cuda::make_cuda_bench(w, o);
+  ASSERT_TRUE(b.ok()) << b.status().message();
+  auto seq = (*b)->new_sequence();
   if (!cuda::trace::kEnabled) {  // the normal build: refused with the reason
-    cuda::CudaBackendOptions o;
-    o.max_context = 1024;
-    auto b = cuda::make_cuda_backend(w, o);
-    ASSERT_TRUE(b.ok()) << b.status().message();
-    auto seq = (*b)->new_sequence();
     auto tr = (*b)->trace_decode(*seq, 1);
     ASSERT_FALSE(tr.ok());
     EXPECT_EQ(tr.status().code(), ErrorCode::unsupported);
@@ -279,71 +160,70 @@ TEST(CudaBackend, DecodeTraceTimeline) {
       {"embed", 1}, {"gemv gdn_in", 2}, {"gdn_step", 3}, {"gemv gdn_out", 2}, {"moe_route", 4},
       {"moe_expert_in", 5}, {"moe_expert_out", 6}, {"gemv attn_in", 2}, {"attn_prep", 7}, {"attn_decode", 8},
       {"attn_combine", 9}, {"gemv attn_out", 2}, {"gemv lm_head", 2}, {"sample", 10}, {"advance", 11}};
-  for (int pf : {0, 3}) {
-    cuda::CudaBackendOptions o;
-    o.max_context = 1024, o.prefill_chunk = 0, o.decode_prefetch = pf;
-    auto b = cuda::make_cuda_backend(w, o);
-    ASSERT_TRUE(b.ok()) << b.status().message();
-    auto seq = (*b)->new_sequence();
-    ASSERT_TRUE((*b)->set_context_for_bench(*seq, 300).ok());
-    auto tr = (*b)->trace_decode(*seq, 3);
-    ASSERT_TRUE(tr.ok()) << tr.status().message();
-    int chain = 0, side = 0, embeds = 0;
-    const cuda::TraceLaunch* prev = nullptr;
-    for (const auto& l : *tr) {
-      EXPECT_GT(l.blocks, 0) << l.name;
-      EXPECT_LE(l.start_first, l.end_last) << l.name;
-      if (l.wait_first > 0) {
-        EXPECT_LE(l.start_first, l.wait_first) << l.name;
-        EXPECT_LE(l.wait_last, l.end_last) << l.name;
-      }
-      if (!l.chain) {
-        ++side;
-        continue;
-      }
-      ++chain;
-      embeds += l.name == "embed";
-      auto k = kind_of.find(l.name);
-      ASSERT_NE(k, kind_of.end()) << "unexpected op " << l.name;
-      EXPECT_EQ(l.kind, k->second) << l.name;
-      if (prev && l.name != "embed") {
-        EXPECT_GE(l.end_last, prev->end_last) << l.name << " after " << prev->name;
-      }
-      prev = &l;
+  ASSERT_TRUE((*b)->set_context_for_bench(*seq, 300).ok());
+  auto tr = (*b)->trace_decode(*seq, 3);
+  ASSERT_TRUE(tr.ok()) << tr.status().message();
+  int launches = 0, embeds = 0;
+  const cuda::TraceLaunch* prev = nullptr;
+  for (const auto& l : *tr) {
+    EXPECT_GT(l.blocks, 0) << l.name;
+    EXPECT_LE(l.start_first, l.end_last) << l.name;
+    if (l.wait_first > 0) {
+      EXPECT_LE(l.start_first, l.wait_first) << l.name;
+      EXPECT_LE(l.wait_last, l.end_last) << l.name;
     }
-    // full4: embed, 3 x (gdn_in, gdn_step, gdn_out, route, in, out), attention (in, prep, decode, combine, out,
-    // route, in, out), lm_head, sample, advance.
-    EXPECT_EQ(embeds, 3);
-    EXPECT_EQ(chain, 3 * (1 + 3 * 6 + 8 + 3));
-    if (pf == 0) {
-      EXPECT_EQ(side, 0);
-    } else {
-      EXPECT_GT(side, 0);
+    ++launches;
+    embeds += l.name == "embed";
+    auto k = kind_of.find(l.name);
+    ASSERT_NE(k, kind_of.end()) << "unexpected op " << l.name;
+    EXPECT_EQ(l.kind, k->second) << l.name;
+    if (prev && l.name != "embed") {
+      EXPECT_GE(l.end_last, prev->end_last) << l.name << " after " << prev->name;
     }
-    std::printf("[full4] decode_prefetch %d: %d chain launches and %d on the prefetch branch in 3 traced steps\n",
-                pf, chain, side);
+    prev = &l;
   }
+  // full4: embed, 3 x (gdn_in, gdn_step, gdn_out, route, in, out), attention (in, prep, decode, combine, out,
+  // route, in, out), lm_head, sample, advance.
+  EXPECT_EQ(embeds, 3);
+  EXPECT_EQ(launches, 3 * (1 + 3 * 6 + 8 + 3));
 }
 
-// The Gated DeltaNet scan variants of the prefill (gdn_prefill.cuh) on the full4 model: the default (3xTF32
-// chunked from 256 rows, fp32-accurate), the sequential scan (5), plain tf32 chunks (7) and the split 3xTF32 scan
-// with separate correction accumulators (13: 8 warps, 14: 4 warps), each against the CPU reference by the same
-// criteria.
-TEST(CudaBackend, GdnScanVariantsFullWidthFourLayers) {
+// The kernel paths (printed at start) follow the device code the runtime loaded for this GPU, not only its compute
+// capability: wgmma only with sm_90a code on a compute 9.0 GPU, clusters and PDL only with sm_90 code. On an H200,
+// a -DCMAKE_CUDA_ARCHITECTURES=80-virtual build reports "pre-sm_90 code, prefill: mma.sync".
+TEST(CudaBackend, KernelPathsFollowTheDeviceCode) {
   SKIP_WITHOUT_GPU();
   auto w = synth_model("full4");
-  CpuBackend cpu(w);
-  const int T = 512;
-  const int64_t V = w->config.vocab_size;
-  auto tokens = random_tokens(T, static_cast<int>(V), 15);
-  std::vector<float> ref;
-  auto s1 = cpu.new_sequence();
-  ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
-  for (int variant : {0, 5, 7, 13, 14}) {
-    auto cuda = cuda::make_cuda_backend(w, {1024, 4096, variant});
-    ASSERT_TRUE(cuda.ok()) << cuda.status().message();
-    expect_teacher_forced(**cuda, tokens, ref, V, format("[full4] %d positions, gdn scan variant %d", T, variant));
-  }
+  auto b = cuda::make_cuda_bench(w, {1024});
+  ASSERT_TRUE(b.ok()) << b.status().message();
+  const std::string paths = (*b)->kernel_paths();
+  std::printf("%s\n", paths.c_str());
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  const bool wgmma = prop.major == 9 && prop.minor == 0 && cuda::wgmma_built();
+  EXPECT_NE(paths.find(wgmma ? "prefill: wgmma" : "prefill: mma.sync"), std::string::npos) << paths;
+  EXPECT_NE(paths.find(cuda::sm90_code_built() ? "decode: PDL chain" : "decode: stream order"), std::string::npos)
+      << paths;
+  EXPECT_NE(paths.find(format("sm_%d%d", prop.major, prop.minor)), std::string::npos) << paths;
+  // Greedy decode after a prefill on whatever paths were chosen (the 80-virtual build runs its own).
+  expect_same_greedy("small");
+}
+
+// The context against the GPU's free memory: auto takes the largest that fits (at most the model's maximum) and
+// the backend reports it.
+TEST(CudaBackend, ContextAutoTakesWhatFits) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("tiny");
+  auto autob = cuda::make_cuda_bench(w, {cuda::CudaBackendOptions::kContextAuto});
+  ASSERT_TRUE(autob.ok()) << autob.status().message();
+  EXPECT_GT((*autob)->max_context(), 0);
+  EXPECT_LE((*autob)->max_context(), w->config.max_position_embeddings);
+  auto full = synth_model("full4");
+  auto fit = cuda::make_cuda_bench(full, {cuda::CudaBackendOptions::kContextAuto});
+  ASSERT_TRUE(fit.ok()) << fit.status().message();
+  std::printf("[full4] auto context: %lld tokens (model maximum %d)\n", (long long)(*fit)->max_context(),
+              full->config.max_position_embeddings);
+  EXPECT_GT((*fit)->max_context(), 4096);
 }
 
 // Prompts across chunk boundaries (chunk 64: 1, 63, 64, 65 and 200 tokens) against the CPU reference.
@@ -382,7 +262,7 @@ TEST(CudaBackend, PromptLongerThanAChunkTiny) {
   SKIP_WITHOUT_GPU();
   auto w = synth_model("tiny");
   CpuBackend cpu(w);
-  auto cuda = cuda::make_cuda_backend(w, {8192, 4096});
+  auto cuda = cuda::make_cuda_bench(w, {8192, 4096});
   ASSERT_TRUE(cuda.ok()) << cuda.status().message();
   auto prompt = random_tokens(4097, w->config.vocab_size, 8);
   const auto a = greedy(cpu, prompt, 16), b = greedy(**cuda, prompt, 16);
@@ -426,33 +306,20 @@ TEST(CudaBackend, CheckpointRestoreAndDeviceSampling) {
 TEST(CudaOptions, SpecSetsOptionsAndNamesErrors) {
   cuda::CudaBackendOptions o;
   ASSERT_TRUE(cuda::apply_option_spec("", o, "--x").ok());
-  ASSERT_TRUE(cuda::apply_option_spec("decode_prefetch=3,attn_wgmma=off,,gdn_scan=13,moe_fused=on", o, "--x").ok());
-  EXPECT_EQ(o.decode_prefetch, 3);
-  EXPECT_FALSE(o.attn_wgmma);
-  EXPECT_EQ(o.gdn_scan_variant, 13);
-  EXPECT_TRUE(o.moe_fused);
-  for (const char* v : {"1", "true", "on"}) {
-    o.gdn_fused = false;
-    ASSERT_TRUE(cuda::apply_option_spec(std::string("gdn_fused=") + v, o, "--x").ok());
-    EXPECT_TRUE(o.gdn_fused) << v;
-  }
-  for (const char* v : {"0", "false", "off"}) {
-    o.gdn_fused = true;
-    ASSERT_TRUE(cuda::apply_option_spec(std::string("gdn_fused=") + v, o, "--x").ok());
-    EXPECT_FALSE(o.gdn_fused) << v;
-  }
+  ASSERT_TRUE(cuda::apply_option_spec("prefill_chunk=1024,,", o, "--x").ok());
+  EXPECT_EQ(o.prefill_chunk, 1024);
   auto message = [&](const std::string& spec) {
     Status st = cuda::apply_option_spec(spec, o, "--cuda-options");
     EXPECT_EQ(st.code(), ErrorCode::invalid_argument) << spec;
     return st.message();
   };
-  EXPECT_NE(message("nope=1").find("--cuda-options: unknown key `nope` (known: gdn_scan, "), std::string::npos);
-  EXPECT_NE(message("gdn_fused").find("`gdn_fused` is not key=value"), std::string::npos);
-  EXPECT_NE(message("gdn_fused=maybe").find("gdn_fused=maybe is not on/off"), std::string::npos);
-  EXPECT_NE(message("gdn_scan=13x").find("gdn_scan=13x is not an integer"), std::string::npos);
-  EXPECT_NE(message("gdn_scan=99999999999").find("is not an integer"), std::string::npos);
-  EXPECT_NE(message("gdn_scan=").find("is not an integer"), std::string::npos);
-  EXPECT_NE(cuda::option_keys().find("anchor_from_chunk_states"), std::string::npos);
+  EXPECT_NE(message("nope=1").find("--cuda-options: unknown key `nope` (known: prefill_chunk)"), std::string::npos);
+  EXPECT_NE(message("moe_fused=on").find("unknown key `moe_fused`"), std::string::npos);  // gone with its kernel
+  EXPECT_NE(message("prefill_chunk").find("`prefill_chunk` is not key=value"), std::string::npos);
+  EXPECT_NE(message("prefill_chunk=13x").find("is not a non-negative integer"), std::string::npos);
+  EXPECT_NE(message("prefill_chunk=99999999999").find("is not a non-negative integer"), std::string::npos);
+  EXPECT_NE(message("prefill_chunk=-1").find("is not a non-negative integer"), std::string::npos);
+  EXPECT_EQ(cuda::option_keys(), "prefill_chunk");
 }
 
 }  // namespace

@@ -87,8 +87,8 @@ TEST_F(Cli, GenerateStreamsTheEnginesText) {
 TEST_F(Cli, CudaOptionsAreRefusedOnTheCpuBackendAndUnknownKeysNamed) {
   const std::string gen = bin_ + " generate --model " + model_ + " --threads 2 --max-tokens 2 --prompt hi";
   const std::string err = (out_ / "cuda_opt_err").string();
-  ASSERT_NE(std::system((gen + " --backend cpu --cuda-options decode_prefetch=1 > /dev/null 2> " + err).c_str()), 0);
-  EXPECT_NE(read_all(err).find("--cuda-options `decode_prefetch=1`: the backend is the CPU one (--backend cpu)"),
+  ASSERT_NE(std::system((gen + " --backend cpu --cuda-options prefill_chunk=1024 > /dev/null 2> " + err).c_str()), 0);
+  EXPECT_NE(read_all(err).find("--cuda-options `prefill_chunk=1024`: the backend is the CPU one (--backend cpu)"),
             std::string::npos)
       << read_all(err);
   ASSERT_NE(std::system((gen + " --cuda-options no_such_key=1 > /dev/null 2> " + err).c_str()), 0);
@@ -97,7 +97,7 @@ TEST_F(Cli, CudaOptionsAreRefusedOnTheCpuBackendAndUnknownKeysNamed) {
               e.find("the backend is the CPU one") != std::string::npos)
       << e;
   const std::string serve = bin_ + " serve --model " + model_ +
-                            " --port 0 --backend cpu --threads 2 --cuda-options decode_prefetch=1 > /dev/null 2> " + err;
+                            " --port 0 --backend cpu --threads 2 --cuda-options prefill_chunk=1024 > /dev/null 2> " + err;
   ASSERT_NE(std::system(("timeout 60 " + serve).c_str()), 0);
   EXPECT_NE(read_all(err).find("the model failed to load: --cuda-options"), std::string::npos) << read_all(err);
   // Without the flag both run as before (GenerateStreamsTheEnginesText).

@@ -1,4 +1,4 @@
-// Gated full attention for batch-1 decode (eqs 7-12 of shared/MODEL.md): attn_prep, attn_decode, attn_combine.
+// Gated full attention for batch-1 decode (eqs 7-12 of docs/MODEL.md): attn_prep, attn_decode, attn_combine.
 //
 // attn_prep (eqs 9-10 + KV append): one block per head, one thread per dim. Blocks 0..nq-1 take query head j
 //   (proj[j*2*D .. +D]): q = RMSNorm(qt) * q_norm, NeoX RoPE on dims 0..rot-1 (pairs (i, i+rot/2), inv_freq rounded
@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __g
   const int d = blockIdx.y * 32 + lane;
   pdl_launch_dependents();
   pdl_wait();  // everything read here comes from attn_decode or earlier kernels
-  combine_slice<false>(p, j, D, warp, lane, d, ml_s, scratch, acc_s);
+  combine_slice(p, j, D, warp, lane, d, ml_s, scratch, acc_s);
 }
 
 }  // namespace

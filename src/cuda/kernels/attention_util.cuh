@@ -1,7 +1,6 @@
 // Device helpers shared by the attention kernels (attention.cu: decode; attn_prefill.cu: prefill): a block-wide
 // sum, 16-byte cp.async into shared memory, ldmatrix and the bf16 m16n8k16 tensor-core product; and, in
-// attn_util::decode, attn_decode's tiles, online softmax and merge and attn_combine's merge, which attn_fused.cu runs
-// too (the same bits). In their own namespace so that they never collide with the GEMV/MoE helpers of
+// attn_util::decode, attn_decode's tiles, online softmax and merge and attn_combine's merge. In their own namespace so that they never collide with the GEMV/MoE helpers of
 // quant_dot.cuh.
 #pragma once
 #include "cuda/kernels/attention.cuh"
@@ -56,7 +55,7 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// ---- attn_decode / attn_combine device code (attention.cu; attn_fused.cu runs the same code) -------------------
+// ---- attn_decode / attn_combine device code (attention.cu) -----------------------------------------------------
 namespace decode {
 
 constexpr int kHeadDim = 256;
@@ -252,15 +251,13 @@ __device__ __forceinline__ void write_partials(const AttnDecodeParams& p, WarpAt
 // attn_combine's work for query head j, dims d - lane .. +31 (d = 32 * slice + lane; D = p.head_dim), on
 // kCombineThreads threads (warp, lane of threadIdx.x): merges the splits with
 // exp(m_s - M) weights, divides by the sum and multiplies by sigmoid(gate). ml_s: 2 * n_splits floats of shared
-// memory. kL2: read the partials and the gate through L2 only (__ldcg), for data written by other blocks of the
-// same grid (attn_fused.cu); attn_combine_kernel reads them plainly (written by an earlier kernel).
-template <bool kL2>
+// memory. The partials and the gate were written by an earlier kernel: plain loads.
 __device__ __forceinline__ void combine_slice(const AttnCombineParams& p, int j, int D, int warp, int lane, int d,
                                               float* ml_s, float* scratch, float (*acc_s)[32]) {
   float mx = -INFINITY;
   for (int s = threadIdx.x; s < p.n_splits; s += blockDim.x) {
     const float2* src = reinterpret_cast<const float2*>(p.part_ml + (static_cast<size_t>(s) * p.nq + j) * 2);
-    const float2 ml = kL2 ? __ldcg(src) : *src;
+    const float2 ml = *src;
     ml_s[2 * s] = ml.x;
     ml_s[2 * s + 1] = ml.y;
     mx = fmaxf(mx, ml.x);
@@ -283,15 +280,14 @@ __device__ __forceinline__ void combine_slice(const AttnCombineParams& p, int j,
   float acc = 0.0f;
 #pragma unroll 4
   for (int s = warp; s < p.n_splits; s += kCombineThreads / 32)
-    acc += ml_s[2 * s] * (kL2 ? __ldcg(p.part_o + (static_cast<size_t>(s) * p.nq + j) * D + d)
-                              : p.part_o[(static_cast<size_t>(s) * p.nq + j) * D + d]);
+    acc += ml_s[2 * s] * p.part_o[(static_cast<size_t>(s) * p.nq + j) * D + d];
   acc_s[warp][lane] = acc;
   __syncthreads();
   if (warp == 0) {
     float o = 0.0f;
     for (int w = 0; w < kCombineThreads / 32; ++w) o += acc_s[w][lane];
     const float* gate_p = p.proj + static_cast<size_t>(j) * 2 * D + D + d;
-    const float gate = kL2 ? __ldcg(gate_p) : *gate_p;
+    const float gate = *gate_p;
     p.out[static_cast<size_t>(j) * D + d] = o / l * (1.0f / (1.0f + expf(-gate)));
   }
 }

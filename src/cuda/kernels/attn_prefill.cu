@@ -1,4 +1,4 @@
-// Gated full attention prefill (issue 6, eqs 7-12 of shared/MODEL.md) for T new rows at positions pos0 .. pos0+T-1.
+// Gated full attention prefill (eqs 7-12 of docs/MODEL.md) for T new rows at positions pos0 .. pos0+T-1.
 //
 // attn_prefill_prep (eqs 9-10 + KV append): grid (T, nq + nkv), one thread per dim: the same arithmetic as
 //   attention.cu's attn_prep_kernel (block sum of x^2 in fp32, y = x * inv * w with separately rounded products,

@@ -1,4 +1,4 @@
-// Gated full attention prefill (issue 6, eqs 7-12) for T new rows of one layer:
+// Gated full attention prefill (eqs 7-12) for T new rows of one layer:
 //  attn_prefill_prep: from the fused projection rows [q|gate interleaved per head (nq*2*D) | k (nkv*D) | v (nkv*D)]:
 //                     q/k RMSNorm, partial RoPE at positions pos0 + t (rope_element, as the decode prep), K/V
 //                     appended to the bf16 cache at rows pos0 .. pos0+T-1, q (bf16, normalised, rotated) to scratch.

@@ -1,4 +1,4 @@
-// Device code shared by the two flash kernels of the prefill attention (eqs 11-12 of shared/MODEL.md):
+// Device code shared by the two flash kernels of the prefill attention (eqs 11-12 of docs/MODEL.md):
 // attn_prefill.cu (mma.sync) and attn_prefill_wgmma.cu (wgmma). Both take the same blocks (query tile, kv head,
 // KV split), hold per warp 16 rows of one head in the m16n8 accumulator layout (lane g = lane / 4, t4 = lane % 4:
 // rows g and g + 8, columns 8 nt + 2 t4 + {0, 1} of n8 block nt), run the same online softmax in log2 units and

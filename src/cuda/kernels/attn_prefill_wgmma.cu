@@ -1,4 +1,4 @@
-// Causal flash attention of the prefill (eqs 11-12 of shared/MODEL.md) on Hopper warpgroup MMA: the opt-in
+// Causal flash attention of the prefill (eqs 11-12 of docs/MODEL.md) on Hopper warpgroup MMA: the opt-in
 // variant AttnPrefillParams::variant = 1 of attn_prefill's flash stage (attn_prefill.cu keeps the prep, the KV
 // split and the combine). head_dim 256 only; needs the sm_90a target (CMAKE_CUDA_ARCHITECTURES 90a): in a pass for
 // any other target the kernel compiles to nothing and attn_prefill refuses the variant with

@@ -9,13 +9,31 @@
 
 namespace lily::cuda {
 
+// LILY_SM90_PASS: this device pass targets sm_90 or later (thread block clusters, distributed shared memory,
+// programmatic dependent launch). Code using those instructions sits inside it; the host asks sm90_code_built()
+// before it launches such code, so a build whose only device code is compute_80 PTX (JIT-compiled on any newer GPU)
+// runs without them.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define LILY_SM90_PASS 1
+#endif
+
+// Whether the device code the runtime loaded for the current GPU was compiled for sm_90 or later (a probe kernel's
+// attributes, cached per device; device_code.cu). False on an older GPU, and on a newer one when this binary
+// carries only older code (e.g. compute_80 PTX).
+bool sm90_code_built();
+// Whether it is the sm_90a pass (so the wgmma kernels have a body); the same kind of probe, in qgemm_wgmma.cu.
+bool wgmma_built();
+// The probes' test: whether the code loaded for the current device gave `probe` 64 ints or more of static shared
+// memory (only the pass being probed declares them); cache[device]: 0 unknown, 1 yes, 2 no.
+bool probe_marked(const void* probe, int (&cache)[64]);
+
 #define CUDA_TRY(expr)                            \
   do {                                            \
     cudaError_t _e = (expr);                      \
     if (_e != cudaSuccess) return _e;             \
   } while (0)
 
-// An MLX affine-quantized matrix [rows, cols] in device memory, exactly the checkpoint layout (shared/MODEL.md
+// An MLX affine-quantized matrix [rows, cols] in device memory, exactly the checkpoint layout (docs/MODEL.md
 // 2.4): w packed uint32 [rows, cols*bits/32] (element j of a row in word j*bits/32, LSB first), scales and biases
 // bf16 [rows, cols/64]; value = scale * q + bias. A stacked expert tensor [E, rows, cols] is `n_mats` of these
 // back to back (matrix e starts at row e*rows).
@@ -76,19 +94,27 @@ __device__ __forceinline__ float siluf_(float x) { return x * sigmoidf_(x); }
 // launch_pdl calls pdl_wait() (keeps completion transitive). A kernel that signals its dependents before its own
 // wait can have them running while its predecessor still runs: before their wait they may read only what no
 // kernel in flight writes.
+// Without sm_90 code both are no-ops and launch_pdl launches in plain stream order.
 __device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(LILY_SM90_PASS)
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 }
 __device__ __forceinline__ void pdl_wait() {
+#if defined(LILY_SM90_PASS)
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
   trace::mark_wait();  // the block timeline (trace.cuh), when a buffer is set
 }
 
 // Launches kernel<<<grid, block, smem, stream>>>(p) allowing programmatic dependent launch (see pdl_wait()), in
-// thread block clusters of cluster_x blocks when cluster_x > 1 (grid.x must be a multiple).
+// thread block clusters of cluster_x blocks when cluster_x > 1 (grid.x must be a multiple). Without sm_90 code
+// (sm90_code_built): plain stream order, and clusters are refused (cudaErrorInvalidDeviceFunction).
 template <class Params>
 cudaError_t launch_pdl(void (*kernel)(Params), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                        const Params& p, int cluster_x = 1) {
+  const bool sm90 = sm90_code_built();
+  if (cluster_x > 1 && !sm90) return cudaErrorInvalidDeviceFunction;
   cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = static_cast<unsigned>(cluster_x);
@@ -102,7 +128,7 @@ cudaError_t launch_pdl(void (*kernel)(Params), dim3 grid, dim3 block, size_t sme
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = cluster_x > 1 ? attr : attr + 1;
-  cfg.numAttrs = cluster_x > 1 ? 2 : 1;
+  cfg.numAttrs = (cluster_x > 1 ? 2 : 1) - (sm90 ? 0 : 1);
   if (cudaLaunchKernelEx(&cfg, kernel, p) != cudaSuccess) {  // PDL refused: stream order (clusters stay)
     (void)cudaGetLastError();
     cfg.numAttrs -= 1;

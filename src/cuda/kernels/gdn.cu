@@ -1,4 +1,4 @@
-// Gated DeltaNet decode step for one token, eqs 14-18 of shared/MODEL.md, fused in one kernel.
+// Gated DeltaNet decode step for one token, eqs 14-18 of docs/MODEL.md, fused in one kernel.
 //
 // Grid: n_v * (d_v / kCols) blocks, 256 threads. Block (h, c) owns columns j0 = c*kCols .. j0+kCols-1 of value head
 // h (columns of S are independent in the delta rule) and recomputes what it needs of the rest (cheap):
@@ -119,7 +119,9 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
   pdl_launch_dependents();
   // Eq 19 fused: arrive now on the cluster barrier that must precede any distributed shared memory access (every
   // block of the cluster has started), wait for it just before the access (by then it costs nothing).
+#if defined(LILY_SM90_PASS)
   if (p.norm_w) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
+#endif
   float* S = p.S + (static_cast<size_t>(h) * kDk + warp * kRowsPerThread) * p.d_v + j0 + lane;
   float s_reg[kRowsPerThread];
   ConvInputs<K> in;
@@ -193,6 +195,7 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
     if (warp == 0) p.o[col] = o;
     return;
   }
+#if defined(LILY_SM90_PASS)
   // Eq 19 over the cluster (header).
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
@@ -205,6 +208,9 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
   for (unsigned r = 0; r < n_blocks; ++r) total += ss_s[r];
   const float inv_rms = rsqrtf(total / static_cast<float>(p.d_v) + p.eps);
   if (warp == 0) p.o[col] = w_norm * (o * inv_rms) * siluf_(z);
+#else
+  (void)w_norm, (void)z, (void)ss_s;  // no clusters before sm_90: the launcher refuses norm_w (gdn_step)
+#endif
 }
 
 }  // namespace
@@ -216,6 +222,7 @@ cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream) {
   if (p.kernel != 4) return cudaErrorInvalidValue;  // linear_conv_kernel_dim of the model; one instance
   const int col_blocks = p.d_v / kCols;
   if (p.norm_w && (!p.gate_z || col_blocks > kMaxClusterBlocks)) return cudaErrorInvalidValue;
+  if (p.norm_w && !sm90_code_built()) return cudaErrorInvalidDeviceFunction;  // eq 19 needs clusters
   return launch_pdl(gdn_step_kernel<4>, dim3(p.n_v * col_blocks), dim3(kThreads), 0, stream, p,
                     p.norm_w ? col_blocks : 1);
 }

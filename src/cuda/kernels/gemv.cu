@@ -31,7 +31,7 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kAsyncMaxWarps = 16;
 
-using namespace gemv_q4;  // the 4-bit chunk helpers shared with gdn_fused.cu (gemv.cuh)
+using namespace gemv_q4;  // the 4-bit chunk helpers (gemv.cuh)
 
 // Where this block's x comes from (gemv.cuh prologues).
 // red_s: >= 32 floats (block sums).

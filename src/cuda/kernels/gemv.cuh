@@ -30,11 +30,11 @@ cudaError_t gemv(const GemvParams& p, cudaStream_t stream);
 
 // Threads per block of the asynchronous 4-bit kernel that gemv() launches for m (cols in {512, ..., 4096}, scales
 // and biases 16-byte aligned) on a device of n_sms SMs. Its RMSNorm prologue sums the squares in an order fixed by
-// this block size: gdn_fused.cu reproduces that order to get the same x bits.
+// this block size.
 int gemv_q4_async_threads(const QMatrix& m, int n_sms);
 
 #if defined(__CUDACC__)
-// ---- 4-bit chunk device code shared by gemv.cu and gdn_fused.cu (the same loads, dot products and reductions) ----
+// ---- 4-bit chunk device code of gemv.cu -----------------------------------------------------------------------
 namespace gemv_q4 {
 
 constexpr int kChunkWeights = 8192;      // a chunk: 8192 / cols consecutive rows

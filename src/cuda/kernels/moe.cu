@@ -6,7 +6,7 @@
 //   __threadfence; it resets the counter for the next replay) selects the experts (warp_route_top_k) and writes
 //   them; without, the expert kernels select (moe.cuh). Moves E*H + H bytes (8-bit) + 4*(E+1)*H/64 bytes of
 //   scales: 0.5 MB.
-// Selection (eq 22, warp_route_top_k in moe.cuh, shared with moe_fused.cu): one warp; fp32 softmax over E, the k
+// Selection (eq 22, warp_route_top_k in moe.cuh): one warp; fp32 softmax over E, the k
 //   largest probabilities (ties -> lower index) by k rounds of a warp-wide maximum of unique 64-bit keys, weights
 //   renormalised over the k.
 // moe_expert_in: grid (pair tiles of I, slot 0..k; slot k = the shared expert). A warp takes P/2 (gate, up)
@@ -18,7 +18,6 @@
 //   dots in a fixed order with the routing weights (sigmoid gate for the shared slot) and adds them to h.
 //   Moves (k+1) * H * (I/2 + I/16) bytes: 5.3 MB.
 // Weight layouts: quant_dot.cuh / common.cuh (MLX, stacked experts via QMatrix::expert).
-#include "cuda/kernels/l2_prefetch.cuh"
 #include "cuda/kernels/moe.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 
@@ -107,7 +106,7 @@ __global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __g
     if (threadIdx.x < 32) {
       const RouteChoice choice = warp_route_top_k<8>(p.router_logits, p.n_experts, p.top_k);
       if (threadIdx.x == slot) expert_s = choice.idx;
-      if (p.topk_idx_out && blockIdx.x == 0 && slot == 0 && threadIdx.x < p.top_k) {
+      if (blockIdx.x == 0 && slot == 0 && threadIdx.x < p.top_k) {
         p.topk_idx_out[threadIdx.x] = choice.idx, p.topk_w_out[threadIdx.x] = choice.weight;
       }
     }
@@ -142,7 +141,6 @@ __global__ void __launch_bounds__(32 * (kMaxTopK + 1)) moe_expert_out_kernel(
   using Lay = Q4Layout<I>;
   static_assert(Lay::kVecsPerLane == 1, "one 16-byte vector of the row per lane");
   __shared__ float part_s[kMaxTopK + 1][Lay::kRowsPerChunk];
-  __shared__ int idx_s[kMaxTopK];
   __shared__ float w_s[kMaxTopK];
   const int slot = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
@@ -158,19 +156,11 @@ __global__ void __launch_bounds__(32 * (kMaxTopK + 1)) moe_expert_out_kernel(
     }
   };
   if (shared) load(p.shared_down);  // independent of the routing: before waiting for the previous kernels
-  if (p.router_logits) {  // moe_route has completed (moe.cuh): select and fetch the routed weights early too
-    if (threadIdx.x < 32) {
-      const RouteChoice choice = warp_route_top_k<8>(p.router_logits, p.n_experts, p.top_k);
-      if (threadIdx.x < p.top_k) idx_s[threadIdx.x] = choice.idx, w_s[threadIdx.x] = choice.weight;
-    }
-    __syncthreads();
-    if (!shared) load(p.down.expert(idx_s[slot]));
-    pdl_wait();
-  } else {
-    pdl_wait();
-    if (!shared) load(p.down.expert(p.topk_idx[slot]));
-    if (threadIdx.x < p.top_k) w_s[threadIdx.x] = p.topk_w[threadIdx.x];  // published by the barrier below
-  }
+  // The selection (moe_route's or moe_expert_in's) is complete once the wait returns. Selecting here from the
+  // logits instead put the 8-round top-k on the critical path (2026-11-30: 4K step 1.587 -> 1.548 ms reading it).
+  pdl_wait();
+  if (!shared) load(p.down.expert(p.topk_idx[slot]));
+  if (threadIdx.x < p.top_k) w_s[threadIdx.x] = p.topk_w[threadIdx.x];  // published by the barrier below
   const int out_row = row0 + static_cast<int>(threadIdx.x);
   const bool writer = threadIdx.x < Lay::kRowsPerChunk && out_row < n_rows;
   const float h_old = writer ? p.h[out_row] : 0.0f;
@@ -233,8 +223,8 @@ cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) {
   const int n_rows = p.gate.rows, hidden = p.gate.cols;
   if (p.top_k < 1 || p.top_k > kMaxTopK || !p.x || !p.act || !aligned16(p.x)) return cudaErrorInvalidValue;
   if (!valid_selection(p.router_logits, p.n_experts, p.top_k, p.topk_idx)) return cudaErrorInvalidValue;
-  if ((p.topk_idx_out || p.topk_w_out) && (!p.router_logits || !p.topk_idx_out || !p.topk_w_out))
-    return cudaErrorInvalidValue;  // the selection is written only where it is made, and both halves of it
+  if (p.router_logits && (!p.topk_idx_out || !p.topk_w_out))
+    return cudaErrorInvalidValue;  // where the selection is made, it is written for moe_expert_out
   if (!is_q(p.gate, 4, n_rows, hidden) || !is_q(p.up, 4, n_rows, hidden)) return cudaErrorInvalidValue;
   if (!is_q(p.shared_gate, 4, n_rows, hidden) || !is_q(p.shared_up, 4, n_rows, hidden)) {
     return cudaErrorInvalidValue;  // the shared expert must have the routed experts' shape (Is == I)
@@ -256,10 +246,7 @@ cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream) {
   const int n_rows = p.down.rows, inter = p.down.cols;
   if (p.top_k < 1 || p.top_k > kMaxTopK || !p.act || !p.shared_gate_value || !p.h)
     return cudaErrorInvalidValue;
-  if (!valid_selection(p.router_logits, p.n_experts, p.top_k, p.topk_idx) ||
-      (!p.router_logits && !p.topk_w)) {
-    return cudaErrorInvalidValue;
-  }
+  if (!p.topk_idx || !p.topk_w) return cudaErrorInvalidValue;
   if (!is_q(p.down, 4, n_rows, inter) || !is_q(p.shared_down, 4, n_rows, inter)) return cudaErrorInvalidValue;
   const int threads = 32 * (p.top_k + 1);
   auto launch = [&](auto kernel, int rows_per_block) {
@@ -270,55 +257,6 @@ cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream) {
     case 1024: return launch(moe_expert_out_kernel<1024>, Q4Layout<1024>::kRowsPerChunk);
     default: return cudaErrorInvalidValue;
   }
-}
-
-// ---- moe_prefetch_down (the step's prefetch branch) ---------------------------------------------------------
-
-namespace {
-
-constexpr int kPrefetchThreads = 128;
-constexpr uint32_t kPrefetchPiece = 32 * 1024;
-
-__global__ void __launch_bounds__(kPrefetchThreads) moe_prefetch_down_kernel(const __grid_constant__ MoePrefetchDownParams p) {
-  const trace::BlockTrace trace_block(trace::kMoePrefetchDown);
-  __shared__ int idx_s[kMaxTopK];
-  if (threadIdx.x < 32) {
-    const RouteChoice c = warp_route_top_k<8>(p.logits, p.n_experts, p.top_k);
-    if (threadIdx.x < p.top_k) idx_s[threadIdx.x] = c.idx;
-  }
-  __syncthreads();
-  // Per expert: its words (H rows of I/2 bytes) in 32 KiB pieces, then its scales and its biases in one piece each.
-  const size_t words = static_cast<size_t>(p.down.rows) * p.down.words_per_row() * 4;
-  const size_t groups = static_cast<size_t>(p.down.rows) * p.down.groups_per_row() * 2;
-  const int word_pieces = static_cast<int>((words + kPrefetchPiece - 1) / kPrefetchPiece), per_expert = word_pieces + 2;
-  for (int u = threadIdx.x; u < p.top_k * per_expert; u += blockDim.x) {
-    const QMatrix m = p.down.expert(idx_s[u / per_expert]);
-    const int piece = u % per_expert;
-    if (piece < word_pieces) {
-      const size_t off = static_cast<size_t>(piece) * kPrefetchPiece;
-      l2_prefetch_bytes(reinterpret_cast<const char*>(m.w) + off,
-                        static_cast<uint32_t>(words - off < kPrefetchPiece ? words - off : kPrefetchPiece), true);
-    } else {
-      l2_prefetch_bytes(piece == word_pieces ? static_cast<const void*>(m.scales) : static_cast<const void*>(m.biases),
-                        static_cast<uint32_t>(groups), true);
-    }
-  }
-}
-
-}  // namespace
-
-cudaError_t moe_prefetch_down(const MoePrefetchDownParams& p, cudaStream_t stream) {
-  const QMatrix& d = p.down;
-  if (!p.logits || !d.w || !d.scales || !d.biases || d.bits != 4 || p.n_experts < 1 || p.n_experts > 256 ||
-      p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > p.n_experts || d.rows < 1 || d.cols < 64 || d.cols % 64 != 0)
-    return cudaErrorInvalidValue;
-  // The bulk prefetch takes 16-byte aligned addresses: every expert's arrays start aligned when these are.
-  const size_t words = static_cast<size_t>(d.rows) * d.words_per_row() * 4;
-  const size_t groups = static_cast<size_t>(d.rows) * d.groups_per_row() * 2;
-  if (reinterpret_cast<uintptr_t>(d.w) % 16 || reinterpret_cast<uintptr_t>(d.scales) % 16 ||
-      reinterpret_cast<uintptr_t>(d.biases) % 16 || words % 16 || groups % 16)
-    return cudaErrorInvalidValue;
-  return launch_lowest_priority(moe_prefetch_down_kernel, dim3(1), dim3(kPrefetchThreads), stream, p);
 }
 
 }  // namespace lily::cuda

@@ -6,17 +6,12 @@
 //                  no gate/up intermediate in device memory. Moves (k+1) * 2 * I * H / 2 bytes (4-bit) + scales.
 //  moe_expert_out: h[r] += sum_s w_s * (W_down[e_s] act[s])[r] + sg * (W_sdown act[k])[r]: the down projections,
 //                  routing weights, shared-expert sigmoid gate and the residual add. Moves (k+1) * H * I / 2 bytes.
-// Selection in the expert kernels (router_logits set, n_experts <= 256): moe_route only writes the logits, x and
-// the shared gate (select_top_k = false), and each block of moe_expert_in / moe_expert_out takes the softmax and
-// top-k itself from the logits (the same code, so every block makes the same choice). That removes moe_route's
-// cross-block step (fence, atomic ticket, a last block that reads all logits back) from the critical path, and
-// lets moe_expert_out fetch its routed down-projection weights before moe_expert_in has finished: it reads the
-// logits before waiting on its predecessor, which is safe because moe_expert_in signals its dependents only after
-// its own wait, i.e. once moe_route has completed. So the three launches must follow each other on one stream.
-// moe_fused (moe_fused.cu; opt-in, CudaBackendOptions::moe_fused): the same block as ONE persistent kernel whose
-// phase boundaries are grid-wide barriers instead of kernel boundaries: A = moe_route's logits and shared gate plus
-// the shared expert's gate/up rows, B = selection in every block and the routed gate/up rows, C = moe_expert_out.
-// The router and selection device code below is shared by moe.cu and moe_fused.cu, so both choose the same experts.
+// Selection in moe_expert_in (router_logits set, n_experts <= 256; the decode step does so where the expert
+// kernels take the geometry): moe_route only writes the logits, x and the shared gate (select_top_k = false), each
+// block of moe_expert_in takes the softmax and top-k itself from the logits (the same code, so every block makes the
+// same choice) and one block writes the selection, which moe_expert_out reads after its wait. That removes
+// moe_route's cross-block step (fence, atomic ticket, a last block that reads all logits back) from the critical
+// path. The three launches must follow each other on one stream.
 #pragma once
 #include "cuda/kernels/common.cuh"
 #if defined(__CUDACC__)
@@ -50,8 +45,8 @@ struct MoeExpertInParams {
   float* act = nullptr;            // out [top_k + 1, I]; row top_k is the shared expert
   const float* router_logits = nullptr;  // optional [n_experts]: select from these, not from topk_idx
   int n_experts = 0;                     // with router_logits, <= 256
-  // Optional, with router_logits: the selection (expert ids and renormalised weights, slot order) is also written
-  // here, by one block, so that moe_expert_out can read it after its wait instead of selecting itself.
+  // With router_logits: the selection (expert ids and renormalised weights, slot order) is written here by one
+  // block, for moe_expert_out.
   int* topk_idx_out = nullptr;   // [top_k]
   float* topk_w_out = nullptr;   // [top_k]
 };
@@ -60,70 +55,18 @@ struct MoeExpertOutParams {
   QMatrix down;                 // stacked [E, H, I]
   QMatrix shared_down;          // [H, I]
   const float* act = nullptr;   // [top_k + 1, I]
-  const int* topk_idx = nullptr;
-  const float* topk_w = nullptr;
+  const int* topk_idx = nullptr;  // [top_k]: moe_route's or moe_expert_in's selection
+  const float* topk_w = nullptr;  // [top_k]
   const float* shared_gate_value = nullptr;
   int top_k = 8;
   float* h = nullptr;           // [H] in/out residual stream
-  const float* router_logits = nullptr;  // optional [n_experts]: select from these (topk_idx/topk_w unused)
-  int n_experts = 0;                     // with router_logits, <= 256
 };
-
-// One persistent kernel for the whole MoE block (eqs 1-2 of post_attention_layernorm, 21-25), moe_fused.cu:
-//  phase A: every block normalises h into shared memory; the warps share the E router rows, the shared-expert gate
-//           row (-> logits, shared gate value) and the shared expert's gate/up rows (-> act row top_k);
-//  barrier; phase B: every block selects the experts from the logits (warp_route_top_k) and the warps share the
-//           routed gate/up rows (-> act rows 0..top_k-1);
-//  barrier; phase C: a warp owns 32 / (I / 32) output rows: its lanes dot all top_k + 1 down rows with act,
-//           weight them (routing weights, sigmoid shared gate) in slot order, reduce, and one lane adds the result
-//           to h. Each element of h is written by one thread, in a fixed order.
-// Moves the same bytes as the three kernels: ~16.5 MB a layer at E 256, H 2048, I 512, top-8.
-// The barrier (arrive counter whose top bit flips when the last block arrives: cooperative groups' grid sync)
-// needs every block resident at once: the launcher sizes the grid from the occupancy API (grid_blocks = 0) and
-// refuses larger grids. Shapes: H in {1024, 2048, 4096}, I = Is in {256, 512, 1024}, E <= 256, top_k <= 16,
-// router and shared gate row 8-bit, experts 4-bit.
-struct MoeFusedParams {
-  QMatrix router;                        // 8-bit [E, H]
-  QMatrix shared_gate_row;               // 8-bit [1, H]: the shared-expert gate logit
-  QMatrix gate, up;                      // stacked [E, I, H] 4-bit (use .expert(e))
-  QMatrix down;                          // stacked [E, H, I] 4-bit
-  QMatrix shared_gate, shared_up;        // [I, H] 4-bit
-  QMatrix shared_down;                   // [H, I] 4-bit
-  float* h = nullptr;                    // [H] in/out residual stream
-  const float* norm_w = nullptr;         // [H] post_attention_layernorm multiplier
-  float eps = 1e-6f;
-  int top_k = 8;
-  float* logits = nullptr;               // scratch [E]
-  float* shared_gate_value = nullptr;    // scratch [1]
-  float* act = nullptr;                  // scratch [top_k + 1, I], 16-byte aligned
-  unsigned* barrier = nullptr;           // one counter, zero before the first launch; every launch leaves it as found
-  int* topk_idx = nullptr;               // optional out [top_k]: the selection (written by block 0)
-  float* topk_w = nullptr;               // optional out [top_k]
-  int grid_blocks = 0;                   // 0: every block that can be resident at once; else at most that many
-};
-
-// Decode, on the step's prefetch branch (CudaBackendOptions::decode_prefetch 3), forked after moe_route: selects
-// the experts from the router logits as the expert kernels do (warp_route_top_k) and asks the L2 for their down
-// matrices (evict_last) while moe_expert_in runs, so that moe_expert_out finds them there. One block of 128
-// threads at the lowest stream priority. Moves top_k * H * (I/2 + I/16) bytes from DRAM into the L2 (4.7 MB at
-// k = 8, H = 2048, I = 512); writes nothing. E <= 256, top_k <= 16; cudaErrorInvalidValue otherwise.
-struct MoePrefetchDownParams {
-  const float* logits = nullptr;  // [E], written by moe_route
-  int top_k = 8;
-  QMatrix down;                   // stacked [E, H, I] 4-bit (use .expert(e))
-  int n_experts = 0;
-};
-cudaError_t moe_prefetch_down(const MoePrefetchDownParams& p, cudaStream_t stream);
 
 cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream);
 cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream);
 cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream);
 
-// Whether moe_fused takes p's shapes, bits and pointers (everything its launcher checks except the grid size).
-bool moe_fused_supported(const MoeFusedParams& p);
-cudaError_t moe_fused(const MoeFusedParams& p, cudaStream_t stream);
-
-// ---- routing device code shared by moe.cu and moe_fused.cu -----------------------------------------------------
+// ---- routing device code (moe.cu) -------------------------------------------------------------------------------
 #if defined(__CUDACC__)
 inline constexpr int kRoutePrefetch = 4;  // 16-byte vectors per lane loaded before the prologue: all of H <= 2048
 

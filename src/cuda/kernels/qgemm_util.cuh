@@ -1,6 +1,7 @@
-// Device code shared by the two qgemm kernels (qgemm.cu: mma.sync; qgemm_wgmma.cu: wgmma): the exact byte ->
-// float conversion and fp16 packing of the dequantisation (both paths must see the same fp16 weights) and the
-// block's rows and weight matrices (dense, or an entry of moe_prefill's device-side tile list).
+// Code shared by the two qgemm kernels (qgemm.cu: mma.sync; qgemm_wgmma.cu: wgmma) and moe_prefill.cu: the exact
+// byte -> float conversion and fp16 packing of the dequantisation (both paths must see the same fp16 weights), the
+// block's rows and weight matrices (dense, or an entry of moe_prefill's device-side tile list), and the mma.sync
+// tile kernel's arguments and launchers.
 #pragma once
 #include <cuda_fp16.h>
 
@@ -9,6 +10,36 @@
 #include "cuda/kernels/common.cuh"
 
 namespace lily::cuda::qgemm_util {
+
+// The mma.sync tile kernel's arguments (qgemm.cu).
+struct TileArgs {
+  QMatrix w[2];  // MATS matrices [N, K] (stacked in grouped mode)
+  const __half* a = nullptr;
+  int M = 0, N = 0, K = 0;  // M: rows of the dense GEMM (unused in grouped mode)
+  GemmOut out = GemmOut::f32;
+  void* c = nullptr;
+  int ldc = 0;
+  // grouped mode (tile_count != nullptr)
+  const int* tile_count = nullptr;
+  const int* tile_expert = nullptr;
+  const int* tile_row0 = nullptr;
+  const int* tile_rows = nullptr;
+  const int* gather = nullptr;  // A row of output row r is gather[r] (nullptr: r)
+  QMatrix ws[2];                // the matrices of tile-list expert `shared_expert` (the shared expert)
+  int shared_expert = -1;
+  // dense mode: K is split into k_splits equal parts (blockIdx.z); part z writes C to c + z M ldc (f32)
+  int k_splits = 1;
+};
+
+// The mma.sync tile launches (qgemm.cu): dense (M rows, tile_rows 64 or 128), dense SwiGLU (gate w[0], up w[1]),
+// grouped (the tile list of TileArgs, max_tiles blocks along x).
+int dense_tile_rows(int M, int N, int bn);
+cudaError_t launch_dense(const TileArgs& a, int bits, int tile_rows, cudaStream_t stream);
+cudaError_t launch_dense_swiglu(const TileArgs& a, int bits, int tile_rows, cudaStream_t stream);
+cudaError_t launch_grouped(const TileArgs& a, int bits, int tile_rows, int max_tiles, bool swiglu,
+                           cudaStream_t stream);
+// A QMatrix the tile kernels take: 4- or 8-bit, K a multiple of 64, 16-byte aligned words.
+bool valid_qmatrix(const QMatrix& w);
 
 // Byte i of v (0..255) as a float, exactly: the low mantissa byte of 2^23, minus 2^23. (quant_dot.cuh's
 // nibble_as_float puts the byte at bits 16..23, where a code >= 128 would reach the exponent.)

@@ -11,11 +11,10 @@
 //    packed W into one of KB fp16 tiles (value = scale * q + bias in fp32, rounded once to fp16: the same
 //    arithmetic and rounding as qgemm.cu, so both paths see the same weights), fences the generic-proxy
 //    writes (its cp.async data and its fp16 stores) against the tensor cores' async proxy and arrives on
-//    full[slot]. With WgmmaKnobs::split_producer (SPLIT) the producer only dequantises: the consumers issue
-//    the cp.async (each its own 64 A rows and half the packed W, KS steps ahead, cp.async.mbarrier.arrive on
-//    loaded[slot] when they land) and the producer waits on loaded instead. (Two producer warpgroups with
-//    setmaxnreg do not compile here: at 512 threads a thread has 128 registers at launch, ptxas allocates
-//    the whole kernel within that, and an m64n256 wgmma needs 154.)
+//    full[slot]. (Two producer warpgroups with setmaxnreg do not compile here: at 512 threads a thread has 128
+//    registers at launch, ptxas allocates the whole kernel within that, and an m64n256 wgmma needs 154. Letting
+//    the consumers issue the loads, shallower rings and a third fp16 tile were measured and did not win: git
+//    history, lab/2026-11-30.)
 //  - two consumer warpgroups: each waits on full[slot], issues four wgmma.mma_async m64nNWk16 f32.f16.f16
 //    (BM = 128: rows 64 c .. 64 c + 63 of the tile against all BN rows of W, NW = BN; BM = 64: all 64 rows
 //    against W rows NW c .. NW c + NW - 1, NW = BN / 2; both operands read from shared memory through matrix
@@ -38,8 +37,6 @@
 // Grouped mode (as qgemm.cu's): blocks along x are the entries of moe_prefill's device-side tile list
 // (expert, first row, rows; blocks past its length exit); A rows gathered through an index array; weights
 // matrix `expert` of the stacked QMatrix, or the shared expert's matrices for tile-list expert shared_expert.
-// Every knob (WgmmaKnobs) changes only when things happen, not the fp16 weights or the k order of any sum:
-// each computes the default's output bit for bit.
 // FLOPs 2 M N K; bytes as qgemm.cu. Shared memory a step (BM 128, BN = 256, 4-bit): wgmma reads 80 KB (each
 // consumer reads A 8 KB and the whole fp16 W tile 32 KB), the producer writes 32 KB of fp16 W and reads 8 KB
 // packed, cp.async writes 24 KB: ~144 KB = ~1150 cycles at 128 B/cycle against 1024 cycles of MMA at the dense
@@ -86,7 +83,7 @@ constexpr int ring_fit(int BM, int BN, int BITS, int KB) {
   return fit < 8 ? fit : 8;
 }
 
-template <int BM, int BN, int BITS, int KB, int KS, bool SPLIT>
+template <int BM, int BN, int BITS, int KB, int KS>
 struct WgTile {
   static constexpr int kThreads = 384;
   static constexpr int NW = BM == 128 ? BN : BN / 2;           // W rows of one consumer's wgmma
@@ -101,11 +98,11 @@ struct WgTile {
   static constexpr int kAChunksPerThread = BM * 8 / 128;  // 16-byte chunks of the A tile
   static constexpr int kPChunksPerThread = BN * kPackedChunks / 128;
   static constexpr size_t kSmem =
-      1024 + size_t{KS} * (kABytes + kPBytes) + size_t{KB} * kBBytes + size_t{3} * KS * sizeof(uint64_t);
+      1024 + size_t{KS} * (kABytes + kPBytes) + size_t{KB} * kBBytes + size_t{2} * KS * sizeof(uint64_t);
   static_assert(BM == 128 || BM == 64, "tile rows");
   static_assert(NW == 128 || NW == 256, "wgmma width");
   static_assert(KB >= 2 && KS <= 8 && kSmem <= kSmemMax, "shared memory");
-  static_assert(SPLIT ? KS >= KB && BM == 128 : kLead >= 2, "ring depth");
+  static_assert(kLead >= 2, "ring depth");
   static_assert(kUnits % 128 == 0 && (BN * kPackedChunks) % 128 == 0, "work split");
 };
 
@@ -113,11 +110,6 @@ struct WgTile {
 // The producer warpgroup's named barrier.
 __device__ __forceinline__ void producer_bar_sync() {
   asm volatile("bar.sync 1, 128;" ::: "memory");
-}
-// The mbarrier arrives (once, counting as one of its expected arrivals) when every cp.async this thread issued
-// before has landed.
-__device__ __forceinline__ void cp_async_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
 
 template <int N>
@@ -194,10 +186,10 @@ __device__ __forceinline__ void w_row_of(int r, int n0, int& mat, int& col) {
   col = n0 + slice * kPer + rr % kPer;
 }
 
-template <int BM, int BN, int BITS, int KB, int KS, bool SPLIT, int MATS>
+template <int BM, int BN, int BITS, int KB, int KS, int MATS>
 __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
 #if defined(LILY_SM90A_PASS)
-  using C = WgTile<BM, BN, BITS, KB, KS, SPLIT>;
+  using C = WgTile<BM, BN, BITS, KB, KS>;
   constexpr int NW = C::NW;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle pattern repeats every 1024 bytes and the descriptors assume tiles aligned to it.
@@ -207,7 +199,7 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
   unsigned char* const w_s = b_s + KB * C::kBBytes;   // KS x [BN rows x packed bytes]
   uint64_t* const bars = reinterpret_cast<uint64_t*>(w_s + KS * C::kPBytes);
   // barrier s at + 8 s
-  const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + KS), loaded0 = smem_u32(bars + 2 * KS);
+  const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + KS);
 
   const int tid = threadIdx.x, wg = tid >> 7;
   const int n0 = blockIdx.y * (BN / MATS);
@@ -220,7 +212,6 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
     for (int s = 0; s < KS; ++s) {
       mbar_init(full0 + 8 * s, 128);    // the dequantising threads, each after its fence
       mbar_init(empty0 + 8 * s, 256);   // the consumers' threads, each after its wgmma of the step completed
-      mbar_init(loaded0 + 8 * s, 256);  // split: the consumers' threads, each when its copies of the step landed
     }
     fence_mbar_init();
   }
@@ -342,45 +333,36 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
   };
 
   if (wg == 0) {
-    // ---------------- dequantisation (and, single producer, the loads)
+    // ---------------- the loads and the dequantisation
     const int t = tid & 127;
     Loads l;
-    if constexpr (!SPLIT) make_loads(t, l);
+    make_loads(t, l);
     Groups g;
     make_groups(t, g);
-    // Step kt: (1) wait until step kt - KB is consumed: it frees the fp16 tile step kt writes (and, single
-    // producer, the ring slot step kt + kLead loads into); (2) single: loads of step kt + kLead; (3) scales of
-    // step kt + 1 into the other register set; (4) step kt's packed W and A landed: single, this thread's
-    // cp.async group, then every producer thread's (named barrier); split, the loaded barrier; (5) dequantise;
-    // (6) fence (generic -> async proxy), arrive on full.
+    // Step kt: (1) wait until step kt - KB is consumed: it frees the fp16 tile step kt writes and the ring slot
+    // step kt + kLead loads into; (2) loads of step kt + kLead; (3) scales of step kt + 1 into the other register
+    // set; (4) step kt's packed W and A landed: this thread's cp.async group, then every producer thread's (named
+    // barrier); (5) dequantise; (6) fence (generic -> async proxy), arrive on full.
     auto step = [&](int kt, const float(&sc)[C::kUnitsPerThread], const float(&bi)[C::kUnitsPerThread],
                     float(&sc_next)[C::kUnitsPerThread], float(&bi_next)[C::kUnitsPerThread]) {
       if (kt >= KB) {
         const int j = kt - KB;
         mbar_wait(empty0 + 8 * (j % KS), (j / KS) & 1);
       }
-      if constexpr (!SPLIT) {
-        if (kt + C::kLead < KT) issue_loads(t, l, kt + C::kLead);
-        cp_async_commit();
-      }
+      if (kt + C::kLead < KT) issue_loads(t, l, kt + C::kLead);
+      cp_async_commit();
       if (kt + 1 < KT) load_scales(g, kt + 1, sc_next, bi_next);
-      if constexpr (SPLIT) {
-        mbar_wait(loaded0 + 8 * (kt % KS), (kt / KS) & 1);
-      } else {
-        cp_async_wait<C::kLead>();
-        producer_bar_sync();
-      }
+      cp_async_wait<C::kLead>();
+      producer_bar_sync();
       dequant(t, kt, sc, bi);
       fence_proxy_async();
       mbar_arrive(full0 + 8 * (kt % KS));
     };
 
-    if constexpr (!SPLIT) {
 #pragma unroll 1
-      for (int s = 0; s < C::kLead; ++s) {
-        if (s < KT) issue_loads(t, l, s);
-        cp_async_commit();
-      }
+    for (int s = 0; s < C::kLead; ++s) {
+      if (s < KT) issue_loads(t, l, s);
+      cp_async_commit();
     }
     float sc0[C::kUnitsPerThread], bi0[C::kUnitsPerThread], sc1[C::kUnitsPerThread], bi1[C::kUnitsPerThread];
     load_scales(g, 0, sc0, bi0);
@@ -389,7 +371,7 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
       step(kt, sc0, bi0, sc1, bi1);
       if (kt + 1 < KT) step(kt + 1, sc1, bi1, sc0, bi0);
     }
-    if constexpr (!SPLIT) cp_async_wait<0>();
+    cp_async_wait<0>();
   } else {
     // ---------------- consumers: wgmma and the epilogue
     const int cw = wg - 1;
@@ -400,39 +382,6 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) acc[i] = 0.0f;
     const uint32_t a_base = smem_u32(a_s) + arow0 * 128, b_base = smem_u32(b_s) + slice * NW * 128;
-    // Split: this warpgroup loads its own 64 A rows and packed W rows BN / 2 cw .. + BN / 2 - 1 of step j into
-    // slot j % KS (addresses recomputed a step: the accumulators leave few registers) and arrives on loaded
-    // when they land. Step j's slot was last read by this warpgroup's wgmma of step j - KS (its A rows) and by
-    // the dequantisation of step j - KS (packed W), both done once this warpgroup's step j - KS completed.
-    auto consumer_loads = [&](int j) {
-      const int t = tid & 127;
-      unsigned char* const as = a_s + (j % KS) * C::kABytes;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {  // 64 rows x 8 chunks over 128 threads
-        const int r = arow0 + (t >> 3) + 16 * i, ch = t & 7;
-        const bool ok = r < rows;
-        const __half* src = p.a;
-        if (ok) src += static_cast<size_t>(p.gather ? __ldcg(p.gather + row0 + r) : row0 + r) * K + ch * 8 +
-                       j * kWgGroup;
-        cp_async_16(as + r * 128 + ((ch ^ (r & 7)) << 4), src, ok);
-      }
-      unsigned char* const ws = w_s + (j % KS) * C::kPBytes;
-#pragma unroll
-      for (int i = 0; i < C::kPChunksPerThread / 2; ++i) {
-        const int id = cw * (BN / 2) * C::kPackedChunks + t + i * 128, r = id / C::kPackedChunks,
-                  ch = id % C::kPackedChunks;
-        int mat, col;
-        w_row_of<NW, MATS>(r, n0, mat, col);
-        const bool ok = col < p.N;
-        const uint32_t* src = ok ? w[mat].w + col * wpr + ch * 4 + j * (kWgGroup * BITS / 32) : w[0].w;
-        cp_async_16(ws + id * 16, src, ok);
-      }
-      cp_async_arrive_noinc(loaded0 + 8 * (j % KS));
-    };
-    if constexpr (SPLIT) {
-#pragma unroll 1
-      for (int j = 0; j < KS && j < KT; ++j) consumer_loads(j);
-    }
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
       const int slot = kt % KS;
@@ -449,14 +398,8 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
         wgmma_wait<1>();  // step kt - 1's group is done: its slot and fp16 tile may be refilled
         fence_regs(acc);
       }
-      if (kt > 0) {
-        mbar_arrive(empty0 + 8 * ((kt - 1) % KS));
-        if constexpr (SPLIT) {
-          if (kt - 1 + KS < KT) consumer_loads(kt - 1 + KS);
-        }
-      }
+      if (kt > 0) mbar_arrive(empty0 + 8 * ((kt - 1) % KS));
     }
-    if constexpr (SPLIT) cp_async_wait<0>();
     wgmma_wait<0>();
     fence_regs(acc);
     pdl_launch_dependents();
@@ -509,6 +452,8 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
     }
   }
 #else
+  using C = WgTile<BM, BN, BITS, KB, KS>;  // its constants are used only in the sm_90a pass
+  static_assert(C::kUnitsPerThread > 0 && C::kAChunksPerThread > 0 && C::kPChunksPerThread > 0);
   (void)p;  // not an sm_90a pass: no wgmma (the launchers refuse to launch, see wgmma_built)
 #endif
 }
@@ -526,71 +471,35 @@ __global__ void wgmma_probe_kernel(int* out) {
 #endif
 }
 
-template <int BM, int BN, int BITS, int KB, int KS, bool SPLIT, int MATS>
+template <int BM, int BN, int BITS, int KB, int KS, int MATS>
 cudaError_t launch_wgmma(const WgArgs& a, int x_tiles, cudaStream_t stream) {
-  using C = WgTile<BM, BN, BITS, KB, KS, SPLIT>;
+  using C = WgTile<BM, BN, BITS, KB, KS>;
   const dim3 grid(x_tiles, (a.N + BN / MATS - 1) / (BN / MATS)), block(C::kThreads);
   if (grid.y > 65535u || x_tiles < 1) return cudaErrorInvalidValue;
-  auto* k = qgemm_wgmma_kernel<BM, BN, BITS, KB, KS, SPLIT, MATS>;
+  auto* k = qgemm_wgmma_kernel<BM, BN, BITS, KB, KS, MATS>;
   CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem)));
   return launch_pdl(k, grid, block, C::kSmem, stream, a);
 }
 
-// Dense launch with the default ring (the deepest that fits) for KB fp16 tiles.
-template <int BN, int BITS, int KB, bool SPLIT = false>
+// Dense launch with the deepest ring that fits next to KB fp16 tiles.
+template <int BN, int BITS, int KB>
 cudaError_t launch_dense_wgmma(const WgArgs& a, cudaStream_t stream) {
-  return launch_wgmma<128, BN, BITS, KB, ring_fit(128, BN, BITS, KB), SPLIT, 1>(a, (a.M + 127) / 128, stream);
-}
-
-// The knob combinations that are compiled (WgmmaKnobs; anything else is cudaErrorInvalidValue): 8-bit and
-// 128-wide tiles take the defaults only; 128 x 256 at 4-bit takes (fp16 tiles, ring) in {(2, 6) (default),
-// (2, 5), (2, 4), (3, 5)} with one producer warpgroup and {(2, 6), (3, 5)} with two.
-cudaError_t launch_dense_knobs(const WgArgs& a, int bits, int bn, const WgmmaKnobs& kn, cudaStream_t stream) {
-  const int tiles = kn.fp16_tiles ? kn.fp16_tiles : (bn == 128 ? 3 : 2);
-  const int def_ring = ring_fit(128, bn, bits, tiles);
-  const int ring = kn.ring ? kn.ring : def_ring;
-  const bool plain = !kn.split_producer && ring == def_ring && tiles == (bn == 128 ? 3 : 2);
-  if (bits == 8 || bn == 128) {
-    if (!plain) return cudaErrorInvalidValue;
-    if (bits == 8) return bn == 256 ? launch_dense_wgmma<256, 8, 2>(a, stream) : launch_dense_wgmma<128, 8, 3>(a, stream);
-    return launch_dense_wgmma<128, 4, 3>(a, stream);
-  }
-  if (!kn.split_producer) {
-    if (tiles == 2 && ring == ring_fit(128, 256, 4, 2)) return launch_dense_wgmma<256, 4, 2>(a, stream);
-    if (tiles == 2 && ring == 5) return launch_wgmma<128, 256, 4, 2, 5, false, 1>(a, (a.M + 127) / 128, stream);
-    if (tiles == 2 && ring == 4) return launch_wgmma<128, 256, 4, 2, 4, false, 1>(a, (a.M + 127) / 128, stream);
-    if (tiles == 3 && ring == ring_fit(128, 256, 4, 3)) return launch_dense_wgmma<256, 4, 3>(a, stream);
-    return cudaErrorInvalidValue;
-  }
-  if (tiles == 2 && ring == ring_fit(128, 256, 4, 2)) return launch_dense_wgmma<256, 4, 2, true>(a, stream);
-  if (tiles == 3 && ring == ring_fit(128, 256, 4, 3)) return launch_dense_wgmma<256, 4, 3, true>(a, stream);
-  return cudaErrorInvalidValue;
+  return launch_wgmma<128, BN, BITS, KB, ring_fit(128, BN, BITS, KB), 1>(a, (a.M + 127) / 128, stream);
 }
 
 }  // namespace
 
 bool wgmma_built() {
-  static int cached[64] = {};  // per device: 0 unknown, 1 yes, 2 no
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (cached[dev] == 0) {
-    cudaFuncAttributes attr{};
-    const bool ok = cudaFuncGetAttributes(&attr, wgmma_probe_kernel) == cudaSuccess;
-    if (!ok) (void)cudaGetLastError();
-    cached[dev] = ok && attr.sharedSizeBytes >= 64 * sizeof(int) ? 1 : 2;
-  }
-  return cached[dev] == 1;
+  static int cache[64] = {};
+  return probe_marked(reinterpret_cast<const void*>(wgmma_probe_kernel), cache);
 }
 
 cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream) {
   const QMatrix& w = p.w;
   const int ldc = p.ldc ? p.ldc : w.rows;
-  const WgmmaKnobs& kn = p.wgmma;
   if (!w.w || !w.scales || !w.biases || w.rows < 1 || w.cols < kWgGroup || w.cols % kWgGroup != 0 ||
       (w.bits != 4 && w.bits != 8) || !aligned16(w.w) || !p.a || !p.c || p.M < 1 || ldc < w.rows ||
-      !aligned16(p.a) || (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32) ||
-      (kn.bn != 0 && kn.bn != 128 && kn.bn != 256) || (kn.fp16_tiles != 0 && kn.fp16_tiles != 2 &&
-      kn.fp16_tiles != 3) || kn.ring < 0 || kn.ring > 8) {
+      !aligned16(p.a) || (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32)) {
     return cudaErrorInvalidValue;
   }
   if (!wgmma_built()) return cudaErrorInvalidDeviceFunction;
@@ -600,7 +509,9 @@ cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream) {
   // 128 x 256 tiles (half the shared-memory reads of W per FLOP of 128 x 128) unless they would leave SMs
   // idle: a K loop runs serially in a block, so a grid of fewer tiles than SMs is bound by one block.
   const bool wide = static_cast<long>((a.M + 127) / 128) * ((a.N + 255) / 256) >= 132;
-  return launch_dense_knobs(a, w.bits, kn.bn ? kn.bn : (wide ? 256 : 128), kn, stream);
+  // Two fp16 W tiles at 256 columns, three at 128 (the ring takes the rest of shared memory).
+  if (w.bits == 8) return wide ? launch_dense_wgmma<256, 8, 2>(a, stream) : launch_dense_wgmma<128, 8, 3>(a, stream);
+  return wide ? launch_dense_wgmma<256, 4, 2>(a, stream) : launch_dense_wgmma<128, 4, 3>(a, stream);
 }
 
 cudaError_t qgemm_wgmma_grouped(const WgmmaGroupedParams& p, cudaStream_t stream) {
@@ -623,16 +534,12 @@ cudaError_t qgemm_wgmma_grouped(const WgmmaGroupedParams& p, cudaStream_t stream
   a.tile_count = p.tile_count, a.tile_expert = p.tile_expert, a.tile_row0 = p.tile_row0;
   a.tile_rows = p.tile_rows, a.gather = p.gather;
   constexpr int kRing = ring_fit(128, 256, 4, 2);
-  if (p.tile_rows_max == 128 && p.split) {
-    return p.swiglu ? launch_wgmma<128, 256, 4, 2, kRing, true, 2>(a, p.max_tiles, stream)
-                    : launch_wgmma<128, 256, 4, 2, kRing, true, 1>(a, p.max_tiles, stream);
-  }
   if (p.tile_rows_max == 128) {
-    return p.swiglu ? launch_wgmma<128, 256, 4, 2, kRing, false, 2>(a, p.max_tiles, stream)
-                    : launch_wgmma<128, 256, 4, 2, kRing, false, 1>(a, p.max_tiles, stream);
+    return p.swiglu ? launch_wgmma<128, 256, 4, 2, kRing, 2>(a, p.max_tiles, stream)
+                    : launch_wgmma<128, 256, 4, 2, kRing, 1>(a, p.max_tiles, stream);
   }
-  return p.swiglu ? launch_wgmma<64, 256, 4, 2, ring_fit(64, 256, 4, 2), false, 2>(a, p.max_tiles, stream)
-                  : launch_wgmma<64, 256, 4, 2, ring_fit(64, 256, 4, 2), false, 1>(a, p.max_tiles, stream);
+  return p.swiglu ? launch_wgmma<64, 256, 4, 2, ring_fit(64, 256, 4, 2), 2>(a, p.max_tiles, stream)
+                  : launch_wgmma<64, 256, 4, 2, ring_fit(64, 256, 4, 2), 1>(a, p.max_tiles, stream);
 }
 
 }  // namespace lily::cuda

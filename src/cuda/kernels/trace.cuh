@@ -17,7 +17,7 @@ namespace lily::cuda::trace {
 
 enum Kind : uint32_t {
   kEmbed = 1, kGemv, kGdnStep, kMoeRoute, kMoeExpertIn, kMoeExpertOut, kAttnPrep, kAttnDecode, kAttnCombine,
-  kSample, kAdvance, kL2Prefetch, kMoePrefetchDown, kFused
+  kSample, kAdvance
 };
 
 struct BlockRecord {

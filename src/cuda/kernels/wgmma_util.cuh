@@ -3,7 +3,7 @@
 // fence around asynchronous accumulators and the descriptor of a K-major operand in the 128-byte swizzled layout.
 // Use them only inside `#if defined(LILY_SM90A_PASS)`: the instructions exist in an sm_90a device pass only (the
 // kernels compile to nothing elsewhere and their launchers refuse to launch, see wgmma_built). In their own
-// namespace so that they never collide with other kernels' helpers (gdn_fused.cu has its own mbarriers).
+// namespace so that they never collide with other kernels' helpers.
 #pragma once
 #include <cstdint>
 
@@ -14,11 +14,6 @@
 #endif
 
 namespace lily::cuda {
-
-// Whether the code the runtime loaded for the current device is the sm_90a pass (so the wgmma kernels have a
-// body): a probe kernel's static shared memory, read with cudaFuncGetAttributes (no launch, safe inside a
-// stream capture); cached per device. Defined in qgemm_wgmma.cu.
-bool wgmma_built();
 
 namespace wgmma_util {
 

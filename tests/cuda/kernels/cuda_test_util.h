@@ -24,10 +24,11 @@ inline bool has_gpu() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
-// A compute 9.0 (Hopper) device 0: what the wgmma paths need (besides the sm_90a build).
+// A compute 9.0 (Hopper) device 0 running this binary's sm_90a code: what the wgmma paths need (a build of
+// compute_80 PTX alone has none, and its wgmma launchers refuse with cudaErrorInvalidDeviceFunction).
 inline bool is_hopper() {
   cudaDeviceProp prop{};
-  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0;
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9 && prop.minor == 0 && wgmma_built();
 }
 
 // First statement of every GPU test: CI has no GPU and must pass.
@@ -37,9 +38,9 @@ inline bool is_hopper() {
   } while (0)
 
 // After SKIP_WITHOUT_GPU in the tests of a wgmma path.
-#define SKIP_WITHOUT_HOPPER()                                                                      \
-  do {                                                                                             \
-    if (!::lily::cuda::test::is_hopper()) GTEST_SKIP() << "the wgmma path needs a compute 9.0 GPU"; \
+#define SKIP_WITHOUT_HOPPER()                                                                                 \
+  do {                                                                                                        \
+    if (!::lily::cuda::test::is_hopper()) GTEST_SKIP() << "the wgmma path needs a compute 9.0 GPU and sm_90a code"; \
   } while (0)
 
 #define ASSERT_CUDA(expr)                                        \
@@ -101,7 +102,7 @@ inline float f16_bits_to_float(uint16_t b) {
   return __half2float(__half(r));
 }
 
-// A quantized matrix on the host (MLX layout, shared/MODEL.md 2.4) that can be uploaded as a QMatrix. The
+// A quantized matrix on the host (MLX layout, docs/MODEL.md 2.4) that can be uploaded as a QMatrix. The
 // device copy lives as long as this object (upload() keeps the buffers).
 struct HostQMatrix {
   int rows = 0, cols = 0, bits = 4;

@@ -1,5 +1,5 @@
 // Plain CPU references and the model geometries shared by the generic-kernel tests (test_generic.cpp,
-// test_generic_fast.cpp). Each reference is the few lines of the equation (shared/MODEL.md numbering), in double
+// test_generic_fast.cpp). Each reference is the few lines of the equation (docs/MODEL.md numbering), in double
 // where a sum is long, written from src/cpu/*.cpp.
 #pragma once
 #include <algorithm>

@@ -56,7 +56,7 @@ void check_gemv(const GemvCase& c, uint32_t seed) {
   EXPECT_EQ(bad, 0);
 }
 
-// Every matrix of a decode step at the geometry (shared/MODEL.md: fused in-projections, gated out-projections).
+// Every matrix of a decode step at the geometry (docs/MODEL.md: fused in-projections, gated out-projections).
 void check_gemv_geometry(const Geometry& g, int lm_rows, uint32_t seed) {
   SCOPED_TRACE(g.name);
   check_gemv({g.gdn_proj(), g.hidden, 4, GemvPrologue::rms_norm, 0, false}, seed);               // GDN in_proj

@@ -330,9 +330,9 @@ TEST(CudaMoe, LayerChainSelectingInTheExpertKernels) {
     std::vector<float> h, logits, w;
     std::vector<int> idx;
   };
-  // in_experts: the expert kernels select; out_reads: moe_expert_in also writes its selection and moe_expert_out
-  // reads it (CudaBackendOptions::moe_out_reads_selection).
-  auto run = [&](bool in_experts, bool out_reads = false) {
+  // in_experts: moe_expert_in selects and writes its selection, which moe_expert_out reads (the decode step's
+  // chain where the fast kernels take the geometry); else moe_route selects.
+  auto run = [&](bool in_experts) {
     DeviceBuffer<float> d_h(h);
     MoeRouteParams rp;
     rp.router = q_router, rp.shared_gate = q_sgate, rp.h = d_h.get(), rp.norm_w = d_norm.get(), rp.top_k = k;
@@ -347,13 +347,10 @@ TEST(CudaMoe, LayerChainSelectingInTheExpertKernels) {
     op.down = q_down, op.shared_down = q_sd, op.act = d_act.get(), op.shared_gate_value = d_sg.get(),
     op.top_k = k;
     op.h = d_h.get();
-    if (in_experts && out_reads) {
+    if (in_experts) {
       ip.router_logits = d_logits.get(), ip.n_experts = E;
       ip.topk_idx_out = d_idx.get(), op.topk_idx = d_idx.get();
       ip.topk_w_out = d_w.get(), op.topk_w = d_w.get();
-    } else if (in_experts) {
-      ip.router_logits = op.router_logits = d_logits.get();
-      ip.n_experts = op.n_experts = E;
     } else {
       ip.topk_idx = op.topk_idx = d_idx.get();
       op.topk_w = d_w.get();
@@ -377,12 +374,9 @@ TEST(CudaMoe, LayerChainSelectingInTheExpertKernels) {
   const ChainOut by_route = run(false);
   ASSERT_CUDA(d_idx.zero());
   ASSERT_CUDA(d_w.zero());
-  const ChainOut by_experts = run(true);
-  EXPECT_EQ(by_experts.logits, by_route.logits);
-  EXPECT_EQ(by_experts.idx, std::vector<int>(k, 0)) << "the expert kernels write no selection";
-  for (int r = 0; r < H; ++r) ASSERT_EQ(by_experts.h[r], by_route.h[r]) << "row " << r;
   // moe_expert_in writes its selection and moe_expert_out reads it: the same selection, weights and h, bit for bit.
-  const ChainOut by_in = run(true, true);
+  const ChainOut by_in = run(true);
+  EXPECT_EQ(by_in.logits, by_route.logits);
   EXPECT_EQ(by_in.idx, by_route.idx);
   EXPECT_EQ(by_in.w, by_route.w);
   for (int r = 0; r < H; ++r) ASSERT_EQ(by_in.h[r], by_route.h[r]) << "row " << r;
@@ -416,14 +410,13 @@ TEST(CudaMoe, RejectsBadArguments) {
   in.gate = stacked(w.gate, 64), in.up = stacked(w.up, 64), in.shared_gate = w.s_gate.upload();
   in.shared_up = w.s_up.upload(), in.x = x.get(), in.top_k = 2, in.act = act.get();
   in.router_logits = logits.get(), in.n_experts = 4;
-  EXPECT_EQ(moe_expert_in(in, nullptr), cudaSuccess);
   DeviceBuffer<int> sel_idx(2);
   DeviceBuffer<float> sel_w(2);
-  in.topk_idx_out = sel_idx.get();  // the selection written needs both halves
+  EXPECT_EQ(moe_expert_in(in, nullptr), cudaErrorInvalidValue);  // selecting, it must write the selection
+  in.topk_idx_out = sel_idx.get();  // ... both halves of it
   EXPECT_EQ(moe_expert_in(in, nullptr), cudaErrorInvalidValue);
   in.topk_w_out = sel_w.get();
   EXPECT_EQ(moe_expert_in(in, nullptr), cudaSuccess);
-  in.topk_idx_out = nullptr, in.topk_w_out = nullptr;
   in.n_experts = 300;
   EXPECT_EQ(moe_expert_in(in, nullptr), cudaErrorInvalidValue);
   in.router_logits = nullptr;  // and no topk_idx either
@@ -502,8 +495,8 @@ TEST(CudaMoeBench, FullSize) {
     rp.select_top_k = false;
     MoeExpertInParams ip = in_params(d_idx.get());
     MoeExpertOutParams op = out_params(d_idx.get());
-    ip.router_logits = op.router_logits = logits.get();
-    ip.n_experts = op.n_experts = E;
+    ip.router_logits = logits.get(), ip.n_experts = E;
+    ip.topk_idx_out = d_idx.get(), ip.topk_w_out = w.get();
     CUDA_TRY(moe_route(rp, s));
     CUDA_TRY(moe_expert_in(ip, s));
     return moe_expert_out(op, s);

@@ -1,4 +1,4 @@
-// qgemm / qgemm_swiglu / rms_norm_rows / moe_prefill (src/cuda/kernels/qgemm.cu) against CPU references on
+// qgemm / qgemm_swiglu / rms_norm_rows (qgemm.cu) and moe_prefill (moe_prefill.cu) against CPU references on
 // fresh random MLX-quantized weights, and the prefill GEMM / MoE timings (print only).
 //
 // Tolerances from the arithmetic: the kernels round each dequantized weight to fp16 (the reference does the
@@ -18,6 +18,7 @@
 #include <cuda_fp16.h>
 
 #include "cpu/blocks.h"
+#include "cuda/kernels/moe_prefill.cuh"
 #include "cuda/kernels/qgemm.cuh"
 #include "cuda_test_util.h"
 #include "generic_refs.h"
@@ -278,9 +279,8 @@ struct MoeModel {
   }
 };
 
-// h after moe_prefill for the rows h (T = h.size() / H), tile_rows and the shared expert's path as given.
-std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int tile_rows = 0,
-                           bool shared_in_grouped = true, bool wgmma = false, bool wgmma_split = false) {
+// h after moe_prefill for the rows h (T = h.size() / H), tile_rows and the expert GEMMs' path as given.
+std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int tile_rows = 0, bool wgmma = false) {
   const int T = static_cast<int>(h.size() / m.H);
   DeviceBuffer<float> d_h(h), d_norm(m.norm_w);
   const size_t bytes = moe_prefill_scratch_bytes(T, m.H, m.I, m.I, m.E, m.k);
@@ -290,8 +290,7 @@ std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int t
   p.shared_gate_proj = m.q_sg, p.shared_up = m.q_su, p.shared_down = m.q_sd;
   p.h = d_h.get(), p.norm_w = d_norm.get(), p.eps = kEps, p.T = T, p.top_k = m.k;
   p.scratch = scratch.get(), p.scratch_bytes = bytes, p.tile_rows = tile_rows;
-  p.shared_in_grouped = shared_in_grouped;
-  p.use_wgmma = wgmma, p.wgmma_split = wgmma_split;
+  p.use_wgmma = wgmma;
   EXPECT_EQ(moe_prefill(p, nullptr), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return d_h.download();
@@ -390,14 +389,12 @@ std::vector<int> rows_to_check(int T, int spread) {
   return rows;
 }
 
-void check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int tile_rows = 0,
-               bool shared_in_grouped = true, bool wgmma = false) {
+void check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int tile_rows = 0, bool wgmma = false) {
   const int T = static_cast<int>(h.size() / m.H);
   SCOPED_TRACE(testing::Message() << "H " << m.H << " E " << m.E << " I " << m.I << " k " << m.k << " T " << T
-                                  << " tile_rows " << tile_rows << " shared grouped " << shared_in_grouped
-                                  << (wgmma ? " wgmma" : ""));
-  const std::vector<float> got = run_moe(m, h, tile_rows, shared_in_grouped, wgmma);
-  const std::vector<float> again = run_moe(m, h, tile_rows, shared_in_grouped, wgmma);
+                                  << " tile_rows " << tile_rows << (wgmma ? " wgmma" : ""));
+  const std::vector<float> got = run_moe(m, h, tile_rows, wgmma);
+  const std::vector<float> again = run_moe(m, h, tile_rows, wgmma);
   EXPECT_TRUE(got == again) << "moe_prefill must be deterministic";
   int checked = 0, skipped = 0;
   double worst = 0;
@@ -406,10 +403,9 @@ void check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int t
     (check_moe_row(m, &h[off], &got[off], t, worst) ? checked : skipped)++;
   }
   std::printf(
-      "moe_prefill%s H %d E %d T %d tile_rows %d%s: %d rows checked, %d skipped (k-th/(k+1)-th logit within "
+      "moe_prefill%s H %d E %d T %d tile_rows %d: %d rows checked, %d skipped (k-th/(k+1)-th logit within "
       "the error), largest |error| / tolerance %.3f\n",
-      wgmma ? " (wgmma)" : "", m.H, m.E, T, tile_rows, shared_in_grouped ? "" : " (shared expert dense)", checked,
-      skipped, worst);
+      wgmma ? " (wgmma)" : "", m.H, m.E, T, tile_rows, checked, skipped, worst);
   EXPECT_GT(checked, 0);
 }
 
@@ -419,7 +415,6 @@ TEST(CudaMoePrefill, TinyGeometry) {
   m.upload();
   for (int T : {1, 63, 64, 65, 300}) check_moe(m, random_vector(static_cast<size_t>(T) * m.H, 901 + T), 24);
   check_moe(m, random_vector(size_t{300} * m.H, 950), 8, 128);
-  check_moe(m, random_vector(size_t{300} * m.H, 951), 8, 0, false);
 }
 
 TEST(CudaMoePrefill, SmallGeometry) {
@@ -437,7 +432,6 @@ TEST(CudaMoePrefill, FullGeometry) {
   const std::vector<float> h = random_vector(size_t{4097} * m.H, 1200);
   check_moe(m, h, 16);
   check_moe(m, h, 4, 128);  // the other tile size on the same rows
-  check_moe(m, random_vector(size_t{65} * m.H, 1201), 4, 0, false);
 }
 
 // Uneven loads: every row shares one dominant direction, and router row 7 is planted on it, so expert 7 takes
@@ -494,13 +488,10 @@ TEST(CudaMoePrefill, OneExpertTakesEveryRowAndTies) {
 // 2026-11-30), so a bit-identical h is expected; it is printed, not asserted (the order of the additions
 // inside one k16 product is the hardware's). Asserted: the CPU reference's tolerances and determinism
 // (check_moe).
-void compare_moe_paths(const MoeModel& m, const std::vector<float>& h, int spread, int tile_rows,
-                       bool shared_in_grouped = true) {
-  check_moe(m, h, spread, tile_rows, shared_in_grouped, true);
-  const std::vector<float> a = run_moe(m, h, tile_rows, shared_in_grouped, false);
-  const std::vector<float> b = run_moe(m, h, tile_rows, shared_in_grouped, true);
-  // The loads issued by the consumers (wgmma_split) change no operand or order: equal to wgmma bit for bit.
-  EXPECT_TRUE(run_moe(m, h, tile_rows, shared_in_grouped, true, true) == b) << "wgmma_split vs wgmma";
+void compare_moe_paths(const MoeModel& m, const std::vector<float>& h, int spread, int tile_rows) {
+  check_moe(m, h, spread, tile_rows, true);
+  const std::vector<float> a = run_moe(m, h, tile_rows, false);
+  const std::vector<float> b = run_moe(m, h, tile_rows, true);
   ASSERT_EQ(a.size(), b.size());
   size_t same = 0;
   double worst = 0;
@@ -508,10 +499,9 @@ void compare_moe_paths(const MoeModel& m, const std::vector<float>& h, int sprea
     same += a[i] == b[i];
     worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
   }
-  std::printf("  wgmma vs mma.sync, T %zu tile_rows %d%s: %zu of %zu elements of h bit-identical%s, largest "
+  std::printf("  wgmma vs mma.sync, T %zu tile_rows %d: %zu of %zu elements of h bit-identical%s, largest "
               "|difference| %.3g\n",
-              h.size() / m.H, tile_rows, shared_in_grouped ? "" : " (shared expert dense)", same, a.size(),
-              same == a.size() ? " (all)" : "", worst);
+              h.size() / m.H, tile_rows, same, a.size(), same == a.size() ? " (all)" : "", worst);
 }
 
 TEST(CudaMoePrefillWgmma, TinyAndSmallGeometry) {
@@ -522,7 +512,6 @@ TEST(CudaMoePrefillWgmma, TinyAndSmallGeometry) {
   for (int T : {1, 65, 300})
     for (int tile_rows : {0, 64, 128})
       compare_moe_paths(tiny, random_vector(static_cast<size_t>(T) * tiny.H, 1901 + T), 24, tile_rows);
-  compare_moe_paths(tiny, random_vector(size_t{300} * tiny.H, 1951), 8, 0, false);
   MoeModel small(1024, 32, 256, 8, 1000);
   small.upload();
   for (int T : {65, 700}) compare_moe_paths(small, random_vector(static_cast<size_t>(T) * small.H, 2001 + T), 12, 0);
@@ -611,8 +600,7 @@ TEST(CudaQgemmBench, DenseShapes) {
 }
 
 // One moe_prefill layer at full geometry (E 256, H 2048, I 512, k 8), cold weights, CUDA-graph replay: us.
-double moe_layer_us(const DeviceBuffer<uint16_t>& pool, int T, int tile_rows, bool shared_in_grouped, bool wgmma,
-                    bool wgmma_down = true, bool wgmma_split = false) {
+double moe_layer_us(const DeviceBuffer<uint16_t>& pool, int T, int tile_rows, bool wgmma) {
   const int E = 256, H = 2048, I = 512, k = 8;
   const size_t bytes = moe_prefill_scratch_bytes(T, H, I, I, E, k);
   DeviceBuffer<unsigned char> scratch(bytes);
@@ -633,8 +621,7 @@ double moe_layer_us(const DeviceBuffer<uint16_t>& pool, int T, int tile_rows, bo
         p.shared_down = bench_qmatrix(pool, H, I, 4, base + 7);
         p.h = h.get(), p.norm_w = norm_w.get(), p.T = T, p.top_k = k;
         p.scratch = scratch.get(), p.scratch_bytes = bytes, p.tile_rows = tile_rows;
-        p.shared_in_grouped = shared_in_grouped;
-        p.use_wgmma = wgmma, p.wgmma_down = wgmma_down, p.wgmma_split = wgmma_split;
+        p.use_wgmma = wgmma;
         return moe_prefill(p, st);
       },
       3, 3);
@@ -646,18 +633,12 @@ TEST(CudaMoePrefillBench, FullGeometry) {
   const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
   std::printf("\nmoe_prefill full geometry (E 256, H 2048, I 512, k 8), cold weights, CUDA-graph replay:\n");
   for (int T : {4096, 2048, 1024, 512}) {
-    struct Variant {
-      int tile_rows;
-      bool shared_in_grouped;
-    };
-    for (const Variant v : {Variant{0, true}, Variant{64, true}, Variant{128, true}, Variant{0, false}}) {
-      const int tile_rows = v.tile_rows;
-      const double us = moe_layer_us(pool, T, tile_rows, v.shared_in_grouped, false);
+    for (const int tile_rows : {0, 64, 128}) {
+      const double us = moe_layer_us(pool, T, tile_rows, false);
       const double flops = 2.0 * T * (k + 1) * 3.0 * H * I;  // routed + shared expert
       std::printf(
-          "  T %5d tile_rows %3d%s%s: %9.1f us  %6.2f us/token  experts %6.1f TFLOP/s (%4.1f%% of 790)\n", T,
-          tile_rows, tile_rows ? "" : " (auto)", v.shared_in_grouped ? "" : " shared expert dense", us,
-          us / T, flops / (us * 1e6), 100 * flops / (us * 1e6) / 790);
+          "  T %5d tile_rows %3d%s: %9.1f us  %6.2f us/token  experts %6.1f TFLOP/s (%4.1f%% of 790)\n", T,
+          tile_rows, tile_rows ? "" : " (auto)", us, us / T, flops / (us * 1e6), 100 * flops / (us * 1e6) / 790);
     }
     // The same expert FLOPs as two dense GEMMs over T k rows (perfectly even loads, no gather): what the
     // grouped GEMMs would take if routing cost nothing.
@@ -698,20 +679,15 @@ TEST(CudaMoePrefillBench, WgmmaVsMmaSync) {
   SKIP_WITHOUT_HOPPER();
   const int H = 2048, I = 512, k = 8;
   const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
-  std::printf("\nmoe_prefill per layer, full geometry, cold weights, CUDA-graph replay: mma.sync | wgmma | wgmma "
-              "for gate/up only (down on mma.sync) | wgmma with the consumers loading (128-row tiles)\n");
+  std::printf("\nmoe_prefill per layer, full geometry, cold weights, CUDA-graph replay: mma.sync | wgmma\n");
   for (int T : {512, 1024, 4096}) {
     for (int tile_rows : {0, 64, 128}) {
       const double flops = 2.0 * T * (k + 1) * 3.0 * H * I;
-      const double us_m = moe_layer_us(pool, T, tile_rows, true, false);
-      const double us_w = moe_layer_us(pool, T, tile_rows, true, true);
-      const double us_g = moe_layer_us(pool, T, tile_rows, true, true, false);
-      const double us_s = moe_layer_us(pool, T, tile_rows, true, true, true, true);
-      std::printf("  T %5d tile_rows %3d%s: %8.1f us %6.1f TFLOP/s | %8.1f us %6.1f TFLOP/s (%4.2fx) | %8.1f us "
-                  "(%4.2fx) | %8.1f us (%4.2fx)\n",
-                  T, tile_rows, tile_rows ? "" : " (auto)", us_m, flops / (us_m * 1e6), us_w, flops / (us_w * 1e6),
-                  us_w > 0 ? us_m / us_w : 0.0, us_g, us_g > 0 ? us_m / us_g : 0.0, us_s,
-                  us_s > 0 ? us_m / us_s : 0.0);
+      const double us_m = moe_layer_us(pool, T, tile_rows, false);
+      const double us_w = moe_layer_us(pool, T, tile_rows, true);
+      std::printf("  T %5d tile_rows %3d%s: %8.1f us %6.1f TFLOP/s | %8.1f us %6.1f TFLOP/s (%4.2fx)\n", T, tile_rows,
+                  tile_rows ? "" : " (auto)", us_m, flops / (us_m * 1e6), us_w, flops / (us_w * 1e6),
+                  us_w > 0 ? us_m / us_w : 0.0);
     }
   }
 }

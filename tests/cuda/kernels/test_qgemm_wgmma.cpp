@@ -1,9 +1,7 @@
 // qgemm's wgmma path (QGemmParams::use_wgmma, src/cuda/kernels/qgemm_wgmma.cu) against the mma.sync path on
 // every output element and against a CPU reference on sampled elements, on fresh random MLX-quantized
 // weights; exact-integer layout probes that name the misplaced element when a shared-memory layout or a
-// descriptor is wrong; every compiled WgmmaKnobs combination against the default (bit-identical: the knobs move
-// when things happen, not the weights or the k order); and the TFLOP/s of both paths and of every knob at
-// M = 4096 (print only).
+// descriptor is wrong; and the TFLOP/s of both paths on the prefill's dense shapes (print only).
 //
 // Tolerances as test_qgemm.cpp: both GPU paths round each dequantized weight to fp16 with the same fp32
 // arithmetic (so they see identical weights) and accumulate in fp32 in different orders; the reference rounds
@@ -294,74 +292,6 @@ TEST(CudaQgemmWgmma, DirectCallAndBadShapes) {
   EXPECT_EQ(qgemm(p, nullptr), cudaErrorInvalidValue);
 }
 
-// The compiled knob combinations (qgemm_wgmma.cu's launch_dense_knobs); kKnobs[0] is the default at 128 x 256.
-struct Knob {
-  const char* name;
-  WgmmaKnobs k;
-};
-const Knob kKnobs[] = {
-    {"default: bn 256, 2 fp16 tiles, ring 6", {256, 2, 6, false}},
-    {"ring 5 (loads 3 steps ahead)", {256, 2, 5, false}},
-    {"ring 4 (loads 2 steps ahead)", {256, 2, 4, false}},
-    {"3 fp16 tiles, ring 5", {256, 3, 5, false}},
-    {"split: consumers load, ring 6", {256, 2, 6, true}},
-    {"split, 3 fp16 tiles, ring 5", {256, 3, 5, true}},
-    {"bn 128 (3 tiles, ring 8)", {128, 0, 0, false}},
-};
-
-TEST(CudaQgemmWgmma, KnobsMatchDefault) {
-  SKIP_WITHOUT_GPU();
-  SKIP_WITHOUT_HOPPER();
-  struct Shape {
-    int M, N, K;
-    GemmOut out;
-  };
-  const Shape shapes[] = {{65, 2048, 2048, GemmOut::f32},     {300, 257, 128, GemmOut::f16},
-                          {1024, 12352, 2048, GemmOut::f32},  {129, 2048, 4096, GemmOut::add_f32},
-                          {4096, 2048, 4096, GemmOut::f32}};
-  for (const Shape& s : shapes) {
-    HostQMatrix hw = fast_qmatrix(s.N, s.K, 4, 500 + s.N + s.K);
-    const QMatrix w = hw.upload();
-    std::vector<float> a = random_vector(static_cast<size_t>(s.M) * s.K, 600 + s.M);
-    const DeviceBuffer<uint16_t> d_a(to_f16(a));
-    const std::vector<float> c0 = random_vector(static_cast<size_t>(s.M) * s.N, 700 + s.M);
-    std::vector<float> ref;
-    for (const Knob& kn : kKnobs) {
-      SCOPED_TRACE(testing::Message() << "M " << s.M << " N " << s.N << " K " << s.K << " out "
-                                      << static_cast<int>(s.out) << " knob " << kn.name);
-      QGemmParams p;
-      p.w = w, p.a = as_f16(d_a), p.M = s.M, p.out = s.out, p.wgmma = kn.k;
-      bool ok = false;
-      const std::vector<float> got = run_path(p, true, c0, &ok);
-      if (!ok) continue;
-      if (ref.empty()) {
-        ref = got;
-        continue;
-      }
-      size_t differ = 0, first = 0;
-      for (size_t i = 0; i < got.size(); ++i)
-        if (got[i] != ref[i] && differ++ == 0) first = i;
-      EXPECT_EQ(differ, 0u) << "first at row " << first / s.N << " col " << first % s.N << ": " << got[first]
-                            << " vs default " << ref[first];
-    }
-  }
-  // Combinations that are not compiled are refused.
-  HostQMatrix hw = fast_qmatrix(256, 128, 8, 77);
-  const DeviceBuffer<uint16_t> a(std::vector<uint16_t>(128 * 128, to_f16_bits(1.0f)));
-  DeviceBuffer<float> c(128 * 256);
-  QGemmParams p;
-  p.w = hw.upload(), p.a = as_f16(a), p.M = 128, p.c = c.get(), p.use_wgmma = true;
-  p.wgmma = WgmmaKnobs{256, 3, 0, false};  // 8-bit: defaults only
-  EXPECT_EQ(qgemm(p, nullptr), cudaErrorInvalidValue);
-  p.wgmma = WgmmaKnobs{256, 2, 0, false};  // the 8-bit default spelled out
-  EXPECT_EQ(qgemm(p, nullptr), cudaSuccess);
-  p.wgmma = WgmmaKnobs{192, 0, 0, false};
-  EXPECT_EQ(qgemm(p, nullptr), cudaErrorInvalidValue);
-  p.wgmma = WgmmaKnobs{0, 4, 0, false};
-  EXPECT_EQ(qgemm(p, nullptr), cudaErrorInvalidValue);
-  ASSERT_CUDA(cudaDeviceSynchronize());
-}
-
 // ---- timings (print only)
 // ----------------------------------------------------------------------------------------
 
@@ -401,42 +331,6 @@ TEST(CudaQgemmWgmmaBench, DenseShapes) {
     }
     std::printf("  %-16s N %6d K %5d q%d: %9.1f us %6.1f TFLOP/s | %9.1f us %6.1f TFLOP/s (%4.2fx)\n", s.name,
                 s.N, s.K, s.bits, us[0], tf[0], us[1], tf[1], tf[0] > 0 ? tf[1] / tf[0] : 0.0);
-  }
-}
-
-// Every compiled knob at M = 4096 on the prefill's dense shapes (4-bit), with mma.sync for scale.
-TEST(CudaQgemmWgmmaBench, Sweep) {
-  SKIP_WITHOUT_GPU();
-  SKIP_WITHOUT_HOPPER();
-  const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
-  const DeviceBuffer<uint16_t> a = bench_pool(size_t{4096} * 4096 * 2, 7);
-  DeviceBuffer<float> c(size_t{4096} * 12352);
-  const int M = 4096;
-  std::printf("\nwgmma knob sweep at M %d, 4-bit, cold weights, CUDA-graph replay: us, TFLOP/s (x default)\n", M);
-  for (const int N : {12352, 9216, 2048}) {
-    for (const int K : {2048, 4096}) {
-      const double flop = 2.0 * M * N * K;
-      auto time = [&](bool wgmma, const WgmmaKnobs& kn) {
-        return graph_time_us(
-            [&](int i, cudaStream_t st) {
-              QGemmParams p;
-              p.w = bench_qmatrix(pool, N, K, 4, i);
-              p.a = as_f16(a), p.M = M, p.c = c.get(), p.use_wgmma = wgmma, p.wgmma = kn;
-              return qgemm(p, st);
-            },
-            4);
-      };
-      const double us_mma = time(false, WgmmaKnobs{});
-      std::printf("  N %5d K %4d  %-40s %8.1f us %6.1f TFLOP/s\n", N, K, "mma.sync", us_mma,
-                  us_mma > 0 ? flop / (us_mma * 1e6) : 0.0);
-      double us_def = 0;
-      for (const Knob& kn : kKnobs) {
-        const double us = time(true, kn.k);
-        if (&kn == &kKnobs[0]) us_def = us;
-        std::printf("  N %5d K %4d  %-40s %8.1f us %6.1f TFLOP/s (%4.2fx)\n", N, K, kn.name, us,
-                    us > 0 ? flop / (us * 1e6) : 0.0, us > 0 ? us_def / us : 0.0);
-      }
-    }
   }
 }
 

@@ -1,0 +1,148 @@
+// The CUDA backend's class, shared by its translation units: cuda_backend.cpp (start-up, sequences, forward, the
+// device-side generation loop), cuda_decode.cpp (the decode step), cuda_graph.cpp (its graph per sequence),
+// cuda_prefill.cpp (the prefill path) and cuda_bench.cpp (the benchmark and trace hooks). Not for other callers:
+// they use cuda_backend.h or cuda_bench.h.
+#pragma once
+#include <cuda_fp16.h>
+
+#include <algorithm>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_bench.h"
+#include "cuda/cuda_sequence.h"
+#include "cuda/device_model.h"
+#include "cuda/kernels/sample.cuh"
+
+namespace lily::cuda {
+
+// Records an event pair around each kernel when profiling an eager (non-graph) step.
+struct Profiler {
+  struct Entry {
+    std::string name;
+    double bytes, flops;
+    cudaEvent_t start, stop;
+  };
+  std::vector<Entry> entries;
+  cudaStream_t stream;
+  bool names_only = false;  // record the launches' names in order, no events (trace_decode)
+  void begin(const std::string& name, double bytes, double flops = 0);
+  void end();
+  ~Profiler();
+  std::vector<KernelTiming> totals() const;  // per kernel kind (call after the stream has finished)
+};
+
+// Enqueues `call`; when profiling, between events, recording the bytes it must move (and the FLOPs, optional).
+#define STEP_OP(name, bytes, call, ...)                                                \
+  do {                                                                                 \
+    if (prof) prof->begin(name, static_cast<double>(bytes) __VA_OPT__(, __VA_ARGS__)); \
+    CUDA_RETURN(call, name);                                                           \
+    if (prof) prof->end();                                                             \
+  } while (0)
+
+// Which kernels the backend runs, chosen once at start from the GPU and the device code this binary carries for it
+// (a build of compute_80 PTX alone runs the non-Hopper paths on a Hopper GPU too).
+struct KernelPaths {
+  int cc_major = 0, cc_minor = 0;
+  bool sm90_code = false;  // thread block clusters and programmatic dependent launch (sm90_code_built)
+  bool wgmma = false;      // the sm_90a wgmma kernels (wgmma_built, compute capability 9.0)
+  bool attn_wgmma = false;  // prefill attention on wgmma (head_dim 256 only)
+  bool gdn_norm_in_step = false;  // decode: gdn_step applies eq 19 over a cluster (else the out_proj prologue)
+  bool moe_select_in_experts = false;  // decode: moe_expert_in selects the experts (else moe_route)
+  std::string describe(const std::string& device) const;  // "cuda: <device> sm_90, prefill: wgmma, ..."
+};
+
+class CudaBackend final : public CudaBench {
+ public:
+  CudaBackend(std::shared_ptr<const ModelWeights> weights, CudaBackendOptions options);
+  ~CudaBackend() override;
+  Status init();
+
+  // Backend
+  const char* name() const override { return "cuda"; }
+  const ModelConfig& config() const override { return weights_->config; }
+  int64_t max_context() const override { return options_.max_context; }
+  std::unique_ptr<SequenceState> new_sequence() override;
+  Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
+                 std::vector<float>* logits) override;
+  int preferred_prefill_tokens() const override {
+    return options_.prefill_chunk > 0 ? options_.prefill_chunk : Backend::preferred_prefill_tokens();
+  }
+  bool has_device_sampling() const override { return true; }
+  Status generate_on_device(SequenceState& seq, int32_t first, const DeviceSampling& sampling, int max_new,
+                            const std::function<bool(int32_t)>& on_token) override;
+  Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq, std::span<const int32_t> tokens,
+                                                              int64_t split, LogitsRows rows,
+                                                              std::vector<float>* logits) override;
+  // CudaBench (cuda_bench.cpp)
+  Status set_context_for_bench(SequenceState& seq, int64_t n) override;
+  Result<double> time_decode(SequenceState& seq, int steps) override;
+  Result<std::vector<KernelTiming>> profile_step(SequenceState& seq) override;
+  Result<std::vector<TraceLaunch>> trace_decode(SequenceState& seq, int steps) override;
+  Result<double> time_prefill(SequenceState& seq, int64_t n, std::vector<KernelTiming>* profile) override;
+  size_t prefill_scratch_bytes() const override { return prefill_bytes_; }
+  size_t device_bytes_in_use() const override;
+  size_t weight_bytes_per_token() const override { return model_->decode_weight_bytes(); }
+  std::string device_name() const override { return device_name_; }
+  std::string kernel_paths() const override { return paths_.describe(device_name_); }
+  GraphCaptureStats graph_capture_stats() const override { return capture_stats_; }
+
+ private:
+  Status choose_paths(const cudaDeviceProp& prop);
+  Status fit_context();
+  // cuda_decode.cpp
+  Status enqueue_step(CudaSequence& s, int n_splits, const DeviceSampling* sampling, Profiler* prof);
+  Status enqueue_gdn_layer(CudaSequence& s, size_t l, Profiler* prof);
+  Status enqueue_attention_layer(CudaSequence& s, size_t l, int n_splits, Profiler* prof);
+  Status enqueue_moe_block(size_t l, Profiler* prof);
+  // cuda_graph.cpp
+  Result<cudaGraphExec_t> graph_for(CudaSequence& s, const DeviceSampling* sampling);
+  Status run_step(CudaSequence& s, const DeviceSampling* sampling);
+  // cuda_prefill.cpp
+  bool prefill_supported() const;
+  size_t prefill_scratch_needed() const;
+  Status ensure_prefill_scratch();
+  Status prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof, int split = 0,
+                       CudaCheckpoint* cp = nullptr);
+  Status prefill_gdn_mixer(CudaSequence& s, size_t l, int T, Profiler* prof, int split, CudaCheckpoint* cp);
+  Status prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits, Profiler* prof,
+                 int64_t split = 0, CudaCheckpoint* cp = nullptr);
+  Status copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, int layer);
+  // cuda_bench.cpp
+  Status warm_up_decode(CudaSequence& s, const DeviceSampling& greedy);
+  // cuda_backend.cpp
+  Result<CudaSequence*> check_sequence(SequenceState& base, int64_t new_tokens);
+  Status check_tokens(std::span<const int32_t> tokens) const;
+  Status upload_tokens(std::span<const int32_t> ids);
+
+  static constexpr int kMaxSplits = 256;
+  static constexpr int kRingSize = 1024;
+  static constexpr int kSampleScratch = 2 * 1024 * 64;
+  static constexpr int kHeadRows = 128;    // prefill rows whose logits one lm_head GEMM computes (LogitsRows::all)
+  static constexpr size_t kMaxGraphs = 8;  // decode graphs kept per sequence
+
+  std::shared_ptr<const ModelWeights> weights_;
+  CudaBackendOptions options_;
+  KernelPaths paths_;
+  std::unique_ptr<DeviceModel> model_;
+  std::string device_name_;
+  cudaStream_t stream_ = nullptr;
+  // Scratch shared by all sequences (batch 1: one step runs at a time).
+  DeviceArray<float> h_, proj_, q_, attn_out_, gdn_o_, moe_x_, moe_logits_, topk_w_, shared_gate_, act_, logits_;
+  DeviceArray<float> part_o_, part_ml_, sample_scratch_;
+  DeviceArray<SampleKnobs> sample_knobs_;  // the running request's sampling numbers (SampleParams::knobs)
+  DeviceArray<int> topk_idx_, token_in_, tokens_;
+  DeviceArray<unsigned> counters_;  // [0] moe_route, [1] sample
+  int* ring_ = nullptr;             // host-mapped
+  int* ring_dev_ = nullptr;
+  // Prefill scratch, sized by options_.prefill_chunk rows (allocated on the first prefill).
+  DeviceArray<float> ph_, pproj_, plogits_;
+  DeviceArray<__half> pxb_, pob_;  // fp16 A operands of the prefill GEMMs
+  DeviceArray<unsigned char> pscratch_;
+  size_t prefill_bytes_ = 0;
+  GraphCaptureStats capture_stats_;
+};
+
+}  // namespace lily::cuda

@@ -1,0 +1,219 @@
+// The prefill path: prompts in chunks of up to prefill_chunk rows (eqs 4-5 for every layer over the chunk's rows),
+// through the tensor-core GEMMs (qgemm.cuh), the Gated DeltaNet scans (gdn_prefill.cuh), flash attention
+// (attn_prefill.cuh) and the MoE block (moe_prefill.cuh); and forward_with_checkpoint, the engine's chat anchor.
+#include <cmath>
+
+#include "cuda/cuda_backend_impl.h"
+#include "cuda/kernels/attn_prefill.cuh"
+#include "cuda/kernels/dispatch.cuh"
+#include "cuda/kernels/embed.cuh"
+#include "cuda/kernels/gdn_prefill.cuh"
+#include "cuda/kernels/moe_prefill.cuh"
+
+namespace lily::cuda {
+
+// The prefill kernels' shapes (qgemm: K a multiple of 64; gdn_prefill: d_k = d_v in {64, 128}, conv kernel 4;
+// attn_prefill: head_dim in {64, 128, 256}): every preset of the model family. Other geometries (and
+// prefill_chunk = 0) run prompts token by token through the decode step.
+bool CudaBackend::prefill_supported() const {
+  const ModelConfig& c = config();
+  const bool dims64 = c.hidden_size % 64 == 0 && c.moe_intermediate_size % 64 == 0 &&
+                      c.shared_expert_intermediate_size % 64 == 0 && c.linear_value_dim() % 64 == 0 &&
+                      (c.num_attention_heads * c.head_dim) % 64 == 0;
+  const bool gdn = c.linear_key_head_dim == c.linear_value_head_dim &&
+                   (c.linear_key_head_dim == 64 || c.linear_key_head_dim == 128) && c.linear_conv_kernel_dim == 4;
+  const bool attn = c.head_dim == 64 || c.head_dim == 128 || c.head_dim == 256;
+  return options_.prefill_chunk > 0 && dims64 && gdn && attn;
+}
+
+namespace {
+
+// The prefill scratch's arrays, in elements, from the chunk and the geometry.
+struct PrefillSizes {
+  size_t residual, proj, a_in, a_mixer, kernels_bytes, head_logits;
+  size_t bytes() const { return 4 * residual + 4 * proj + 2 * a_in + 2 * a_mixer + kernels_bytes + 4 * head_logits; }
+};
+
+PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk, int head_rows) {
+  const size_t C = chunk, H = c.hidden_size, nq = c.num_attention_heads, D = c.head_dim;
+  size_t proj_cols = 0;
+  for (const DeviceLayer& l : m.layers)
+    proj_cols = std::max<size_t>(proj_cols, l.type == LayerType::full_attention ? l.attn_in.rows : l.gdn_in.rows);
+  const size_t mixer_cols = std::max<size_t>(c.linear_value_dim(), nq * D);
+  PrefillSizes s;
+  s.residual = C * H;
+  s.proj = C * proj_cols;
+  s.a_in = C * std::max(H, mixer_cols);
+  s.a_mixer = C * mixer_cols;
+  s.kernels_bytes = std::max({moe_prefill_scratch_bytes(chunk, c.hidden_size, c.moe_intermediate_size,
+                                                        c.shared_expert_intermediate_size, c.num_experts,
+                                                        c.num_experts_per_tok),
+                              gdn_prefill_scratch_bytes(chunk, c.linear_num_key_heads, c.linear_num_value_heads,
+                                                        c.linear_key_head_dim, c.linear_value_head_dim),
+                              attn_prefill_scratch_bytes(chunk, c.num_attention_heads, c.head_dim)});
+  s.head_logits = std::min<size_t>(C, head_rows) * c.vocab_size;
+  return s;
+}
+
+}  // namespace
+
+size_t CudaBackend::prefill_scratch_needed() const {
+  return prefill_sizes(config(), *model_, options_.prefill_chunk, kHeadRows).bytes();
+}
+
+Status CudaBackend::ensure_prefill_scratch() {
+  if (prefill_bytes_ > 0) return ok_status();
+  const PrefillSizes z = prefill_sizes(config(), *model_, options_.prefill_chunk, kHeadRows);
+  RETURN_IF_ERROR(ph_.alloc(z.residual));
+  RETURN_IF_ERROR(pproj_.alloc(z.proj));
+  RETURN_IF_ERROR(pxb_.alloc(z.a_in));
+  RETURN_IF_ERROR(pob_.alloc(z.a_mixer));
+  RETURN_IF_ERROR(pscratch_.alloc(z.kernels_bytes));
+  RETURN_IF_ERROR(plogits_.alloc(z.head_logits));
+  prefill_bytes_ = ph_.bytes() + pproj_.bytes() + pxb_.bytes() + pob_.bytes() + pscratch_.bytes() + plogits_.bytes();
+  return ok_status();
+}
+
+// Layer l's Gated DeltaNet scan over the chunk's T rows. With 0 < split < T (and cp), the scan runs over rows
+// [0, split), the conv ring and state S go into *cp (the state at pos0 + split), then over [split, T): the same two
+// gdn_prefill calls as two chunks would make, while every other kernel still runs once over the T rows.
+Status CudaBackend::prefill_gdn_mixer(CudaSequence& s, size_t l, int T, Profiler* prof, int split,
+                                      CudaCheckpoint* cp) {
+  const ModelConfig& c = config();
+  const DeviceLayer& L = model_->layers[l];
+  const bool two_calls = cp && split > 0 && split < T;
+  for (int part = 0; part < (two_calls ? 2 : 1); ++part) {
+    const int r0 = part == 0 ? 0 : split, Tp = two_calls ? (part == 0 ? split : T - split) : T;
+    GdnPrefillParams g{pproj_.ptr + static_cast<size_t>(r0) * L.gdn_in.rows, Tp, static_cast<int>(s.n) + r0,
+                       s.conv[l]->ptr, L.conv_w, L.A_log, L.dt_bias, s.S[l]->ptr, c.linear_num_key_heads,
+                       c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+                       c.linear_conv_kernel_dim, L.gdn_norm, c.rms_norm_eps,
+                       pob_.ptr + static_cast<size_t>(r0) * c.linear_value_dim(), pscratch_.ptr, pscratch_.bytes()};
+    STEP_OP("gdn_prefill", 2.0 * s.S[l]->bytes(), gdn_prefill(g, stream_),
+            4.0 * Tp * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim);
+    if (two_calls && part == 0) RETURN_IF_ERROR(copy_recurrent(s, *cp, static_cast<int>(l)));
+  }
+  return ok_status();
+}
+
+// One chunk of T <= prefill_chunk rows at positions s.n .. s.n+T-1: the residual stream ph_ [T, H] in fp32, each
+// block's input normalised to fp16 for the tensor-core GEMMs (fp16, not bf16: its 2^-11 rounding keeps the prefill
+// within the decode path's accuracy; normalised activations stay far from its 65504 range). Leaves the final
+// residual rows in ph_ for the lm_head.
+Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof, int split,
+                                  CudaCheckpoint* cp) {
+  const ModelConfig& c = config();
+  const DeviceModel& m = *model_;
+  const float eps = c.rms_norm_eps;
+  const int H = c.hidden_size, pos0 = static_cast<int>(s.n), k = c.num_experts_per_tok;
+  const double rows = T;
+  const bool wgmma = paths_.wgmma;
+  STEP_OP("embed", rows * m.embed.bytes() / m.embed.rows, embed_rows(m.embed, tokens, T, ph_.ptr, stream_));
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const DeviceLayer& L = m.layers[l];
+    const bool gdn = L.type == LayerType::linear_attention;
+    STEP_OP("rms_norm", rows * H * 6, rms_norm_rows(ph_.ptr, L.input_norm, T, H, eps, pxb_.ptr, stream_));
+    const QMatrix& in = gdn ? L.gdn_in : L.attn_in;
+    const QMatrix& out = gdn ? L.gdn_out : L.attn_out;
+    QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0, wgmma};
+    STEP_OP(gdn ? "qgemm gdn_in" : "qgemm attn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
+    if (gdn) {
+      RETURN_IF_ERROR(prefill_gdn_mixer(s, l, T, prof, split, cp));
+    } else {
+      AttnPrefillParams a{pproj_.ptr, T, pos0, L.q_norm, L.k_norm, c.num_attention_heads, c.num_key_value_heads,
+                          c.head_dim, c.rotary_dim(), static_cast<float>(c.rope_theta), eps,
+                          1.0f / std::sqrt(static_cast<float>(c.head_dim)), s.k[l]->ptr, s.v[l]->ptr, pob_.ptr,
+                          pscratch_.ptr, pscratch_.bytes()};
+      if (paths_.attn_wgmma) a.variant = 1;
+      const double attended = rows * pos0 + rows * (rows + 1) / 2;  // causal: row t attends pos0 + t + 1 rows
+      STEP_OP("attn_prefill", 0, attn_prefill(a, stream_), 4.0 * c.num_attention_heads * c.head_dim * attended);
+    }
+    QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0, wgmma};
+    STEP_OP(gdn ? "qgemm gdn_out" : "qgemm attn_out", out.bytes(), qgemm(gout, stream_),
+            2.0 * rows * out.rows * out.cols);
+    MoePrefillParams moe{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,
+                         L.shared_up, L.shared_down, ph_.ptr, L.post_norm, eps, T, k, pscratch_.ptr,
+                         pscratch_.bytes()};
+    moe.use_wgmma = wgmma && T >= kMoeWgmmaMinRows;
+    const double moe_flops = 2.0 * rows * H *
+                             (3.0 * k * c.moe_intermediate_size + 3.0 * c.shared_expert_intermediate_size +
+                              c.num_experts + 1);
+    STEP_OP("moe_prefill", 0, moe_prefill(moe, stream_), moe_flops);
+  }
+  s.n += T;
+  return ok_status();
+}
+
+// Copies layer l's conv ring and state S (or, with l < 0, the whole recurrent region) into cp, on the stream.
+Status CudaBackend::copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, int l) {
+  if (l < 0) {
+    CUDA_RETURN(cudaMemcpyAsync(cp.storage.ptr, s.storage.ptr, s.layout.recurrent_bytes, cudaMemcpyDeviceToDevice,
+                                stream_), "checkpoint");
+    return ok_status();
+  }
+  CUDA_RETURN(cudaMemcpyAsync(cp.conv[l]->ptr, s.conv[l]->ptr, s.conv[l]->bytes(), cudaMemcpyDeviceToDevice, stream_),
+              "checkpoint");
+  CUDA_RETURN(cudaMemcpyAsync(cp.S[l]->ptr, s.S[l]->ptr, s.S[l]->bytes(), cudaMemcpyDeviceToDevice, stream_),
+              "checkpoint");
+  return ok_status();
+}
+
+// Prefills the T tokens in tokens_ (device) in chunks; logits of the rows asked for go to the host. With cp, the
+// recurrent state after the first `split` rows (0 < split < T) is copied into it on the way.
+Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits,
+                            Profiler* prof, int64_t split, CudaCheckpoint* cp) {
+  RETURN_IF_ERROR(ensure_prefill_scratch());
+  const ModelConfig& c = config();
+  const DeviceModel& m = *model_;
+  const int64_t V = c.vocab_size, C = options_.prefill_chunk;
+  const int H = c.hidden_size;
+  for (int64_t off = 0; off < T; off += C) {
+    const int Tc = static_cast<int>(std::min<int64_t>(C, T - off));
+    const int in_chunk = cp && split > off && split < off + Tc ? static_cast<int>(split - off) : 0;
+    RETURN_IF_ERROR(prefill_chunk(s, tokens_.ptr + off, Tc, prof, in_chunk, cp));
+    if (cp && split == off + Tc) RETURN_IF_ERROR(copy_recurrent(s, *cp, -1));  // the split is a chunk boundary
+    if (rows == LogitsRows::all) {  // the lm_head for every row, kHeadRows at a time
+      for (int r = 0; r < Tc; r += kHeadRows) {
+        const int R = std::min(kHeadRows, Tc - r);
+        STEP_OP("rms_norm", R * H * 6.0,
+                rms_norm_rows(ph_.ptr + static_cast<size_t>(r) * H, m.final_norm, R, H, c.rms_norm_eps, pxb_.ptr, stream_));
+        QGemmParams head{m.lm_head, pxb_.ptr, R, GemmOut::f32, plogits_.ptr, 0};
+        STEP_OP("qgemm lm_head", m.lm_head.bytes(), qgemm(head, stream_), 2.0 * R * V * H);
+        CUDA_RETURN(cudaMemcpyAsync(logits->data() + (off + r) * V, plogits_.ptr, R * V * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream_), "logits");
+      }
+    } else if (rows == LogitsRows::last && off + Tc == T) {  // one row: the decode GEMV
+      GemvParams head{m.lm_head, ph_.ptr + static_cast<size_t>(Tc - 1) * H, GemvPrologue::rms_norm, m.final_norm,
+                      nullptr, 0, c.rms_norm_eps, nullptr, logits_.ptr};
+      STEP_OP("gemv lm_head", m.lm_head.bytes(), dispatch::gemv(head, stream_));
+      CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+                  "logits");
+    }
+  }
+  CUDA_RETURN(set_position(s.pos.ptr, static_cast<int>(s.n), stream_), "position");
+  return ok_status();
+}
+
+// One pass over the tokens with the checkpoint copied out at the split (engine/backend.h); `rows` refer to the
+// tokens after it. No device memory for the checkpoint gives a null one, not an error.
+Result<std::unique_ptr<Checkpoint>> CudaBackend::forward_with_checkpoint(SequenceState& base,
+                                                                         std::span<const int32_t> tokens,
+                                                                         int64_t split, LogitsRows rows,
+                                                                         std::vector<float>* logits) {
+  const int64_t T = static_cast<int64_t>(tokens.size());
+  if (split <= 0 || split >= T) return invalid_argument("forward_with_checkpoint: split %lld outside (0, %lld)",
+                                                        (long long)split, (long long)T);
+  ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, T));
+  RETURN_IF_ERROR(check_tokens(tokens));
+  if (!prefill_supported()) return Backend::forward_with_checkpoint(*s, tokens, split, rows, logits);
+  const int64_t V = config().vocab_size;
+  std::unique_ptr<CudaCheckpoint> cp = s->empty_checkpoint(s->n + split);
+  RETURN_IF_ERROR(upload_tokens(tokens));
+  if (rows != LogitsRows::none) logits->resize(static_cast<size_t>((rows == LogitsRows::all ? T : 1) * V));
+  RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr, cp ? split : 0, cp.get()));
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "prefill");
+  if (rows == LogitsRows::all) logits->erase(logits->begin(), logits->begin() + split * V);
+  return std::unique_ptr<Checkpoint>(std::move(cp));
+}
+
+}  // namespace lily::cuda

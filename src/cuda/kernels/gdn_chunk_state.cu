@@ -1,0 +1,319 @@
+// GdnScan::chunked_split (gdn_prefill.cuh; the default from 512 rows): the chunked form split in two, as
+// flash-linear-attention's chunk_gated_delta_rule splits fwd_h from fwd_o. After gdn_chunk_prep.cu,
+// gdn_chunk_state_kernel walks the chunks per (value head, 32 columns of S) carrying only the state: per chunk it
+// stores S_c (the chunk's start state, fp32) to scratch hs [nc, n_v, d_k, d_v], forms V' = U - W S_c (to scratch over
+// U) and S <- exp(G_63) S + (exp(G_63 - G) k)^T V': two dependent products and two barriers per chunk instead of
+// three and four, its inputs double buffered a whole chunk ahead, the B operands S and V' stored split into tf32
+// hi / lo once by their owners, and the 3xTF32 correction products in accumulators of their own (mma_sep).
+// gdn_chunk_out_kernel then forms O = (exp(G) q) S_c + P V' for every (chunk, value head, 64 columns) at once (4,096
+// blocks at T = 4096). Costs the hs section: 2 MiB of scratch per 64 rows at full geometry (128 MiB at T = 4096).
+// Measured on the H200 (2026-11-30): 0.928 ms a layer at T = 4096 against 1.032 for GdnScan::chunked; the model's
+// logits as close to the CPU (teacher-forced full4, 512 positions: 3.03e-3).
+#include "cuda/kernels/gdn_chunk_util.cuh"
+
+namespace lily::cuda::gdn_prefill_impl {
+
+namespace {
+
+constexpr int kStateWarps = 8;
+
+template <int D>
+constexpr size_t chunk_state_smem() {
+  constexpr int LDC = kChunkCols + 8;
+  return sizeof(float) * (2 * (kChunk * (D + 4) + kChunk * LDC + kChunk * (D + 8) + 2 * kChunk) + 2 * D * LDC +
+                          kChunk * LDC);
+}
+
+// Block (value head h, columns j0 .. j0 + 32 of S), NW warps (8), the chunks in order with S[:, j0..] in
+// registers (fp32) and a copy in shared memory as an operand; per chunk c:
+//   S (the chunk's start state) -> scratch hs; V' = U - W S -> scratch v (over U) and shared memory;
+//   S <- exp(G_63) S + (exp(G_63 - G) k)^T V'.
+// The same arithmetic as gdn_chunk_scan_kernel's V' and update (same operands, same order of the k sums), less the
+// output product. Warp (mt = warp % 4, ch = warp / 4) owns rows 16 mt.. of V' and rows D/4 mt.. of S, columns
+// CW ch.. of the block's (CW = 32 / (NW / 4)). The inputs (W, U, k, the exp factors) are double buffered: chunk
+// c + 1's arrive by cp.async during chunk c, so a chunk has two barriers: (A) its inputs and S in shared memory
+// visible; (B) V' complete, after which the S operand is free (only V' reads it) and the update's result goes
+// straight there. The two B operands read by several warps, S (by the 4 row groups in V') and V' (by the 4 row
+// groups and both halves of S's rows in the update), are stored already split into tf32 hi / lo by their owner
+// (split_tf32, frag_pre: the same bits as converting at every read); V' hi overwrites U in place (each thread reads
+// the U elements it then writes), V' lo has its own array.
+// Each product's a_hi b_hi, a_lo b_hi and a_hi b_lo go into three
+// accumulators (mma_sep; for the update, S itself and two zeroed ones), summed as main + (lo_hi + hi_lo) after the
+// last k-step. The dependent chain of a product drops from 3 mma a k-step to 1 (V': 48 -> 16 mma latencies, update:
+// 24 -> 8), for 2 x 4 NT (V') and 2 x 4 MS NT (update) more registers (D = 128: 121 at 8 warps; 80 with a single accumulator).
+// The three exact partial products (tf32 x tf32 fits fp32) are the same as mma's chain; only the rounding of their sum
+// differs: the chain rounds the running sum 3K/8 times, this K/8 times at the sum's scale plus twice (the corrections are
+// ~2^-10 of it), so |this - chain| <= (K/2 + 2) 2^-23 sum_k |a_k b_k| per product (one ulp a rounding, as for a
+// truncating accumulator): 7.9e-6 of sum |a b| at K = 128, 62x below tf32's operand rounding (2^-11), and no larger
+// an error against the exact products than the chain's (GdnScan::chunked).
+template <int D, int NW>
+__global__ void __launch_bounds__(NW * 32) gdn_chunk_state_kernel(const __grid_constant__ GdnPrefillParams p, Scratch s) {
+  constexpr int kNThreads = NW * 32, NC = kChunkCols, CW = NC / (NW / 4), NT = CW / 8;
+  constexpr int LDA = D + 4, LDK = D + 8, LDC = NC + 8, MS = D / 64;
+  constexpr int kBuf = kChunk * LDA + kChunk * LDC + kChunk * LDK + 2 * kChunk;  // floats per input buffer
+  static_assert(kBuf % 4 == 0, "16-byte aligned buffers");
+  using FA = Frag<4>;
+  extern __shared__ __align__(16) float smem[];
+  // Buffer b: [64][LDA] W | [64][LDC] U, then V' | [64][LDK] k_hat | [128] exp(G_i) | exp(G_63 - G_i).
+  float* sh_s = smem + 2 * kBuf;  // [D][LDC] S at the chunk's start, tf32 part
+  float* sl_s = sh_s + D * LDC;   // [D][LDC] ... the remainder's 
+  float* vl_s = sl_s + D * LDC;   // [64][LDC] V', the remainder's tf32 part (V' hi is over U)
+  const int col_blocks = D / NC, h = blockIdx.x / col_blocks, j0 = blockIdx.x % col_blocks * NC;
+  const int kh = h / (p.n_v / p.n_k), nc = (p.T + kChunk - 1) / kChunk;
+  const size_t value_dim = static_cast<size_t>(p.n_v) * D;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int r0 = (warp & 3) * 16, rs = (warp & 3) * 16 * MS, c0 = warp / 4 * CW;
+  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+  auto load = [&](int c) {  // chunk c's inputs into buffer c & 1 (one commit group)
+    if (c < nc) {
+      float* w_s = smem + (c & 1) * kBuf;
+      float* u_s = w_s + kChunk * LDA;
+      float* k_s = u_s + kChunk * LDC;
+      float* gk_s = k_s + kChunk * LDK;
+      const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+      const float* w = s.w + (static_cast<size_t>(c) * p.n_v + h) * kChunk * D;
+      for (int i = threadIdx.x; i < kChunk * D / 4; i += kNThreads) {
+        const int r = i / (D / 4), d = i % (D / 4) * 4;
+        cp_async16(w_s + r * LDA + d, w + r * D + d);
+        if (r < n) cp_async16(k_s + r * LDK + d, s.k + (static_cast<size_t>(t0 + r) * p.n_k + kh) * D + d);
+        else *reinterpret_cast<float4*>(k_s + r * LDK + d) = zero4;
+      }
+      for (int i = threadIdx.x; i < kChunk * NC / 4; i += kNThreads) {
+        const int r = i / (NC / 4), d = i % (NC / 4) * 4;
+        if (r < n) cp_async16(u_s + r * LDC + d, s.v + static_cast<size_t>(t0 + r) * value_dim + h * D + j0 + d);
+        else *reinterpret_cast<float4*>(u_s + r * LDC + d) = zero4;
+      }
+      const float* gk = s.gk + (static_cast<size_t>(c) * p.n_v + h) * 2 * kChunk;
+      for (int i = threadIdx.x; i < 2 * kChunk / 4; i += kNThreads) cp_async16(gk_s + i * 4, gk + i * 4);
+    }
+    cp_async_commit();
+  };
+
+  load(0);
+  float S[MS][NT][4];  // S[rs + 16 ms + g (+8)][j0 + c0 + 8 nt + 2t (+1)]
+  float* S_g = p.S + static_cast<size_t>(h) * D * D + j0 + c0;
+#pragma unroll
+  for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float2 x = *reinterpret_cast<const float2*>(S_g + static_cast<size_t>(rs + 16 * ms + g + 8 * hf) * D + 8 * nt + 2 * t);
+        S[ms][nt][2 * hf] = x.x, S[ms][nt][2 * hf + 1] = x.y;
+      }
+  // S -> shared memory (split) and, for chunk c, to scratch hs (the output pass's operand).
+  auto store_state = [&](int c) {
+    float* hs = s.hs + (static_cast<size_t>(c) * p.n_v + h) * D * D + j0 + c0;
+#pragma unroll
+    for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int row = rs + 16 * ms + g + 8 * hf, col = 8 * nt + 2 * t;
+          const float2 x = make_float2(S[ms][nt][2 * hf], S[ms][nt][2 * hf + 1]);
+          const float2 a = split_tf32(x.x), b = split_tf32(x.y);
+          *reinterpret_cast<float2*>(sh_s + row * LDC + c0 + col) = make_float2(a.x, b.x);
+          *reinterpret_cast<float2*>(sl_s + row * LDC + c0 + col) = make_float2(a.y, b.y);
+          if (c < nc) *reinterpret_cast<float2*>(hs + static_cast<size_t>(row) * D + col) = x;
+        }
+  };
+  store_state(0);
+
+  for (int c = 0; c < nc; ++c) {
+    const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+    float* w_s = smem + (c & 1) * kBuf;
+    float* u_s = w_s + kChunk * LDA;  // U, then V' (tf32 part)
+    const float* k_s = u_s + kChunk * LDC;
+    const float* gk_s = k_s + kChunk * LDK;
+    cp_async_wait<0>();  // chunk c's inputs (the only group in flight)
+    __syncthreads();     // (A) ... visible to every warp, and S in sh_s / sl_s; buffer (c + 1) & 1 free (chunk c - 1's)
+    load(c + 1);
+    {  // V' = U - W S
+      float acc[NT][4] = {}, ca[NT][4] = {}, cb[NT][4] = {};
+#pragma unroll 4
+      for (int k0 = 0; k0 < D; k0 += 8) {
+        const FA af({w_s[(r0 + g) * LDA + k0 + t], w_s[(r0 + g + 8) * LDA + k0 + t], w_s[(r0 + g) * LDA + k0 + t + 4],
+                     w_s[(r0 + g + 8) * LDA + k0 + t + 4]});
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          const auto fb = frag_pre(sh_s, sl_s, (k0 + t) * LDC + c0 + 8 * nt + g, (k0 + t + 4) * LDC + c0 + 8 * nt + g);
+          mma_sep(acc[nt], ca[nt], cb[nt], af, fb);
+        }
+      }
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[nt][e] += ca[nt][e] + cb[nt][e];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = r0 + g + 8 * hf, off = i * LDC + c0 + 8 * nt + 2 * t;
+          const float2 u = *reinterpret_cast<const float2*>(u_s + off);
+          const float2 v2 = make_float2(u.x - acc[nt][2 * hf], u.y - acc[nt][2 * hf + 1]);
+          const float2 a = split_tf32(v2.x), b = split_tf32(v2.y);
+          *reinterpret_cast<float2*>(u_s + off) = make_float2(a.x, b.x);
+          *reinterpret_cast<float2*>(vl_s + off) = make_float2(a.y, b.y);
+          if (i < n)
+            *reinterpret_cast<float2*>(s.v + static_cast<size_t>(t0 + i) * value_dim + h * D + j0 + c0 + 8 * nt + 2 * t) = v2;
+        }
+    }
+    __syncthreads();  // (B) V' complete; sh_s / sl_s free
+    {  // S <- exp(G_63) S + (exp(G_63 - G) k)^T V'
+      const float decay = gk_s[kChunk - 1];
+#pragma unroll
+      for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) S[ms][nt][e] *= decay;
+      float ca[MS][NT][4] = {}, cb[MS][NT][4] = {};
+#pragma unroll 2
+      for (int k0 = 0; k0 < kChunk; k0 += 8) {
+        const float f0 = gk_s[kChunk + k0 + t], f1 = gk_s[kChunk + k0 + t + 4];
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms) {
+          const int d = rs + 16 * ms + g;
+          const FA af({k_s[(k0 + t) * LDK + d] * f0, k_s[(k0 + t) * LDK + d + 8] * f0, k_s[(k0 + t + 4) * LDK + d] * f1,
+                       k_s[(k0 + t + 4) * LDK + d + 8] * f1});
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const auto fb = frag_pre(u_s, vl_s, (k0 + t) * LDC + c0 + 8 * nt + g, (k0 + t + 4) * LDC + c0 + 8 * nt + g);
+            mma_sep(S[ms][nt], ca[ms][nt], cb[ms][nt], af, fb);
+          }
+        }
+      }
+#pragma unroll
+        for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) S[ms][nt][e] += ca[ms][nt][e] + cb[ms][nt][e];
+    }
+    store_state(c + 1);  // chunk c + 1's start state (to scratch only if there is a chunk c + 1)
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int ms = 0; ms < MS; ++ms)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<float2*>(S_g + static_cast<size_t>(rs + 16 * ms + g + 8 * hf) * D + 8 * nt + 2 * t) =
+            make_float2(S[ms][nt][2 * hf], S[ms][nt][2 * hf + 1]);
+}
+
+constexpr int kOutCols = 64;  // columns of O per block of the output pass
+
+template <int D>
+constexpr size_t chunk_out_smem() {
+  constexpr int LDC = kOutCols + 8;
+  return sizeof(float) * (kChunk * (D + 4) + kChunk * kLdT + D * LDC + kChunk * LDC + kChunk);
+}
+
+// Block (chunk c, value head h, columns j0 .. j0 + 64), 8 warps, independent of every other block:
+//   O = (exp(G) q) S_c + P V' -> scratch o (rows < T), S_c the chunk's start state from scratch hs, V' from scratch v.
+// Warp (mt = warp % 4, ch = warp / 4) owns rows 16 mt.. and columns 32 ch.. of the block's; the k sums in the order
+// of gdn_chunk_scan_kernel's output product (q S over d, then P V' over j < 16 (mt + 1)).
+template <int D>
+__global__ void __launch_bounds__(kThreads) gdn_chunk_out_kernel(const __grid_constant__ GdnPrefillParams p, Scratch s) {
+  constexpr int NC = kOutCols, CW = 32, NT = CW / 8, LDA = D + 4, LDC = NC + 8;
+  using FA = Frag<4>;
+  using FB = Frag<2>;
+  extern __shared__ __align__(16) float smem[];
+  float* q_s = smem;                  // [64][LDA] q_hat
+  float* p_s = q_s + kChunk * LDA;    // [64][kLdT] P
+  float* s_s = p_s + kChunk * kLdT;   // [D][LDC] S_c
+  float* v_s = s_s + D * LDC;         // [64][LDC] V'
+  float* gq_s = v_s + kChunk * LDC;   // [64] exp(G_i)
+  const int c = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * NC, kh = h / (p.n_v / p.n_k);
+  const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+  const size_t value_dim = static_cast<size_t>(p.n_v) * D;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int r0 = (warp & 3) * 16, c0 = warp / 4 * CW;
+  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+  // Two commit groups: q, S_c and exp(G) (the first product), then P and V'.
+  const float* hs = s.hs + (static_cast<size_t>(c) * p.n_v + h) * D * D + j0;
+  for (int i = threadIdx.x; i < kChunk * D / 4; i += kThreads) {
+    const int r = i / (D / 4), d = i % (D / 4) * 4;
+    if (r < n) cp_async16(q_s + r * LDA + d, s.q + (static_cast<size_t>(t0 + r) * p.n_k + kh) * D + d);
+    else *reinterpret_cast<float4*>(q_s + r * LDA + d) = zero4;
+  }
+  for (int i = threadIdx.x; i < D * NC / 4; i += kThreads) {
+    const int r = i / (NC / 4), d = i % (NC / 4) * 4;
+    cp_async16(s_s + r * LDC + d, hs + static_cast<size_t>(r) * D + d);
+  }
+  const float* gk = s.gk + (static_cast<size_t>(c) * p.n_v + h) * 2 * kChunk;
+  for (int i = threadIdx.x; i < kChunk / 4; i += kThreads) cp_async16(gq_s + i * 4, gk + i * 4);
+  cp_async_commit();
+  const float* pqk = s.pqk + (static_cast<size_t>(c) * p.n_v + h) * kChunk * kChunk;
+  for (int i = threadIdx.x; i < kChunk * kChunk / 4; i += kThreads) {
+    const int r = i / (kChunk / 4), d = i % (kChunk / 4) * 4;
+    cp_async16(p_s + r * kLdT + d, pqk + r * kChunk + d);
+  }
+  for (int i = threadIdx.x; i < kChunk * NC / 4; i += kThreads) {
+    const int r = i / (NC / 4), d = i % (NC / 4) * 4;
+    if (r < n) cp_async16(v_s + r * LDC + d, s.v + static_cast<size_t>(t0 + r) * value_dim + h * D + j0 + d);
+    else *reinterpret_cast<float4*>(v_s + r * LDC + d) = zero4;
+  }
+  cp_async_commit();
+
+  float acc[NT][4] = {};
+  cp_async_wait<1>();
+  __syncthreads();
+  {  // (exp(G) q) S_c
+    const float gm0 = gq_s[r0 + g], gm1 = gq_s[r0 + g + 8];
+#pragma unroll 4
+    for (int k0 = 0; k0 < D; k0 += 8) {
+      const FA af({q_s[(r0 + g) * LDA + k0 + t] * gm0, q_s[(r0 + g + 8) * LDA + k0 + t] * gm1,
+                   q_s[(r0 + g) * LDA + k0 + t + 4] * gm0, q_s[(r0 + g + 8) * LDA + k0 + t + 4] * gm1});
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        mma(acc[nt], af, FB({s_s[(k0 + t) * LDC + c0 + 8 * nt + g], s_s[(k0 + t + 4) * LDC + c0 + 8 * nt + g]}));
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+  // + P V' (P lower triangular: columns j < r0 + 16)
+#pragma unroll 2
+  for (int k0 = 0; k0 < r0 + 16; k0 += 8) {
+    const FA af({p_s[(r0 + g) * kLdT + k0 + t], p_s[(r0 + g + 8) * kLdT + k0 + t], p_s[(r0 + g) * kLdT + k0 + t + 4],
+                 p_s[(r0 + g + 8) * kLdT + k0 + t + 4]});
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+      mma(acc[nt], af, FB({v_s[(k0 + t) * LDC + c0 + 8 * nt + g], v_s[(k0 + t + 4) * LDC + c0 + 8 * nt + g]}));
+  }
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = r0 + g + 8 * hf;
+      if (i < n)
+        *reinterpret_cast<float2*>(s.o + static_cast<size_t>(t0 + i) * value_dim + h * D + j0 + c0 + 8 * nt + 2 * t) =
+            make_float2(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+    }
+}
+
+}  // namespace
+
+cudaError_t scan_chunked_split(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream) {
+  const int nc = (p.T + kChunk - 1) / kChunk;
+  auto run = [&](auto state_kernel, auto out_kernel, int d, size_t state_smem, size_t out_smem) {
+    CUDA_TRY(cudaFuncSetAttribute(state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(state_smem)));
+    CUDA_TRY(cudaFuncSetAttribute(out_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(out_smem)));
+    state_kernel<<<p.n_v * (d / kChunkCols), kStateWarps * 32, state_smem, stream>>>(p, s);
+    CUDA_TRY(cudaGetLastError());
+    out_kernel<<<dim3(nc, p.n_v, d / kOutCols), kThreads, out_smem, stream>>>(p, s);
+    return cudaGetLastError();
+  };
+  return p.d_k == 128 ? run(gdn_chunk_state_kernel<128, kStateWarps>, gdn_chunk_out_kernel<128>, 128,
+                            chunk_state_smem<128>(), chunk_out_smem<128>())
+                      : run(gdn_chunk_state_kernel<64, kStateWarps>, gdn_chunk_out_kernel<64>, 64,
+                            chunk_state_smem<64>(), chunk_out_smem<64>());
+}
+
+}  // namespace lily::cuda::gdn_prefill_impl

@@ -1,0 +1,39 @@
+// moe_prefill: the whole MoE block (eqs 20-25 of docs/MODEL.md) for T rows with routing on the GPU and no host synchronisation:
+//  x = RMSNorm(h) (fp16), router GEMM (8-bit), fp32 softmax / top-k (ties: lower index) /
+//  renormalise, histogram of rows per expert, prefix scan to offsets, scatter of (row, slot) into expert
+//  order, block map of the tiles the grouped GEMM runs; grouped qgemm_swiglu over the routed rows
+//  and the shared expert's (one more expert of the tile list), grouped down projection; then
+//  h[t] += sum_s w_s * y[t, s] + sg[t] * y_shared[t] in a fixed order (deterministic).
+#pragma once
+#include "cuda/kernels/qgemm.cuh"
+
+namespace lily::cuda {
+
+// The row count from which the backend runs moe_prefill's grouped GEMMs on wgmma (where built).
+inline constexpr int kMoeWgmmaMinRows = 4096;
+
+struct MoePrefillParams {
+  QMatrix router;        // 8-bit [E, H]
+  QMatrix shared_gate;   // 8-bit [1, H]  (shared_expert_gate)
+  QMatrix gate, up;      // stacked [E, I, H]
+  QMatrix down;          // stacked [E, H, I]
+  QMatrix shared_gate_proj, shared_up, shared_down;  // [Is, H], [Is, H], [H, Is]
+  float* h = nullptr;            // [T, H] fp32 residual stream, in/out
+  const float* norm_w = nullptr; // [H] post_attention_layernorm multiplier
+  float eps = 1e-6f;
+  int T = 0;
+  int top_k = 8;
+  void* scratch = nullptr;       // moe_prefill_scratch_bytes(...) bytes of device memory
+  size_t scratch_bytes = 0;
+  int tile_rows = 0;             // rows of a grouped expert tile: 64 or 128; 0 picks from T * top_k / E
+  // true: the grouped expert GEMMs on the Hopper wgmma kernel (qgemm_wgmma_grouped; 4-bit expert matrices, only
+  // where wgmma_built(), else cudaErrorInvalidDeviceFunction); other bits stay on mma.sync. The backend sets it
+  // from kMoeWgmmaMinRows rows (H200, whole prefill: 4K +2.0%, 16K +2.1%, 64K +1.5%, but 1K -3.7%).
+  bool use_wgmma = false;
+};
+
+// Scratch moe_prefill needs for T rows (linear in T; the caller bounds T by chunking).
+size_t moe_prefill_scratch_bytes(int T, int H, int I, int Is, int n_experts, int top_k);
+cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream);
+
+}  // namespace lily::cuda
