@@ -80,14 +80,14 @@ function showEmpty(text) {
   $("log").replaceChildren(div);
 }
 
-function addMessage(role, text) {
+function addMessage(role, text, model) {
   const empty = $("empty");
   if (empty) empty.remove();
   const div = document.createElement("div");
   div.className = "msg " + role;
   const who = document.createElement("div");
   who.className = "who";
-  who.textContent = role === "user" ? "You" : role === "error" ? "Error" : state.model || "lily";
+  who.textContent = role === "user" ? "You" : role === "error" ? "Error" : model || state.model || "lily";
   const body = document.createElement("div");
   body.className = "body";
   body.textContent = text || "";
@@ -97,8 +97,8 @@ function addMessage(role, text) {
 }
 
 // An assistant message's view; update(message, streaming) redraws it from the message.
-function assistantView() {
-  const div = addMessage("assistant", "");
+function assistantView(model) {
+  const div = addMessage("assistant", "", model);
   const body = div.querySelector(".body");
   const think = document.createElement("details");
   think.className = "think";
@@ -151,7 +151,7 @@ function showConversation(conversation) {
   else $("log").replaceChildren();
   for (const m of conversation.messages) {
     if (m.role === "user") addMessage("user", m.content);
-    else assistantView().update(m, false);
+    else assistantView(m.model).update(m, false);
   }
   toBottom();
   showConversationList();
@@ -248,7 +248,7 @@ async function send(text) {
   conversation.messages.push({ role: "user", content: text });
   persist(conversation);
   addMessage("user", text);
-  const view = assistantView();
+  const view = assistantView(state.model);
   toBottom();
   const request = {
     model: state.model, messages: apiMessages(s.system), stream: true, stream_options: { include_usage: true },
@@ -258,7 +258,7 @@ async function send(text) {
   $("send").textContent = "Stop";
   $("send").classList.add("stop");
   const t0 = performance.now();
-  const message = { role: "assistant", content: "" };
+  const message = { role: "assistant", content: "", model: state.model };
   let tFirst = null, finish = null, usage = null, frame = 0;
   const redraw = () => { frame = 0; view.update(message, true); };
   view.fold(true);

@@ -1,8 +1,8 @@
 // Conversations kept in this browser (localStorage), so a reload, a closed tab or a restarted server loses
 // nothing. One key holds the list, most recently used first:
 //   lily.conversations.v1 = [{id, title, updated, messages: [{role, content, reasoning_content?, tool_calls?,
-//                                                              stats?}]}]
-// Messages are OpenAI chat messages plus `stats` (the usage line, display only). When the storage is full the
+//                                                              model?, stats?}]}]
+// Messages are OpenAI chat messages plus, for display only, the model that answered and the usage line. When the storage is full the
 // oldest conversations are dropped, never the one being written. Settings live under lily.settings; the API
 // key only in sessionStorage.
 "use strict";
