@@ -31,8 +31,21 @@ export function safeUrl(href) {
   }
 }
 
-// highlight.js 9 (Debian 12) takes (language, code); 10 and later (code, {language}).
+// A streamed answer is rendered again at each frame: finished code blocks are not highlighted again.
+const highlighted = new Map();
+const MAX_CACHED = 64;
+
 function highlight(code, lang) {
+  const key = lang + "\0" + code;
+  if (highlighted.has(key)) return highlighted.get(key);
+  const html = highlightNow(code, lang);
+  if (highlighted.size >= MAX_CACHED) highlighted.delete(highlighted.keys().next().value);
+  highlighted.set(key, html);
+  return html;
+}
+
+// highlight.js 9 (Debian 12) takes (language, code); 10 and later (code, {language}).
+function highlightNow(code, lang) {
   const hljs = window.hljs;
   if (!hljs) return null;
   const modern = typeof hljs.versionString === "string" && parseInt(hljs.versionString, 10) >= 10;
