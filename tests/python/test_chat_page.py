@@ -8,7 +8,8 @@
 - rendering, on an assistant message put into the page's storage (the tiny model writes random text): markdown
   becomes elements, code is highlighted and has a working Copy button, and `<img onerror>`, `<script>` and a
   javascript: link are shown as text or dropped, never run (checked with the page's CSP bypassed, so the
-  sanitiser alone is tested).
+  sanitiser alone is tested);
+- the store drops the oldest conversations when the storage is full and skips unreadable ones.
 
 usage: LILY_BIN=build/lily python3 tests/python/test_chat_page.py [--screenshot docs/chat_page.png]
 """
@@ -163,6 +164,33 @@ def rendering(b):
     b.send("Page.setBypassCSP", {"enabled": False})
 
 
+STORE_CHECK = """(async () => {
+  const { Store } = await import('/store.js');
+  const mem = new Map();
+  const full = { getItem: (k) => mem.has(k) ? mem.get(k) : null,
+                 setItem(k, v) { if (v.length > 3000) throw new DOMException('full', 'QuotaExceededError');
+                                 mem.set(k, v); } };
+  const store = new Store(full);
+  const dropped = [];
+  for (let i = 0; i < 10; ++i)
+    dropped.push(store.save({ id: 'c' + i, messages: [{ role: 'user', content: 'x'.repeat(500) + i }] }));
+  const kept = store.list().map((c) => c.id);
+  store.save({ id: 'empty', messages: [] });
+  mem.set('lily.conversations.v1', '{not json');
+  const afterCorruption = store.list().length;
+  mem.set('lily.conversations.v1', JSON.stringify([{ id: 'ok', messages: [] }, { id: 'bad', messages: [{}] }]));
+  return { dropped, kept, afterCorruption, filtered: store.list().map((c) => c.id) };
+})()"""
+
+
+def storage_limits(b):
+    r = b.eval(STORE_CHECK, await_promise=True)
+    assert r["kept"][0] == "c9" and 3 <= len(r["kept"]) < 10, r  # newest first, the oldest dropped to fit
+    assert r["kept"] == ["c%d" % i for i in range(9, 9 - len(r["kept"]), -1)], r
+    assert sum(r["dropped"]) > 0 and r["dropped"][0] == 0, r
+    assert r["afterCorruption"] == 0 and r["filtered"] == ["ok"], r
+
+
 def no_problems(b):
     assert not b.problems(), b.problems()
 
@@ -197,6 +225,7 @@ def main():
         out = a.screenshot or os.path.join(tempfile.mkdtemp(prefix="lily_page_"), "chat_page.png")
         runner.run("chat page: screenshot", lambda: print("  screenshot %s (%d bytes)" % (out, b.screenshot(out))))
         runner.run("chat page: delete a conversation", lambda: delete_conversation(b))
+        runner.run("chat page: full or corrupt storage", lambda: storage_limits(b))
         runner.run("chat page: no errors or policy violations", lambda: no_problems(b))
     finally:
         if b:

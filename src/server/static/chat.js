@@ -367,6 +367,7 @@ $("conversations").addEventListener("click", (e) => {
   if (c) {
     stopAnswer();
     showConversation(c);
+    if (narrow.matches) $("sidebar").classList.add("hidden");  // the list covers the chat there
   }
 });
 $("log").addEventListener("click", copyButtonClicked);
@@ -374,6 +375,8 @@ for (const id of SETTING_FIELDS.concat(["api-key"])) $(id).addEventListener("cha
 $("api-key").addEventListener("change", connect);
 window.addEventListener("storage", (e) => { if (e.key === null || e.key.startsWith("lily.")) showConversationList(); });
 
+const narrow = window.matchMedia("(max-width: 760px)");
+if (narrow.matches) $("sidebar").classList.add("hidden");
 restoreSettings();
 showConversation(store.get(store.currentId()) || newConversation());
 connect();
