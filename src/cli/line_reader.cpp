@@ -33,9 +33,12 @@ namespace {
 
 constexpr int kHistoryLines = 1000;
 
-extern "C" char* chat_prompt(EditLine*) {
-  static char prompt[] = "> ";
-  return prompt;
+// "> ", or "… " while a message goes on over several lines (EL_CLIENTDATA points at the flag).
+extern "C" char* chat_prompt(EditLine* el) {
+  static char first[] = "> ", more[] = "\xe2\x80\xa6 ";
+  bool* continued = nullptr;
+  el_get(el, EL_CLIENTDATA, &continued);
+  return continued != nullptr && *continued ? more : first;
 }
 
 // Editing multi-byte text needs a UTF-8 LC_CTYPE; the environment's if it is one, else C.UTF-8.
@@ -64,8 +67,8 @@ struct LineReader::Editor {
   EditLine* el = nullptr;
   History* hist = nullptr;
   HistEvent ev{};
-  std::string path;  // "" : history in memory only
-  std::string save_error;
+  std::string path;        // "" : history in memory only
+  bool continued = false;  // the line before ended in a backslash
 
   ~Editor() {
     if (el != nullptr) el_end(el);  // also restores the terminal
@@ -119,6 +122,7 @@ LineReader::LineReader(const std::atomic<bool>& interrupted)
     return;
   }
   el_set(ed->el, EL_EDITOR, "emacs");
+  el_set(ed->el, EL_CLIENTDATA, &ed->continued);
   el_set(ed->el, EL_PROMPT, chat_prompt);
   el_set(ed->el, EL_HIST, history, ed->hist);
   el_set(ed->el, EL_SIGNAL, 0);
@@ -136,24 +140,34 @@ bool LineReader::editing() const {
   return editor_ != nullptr;
 }
 
+// A line that ends in a backslash goes on on the next one (the message gets a newline there); each line is
+// one history entry.
 ReadResult LineReader::read(std::string& line) {
   if (!editor_) return read_plain(line);
   line.clear();
+  editor_->continued = false;
   while (true) {
     int count = 0;
     errno = 0;
     const char* s = el_gets(editor_->el, &count);
-    if (s != nullptr && count > 0) {
-      line.assign(s, static_cast<size_t>(count));
-      while (!line.empty() && (line.back() == '\n' || line.back() == '\r')) line.pop_back();
-      std::string report;
-      editor_->remember(line, report);
-      if (!report.empty()) std::fprintf(stderr, "lily chat: %s\n", report.c_str());
+    if (s == nullptr || count <= 0) {
+      if (interrupted_.load()) return ReadResult::interrupted;
+      if (count < 0 && errno == EINTR) continue;  // another signal (a resize, a resume)
+      // Ctrl-D on an empty line, or the terminal went away; what was continued so far is still sent.
+      return editor_->continued ? ReadResult::line : ReadResult::eof;
+    }
+    std::string part(s, static_cast<size_t>(count));
+    while (!part.empty() && (part.back() == '\n' || part.back() == '\r')) part.pop_back();
+    std::string report;
+    editor_->remember(part, report);
+    if (!report.empty()) std::fprintf(stderr, "lily chat: %s\n", report.c_str());
+    editor_->continued = !part.empty() && part.back() == '\\';
+    if (!editor_->continued) {
+      line += part;
       return ReadResult::line;
     }
-    if (interrupted_.load()) return ReadResult::interrupted;
-    if (count < 0 && errno == EINTR) continue;  // another signal (a resize, a resume)
-    return ReadResult::eof;                     // Ctrl-D on an empty line, or the terminal went away
+    part.back() = '\n';
+    line += part;
   }
 }
 

@@ -157,6 +157,22 @@ def test_edits_history_and_search(model, tmp):
     run_chat(second, model, state, max_tokens=20000)
 
 
+def test_backslash_continues(model, tmp):
+    state = tempfile.mkdtemp(dir=tmp)
+
+    def go(chat):
+        chat.type(b"first line \\\r")
+        chat.expect("\u2026 ")  # the continuation prompt
+        chat.type(b"  second line\r")
+        chat.answer()
+        chat.type(b"/exit\r")
+        assert chat.wait_exit() == 0
+        assert chat.sent() == ["first line \n  second line"], chat.sent()
+    run_chat(go, model, state)
+    assert history_lines(state)[1:] == ["first\\040line\\040\\134", "\\040\\040second\\040line", "/exit"], \
+        history_lines(state)
+
+
 def test_history_that_cannot_be_saved(model, tmp):
     blocker = os.path.join(tmp, "not_a_dir")
     open(blocker, "w").close()  # XDG_STATE_HOME is a file: the history's folder cannot be made
@@ -184,6 +200,7 @@ def main():
     runner = Runner()
     runner.run("chat: /exit works after arrow keys", lambda: test_exit_after_escape_sequences(model, tmp))
     runner.run("chat: arrow edits, Up, Ctrl-R, saved history, Ctrl-C", lambda: test_edits_history_and_search(model, tmp))
+    runner.run("chat: a line ending in a backslash continues the message", lambda: test_backslash_continues(model, tmp))
     runner.run("chat: history kept in memory when it cannot be saved", lambda: test_history_that_cannot_be_saved(model, tmp))
     return runner.finish()
 
