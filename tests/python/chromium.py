@@ -24,8 +24,8 @@ class Chromium:
             os.dup2(from_child_w, 4)
 
         self.proc = subprocess.Popen(
-            [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe",
-             "--user-data-dir=" + self.profile, "--no-first-run", "--window-size=%d,%d" % (width, height),
+            [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+             "--remote-debugging-pipe", "--user-data-dir=" + self.profile, "--no-first-run", "--window-size=%d,%d" % (width, height),
              "--hide-scrollbars", "about:blank"],
             pass_fds=(3, 4), preexec_fn=wire, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         os.close(to_child_r)
