@@ -129,11 +129,11 @@ function assistantView(model) {
         shownContent = message.content;
       }
       answer.classList.toggle("cursor", !!streaming);
-      const calls = message.tool_calls || [];
+      const calls = Array.isArray(message.tool_calls) ? message.tool_calls : [];
       for (; shownCalls < calls.length; ++shownCalls) {
         const box = document.createElement("div");
         box.className = "tool";
-        const f = calls[shownCalls].function;
+        const f = (calls[shownCalls] && calls[shownCalls].function) || {};
         box.textContent = "tool call → " + f.name + "(" + f.arguments + ")";
         tools.appendChild(box);
       }
