@@ -1,7 +1,8 @@
-// libedit's native API (histedit.h), not its readline emulation: the emulation installs signal handlers that
-// re-raise SIGINT to the whole process group, while chat's own handler must see a Ctrl-C at the prompt. With
-// EL_SIGNAL off, a Ctrl-C makes the blocking read fail with EINTR (chat's handler has no SA_RESTART), so
-// el_gets returns and the editor restores the terminal itself.
+// libedit's native API (histedit.h): its own history, key bindings and prompt, without the readline emulation's
+// globals. EL_SIGNAL is on: while el_gets waits, libedit catches SIGTSTP/SIGCONT (back to cooked mode before the
+// job stops, raw mode and a redraw after `fg`), SIGWINCH, and SIGINT, which it passes on to chat's own handler
+// after restoring the terminal; the read then fails with EINTR and el_gets returns, so a Ctrl-C at the prompt
+// reaches the chat as `interrupted`.
 #include "cli/line_reader.h"
 
 #include <unistd.h>
@@ -125,7 +126,7 @@ LineReader::LineReader(const std::atomic<bool>& interrupted)
   el_set(ed->el, EL_CLIENTDATA, &ed->continued);
   el_set(ed->el, EL_PROMPT, chat_prompt);
   el_set(ed->el, EL_HIST, history, ed->hist);
-  el_set(ed->el, EL_SIGNAL, 0);
+  el_set(ed->el, EL_SIGNAL, 1);
   el_set(ed->el, EL_BIND, "^R", "em-inc-search-prev", nullptr);  // emacs mode binds ^R to redisplay
   bind_common_keys(ed->el);
   el_source(ed->el, nullptr);  // ~/.editrc may rebind keys

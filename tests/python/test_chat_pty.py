@@ -1,8 +1,9 @@
 """`lily chat` in a real pseudo-terminal (Python's pty module), typed at as a person would: arrow-key and Home
 edits reach the message sent, Up and Ctrl-R recall earlier lines, the history is saved under $XDG_STATE_HOME and
 read back by the next chat, `/exit` still works after arrow keys (a plain read took their escape codes into the
-line, so `/exit` stopped being a command), and Ctrl-C stops an answer, twice at the prompt exits. What was sent
-is read back from `--save`. Piped input is covered by tests/engine/test_engine_cli.cpp.
+line, so `/exit` stopped being a command), a line ending in a backslash goes on, Ctrl-Z and `fg` (chat as a job of
+an interactive bash) leave the terminal usable and the line intact, and Ctrl-C stops an answer, twice at the
+prompt exits. What was sent is read back from `--save`. Piped input is covered by tests/engine/test_engine_cli.cpp.
 
 usage: LILY_BIN=build/lily python3 tests/python/test_chat_pty.py
 """
@@ -10,30 +11,37 @@ import json
 import os
 import pty
 import select
+import shlex
 import signal
 import tempfile
 import time
 
 from lily_harness import LILY_BIN, Runner, main_guard, make_tiny_model
 
-LEFT, RIGHT, UP, HOME, CTRL_R, CTRL_C, CTRL_D = b"\x1b[D", b"\x1b[C", b"\x1b[A", b"\x1b[H", b"\x12", b"\x03", b"\x04"
+LEFT, RIGHT, UP, HOME = b"\x1b[D", b"\x1b[C", b"\x1b[A", b"\x1b[H"
+CTRL_R, CTRL_C, CTRL_D, CTRL_Z = b"\x12", b"\x03", b"\x04", b"\x1a"
 
 
 class Chat:
     """`lily chat` on the tiny model with a pseudo-terminal as its stdin, stdout and stderr."""
 
-    def __init__(self, model, state_dir, save, max_tokens=4):
+    def __init__(self, model, state_dir, save, max_tokens=4, in_shell=False):
+        """in_shell: run chat as a job of an interactive bash (job control: Ctrl-Z, fg) on the terminal."""
         self.save, self.out = save, b""
+        args = [LILY_BIN, "chat", "--model", model, "--backend", "cpu", "--threads", "1", "--temperature", "0",
+                "--max-tokens", str(max_tokens), "--save", save]
         self.pid, self.fd = pty.fork()
         if self.pid == 0:  # the child: its controlling terminal is the pty
-            env = dict(os.environ, TERM="xterm", XDG_STATE_HOME=state_dir, LANG="C.UTF-8")
-            args = [LILY_BIN, "chat", "--model", model, "--backend", "cpu", "--threads", "1", "--temperature", "0",
-                    "--max-tokens", str(max_tokens), "--save", save]
+            env = dict(os.environ, TERM="xterm", XDG_STATE_HOME=state_dir, LANG="C.UTF-8", PS1="$ ")
             try:
+                if in_shell:
+                    os.execve("/bin/bash", ["bash", "--norc", "--noprofile", "-i"], env)
                 os.execve(LILY_BIN, args, env)
             finally:
                 os._exit(127)
         self.status = None
+        if in_shell:
+            self.type(" ".join(shlex.quote(a) for a in args).encode() + b"\r")
         self.expect("lily chat:")
 
     def pump(self, seconds):
@@ -173,6 +181,27 @@ def test_backslash_continues(model, tmp):
         history_lines(state)
 
 
+def test_suspend_and_resume(model, tmp):
+    state = tempfile.mkdtemp(dir=tmp)
+    save = os.path.join(state, "conversation.json")
+    chat = Chat(model, state, save, in_shell=True)
+    try:
+        chat.type(b"abc")
+        chat.type(CTRL_Z)  # the job stops with the terminal given back in cooked mode ...
+        at = chat.expect("Stopped")
+        chat.type(b"fg\r")  # ... and on fg the editor takes it again and redraws the line
+        chat.expect("abc", start=at)
+        chat.type(b"xyz", LEFT, LEFT, b"Q", b"\r")
+        chat.answer()
+        chat.type(b"/exit\r")
+        chat.expect("$ ", start=chat.mark)  # back at the shell's prompt
+        chat.type(b"exit\r")
+        assert chat.wait_exit() == 0
+        assert chat.sent() == ["abcxQyz"], chat.sent()
+    finally:
+        chat.kill()
+
+
 def test_history_that_cannot_be_saved(model, tmp):
     blocker = os.path.join(tmp, "not_a_dir")
     open(blocker, "w").close()  # XDG_STATE_HOME is a file: the history's folder cannot be made
@@ -201,6 +230,7 @@ def main():
     runner.run("chat: /exit works after arrow keys", lambda: test_exit_after_escape_sequences(model, tmp))
     runner.run("chat: arrow edits, Up, Ctrl-R, saved history, Ctrl-C", lambda: test_edits_history_and_search(model, tmp))
     runner.run("chat: a line ending in a backslash continues the message", lambda: test_backslash_continues(model, tmp))
+    runner.run("chat: Ctrl-Z and fg keep the line being edited", lambda: test_suspend_and_resume(model, tmp))
     runner.run("chat: history kept in memory when it cannot be saved", lambda: test_history_that_cannot_be_saved(model, tmp))
     return runner.finish()
 
