@@ -1,8 +1,8 @@
-// libedit's native API (histedit.h): its own history, key bindings and prompt, without the readline emulation's
-// globals. EL_SIGNAL is on: while el_gets waits, libedit catches SIGTSTP/SIGCONT (back to cooked mode before the
-// job stops, raw mode and a redraw after `fg`), SIGWINCH, and SIGINT, which it passes on to chat's own handler
-// after restoring the terminal; the read then fails with EINTR and el_gets returns, so a Ctrl-C at the prompt
-// reaches the chat as `interrupted`.
+// libedit's native API (histedit.h): its own history, key bindings and prompt, without the readline
+// emulation's globals. EL_SIGNAL is on: while el_gets waits, libedit catches SIGTSTP/SIGCONT (back to cooked
+// mode before the job stops, raw mode and a redraw after `fg`), SIGWINCH, and SIGINT, which it passes on to
+// chat's own handler after restoring the terminal; the read then fails with EINTR and el_gets returns, so a
+// Ctrl-C at the prompt reaches the chat as `interrupted`.
 #include "cli/line_reader.h"
 
 #include <unistd.h>
@@ -45,7 +45,8 @@ extern "C" char* chat_prompt(EditLine* el) {
 // Editing multi-byte text needs a UTF-8 LC_CTYPE; the environment's if it is one, else C.UTF-8.
 void use_utf8_ctype() {
   const char* loc = std::setlocale(LC_CTYPE, "");
-  const bool utf8 = loc != nullptr && (std::strstr(loc, "UTF-8") != nullptr || std::strstr(loc, "utf8") != nullptr);
+  const bool utf8 =
+      loc != nullptr && (std::strstr(loc, "UTF-8") != nullptr || std::strstr(loc, "utf8") != nullptr);
   if (!utf8) std::setlocale(LC_CTYPE, "C.UTF-8");
 }
 
@@ -53,11 +54,11 @@ void use_utf8_ctype() {
 // terminals send in their normal mode that it leaves unbound, which would otherwise type their tail.
 void bind_common_keys(EditLine* el) {
   static const char* const kBindings[][2] = {
-      {"\\e[H", "ed-move-to-beg"},  {"\\e[1~", "ed-move-to-beg"}, {"\\eOH", "ed-move-to-beg"},
-      {"\\e[F", "ed-move-to-end"},  {"\\e[4~", "ed-move-to-end"}, {"\\eOF", "ed-move-to-end"},
-      {"\\e[3~", "ed-delete-next-char"},                          // Delete
-      {"\\e[1;5D", "ed-prev-word"}, {"\\e[1;3D", "ed-prev-word"}, // Ctrl-Left, Alt-Left
-      {"\\e[1;5C", "em-next-word"}, {"\\e[1;3C", "em-next-word"}, // Ctrl-Right, Alt-Right
+      {"\\e[H", "ed-move-to-beg"},       {"\\e[1~", "ed-move-to-beg"}, {"\\eOH", "ed-move-to-beg"},
+      {"\\e[F", "ed-move-to-end"},       {"\\e[4~", "ed-move-to-end"}, {"\\eOF", "ed-move-to-end"},
+      {"\\e[3~", "ed-delete-next-char"},                                // Delete
+      {"\\e[1;5D", "ed-prev-word"},      {"\\e[1;3D", "ed-prev-word"},  // Ctrl-Left, Alt-Left
+      {"\\e[1;5C", "em-next-word"},      {"\\e[1;3C", "em-next-word"},  // Ctrl-Right, Alt-Right
   };
   for (const auto& [keys, command] : kBindings) el_set(el, EL_BIND, keys, command, nullptr);
 }

@@ -2,9 +2,9 @@
 // libedit, lines are edited as in a shell: arrow keys, Home/End, Ctrl-A/E/K/U/W, Up/Down through the history,
 // Ctrl-R reverse search, and the user's ~/.editrc; a line ending in a backslash continues the message on the
 // next line. The history is kept in memory and saved to $XDG_STATE_HOME/lily/chat_history (default
-// ~/.local/state/lily/chat_history) after each line; if that file cannot be written the history stays in memory
-// and the chat says so once. Otherwise (a pipe, a file, or a build without libedit) lines are read from stdin
-// byte for byte, as a script expects.
+// ~/.local/state/lily/chat_history) after each line; if that file cannot be written the history stays in
+// memory and the chat says so once. Otherwise (a pipe, a file, or a build without libedit) lines are read
+// from stdin byte for byte, as a script expects.
 #pragma once
 #include <atomic>
 #include <memory>

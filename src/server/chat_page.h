@@ -1,7 +1,8 @@
-// The chat page at `/`: its files (src/server/static/ and the markdown and highlighting libraries from Debian's
-// libjs-marked and libjs-highlight.js), compiled in by CMake (build/generated/chat_page.cpp), and the headers
-// they are served with. The Content-Security-Policy allows scripts, styles and requests from the server itself
-// only, and no inline script or style: model output that slipped past the page's sanitiser still could not run.
+// The chat page at `/`: its files (src/server/static/ and the markdown and highlighting libraries from
+// Debian's libjs-marked and libjs-highlight.js), compiled in by CMake (build/generated/chat_page.cpp), and
+// the headers they are served with. The Content-Security-Policy allows scripts, styles and requests from the
+// server itself only, and no inline script or style: model output that slipped past the page's sanitiser
+// still could not run.
 #pragma once
 #include <cstddef>
 #include <string_view>

@@ -1,6 +1,7 @@
 // The chat page compiled into lily is the one in src/server/static/ plus Debian's marked and highlight.js
 // (CMake generates chat_page.cpp from them), and it is served with a policy that allows no inline script.
-// The page's behaviour (markdown, sanitising, storage) is tested in headless Chromium: tests/python/test_chat_page.py.
+// The page's behaviour (markdown, sanitising, storage) is tested in headless Chromium:
+// tests/python/test_chat_page.py.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -37,12 +38,13 @@ TEST(ChatPage, EmbeddedMatchesStaticFiles) {
 
 TEST(ChatPage, EveryFileTheHtmlLoadsIsServedWithItsType) {
   const std::string html = asset("/");
-  for (const char* path : {"vendor/highlight.css", "chat.css", "vendor/marked.js", "vendor/highlight.js", "chat.js"}) {
+  for (const char* path :
+       {"vendor/highlight.css", "chat.css", "vendor/marked.js", "vendor/highlight.js", "chat.js"}) {
     EXPECT_NE(html.find(std::string("\"") + path + "\""), std::string::npos) << path;
     const ChatPageAsset* a = find_chat_page_asset(std::string("/") + path);
     ASSERT_NE(a, nullptr) << path;
     EXPECT_EQ(a->content_type, std::string_view(path).ends_with(".css") ? "text/css; charset=utf-8"
-                                                                         : "text/javascript; charset=utf-8");
+                                                                        : "text/javascript; charset=utf-8");
   }
   EXPECT_EQ(find_chat_page_asset("/")->content_type, "text/html; charset=utf-8");
   EXPECT_EQ(find_chat_page_asset("/vendor/nope.js"), nullptr);
@@ -57,7 +59,8 @@ TEST(ChatPage, HasNoInlineScriptOrStyle) {
   EXPECT_FALSE(std::regex_search(html, std::regex(R"(\son[a-z]+\s*=)"))) << "an inline event handler";
   size_t at = 0, scripts = 0;
   while ((at = html.find("<script", at)) != std::string::npos) {
-    EXPECT_NE(html.substr(at, html.find('>', at) - at).find(" src=\""), std::string::npos) << html.substr(at, 60);
+    EXPECT_NE(html.substr(at, html.find('>', at) - at).find(" src=\""), std::string::npos)
+        << html.substr(at, 60);
     EXPECT_EQ(html.find("></script>", at), html.find('>', at)) << "a script with a body";
     ++at, ++scripts;
   }
