@@ -102,10 +102,17 @@ Status CudaBackend::init() {
   CUDA_RETURN(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreate");
   size_t free_b = 0, total_b = 0;
   CUDA_RETURN(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
-  if (weights_->tensor_bytes > free_b)  // an upper bound for an MLX checkpoint; an HF one is quantized at upload
-    std::fprintf(stderr, "cuda: the checkpoint holds %.2f GiB and %.2f GiB are free on %s; the upload may fail\n",
-                 weights_->tensor_bytes / 1073741824.0, free_b / 1073741824.0, prop.name);
-  ASSIGN_OR_RETURN(model_, DeviceModel::upload(*weights_));
+  Result<std::unique_ptr<DeviceModel>> uploaded = DeviceModel::upload(*weights_);
+  if (!uploaded.ok()) {
+    // The checkpoint's bytes bound the device copy from above for an MLX checkpoint (an HF one is quantized at
+    // upload): say so when that is what did not fit.
+    if (weights_->tensor_bytes > free_b)
+      return error(ErrorCode::out_of_range, "%s: the weights (%.2f GiB in the checkpoint) do not fit the %.2f GiB free (%s)",
+                   prop.name, weights_->tensor_bytes / 1073741824.0, free_b / 1073741824.0,
+                   uploaded.status().message().c_str());
+    return uploaded.status();
+  }
+  model_ = std::move(uploaded).value();
   RETURN_IF_ERROR(fit_context());
   const ModelConfig& c = config();
   const size_t H = c.hidden_size, D = c.head_dim, nq = c.num_attention_heads, I = c.moe_intermediate_size;
