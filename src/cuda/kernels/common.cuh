@@ -129,7 +129,9 @@ cudaError_t launch_pdl(void (*kernel)(Params), dim3 grid, dim3 block, size_t sme
   cfg.stream = stream;
   cfg.attrs = cluster_x > 1 ? attr : attr + 1;
   cfg.numAttrs = (cluster_x > 1 ? 2 : 1) - (sm90 ? 0 : 1);
-  if (cudaLaunchKernelEx(&cfg, kernel, p) != cudaSuccess) {  // PDL refused: stream order (clusters stay)
+  const cudaError_t launched = cudaLaunchKernelEx(&cfg, kernel, p);
+  if (launched != cudaSuccess && !sm90) return launched;  // no attribute to drop: the launch itself failed
+  if (launched != cudaSuccess) {  // PDL refused: stream order (clusters stay)
     (void)cudaGetLastError();
     cfg.numAttrs -= 1;
     CUDA_TRY(cudaLaunchKernelEx(&cfg, kernel, p));

@@ -18,33 +18,10 @@
 #include "cuda/kernels/qgemm.cuh"
 #include "cuda_test_util.h"
 #include "generic_refs.h"
+#include "qgemm_refs.h"
 
 namespace lily::cuda::test {
 namespace {
-
-constexpr double kAcc = 3e-5;        // fp32 accumulation, relative to the sum of |terms|
-constexpr double kF16 = 1.0 / 2048;  // fp16 rounding, relative (unit roundoff 2^-11)
-constexpr double kUlp = 1.0 / 1024;  // one fp16 ulp, relative (worst case, normal numbers)
-
-float f16_round(float v) {
-  return f16_bits_to_float(to_f16_bits(v));
-}
-
-// Row `row` of m, dequantized in fp32 and rounded to fp16 as the kernels do.
-void dequant_row_f16(const HostQMatrix& m, size_t row, std::vector<float>& out) {
-  out.resize(m.cols);
-  for (int c = 0; c < m.cols; ++c) out[c] = f16_round(m.dequant(static_cast<int>(row), c));
-}
-
-std::vector<uint16_t> to_f16(const std::vector<float>& v) {
-  std::vector<uint16_t> b(v.size());
-  for (size_t i = 0; i < v.size(); ++i) b[i] = to_f16_bits(v[i]);
-  return b;
-}
-
-const __half* as_f16(const DeviceBuffer<uint16_t>& b) {
-  return reinterpret_cast<const __half*>(b.get());
-}
 
 // Runs qgemm on one path into a copy of c0; returns the output as floats.
 std::vector<float> run_path(const QGemmParams& base, bool wgmma, const std::vector<float>& c0, bool* ok) {
