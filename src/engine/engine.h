@@ -49,6 +49,7 @@ struct GenerationPiece {
 struct GenerationResult {
   std::vector<int32_t> tokens;              // generated ids (stop token excluded)
   std::string finish_reason;                // "stop" | "length" | "cancelled"
+  std::string stop_string;                  // the sampling.stop string that ended it, if one did
   // completion_tokens counts every sampled token, a final stop token included (as vLLM reports usage);
   // cached_tokens: prompt tokens not prefilled (resumed from the session cache).
   int prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;

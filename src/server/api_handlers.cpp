@@ -1,6 +1,7 @@
 // The generation endpoints: POST /v1/chat/completions, POST /v1/completions, POST /apply-template.
 // Each parses and validates on the connection's thread (JSON, schema, chat template, tokenizer), then hands a
 // GenerationJob to the scheduler and streams or collects its pieces.
+#include <algorithm>
 #include <ctime>
 #include <random>
 
@@ -90,6 +91,9 @@ MaybeError Server::make_generation_request(const std::vector<int32_t>& prompt,
   out.prompt = prompt;
   out.sampling = std::move(p);
   out.stop_token_ids = L.stop_token_ids;
+  for (int32_t id : sampling.stop_token_ids)
+    if (std::find(out.stop_token_ids.begin(), out.stop_token_ids.end(), id) == out.stop_token_ids.end())
+      out.stop_token_ids.push_back(id);
   out.reuse_cache = reuse_cache;
   return std::nullopt;
 }

@@ -47,14 +47,19 @@ struct ServedModel {
 
 // The sampling part of a request, before the model's defaults are applied (apply_defaults).
 struct SamplingRequest {
-  SamplingParams params;       // penalties, logit_bias, seed, stop, logprobs: the request's own
+  SamplingParams params;       // penalties, logit_bias, seed, stop, min_tokens, logprobs: the request's own
   RequestOverrides overrides;  // temperature, top_k, top_p, min_p, repetition_penalty, max_tokens if set
+  std::vector<int32_t> stop_token_ids;  // vLLM's stop_token_ids: added to the model's own stop tokens
 };
 
-// temperature, top_p, top_k, min_p, presence/frequency/repetition_penalty, seed, stop, logit_bias, and
-// max_tokens / max_completion_tokens (the latter wins). Logprobs differ between the endpoints and are read by
-// each.
+// temperature, top_p, top_k, min_p, presence/frequency/repetition_penalty, seed, stop, logit_bias,
+// max_tokens / max_completion_tokens (the latter wins), and vLLM's min_tokens, stop_token_ids and
+// include_stop_str_in_output. Fields that would change what the output means and that lily cannot honour
+// (grammar, json_schema, guided_*) are a 400, never ignored. Logprobs differ between the endpoints and are
+// read by each.
 MaybeError read_sampling(const json& body, const ServedModel& model, SamplingRequest& out);
+// The 400 for grammar, json_schema, structured_outputs and guided_* (part of read_sampling).
+MaybeError refuse_constrained_decoding(const json& body);
 
 // `model` must name the served model: 404 model_not_found otherwise (as OpenAI).
 MaybeError check_model(const json& body, const ServedModel& model);
