@@ -368,10 +368,10 @@ MaybeError read_reasoning_effort(const json& value, const std::string& param, bo
   const std::string& e = value.get_ref<const std::string&>();
   if (e == "none" || e == "minimal") {
     enable_thinking = false;
-  } else if (e == "low" || e == "medium" || e == "high" || e == "xhigh") {
+  } else if (e == "low" || e == "medium" || e == "high" || e == "xhigh" || e == "max") {
     enable_thinking = true;
   } else {
-    return bad_request(format("'%s': unknown value `%s`; expected none, minimal, low, medium, high or xhigh",
+    return bad_request(format("'%s': unknown value `%s`; expected none, minimal, low, medium, high, xhigh or max",
                               param.c_str(), e.c_str()),
                        param, "invalid_value");
   }

@@ -32,7 +32,7 @@ struct ChatRequest {
 MaybeError parse_chat_request(const json& body, const ServedModel& model, ChatRequest& out);
 
 // reasoning_effort (OpenAI) onto the model's one reasoning switch: none / minimal -> thinking off; low /
-// medium / high / xhigh -> on (Qwen3.6 has no graded effort). Any other value: 400 naming `param`.
+// medium / high / xhigh / max -> on (Qwen3.6 has no graded effort). Any other value: 400 naming `param`.
 MaybeError read_reasoning_effort(const json& value, const std::string& param, bool& enable_thinking);
 
 struct CompletionRequest {

@@ -15,14 +15,11 @@ constexpr size_t kMaxJsonDepth = 64;
 constexpr size_t kMaxStopStrings = 16;
 
 const json* field(const json& obj, const char* key) {
-  auto it = obj.find(key);
-  if (it == obj.end() || it->is_null()) return nullptr;
-  return &*it;
+  return field_of(obj, key);
 }
 
 ApiError wrong_type(const std::string& param, const char* expected, const json& found) {
-  return bad_request(format("'%s': expected %s, got %s", param.c_str(), expected, json_type_name(found)),
-                     param, "invalid_type");
+  return wrong_type_error(param, expected, found);
 }
 
 std::string show_number(double v) {
@@ -31,6 +28,17 @@ std::string show_number(double v) {
 }
 
 }  // namespace
+
+const json* field_of(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+ApiError wrong_type_error(const std::string& param, const char* expected, const json& found) {
+  return bad_request(format("'%s': expected %s, got %s", param.c_str(), expected, json_type_name(found)),
+                     param, "invalid_type");
+}
 
 const char* json_type_name(const json& v) {
   switch (v.type()) {
@@ -146,19 +154,23 @@ static MaybeError read_stop(const json& body, std::vector<std::string>& out) {
   return v == nullptr ? std::nullopt : read_stop_strings(*v, "stop", out);
 }
 
-static MaybeError read_stop_token_ids(const json& body, int32_t vocab_size, std::vector<int32_t>& out) {
-  const json* v = field(body, "stop_token_ids");
-  if (v == nullptr) return std::nullopt;
-  if (!v->is_array()) return wrong_type("stop_token_ids", "an array of token ids", *v);
-  for (size_t i = 0; i < v->size(); ++i) {
+MaybeError read_token_ids(const json& value, const std::string& param, int32_t vocab_size,
+                          std::vector<int32_t>& out) {
+  if (!value.is_array()) return wrong_type(param, "an array of token ids", value);
+  for (size_t i = 0; i < value.size(); ++i) {
     std::optional<int64_t> id;
-    json one = {{"id", (*v)[i]}};
-    std::string param = format("stop_token_ids[%zu]", i);
-    if ((*v)[i].is_null()) return wrong_type(param, "an integer", (*v)[i]);
-    RETURN_IF_API_ERROR(read_int(one, "id", param, 0, vocab_size - 1, id));
+    json one = {{"id", value[i]}};
+    std::string at = format("%s[%zu]", param.c_str(), i);
+    if (value[i].is_null()) return wrong_type(at, "an integer", value[i]);
+    RETURN_IF_API_ERROR(read_int(one, "id", at, 0, vocab_size - 1, id));
     out.push_back(static_cast<int32_t>(*id));
   }
   return std::nullopt;
+}
+
+static MaybeError read_stop_token_ids(const json& body, int32_t vocab_size, std::vector<int32_t>& out) {
+  const json* v = field(body, "stop_token_ids");
+  return v == nullptr ? std::nullopt : read_token_ids(*v, "stop_token_ids", vocab_size, out);
 }
 
 MaybeError refuse_constrained_decoding(const json& body) {

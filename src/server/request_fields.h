@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "engine/generation_config.h"
 #include "engine/sampler.h"
@@ -24,6 +25,13 @@ using MaybeError = std::optional<ApiError>;
 
 // "string", "number", "array", ... as OpenAI's messages name JSON types.
 const char* json_type_name(const json& v);
+// 400 invalid_type: "'param': expected EXPECTED, got a string".
+ApiError wrong_type_error(const std::string& param, const char* expected, const json& found);
+// An array of token ids, each in [0, vocab_size): a 400 naming the first bad element otherwise.
+MaybeError read_token_ids(const json& value, const std::string& param, int32_t vocab_size,
+                          std::vector<int32_t>& out);
+// The field when it is present and not null.
+const json* field_of(const json& obj, const char* key);
 
 struct Range {
   double lo, hi;

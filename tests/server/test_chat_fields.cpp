@@ -87,12 +87,12 @@ TEST(ChatFields, ReasoningEffortSwitchesThinking) {
     EXPECT_TRUE(p->text.ends_with("<think>\n\n</think>\n\n")) << p->text;
     EXPECT_FALSE(p->starts_in_reasoning);
   }
-  for (const char* on : {"low", "medium", "high", "xhigh"}) {
+  for (const char* on : {"low", "medium", "high", "xhigh", "max"}) {
     ChatRequest r = parsed(chat({{"reasoning_effort", on}}));
     EXPECT_TRUE(r.chat.enable_thinking) << on;
     EXPECT_TRUE(build_chat_prompt(r)->starts_in_reasoning);
   }
-  expect_error(chat({{"reasoning_effort", "max"}}), "reasoning_effort", "invalid_value");
+  expect_error(chat({{"reasoning_effort", "extreme"}}), "reasoning_effort", "invalid_value");
   expect_error(chat({{"reasoning_effort", 2}}), "reasoning_effort", "invalid_type");
   expect_error(chat({{"reasoning_effort", "high"}, {"chat_template_kwargs", {{"enable_thinking", false}}}}),
                "reasoning_effort", "invalid_value");

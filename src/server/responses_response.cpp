@@ -1,0 +1,180 @@
+// Output parser deltas -> Responses output items and stream events (see responses_api.h for the order).
+#include "server/responses_api.h"
+
+namespace lily {
+
+namespace {
+
+json usage_of(const GenerationResult& r, int reasoning_tokens) {
+  json u;
+  u["input_tokens"] = r.prompt_tokens;
+  u["input_tokens_details"] = {{"cached_tokens", r.cached_tokens}};
+  u["output_tokens"] = r.completion_tokens;
+  u["output_tokens_details"] = {{"reasoning_tokens", std::min(reasoning_tokens, r.completion_tokens)}};
+  u["total_tokens"] = r.prompt_tokens + r.completion_tokens;
+  return u;
+}
+
+// The request's settings as the response object reports them; tools in the Responses shape, as sent.
+json echo_of(const json& body) {
+  json e;
+  e["instructions"] = body.value("instructions", json());
+  e["max_output_tokens"] = body.value("max_output_tokens", json());
+  e["parallel_tool_calls"] = body.value("parallel_tool_calls", json(true));
+  e["previous_response_id"] = nullptr;
+  e["reasoning"] = {{"effort", body.value("reasoning", json::object()).value("effort", json())}, {"summary", nullptr}};
+  e["store"] = false;  // nothing is stored (responses_api.h)
+  e["temperature"] = body.value("temperature", json());
+  e["text"] = {{"format", body.value("text", json::object()).value("format", json{{"type", "text"}})}};
+  e["tool_choice"] = body.value("tool_choice", json("auto"));
+  e["tools"] = body.value("tools", json::array());
+  e["top_p"] = body.value("top_p", json());
+  e["truncation"] = "disabled";
+  e["metadata"] = body.value("metadata", json::object());
+  return e;
+}
+
+}  // namespace
+
+ResponsesBuilder::ResponsesBuilder(const ChatRequest& request, const ChatPrompt& prompt, const json& body,
+                                   ResponseMeta meta, const Tokenizer& tokenizer)
+    : meta_(std::move(meta)),
+      tokenizer_(tokenizer),
+      echo_(echo_of(body)),
+      parser_(chat_output_parser(request, prompt)) {}
+
+json ResponsesBuilder::response_object(const GenerationResult* result) const {
+  json r;
+  r["id"] = meta_.id;
+  r["object"] = "response";
+  r["created_at"] = meta_.created;
+  const bool incomplete = result != nullptr && result->finish_reason == "length";
+  r["status"] = result == nullptr ? "in_progress" : incomplete ? "incomplete" : "completed";
+  r["error"] = nullptr;
+  r["incomplete_details"] = incomplete ? json{{"reason", "max_output_tokens"}} : json(nullptr);
+  r["model"] = meta_.model;
+  r["output"] = result == nullptr ? json::array() : output_;
+  for (const auto& [key, value] : echo_.items()) r[key] = value;
+  r["usage"] = result == nullptr ? json(nullptr)
+                                 : usage_of(*result, static_cast<int>(tokenizer_.encode(reasoning_).size()));
+  return r;
+}
+
+std::string ResponsesBuilder::event(const char* type, json fields) {
+  json e;
+  e["type"] = type;
+  e["sequence_number"] = sequence_++;
+  for (auto& [key, value] : fields.items()) e[key] = std::move(value);
+  return sse_named(type, e);
+}
+
+std::string ResponsesBuilder::stream_start() {
+  std::string out = event("response.created", {{"response", response_object(nullptr)}});
+  return out + event("response.in_progress", {{"response", response_object(nullptr)}});
+}
+
+std::string ResponsesBuilder::open(Item kind) {
+  if (open_ == kind) return {};
+  std::string out = close();
+  const bool reasoning = kind == Item::reasoning;
+  json item = reasoning ? json{{"id", new_id("rs_")}, {"type", "reasoning"}, {"summary", json::array()},
+                               {"content", json::array()}, {"status", "in_progress"}}
+                        : json{{"id", new_id("msg_")}, {"type", "message"}, {"status", "in_progress"},
+                               {"role", "assistant"}, {"content", json::array()}};
+  json part = reasoning ? json{{"type", "reasoning_text"}, {"text", ""}}
+                        : json{{"type", "output_text"}, {"text", ""}, {"annotations", json::array()}, {"logprobs", json::array()}};
+  const size_t index = output_.size();
+  out += event("response.output_item.added", {{"output_index", index}, {"item", item}});
+  out += event("response.content_part.added",
+               {{"item_id", item["id"]}, {"output_index", index}, {"content_index", 0}, {"part", part}});
+  item["content"].push_back(std::move(part));
+  output_.push_back(std::move(item));
+  open_ = kind;
+  return out;
+}
+
+std::string ResponsesBuilder::close(const char* status) {
+  if (open_ == Item::none) return {};
+  json& item = output_.back();
+  const size_t index = output_.size() - 1;
+  const json& part = item["content"][0];
+  const json where = {{"item_id", item["id"]}, {"output_index", index}, {"content_index", 0}};
+  json done = where;
+  done["text"] = part["text"];
+  if (open_ == Item::message) done["logprobs"] = json::array();
+  std::string out = event(open_ == Item::reasoning ? "response.reasoning_text.done" : "response.output_text.done", done);
+  json part_done = where;
+  part_done["part"] = part;
+  out += event("response.content_part.done", part_done);
+  item["status"] = open_ == Item::message ? status : "completed";
+  out += event("response.output_item.done", {{"output_index", index}, {"item", item}});
+  open_ = Item::none;
+  return out;
+}
+
+std::string ResponsesBuilder::add_call(const ToolCall& call) {
+  std::string out = close();
+  const size_t index = output_.size();
+  json item = {{"id", new_id("fc_")}, {"type", "function_call"}, {"status", "in_progress"},
+               {"call_id", call.id}, {"name", call.name}, {"arguments", ""}};
+  out += event("response.output_item.added", {{"output_index", index}, {"item", item}});
+  const json where = {{"item_id", item["id"]}, {"output_index", index}};
+  json delta = where, done = where;
+  delta["delta"] = call.arguments_json;
+  out += event("response.function_call_arguments.delta", delta);
+  done["name"] = call.name;
+  done["arguments"] = call.arguments_json;
+  out += event("response.function_call_arguments.done", done);
+  item["arguments"] = call.arguments_json;
+  item["status"] = "completed";
+  out += event("response.output_item.done", {{"output_index", index}, {"item", item}});
+  output_.push_back(std::move(item));
+  return out;
+}
+
+std::string ResponsesBuilder::push(const ParsedDelta& d) {
+  std::string out;
+  auto append = [&](Item kind, const std::string& text, const char* type) {
+    out += open(kind);
+    json& t = output_.back()["content"][0]["text"];
+    t = t.get<std::string>() + text;
+    json e = {{"item_id", output_.back()["id"]}, {"output_index", output_.size() - 1}, {"content_index", 0}, {"delta", text}};
+    if (kind == Item::message) e["logprobs"] = json::array();
+    out += event(type, std::move(e));
+  };
+  if (!d.reasoning.empty()) {
+    reasoning_ += d.reasoning;
+    append(Item::reasoning, d.reasoning, "response.reasoning_text.delta");
+  }
+  if (!d.content.empty()) append(Item::message, d.content, "response.output_text.delta");
+  for (const ToolCall& call : d.tool_calls) out += add_call(call);
+  return out;
+}
+
+std::string ResponsesBuilder::stream_piece(const GenerationPiece& piece) {
+  return push(parser_.push(piece.text));
+}
+
+std::string ResponsesBuilder::stream_finish(const GenerationResult& result) {
+  const bool incomplete = result.finish_reason == "length";
+  std::string out = push(parser_.finish()) + close(incomplete ? "incomplete" : "completed");
+  return out + event(incomplete ? "response.incomplete" : "response.completed", {{"response", response_object(&result)}});
+}
+
+std::string ResponsesBuilder::stream_error(const ApiError& e) {
+  return event("error", {{"code", e.code.empty() ? json(nullptr) : json(e.code)},
+                         {"message", e.message},
+                         {"param", e.param.empty() ? json(nullptr) : json(e.param)}});
+}
+
+void ResponsesBuilder::add_piece(const GenerationPiece& piece) {
+  push(parser_.push(piece.text));
+}
+
+json ResponsesBuilder::response(const GenerationResult& result) {
+  push(parser_.finish());
+  close(result.finish_reason == "length" ? "incomplete" : "completed");
+  return response_object(&result);
+}
+
+}  // namespace lily
