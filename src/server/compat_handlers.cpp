@@ -45,7 +45,7 @@ void Server::handle_responses(const HttpRequest& req, HttpExchange& ex) {
   if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
   if (auto e = responses_to_chat_body(body, chat_body)) return send_error(ex, *e);
   if (auto e = prepare_chat(chat_body, chat, prompt, g)) return send_error(ex, *e);
-  ResponsesBuilder builder(chat, prompt, body, response_meta("resp_"), loaded_->tokenizer);
+  ResponsesBuilder builder(chat, prompt, body, response_meta("resp_"));
   StreamCallbacks cb = builder_callbacks(builder, chat.stream.stream);
   if (cb.stream) {
     cb.start = [&] { return builder.stream_start(); };

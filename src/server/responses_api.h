@@ -28,10 +28,8 @@ MaybeError responses_to_chat_body(const json& body, json& chat_body);
 
 class ResponsesBuilder {
  public:
-  // body: the request as sent (its tools, instructions, ... are echoed in the response object). The tokenizer
-  // must outlive the builder (it counts reasoning tokens).
-  ResponsesBuilder(const ChatRequest& request, const ChatPrompt& prompt, const json& body, ResponseMeta meta,
-                   const Tokenizer& tokenizer);
+  // body: the request as sent (its tools, instructions, ... are echoed in the response object).
+  ResponsesBuilder(const ChatRequest& request, const ChatPrompt& prompt, const json& body, ResponseMeta meta);
 
   std::string stream_start();
   std::string stream_piece(const GenerationPiece& piece);
@@ -45,17 +43,20 @@ class ResponsesBuilder {
   enum class Item { none, reasoning, message };
   std::string event(const char* type, json fields);  // type, sequence_number, then the fields
   std::string push(const ParsedDelta& d);
+  std::string push_piece(const GenerationPiece& piece);  // counts reasoning tokens, then push()
   std::string open(Item kind);
   std::string close(const char* status = "completed");
   std::string add_call(const ToolCall& call);
   json response_object(const GenerationResult* result) const;  // null: still in progress
 
   ResponseMeta meta_;
-  const Tokenizer& tokenizer_;
   json echo_;  // instructions, max_output_tokens, tools, tool_choice, ... as the request set them
   OutputParser parser_;
   json output_ = json::array();
-  std::string reasoning_;
+  // usage.output_tokens_details.reasoning_tokens: the tokens generated before the one that produced the first
+  // answer text or call, when the prompt left the model reasoning.
+  bool in_reasoning_;
+  int reasoning_tokens_ = 0;
   Item open_ = Item::none;
   int sequence_ = 0;
 };

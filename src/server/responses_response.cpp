@@ -37,11 +37,11 @@ json echo_of(const json& body) {
 }  // namespace
 
 ResponsesBuilder::ResponsesBuilder(const ChatRequest& request, const ChatPrompt& prompt, const json& body,
-                                   ResponseMeta meta, const Tokenizer& tokenizer)
+                                   ResponseMeta meta)
     : meta_(std::move(meta)),
-      tokenizer_(tokenizer),
       echo_(echo_of(body)),
-      parser_(chat_output_parser(request, prompt)) {}
+      parser_(chat_output_parser(request, prompt)),
+      in_reasoning_(prompt.starts_in_reasoning) {}
 
 json ResponsesBuilder::response_object(const GenerationResult* result) const {
   json r;
@@ -55,8 +55,7 @@ json ResponsesBuilder::response_object(const GenerationResult* result) const {
   r["model"] = meta_.model;
   r["output"] = result == nullptr ? json::array() : output_;
   for (const auto& [key, value] : echo_.items()) r[key] = value;
-  r["usage"] = result == nullptr ? json(nullptr)
-                                 : usage_of(*result, static_cast<int>(tokenizer_.encode(reasoning_).size()));
+  r["usage"] = result == nullptr ? json(nullptr) : usage_of(*result, reasoning_tokens_);
   return r;
 }
 
@@ -142,17 +141,21 @@ std::string ResponsesBuilder::push(const ParsedDelta& d) {
     if (kind == Item::message) e["logprobs"] = json::array();
     out += event(type, std::move(e));
   };
-  if (!d.reasoning.empty()) {
-    reasoning_ += d.reasoning;
-    append(Item::reasoning, d.reasoning, "response.reasoning_text.delta");
-  }
+  if (!d.reasoning.empty()) append(Item::reasoning, d.reasoning, "response.reasoning_text.delta");
   if (!d.content.empty()) append(Item::message, d.content, "response.output_text.delta");
   for (const ToolCall& call : d.tool_calls) out += add_call(call);
   return out;
 }
 
+std::string ResponsesBuilder::push_piece(const GenerationPiece& piece) {
+  ParsedDelta d = parser_.push(piece.text);
+  if (!d.content.empty() || !d.tool_calls.empty()) in_reasoning_ = false;
+  if (in_reasoning_ && piece.token >= 0) ++reasoning_tokens_;
+  return push(d);
+}
+
 std::string ResponsesBuilder::stream_piece(const GenerationPiece& piece) {
-  return push(parser_.push(piece.text));
+  return push_piece(piece);
 }
 
 std::string ResponsesBuilder::stream_finish(const GenerationResult& result) {
@@ -168,7 +171,7 @@ std::string ResponsesBuilder::stream_error(const ApiError& e) {
 }
 
 void ResponsesBuilder::add_piece(const GenerationPiece& piece) {
-  push(parser_.push(piece.text));
+  push_piece(piece);
 }
 
 json ResponsesBuilder::response(const GenerationResult& result) {
