@@ -18,8 +18,8 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-# Python tools used by the test suite (server contract tests use the official openai client).
-py_pkgs=(openai)
+# Python tools used by the test suite (server contract tests use the official openai and anthropic clients).
+py_pkgs=(openai anthropic)
 py_missing=()
 for p in "${py_pkgs[@]}"; do
   python3 -c "import $p" >/dev/null 2>&1 || py_missing+=("$p")
