@@ -43,15 +43,6 @@ MaybeError block_type(const json& block, const std::string& at, std::string& typ
   return std::nullopt;
 }
 
-MaybeError required_string(const json& block, const char* key, const std::string& at, std::string& out) {
-  const json* v = field_of(block, key);
-  if (v == nullptr || !v->is_string() || v->get<std::string>().empty()) {
-    return bad_request(format("'%s.%s' must be a non-empty string", at.c_str(), key), at + "." + key);
-  }
-  out = v->get<std::string>();
-  return std::nullopt;
-}
-
 ApiError unsupported_block(const std::string& at, const std::string& type) {
   return bad_request(format("'%s.type': content blocks of type `%s` are not supported here", at.c_str(),
                             type.c_str()),
@@ -79,7 +70,7 @@ MaybeError translate_user(const json& content, const std::string& at, json& out)
       parts.push_back({{"type", "text"}, {"text", *text}});
     } else if (bt == "tool_result") {
       std::string id, text;
-      RETURN_IF_API_ERROR(required_string(block, "tool_use_id", pp, id));
+      RETURN_IF_API_ERROR(read_required_string(block, "tool_use_id", pp, id));
       if (const json* c = field_of(block, "content")) RETURN_IF_API_ERROR(read_text(*c, pp + ".content", text));
       const json* is_error = field_of(block, "is_error");
       if (is_error != nullptr && !is_error->is_boolean()) return wrong_type_error(pp + ".is_error", "a boolean", *is_error);
@@ -117,8 +108,8 @@ MaybeError translate_assistant(const json& content, const std::string& at, json&
       continue;  // encrypted by another provider: nothing this model can read
     } else if (bt == "tool_use") {
       std::string id, name;
-      RETURN_IF_API_ERROR(required_string(block, "id", pp, id));
-      RETURN_IF_API_ERROR(required_string(block, "name", pp, name));
+      RETURN_IF_API_ERROR(read_required_string(block, "id", pp, id));
+      RETURN_IF_API_ERROR(read_required_string(block, "name", pp, name));
       const json* input = field_of(block, "input");
       if (input == nullptr || !input->is_object()) return bad_request(format("'%s.input' must be an object", pp.c_str()), pp + ".input");
       calls.push_back({{"id", id}, {"type", "function"}, {"function", {{"name", name}, {"arguments", *input}}}});
@@ -161,28 +152,24 @@ MaybeError translate_messages(const json& body, json& out) {
 }
 
 MaybeError translate_tools(const json& body, json& chat) {
-  if (const json* tools = field_of(body, "tools")) {
-    if (!tools->is_array()) return wrong_type_error("tools", "an array", *tools);
-    json out = json::array();
-    for (size_t i = 0; i < tools->size(); ++i) {
-      const json& t = (*tools)[i];
-      std::string at = format("tools[%zu]", i), name;
-      if (!t.is_object()) return wrong_type_error(at, "a tool object", t);
-      if (const json* type = field_of(t, "type"); type != nullptr && *type != "custom") {
-        return bad_request(format("'%s.type': server tools (`%s`) are not available; define a client tool "
-                                  "with name, description and input_schema",
-                                  at.c_str(), type->dump().c_str()),
-                           at + ".type", "unsupported_value");
-      }
-      RETURN_IF_API_ERROR(required_string(t, "name", at, name));
-      const json* schema = field_of(t, "input_schema");
-      if (schema == nullptr) return bad_request(format("'%s.input_schema' is required", at.c_str()), at + ".input_schema");
-      json fn = {{"name", name}, {"parameters", *schema}};
-      if (const json* d = field_of(t, "description")) fn["description"] = *d;
-      out.push_back({{"type", "function"}, {"function", std::move(fn)}});
+  json tools = json::array();
+  RETURN_IF_API_ERROR(for_each_object(body, "tools", [&](const json& t, const std::string& at) -> MaybeError {
+    std::string name;
+    if (const json* type = field_of(t, "type"); type != nullptr && *type != "custom") {
+      return bad_request(format("'%s.type': server tools (`%s`) are not available; define a client tool "
+                                "with name, description and input_schema",
+                                at.c_str(), type->dump().c_str()),
+                         at + ".type", "unsupported_value");
     }
-    if (!out.empty()) chat["tools"] = std::move(out);
-  }
+    RETURN_IF_API_ERROR(read_required_string(t, "name", at, name));
+    const json* schema = field_of(t, "input_schema");
+    if (schema == nullptr) return bad_request(format("'%s.input_schema' is required", at.c_str()), at + ".input_schema");
+    json fn = {{"name", name}, {"parameters", *schema}};
+    if (const json* d = field_of(t, "description")) fn["description"] = *d;
+    tools.push_back({{"type", "function"}, {"function", std::move(fn)}});
+    return std::nullopt;
+  }));
+  if (!tools.empty()) chat["tools"] = std::move(tools);
   const json* choice = field_of(body, "tool_choice");
   if (choice == nullptr) return std::nullopt;
   if (!choice->is_object() || !(*choice)["type"].is_string())
@@ -194,7 +181,7 @@ MaybeError translate_tools(const json& body, json& chat) {
     chat["tool_choice"] = "required";
   } else if (type == "tool") {
     std::string name;
-    RETURN_IF_API_ERROR(required_string(*choice, "name", "tool_choice", name));
+    RETURN_IF_API_ERROR(read_required_string(*choice, "name", "tool_choice", name));
     chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", name}}}};
   } else {
     return bad_request(format("'tool_choice.type': unknown value `%s`; expected auto, any, tool or none", type.c_str()),

@@ -40,6 +40,28 @@ ApiError wrong_type_error(const std::string& param, const char* expected, const 
                      param, "invalid_type");
 }
 
+MaybeError read_required_string(const json& obj, const char* key, const std::string& at, std::string& out) {
+  const json* v = field_of(obj, key);
+  if (v == nullptr || !v->is_string()) {
+    return bad_request(format("'%s.%s' is required and must be a string", at.c_str(), key), at + "." + key);
+  }
+  out = v->get<std::string>();
+  return std::nullopt;
+}
+
+MaybeError for_each_object(const json& body, const char* key,
+                           const std::function<MaybeError(const json& element, const std::string& at)>& each) {
+  const json* v = field_of(body, key);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_array()) return wrong_type_error(key, "an array", *v);
+  for (size_t i = 0; i < v->size(); ++i) {
+    std::string at = format("%s[%zu]", key, i);
+    if (!(*v)[i].is_object()) return wrong_type_error(at, "an object", (*v)[i]);
+    RETURN_IF_API_ERROR(each((*v)[i], at));
+  }
+  return std::nullopt;
+}
+
 const char* json_type_name(const json& v) {
   switch (v.type()) {
     case json::value_t::null:

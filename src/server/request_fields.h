@@ -3,6 +3,7 @@
 // absent. Also the sampling fields shared by /v1/chat/completions and /v1/completions.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -30,6 +31,12 @@ ApiError wrong_type_error(const std::string& param, const char* expected, const 
 // An array of token ids, each in [0, vocab_size): a 400 naming the first bad element otherwise.
 MaybeError read_token_ids(const json& value, const std::string& param, int32_t vocab_size,
                           std::vector<int32_t>& out);
+// obj[key] must be a string (it may be empty): else a 400 naming `at.key`.
+MaybeError read_required_string(const json& obj, const char* key, const std::string& at, std::string& out);
+// Each element of body[key] (an array, when present and not null) through `each`, which gets the element
+// (an object, checked) and its param name ("tools[2]").
+MaybeError for_each_object(const json& body, const char* key,
+                           const std::function<MaybeError(const json& element, const std::string& at)>& each);
 // The field when it is present and not null.
 const json* field_of(const json& obj, const char* key);
 

@@ -7,15 +7,6 @@ namespace lily {
 
 namespace {
 
-MaybeError required_string(const json& obj, const char* key, const std::string& at, std::string& out) {
-  const json* v = field_of(obj, key);
-  if (v == nullptr || !v->is_string()) {
-    return bad_request(format("'%s.%s' is required and must be a string", at.c_str(), key), at + "." + key);
-  }
-  out = v->get<std::string>();
-  return std::nullopt;
-}
-
 // Message content: a string, or parts of type input_text / output_text (the text is all this model reads).
 MaybeError message_text(const json& content, const std::string& at, std::string& out) {
   if (content.is_string()) {
@@ -27,13 +18,13 @@ MaybeError message_text(const json& content, const std::string& at, std::string&
     const json& part = content[k];
     std::string pp = format("%s[%zu]", at.c_str(), k), type, text;
     if (!part.is_object()) return wrong_type_error(pp, "a content part object", part);
-    RETURN_IF_API_ERROR(required_string(part, "type", pp, type));
+    RETURN_IF_API_ERROR(read_required_string(part, "type", pp, type));
     if (type != "input_text" && type != "output_text") {
       return bad_request(format("'%s.type': content parts of type `%s` are not supported (this model reads text)",
                                 pp.c_str(), type.c_str()),
                          pp + ".type", "unsupported_content_type");
     }
-    RETURN_IF_API_ERROR(required_string(part, "text", pp, text));
+    RETURN_IF_API_ERROR(read_required_string(part, "text", pp, text));
     out += text;
   }
   return std::nullopt;
@@ -79,7 +70,7 @@ class InputTranslator {
  private:
   MaybeError message(const json& it, const std::string& at) {
     std::string role, text;
-    RETURN_IF_API_ERROR(required_string(it, "role", at, role));
+    RETURN_IF_API_ERROR(read_required_string(it, "role", at, role));
     const json* content = field_of(it, "content");
     if (content == nullptr) return bad_request(format("'%s.content' is required", at.c_str()), at + ".content");
     RETURN_IF_API_ERROR(message_text(*content, at + ".content", text));
@@ -91,9 +82,9 @@ class InputTranslator {
 
   MaybeError function_call(const json& it, const std::string& at) {
     std::string call_id, name, arguments;
-    RETURN_IF_API_ERROR(required_string(it, "call_id", at, call_id));
-    RETURN_IF_API_ERROR(required_string(it, "name", at, name));
-    RETURN_IF_API_ERROR(required_string(it, "arguments", at, arguments));
+    RETURN_IF_API_ERROR(read_required_string(it, "call_id", at, call_id));
+    RETURN_IF_API_ERROR(read_required_string(it, "name", at, name));
+    RETURN_IF_API_ERROR(read_required_string(it, "arguments", at, arguments));
     if (messages_.empty() || messages_.back()["role"] != "assistant" || !reasoning_.empty()) {
       json msg = {{"role", "assistant"}, {"content", nullptr}};
       attach_reasoning(msg);
@@ -107,7 +98,7 @@ class InputTranslator {
 
   MaybeError call_output(const json& it, const std::string& at) {
     std::string call_id, text;
-    RETURN_IF_API_ERROR(required_string(it, "call_id", at, call_id));
+    RETURN_IF_API_ERROR(read_required_string(it, "call_id", at, call_id));
     const json* output = field_of(it, "output");
     if (output == nullptr) return bad_request(format("'%s.output' is required", at.c_str()), at + ".output");
     RETURN_IF_API_ERROR(message_text(*output, at + ".output", text));
@@ -145,27 +136,23 @@ MaybeError translate_input(const json& body, json& chat) {
 }
 
 MaybeError translate_tools(const json& body, json& chat) {
-  if (const json* tools = field_of(body, "tools")) {
-    if (!tools->is_array()) return wrong_type_error("tools", "an array", *tools);
-    json out = json::array();
-    for (size_t i = 0; i < tools->size(); ++i) {
-      const json& t = (*tools)[i];
-      std::string at = format("tools[%zu]", i), type, name;
-      if (!t.is_object()) return wrong_type_error(at, "a tool object", t);
-      RETURN_IF_API_ERROR(required_string(t, "type", at, type));
-      if (type != "function") {
-        return bad_request(format("'%s.type': tools of type `%s` are not available; only function tools are",
-                                  at.c_str(), type.c_str()),
-                           at + ".type", "unsupported_value");
-      }
-      RETURN_IF_API_ERROR(required_string(t, "name", at, name));
-      json fn = {{"name", name}};
-      for (const char* key : {"description", "parameters"})
-        if (const json* v = field_of(t, key)) fn[key] = *v;
-      out.push_back({{"type", "function"}, {"function", std::move(fn)}});
+  json tools = json::array();
+  RETURN_IF_API_ERROR(for_each_object(body, "tools", [&](const json& t, const std::string& at) -> MaybeError {
+    std::string type, name;
+    RETURN_IF_API_ERROR(read_required_string(t, "type", at, type));
+    if (type != "function") {
+      return bad_request(format("'%s.type': tools of type `%s` are not available; only function tools are",
+                                at.c_str(), type.c_str()),
+                         at + ".type", "unsupported_value");
     }
-    if (!out.empty()) chat["tools"] = std::move(out);
-  }
+    RETURN_IF_API_ERROR(read_required_string(t, "name", at, name));
+    json fn = {{"name", name}};
+    for (const char* key : {"description", "parameters"})
+      if (const json* v = field_of(t, key)) fn[key] = *v;
+    tools.push_back({{"type", "function"}, {"function", std::move(fn)}});
+    return std::nullopt;
+  }));
+  if (!tools.empty()) chat["tools"] = std::move(tools);
   if (const json* choice = field_of(body, "tool_choice")) {
     if (choice->is_object() && choice->value("type", json()) == "function" && choice->contains("name")) {
       chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", (*choice)["name"]}}}};

@@ -25,6 +25,25 @@ inline std::vector<std::string> reasoning_answer_call_pieces() {
           "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n", "</function>\n</tool_call>"};
 }
 
+// A body translated by another API (translated: the translation's error) -> validated chat request and
+// rendered prompt; fails the test on any error.
+inline std::pair<ChatRequest, ChatPrompt> chat_of(const MaybeError& translated, const json& chat_body) {
+  ChatRequest chat;
+  EXPECT_FALSE(translated) << (translated ? translated->message : "");
+  MaybeError e = parse_chat_request(chat_body, kCompatModel, chat);
+  EXPECT_FALSE(e) << (e ? e->message : "") << " for " << chat_body.dump();
+  Result<ChatPrompt> prompt = build_chat_prompt(chat);
+  EXPECT_TRUE(prompt.ok()) << prompt.status().message();
+  return {chat, prompt.ok() ? *prompt : ChatPrompt{}};
+}
+
+// The first error of translation, then of validation.
+inline MaybeError first_error(const MaybeError& translated, const json& chat_body) {
+  if (translated) return translated;
+  ChatRequest chat;
+  return parse_chat_request(chat_body, kCompatModel, chat);
+}
+
 inline GenerationResult finished(const char* reason, int prompt_tokens = 20, int completion_tokens = 8) {
   GenerationResult r;
   r.finish_reason = reason;

@@ -18,24 +18,16 @@ json message(json extra = json::object()) {
   return body;
 }
 
-// Messages body -> validated chat request and rendered prompt; fails the test on any error.
 std::pair<ChatRequest, ChatPrompt> translate(const json& body) {
   json chat_body;
-  ChatRequest chat;
   MaybeError e = anthropic_to_chat_body(body, false, chat_body);
-  EXPECT_FALSE(e) << (e ? e->message : "");
-  e = parse_chat_request(chat_body, kCompatModel, chat);
-  EXPECT_FALSE(e) << (e ? e->message : "") << " for " << chat_body.dump();
-  Result<ChatPrompt> prompt = build_chat_prompt(chat);
-  EXPECT_TRUE(prompt.ok()) << prompt.status().message();
-  return {chat, prompt.ok() ? *prompt : ChatPrompt{}};
+  return test::chat_of(e, chat_body);
 }
 
 void expect_error(const json& body, const std::string& param, bool count_only = false) {
   json chat_body;
-  ChatRequest chat;
-  MaybeError e = anthropic_to_chat_body(body, count_only, chat_body);
-  if (!e) e = parse_chat_request(chat_body, kCompatModel, chat);
+  MaybeError translated = anthropic_to_chat_body(body, count_only, chat_body);
+  MaybeError e = test::first_error(translated, chat_body);
   ASSERT_TRUE(e.has_value()) << body.dump();
   EXPECT_EQ(e->status, 400) << e->message;
   EXPECT_EQ(e->param, param) << body.dump() << " -> " << e->message;

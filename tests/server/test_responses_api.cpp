@@ -21,21 +21,14 @@ json request(json extra = json::object()) {
 
 std::pair<ChatRequest, ChatPrompt> translate(const json& body) {
   json chat_body;
-  ChatRequest chat;
   MaybeError e = responses_to_chat_body(body, chat_body);
-  EXPECT_FALSE(e) << (e ? e->message : "");
-  e = parse_chat_request(chat_body, kCompatModel, chat);
-  EXPECT_FALSE(e) << (e ? e->message : "") << " for " << chat_body.dump();
-  Result<ChatPrompt> prompt = build_chat_prompt(chat);
-  EXPECT_TRUE(prompt.ok()) << prompt.status().message();
-  return {chat, prompt.ok() ? *prompt : ChatPrompt{}};
+  return test::chat_of(e, chat_body);
 }
 
 void expect_error(const json& body, const std::string& param, const std::string& code = "") {
   json chat_body;
-  ChatRequest chat;
-  MaybeError e = responses_to_chat_body(body, chat_body);
-  if (!e) e = parse_chat_request(chat_body, kCompatModel, chat);
+  MaybeError translated = responses_to_chat_body(body, chat_body);
+  MaybeError e = test::first_error(translated, chat_body);
   ASSERT_TRUE(e.has_value()) << body.dump();
   EXPECT_EQ(e->status, 400) << e->message;
   EXPECT_EQ(e->param, param) << body.dump() << " -> " << e->message;
