@@ -172,9 +172,10 @@ MaybeError translate_tools(const json& body, json& chat) {
   if (!tools.empty()) chat["tools"] = std::move(tools);
   const json* choice = field_of(body, "tool_choice");
   if (choice == nullptr) return std::nullopt;
-  if (!choice->is_object() || !(*choice)["type"].is_string())
+  const json type_value = choice->is_object() ? choice->value("type", json()) : json();
+  if (!type_value.is_string())
     return bad_request("'tool_choice' must be an object with a string 'type'", "tool_choice");
-  const std::string type = (*choice)["type"];
+  const std::string type = type_value.get<std::string>();
   if (type == "auto" || type == "none") {
     chat["tool_choice"] = type;
   } else if (type == "any") {
@@ -198,9 +199,9 @@ MaybeError translate_tools(const json& body, json& chat) {
 MaybeError translate_thinking(const json& body, bool count_only, json& chat) {
   bool on = false;
   if (const json* t = field_of(body, "thinking")) {
-    if (!t->is_object() || !(*t)["type"].is_string())
-      return bad_request("'thinking' must be an object with a string 'type'", "thinking");
-    const std::string type = (*t)["type"];
+    const json type_value = t->is_object() ? t->value("type", json()) : json();
+    if (!type_value.is_string()) return bad_request("'thinking' must be an object with a string 'type'", "thinking");
+    const std::string type = type_value.get<std::string>();
     if (type == "enabled") {
       std::optional<int64_t> budget;
       RETURN_IF_API_ERROR(read_int(*t, "budget_tokens", "thinking.budget_tokens", kMinThinkingBudget, INT32_MAX, budget));

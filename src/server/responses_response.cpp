@@ -15,22 +15,28 @@ json usage_of(const GenerationResult& r, int reasoning_tokens) {
   return u;
 }
 
+// obj[key] when obj is an object holding a non-null key, else the fallback (any request shape reads safely).
+json member_or(const json& obj, const char* key, json fallback) {
+  const json* v = obj.is_object() ? field_of(obj, key) : nullptr;
+  return v != nullptr ? *v : std::move(fallback);
+}
+
 // The request's settings as the response object reports them; tools in the Responses shape, as sent.
 json echo_of(const json& body) {
   json e;
-  e["instructions"] = body.value("instructions", json());
-  e["max_output_tokens"] = body.value("max_output_tokens", json());
-  e["parallel_tool_calls"] = body.value("parallel_tool_calls", json(true));
+  e["instructions"] = member_or(body, "instructions", nullptr);
+  e["max_output_tokens"] = member_or(body, "max_output_tokens", nullptr);
+  e["parallel_tool_calls"] = member_or(body, "parallel_tool_calls", true);
   e["previous_response_id"] = nullptr;
-  e["reasoning"] = {{"effort", body.value("reasoning", json::object()).value("effort", json())}, {"summary", nullptr}};
+  e["reasoning"] = {{"effort", member_or(member_or(body, "reasoning", nullptr), "effort", nullptr)}, {"summary", nullptr}};
   e["store"] = false;  // nothing is stored (responses_api.h)
-  e["temperature"] = body.value("temperature", json());
-  e["text"] = {{"format", body.value("text", json::object()).value("format", json{{"type", "text"}})}};
-  e["tool_choice"] = body.value("tool_choice", json("auto"));
-  e["tools"] = body.value("tools", json::array());
-  e["top_p"] = body.value("top_p", json());
+  e["temperature"] = member_or(body, "temperature", nullptr);
+  e["text"] = {{"format", member_or(member_or(body, "text", nullptr), "format", json{{"type", "text"}})}};
+  e["tool_choice"] = member_or(body, "tool_choice", "auto");
+  e["tools"] = member_or(body, "tools", json::array());
+  e["top_p"] = member_or(body, "top_p", nullptr);
   e["truncation"] = "disabled";
-  e["metadata"] = body.value("metadata", json::object());
+  e["metadata"] = member_or(body, "metadata", json::object());
   return e;
 }
 

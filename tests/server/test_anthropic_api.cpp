@@ -99,6 +99,10 @@ TEST(AnthropicRequest, ShapeErrorsNameTheField) {
   expect_error(message({{"tools", {{{"type", "web_search_20250305"}, {"name", "web_search"}}}}}), "tools[0].type");
   expect_error(message({{"tools", {{{"name", "f"}}}}}), "tools[0].input_schema");
   expect_error(message({{"tool_choice", {{"type", "sometimes"}}}}), "tool_choice.type");
+  expect_error(message({{"tool_choice", json::object()}}), "tool_choice");
+  expect_error(message({{"tool_choice", "auto"}}), "tool_choice");
+  expect_error(message({{"thinking", json::object()}}), "thinking");
+  expect_error(message({{"thinking", {{"type", 1}}}}), "thinking");
   expect_error(message({{"tools", {weather_tool()}}, {"tool_choice", {{"type", "tool"}, {"name", "nope"}}}}),
                "tool_choice");
   expect_error(message({{"thinking", {{"type", "enabled"}, {"budget_tokens", 100}}}}), "thinking.budget_tokens");
