@@ -137,7 +137,8 @@ Status Engine::Impl::validate(const GenerationRequest& request) const {
     if (p[i] < 0 || p[i] >= vocab)
       return invalid_argument("prompt token %zu: id %d is outside the vocabulary [0, %d)", i, p[i], vocab);
   for (int32_t id : request.stop_token_ids)
-    if (id < 0 || id >= vocab) return invalid_argument("stop token id %d is outside the vocabulary [0, %d)", id, vocab);
+    if (id < 0 || id >= vocab)
+      return invalid_argument("stop token id %d is outside the vocabulary [0, %d)", id, vocab);
   if (static_cast<int64_t>(p.size()) > max_context())
     return error(ErrorCode::out_of_range, "the prompt has %zu tokens; the context holds %lld", p.size(),
                  (long long)max_context());

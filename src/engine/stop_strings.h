@@ -8,7 +8,8 @@
 //   output.
 // - With include_stop, the output ends with the stop string that matched instead (vLLM's
 //   include_stop_str_in_output); what is held back while a match may still come is the same.
-// - A stop string is never emitted (unless include_stop), even when it arrives split over several pieces: a tail of the text
+// - A stop string is never emitted (unless include_stop), even when it arrives split over several pieces: a
+// tail of the text
 //   that is a proper prefix of some stop string is held back until it can no longer start a match, then
 //   released.
 // - Once a stop string has matched, stopped() is true and everything after it (in that piece and later) is

@@ -51,8 +51,8 @@ class AnthropicResponseBuilder {
 
  private:
   enum class Block { none, thinking, text };
-  std::string push(const ParsedDelta& d);     // events for what the parser completed; blocks_ kept
-  std::string open(Block kind);               // closes the open block if it is another kind
+  std::string push(const ParsedDelta& d);  // events for what the parser completed; blocks_ kept
+  std::string open(Block kind);            // closes the open block if it is another kind
   std::string close();
   json usage(const GenerationResult& result) const;
   std::string stop_reason(const GenerationResult& result) const;

@@ -26,7 +26,8 @@ MaybeError read_text(const json& value, const std::string& param, std::string& o
                          "unsupported_content_type");
     }
     const json* text = field_of(block, "text");
-    if (text == nullptr || !text->is_string()) return bad_request(format("'%s.text' must be a string", at.c_str()), at + ".text");
+    if (text == nullptr || !text->is_string())
+      return bad_request(format("'%s.text' must be a string", at.c_str()), at + ".text");
     if (!out.empty()) out += "\n";
     out += text->get<std::string>();
   }
@@ -44,9 +45,9 @@ MaybeError block_type(const json& block, const std::string& at, std::string& typ
 }
 
 ApiError unsupported_block(const std::string& at, const std::string& type) {
-  return bad_request(format("'%s.type': content blocks of type `%s` are not supported here", at.c_str(),
-                            type.c_str()),
-                     at + ".type", "unsupported_content_type");
+  return bad_request(
+      format("'%s.type': content blocks of type `%s` are not supported here", at.c_str(), type.c_str()),
+      at + ".type", "unsupported_content_type");
 }
 
 // A user turn: text blocks become one user message; each tool_result a tool message, in order.
@@ -66,14 +67,17 @@ MaybeError translate_user(const json& content, const std::string& at, json& out)
     RETURN_IF_API_ERROR(block_type(block, pp, bt));
     if (bt == "text") {
       const json* text = field_of(block, "text");
-      if (text == nullptr || !text->is_string()) return bad_request(format("'%s.text' must be a string", pp.c_str()), pp + ".text");
+      if (text == nullptr || !text->is_string())
+        return bad_request(format("'%s.text' must be a string", pp.c_str()), pp + ".text");
       parts.push_back({{"type", "text"}, {"text", *text}});
     } else if (bt == "tool_result") {
       std::string id, text;
       RETURN_IF_API_ERROR(read_required_string(block, "tool_use_id", pp, id));
-      if (const json* c = field_of(block, "content")) RETURN_IF_API_ERROR(read_text(*c, pp + ".content", text));
+      if (const json* c = field_of(block, "content"))
+        RETURN_IF_API_ERROR(read_text(*c, pp + ".content", text));
       const json* is_error = field_of(block, "is_error");
-      if (is_error != nullptr && !is_error->is_boolean()) return wrong_type_error(pp + ".is_error", "a boolean", *is_error);
+      if (is_error != nullptr && !is_error->is_boolean())
+        return wrong_type_error(pp + ".is_error", "a boolean", *is_error);
       if (is_error != nullptr && is_error->get<bool>()) text = "Error: " + text;
       flush();
       out.push_back({{"role", "tool"}, {"tool_call_id", id}, {"content", text}});
@@ -102,7 +106,8 @@ MaybeError translate_assistant(const json& content, const std::string& at, json&
     if (bt == "text" || bt == "thinking") {
       const char* key = bt == "text" ? "text" : "thinking";
       const json* v = field_of(block, key);
-      if (v == nullptr || !v->is_string()) return bad_request(format("'%s.%s' must be a string", pp.c_str(), key), pp + "." + key);
+      if (v == nullptr || !v->is_string())
+        return bad_request(format("'%s.%s' must be a string", pp.c_str(), key), pp + "." + key);
       (bt == "text" ? text : thinking) += v->get<std::string>();
     } else if (bt == "redacted_thinking") {
       continue;  // encrypted by another provider: nothing this model can read
@@ -111,8 +116,10 @@ MaybeError translate_assistant(const json& content, const std::string& at, json&
       RETURN_IF_API_ERROR(read_required_string(block, "id", pp, id));
       RETURN_IF_API_ERROR(read_required_string(block, "name", pp, name));
       const json* input = field_of(block, "input");
-      if (input == nullptr || !input->is_object()) return bad_request(format("'%s.input' must be an object", pp.c_str()), pp + ".input");
-      calls.push_back({{"id", id}, {"type", "function"}, {"function", {{"name", name}, {"arguments", *input}}}});
+      if (input == nullptr || !input->is_object())
+        return bad_request(format("'%s.input' must be an object", pp.c_str()), pp + ".input");
+      calls.push_back(
+          {{"id", id}, {"type", "function"}, {"function", {{"name", name}, {"arguments", *input}}}});
     } else {
       return unsupported_block(pp, bt);
     }
@@ -126,7 +133,8 @@ MaybeError translate_assistant(const json& content, const std::string& at, json&
 
 MaybeError translate_messages(const json& body, json& out) {
   const json* messages = field_of(body, "messages");
-  if (messages == nullptr) return bad_request("'messages' is required", "messages", "missing_required_parameter");
+  if (messages == nullptr)
+    return bad_request("'messages' is required", "messages", "missing_required_parameter");
   if (!messages->is_array()) return wrong_type_error("messages", "an array", *messages);
   if (messages->empty()) return bad_request("'messages' must contain at least one message", "messages");
   for (size_t i = 0; i < messages->size(); ++i) {
@@ -135,7 +143,8 @@ MaybeError translate_messages(const json& body, json& out) {
     if (!m.is_object()) return wrong_type_error(at, "a message object", m);
     const json role = m.value("role", json());
     const json* content = field_of(m, "content");
-    if (content == nullptr) return bad_request(format("'%s.content' is required", at.c_str()), at + ".content");
+    if (content == nullptr)
+      return bad_request(format("'%s.content' is required", at.c_str()), at + ".content");
     if (!content->is_string() && !content->is_array())
       return wrong_type_error(at + ".content", "a string or an array of content blocks", *content);
     if (role == "user") {
@@ -143,9 +152,9 @@ MaybeError translate_messages(const json& body, json& out) {
     } else if (role == "assistant") {
       RETURN_IF_API_ERROR(translate_assistant(*content, at + ".content", out));
     } else {
-      return bad_request(format("'%s.role' must be `user` or `assistant` (the system prompt goes in 'system')",
-                                at.c_str()),
-                         at + ".role", "invalid_value");
+      return bad_request(
+          format("'%s.role' must be `user` or `assistant` (the system prompt goes in 'system')", at.c_str()),
+          at + ".role", "invalid_value");
     }
   }
   return std::nullopt;
@@ -163,7 +172,8 @@ MaybeError translate_tools(const json& body, json& chat) {
     }
     RETURN_IF_API_ERROR(read_required_string(t, "name", at, name));
     const json* schema = field_of(t, "input_schema");
-    if (schema == nullptr) return bad_request(format("'%s.input_schema' is required", at.c_str()), at + ".input_schema");
+    if (schema == nullptr)
+      return bad_request(format("'%s.input_schema' is required", at.c_str()), at + ".input_schema");
     json fn = {{"name", name}, {"parameters", *schema}};
     if (const json* d = field_of(t, "description")) fn["description"] = *d;
     tools.push_back({{"type", "function"}, {"function", std::move(fn)}});
@@ -185,8 +195,9 @@ MaybeError translate_tools(const json& body, json& chat) {
     RETURN_IF_API_ERROR(read_required_string(*choice, "name", "tool_choice", name));
     chat["tool_choice"] = {{"type", "function"}, {"function", {{"name", name}}}};
   } else {
-    return bad_request(format("'tool_choice.type': unknown value `%s`; expected auto, any, tool or none", type.c_str()),
-                       "tool_choice.type", "invalid_value");
+    return bad_request(
+        format("'tool_choice.type': unknown value `%s`; expected auto, any, tool or none", type.c_str()),
+        "tool_choice.type", "invalid_value");
   }
   if (const json* p = field_of(*choice, "disable_parallel_tool_use"); p != nullptr && !p->is_boolean())
     return wrong_type_error("tool_choice.disable_parallel_tool_use", "a boolean", *p);
@@ -200,23 +211,26 @@ MaybeError translate_thinking(const json& body, bool count_only, json& chat) {
   bool on = false;
   if (const json* t = field_of(body, "thinking")) {
     const json type_value = t->is_object() ? t->value("type", json()) : json();
-    if (!type_value.is_string()) return bad_request("'thinking' must be an object with a string 'type'", "thinking");
+    if (!type_value.is_string())
+      return bad_request("'thinking' must be an object with a string 'type'", "thinking");
     const std::string type = type_value.get<std::string>();
     if (type == "enabled") {
       std::optional<int64_t> budget;
-      RETURN_IF_API_ERROR(read_int(*t, "budget_tokens", "thinking.budget_tokens", kMinThinkingBudget, INT32_MAX, budget));
+      RETURN_IF_API_ERROR(
+          read_int(*t, "budget_tokens", "thinking.budget_tokens", kMinThinkingBudget, INT32_MAX, budget));
       if (!budget) return bad_request("'thinking.budget_tokens' is required", "thinking.budget_tokens");
       const json* max = field_of(body, "max_tokens");
       if (!count_only && max != nullptr && max->is_number_integer() && *budget >= max->get<int64_t>()) {
-        return bad_request("'max_tokens' must be greater than 'thinking.budget_tokens'", "thinking.budget_tokens");
+        return bad_request("'max_tokens' must be greater than 'thinking.budget_tokens'",
+                           "thinking.budget_tokens");
       }
       on = true;
     } else if (type == "adaptive") {
       on = true;
     } else if (type != "disabled") {
-      return bad_request(format("'thinking.type': unknown value `%s`; expected enabled, disabled or adaptive",
-                                type.c_str()),
-                         "thinking.type", "invalid_value");
+      return bad_request(
+          format("'thinking.type': unknown value `%s`; expected enabled, disabled or adaptive", type.c_str()),
+          "thinking.type", "invalid_value");
     }
   }
   const json choice = chat.value("tool_choice", json());
@@ -230,10 +244,12 @@ MaybeError translate_thinking(const json& body, bool count_only, json& chat) {
 MaybeError translate_sampling(const json& body, bool count_only, json& chat) {
   std::optional<int64_t> max_tokens;
   RETURN_IF_API_ERROR(read_int(body, "max_tokens", "max_tokens", 1, INT32_MAX, max_tokens));
-  if (!count_only && !max_tokens) return bad_request("'max_tokens' is required", "max_tokens", "missing_required_parameter");
+  if (!count_only && !max_tokens)
+    return bad_request("'max_tokens' is required", "max_tokens", "missing_required_parameter");
   if (max_tokens) chat["max_tokens"] = *max_tokens;
   std::optional<double> temperature;
-  RETURN_IF_API_ERROR(read_number(body, "temperature", "temperature", {0, 1}, temperature));  // Anthropic: [0, 1]
+  RETURN_IF_API_ERROR(
+      read_number(body, "temperature", "temperature", {0, 1}, temperature));  // Anthropic: [0, 1]
   for (const char* key : {"temperature", "top_p", "top_k", "stream"})
     if (const json* v = field_of(body, key)) chat[key] = *v;
   if (const json* stops = field_of(body, "stop_sequences")) {

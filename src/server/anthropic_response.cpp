@@ -36,7 +36,8 @@ const char* anthropic_error_type(int status) {
 }  // namespace
 
 json anthropic_error_json(const ApiError& e) {
-  return json{{"type", "error"}, {"error", {{"type", anthropic_error_type(e.status)}, {"message", e.message}}}};
+  return json{{"type", "error"},
+              {"error", {{"type", anthropic_error_type(e.status)}, {"message", e.message}}}};
 }
 
 std::string anthropic_error_body(const ApiError& e) {
@@ -118,12 +119,15 @@ std::string AnthropicResponseBuilder::push(const ParsedDelta& d) {
     out += close();
     json start = event_json("content_block_start");
     start["index"] = blocks_.size();
-    start["content_block"] = {{"type", "tool_use"}, {"id", call.id}, {"name", call.name}, {"input", json::object()}};
+    start["content_block"] = {
+        {"type", "tool_use"}, {"id", call.id}, {"name", call.name}, {"input", json::object()}};
     out += sse_named("content_block_start", start);
     if (!pinged_) out += sse_named("ping", event_json("ping"));
     pinged_ = any_tool_use_ = true;
     json input = json::parse(call.arguments_json, nullptr, false);
-    blocks_.push_back({{"type", "tool_use"}, {"id", call.id}, {"name", call.name},
+    blocks_.push_back({{"type", "tool_use"},
+                       {"id", call.id},
+                       {"name", call.name},
                        {"input", input.is_object() ? input : json::object()}});
     delta({{"type", "input_json_delta"}, {"partial_json", call.arguments_json}});
     json stop = event_json("content_block_stop");

@@ -139,7 +139,8 @@ void Server::run_job(const HttpRequest& req, HttpExchange& ex, const std::shared
   ex.end_stream();
 }
 
-MaybeError Server::prepare_chat(const json& body, ChatRequest& chat, ChatPrompt& prompt, GenerationRequest& g) {
+MaybeError Server::prepare_chat(const json& body, ChatRequest& chat, ChatPrompt& prompt,
+                                GenerationRequest& g) {
   const Loaded& L = *loaded_;
   RETURN_IF_API_ERROR(parse_chat_request(body, L.served, chat));
   Result<ChatPrompt> rendered = build_chat_prompt(chat);

@@ -371,9 +371,10 @@ MaybeError read_reasoning_effort(const json& value, const std::string& param, bo
   } else if (e == "low" || e == "medium" || e == "high" || e == "xhigh" || e == "max") {
     enable_thinking = true;
   } else {
-    return bad_request(format("'%s': unknown value `%s`; expected none, minimal, low, medium, high, xhigh or max",
-                              param.c_str(), e.c_str()),
-                       param, "invalid_value");
+    return bad_request(
+        format("'%s': unknown value `%s`; expected none, minimal, low, medium, high, xhigh or max",
+               param.c_str(), e.c_str()),
+        param, "invalid_value");
   }
   return std::nullopt;
 }

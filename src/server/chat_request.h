@@ -19,8 +19,8 @@ struct ChatRequest {
   json messages;  // as given, except role "developer" reads as "system"
   json tools;     // null, or the validated tools array
   ToolChoice tool_choice = ToolChoice::automatic;
-  std::string tool_name;  // ToolChoice::named
-  ChatOptions chat;       // chat_template_kwargs (enable_thinking, ...), reasoning_effort
+  std::string tool_name;                // ToolChoice::named
+  ChatOptions chat;                     // chat_template_kwargs (enable_thinking, ...), reasoning_effort
   bool continue_final_message = false;  // the last (assistant) message is continued, not closed (vLLM)
   SamplingRequest sampling;
   StreamOptions stream;

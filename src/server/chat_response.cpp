@@ -43,7 +43,8 @@ std::string new_id(const char* prefix) {
 }
 
 OutputParser chat_output_parser(const ChatRequest& request, const ChatPrompt& prompt) {
-  OutputParser parser(prompt.starts_in_reasoning, request.tool_choice == ToolChoice::none ? json() : request.tools);
+  OutputParser parser(prompt.starts_in_reasoning,
+                      request.tool_choice == ToolChoice::none ? json() : request.tools);
   if (!prompt.forced_prefix.empty()) parser.push(prompt.forced_prefix);  // opens the call: yields nothing
   return parser;
 }

@@ -66,23 +66,25 @@ json piece_json(std::string_view bytes) {
 
 }  // namespace
 
-// {"content", "add_special", "with_pieces"} -> {"tokens": [ids] | [{"id", "piece"}]}. Qwen's tokenizer adds no
-// BOS, so add_special changes nothing; special-token text is always read as the special token.
+// {"content", "add_special", "with_pieces"} -> {"tokens": [ids] | [{"id", "piece"}]}. Qwen's tokenizer adds
+// no BOS, so add_special changes nothing; special-token text is always read as the special token.
 void Server::handle_tokenize(const HttpRequest& req, HttpExchange& ex) {
   json body;
   if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
   std::optional<std::string> content;
   std::optional<bool> add_special, with_pieces, parse_special;
   if (auto e = read_string(body, "content", "content", content)) return send_error(ex, *e);
-  if (!content) return send_error(ex, bad_request("'content' is required", "content", "missing_required_parameter"));
+  if (!content)
+    return send_error(ex, bad_request("'content' is required", "content", "missing_required_parameter"));
   for (auto [key, out] : {std::pair{"add_special", &add_special}, std::pair{"with_pieces", &with_pieces},
                           std::pair{"parse_special", &parse_special}}) {
     if (auto e = read_bool(body, key, key, *out)) return send_error(ex, *e);
   }
   if (!parse_special.value_or(true)) {
-    return send_error(ex, bad_request("'parse_special': false is not supported (special-token text is always read "
-                                      "as the special token)",
-                                      "parse_special", "unsupported_value"));
+    return send_error(
+        ex, bad_request("'parse_special': false is not supported (special-token text is always read "
+                        "as the special token)",
+                        "parse_special", "unsupported_value"));
   }
   const Tokenizer& tok = loaded_->tokenizer;
   json tokens = json::array();
@@ -101,7 +103,8 @@ void Server::handle_detokenize(const HttpRequest& req, HttpExchange& ex) {
   json body;
   if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
   const json* tokens = field_of(body, "tokens");
-  if (tokens == nullptr) return send_error(ex, bad_request("'tokens' is required", "tokens", "missing_required_parameter"));
+  if (tokens == nullptr)
+    return send_error(ex, bad_request("'tokens' is required", "tokens", "missing_required_parameter"));
   std::vector<int32_t> ids;
   if (auto e = read_token_ids(*tokens, "tokens", loaded_->served.vocab_size, ids)) return send_error(ex, *e);
   ex.send_json(200, dump_json(json{{"content", loaded_->tokenizer.decode(ids)}}));

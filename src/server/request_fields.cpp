@@ -49,8 +49,9 @@ MaybeError read_required_string(const json& obj, const char* key, const std::str
   return std::nullopt;
 }
 
-MaybeError for_each_object(const json& body, const char* key,
-                           const std::function<MaybeError(const json& element, const std::string& at)>& each) {
+MaybeError for_each_object(
+    const json& body, const char* key,
+    const std::function<MaybeError(const json& element, const std::string& at)>& each) {
   const json* v = field_of(body, key);
   if (v == nullptr) return std::nullopt;
   if (!v->is_array()) return wrong_type_error(key, "an array", *v);
@@ -147,7 +148,8 @@ MaybeError read_string(const json& obj, const char* key, const std::string& para
   return std::nullopt;
 }
 
-static MaybeError read_stop_strings(const json& value, const std::string& name, std::vector<std::string>& out) {
+static MaybeError read_stop_strings(const json& value, const std::string& name,
+                                    std::vector<std::string>& out) {
   const json* v = &value;
   if (v->is_string()) {
     if (v->get<std::string>().empty())
@@ -198,7 +200,8 @@ static MaybeError read_stop_token_ids(const json& body, int32_t vocab_size, std:
 MaybeError refuse_constrained_decoding(const json& body) {
   for (const auto& [key, value] : body.items()) {
     if (value.is_null()) continue;
-    if (key == "grammar" || key == "json_schema" || key == "structured_outputs" || key.starts_with("guided_")) {
+    if (key == "grammar" || key == "json_schema" || key == "structured_outputs" ||
+        key.starts_with("guided_")) {
       return bad_request(format("'%s': constrained decoding is not supported by this server (generation is "
                                 "never grammar-, schema- or regex-constrained); remove the field",
                                 key.c_str()),

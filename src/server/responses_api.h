@@ -9,7 +9,8 @@
 // Streaming: named SSE events, each with a sequence_number counting from 0:
 //   response.created, response.in_progress
 //   per item: response.output_item.added, then
-//     reasoning: response.content_part.added, response.reasoning_text.delta ..., response.reasoning_text.done,
+//     reasoning: response.content_part.added, response.reasoning_text.delta ...,
+//     response.reasoning_text.done,
 //                response.content_part.done
 //     message:   response.content_part.added, response.output_text.delta ..., response.output_text.done,
 //                response.content_part.done

@@ -20,9 +20,10 @@ MaybeError message_text(const json& content, const std::string& at, std::string&
     if (!part.is_object()) return wrong_type_error(pp, "a content part object", part);
     RETURN_IF_API_ERROR(read_required_string(part, "type", pp, type));
     if (type != "input_text" && type != "output_text") {
-      return bad_request(format("'%s.type': content parts of type `%s` are not supported (this model reads text)",
-                                pp.c_str(), type.c_str()),
-                         pp + ".type", "unsupported_content_type");
+      return bad_request(
+          format("'%s.type': content parts of type `%s` are not supported (this model reads text)",
+                 pp.c_str(), type.c_str()),
+          pp + ".type", "unsupported_content_type");
     }
     RETURN_IF_API_ERROR(read_required_string(part, "text", pp, text));
     out += text;
@@ -72,7 +73,8 @@ class InputTranslator {
     std::string role, text;
     RETURN_IF_API_ERROR(read_required_string(it, "role", at, role));
     const json* content = field_of(it, "content");
-    if (content == nullptr) return bad_request(format("'%s.content' is required", at.c_str()), at + ".content");
+    if (content == nullptr)
+      return bad_request(format("'%s.content' is required", at.c_str()), at + ".content");
     RETURN_IF_API_ERROR(message_text(*content, at + ".content", text));
     json msg = {{"role", role}, {"content", text}};
     if (role == "assistant") attach_reasoning(msg);
@@ -92,7 +94,8 @@ class InputTranslator {
     }
     json& calls = messages_.back()["tool_calls"];
     if (calls.is_null()) calls = json::array();
-    calls.push_back({{"id", call_id}, {"type", "function"}, {"function", {{"name", name}, {"arguments", arguments}}}});
+    calls.push_back(
+        {{"id", call_id}, {"type", "function"}, {"function", {{"name", name}, {"arguments", arguments}}}});
     return std::nullopt;
   }
 
@@ -127,7 +130,8 @@ MaybeError translate_input(const json& body, json& chat) {
   } else if (input->is_array()) {
     if (input->empty()) return bad_request("'input' must contain at least one item", "input");
     InputTranslator t(messages);
-    for (size_t i = 0; i < input->size(); ++i) RETURN_IF_API_ERROR(t.item((*input)[i], format("input[%zu]", i)));
+    for (size_t i = 0; i < input->size(); ++i)
+      RETURN_IF_API_ERROR(t.item((*input)[i], format("input[%zu]", i)));
   } else {
     return wrong_type_error("input", "a string or an array of input items", *input);
   }
@@ -166,14 +170,16 @@ MaybeError translate_tools(const json& body, json& chat) {
 MaybeError refuse_state(const json& body) {
   for (const char* key : {"previous_response_id", "conversation"}) {
     if (field_of(body, key) != nullptr) {
-      return bad_request(format("'%s' is not supported: this server stores no responses or conversations; send "
-                                "the whole conversation in 'input'",
-                                key),
-                         key, "unsupported_parameter");
+      return bad_request(
+          format("'%s' is not supported: this server stores no responses or conversations; send "
+                 "the whole conversation in 'input'",
+                 key),
+          key, "unsupported_parameter");
     }
   }
   if (const json* b = field_of(body, "background"); b != nullptr && (!b->is_boolean() || b->get<bool>()))
-    return bad_request("'background': background responses are not supported", "background", "unsupported_parameter");
+    return bad_request("'background': background responses are not supported", "background",
+                       "unsupported_parameter");
   if (const json* s = field_of(body, "store"); s != nullptr && !s->is_boolean())
     return wrong_type_error("store", "a boolean", *s);
   return std::nullopt;

@@ -28,7 +28,8 @@ json echo_of(const json& body) {
   e["max_output_tokens"] = member_or(body, "max_output_tokens", nullptr);
   e["parallel_tool_calls"] = member_or(body, "parallel_tool_calls", true);
   e["previous_response_id"] = nullptr;
-  e["reasoning"] = {{"effort", member_or(member_or(body, "reasoning", nullptr), "effort", nullptr)}, {"summary", nullptr}};
+  e["reasoning"] = {{"effort", member_or(member_or(body, "reasoning", nullptr), "effort", nullptr)},
+                    {"summary", nullptr}};
   e["store"] = false;  // nothing is stored (responses_api.h)
   e["temperature"] = member_or(body, "temperature", nullptr);
   e["text"] = {{"format", member_or(member_or(body, "text", nullptr), "format", json{{"type", "text"}})}};
@@ -82,12 +83,21 @@ std::string ResponsesBuilder::open(Item kind) {
   if (open_ == kind) return {};
   std::string out = close();
   const bool reasoning = kind == Item::reasoning;
-  json item = reasoning ? json{{"id", new_id("rs_")}, {"type", "reasoning"}, {"summary", json::array()},
-                               {"content", json::array()}, {"status", "in_progress"}}
-                        : json{{"id", new_id("msg_")}, {"type", "message"}, {"status", "in_progress"},
-                               {"role", "assistant"}, {"content", json::array()}};
+  json item = reasoning ? json{{"id", new_id("rs_")},
+                               {"type", "reasoning"},
+                               {"summary", json::array()},
+                               {"content", json::array()},
+                               {"status", "in_progress"}}
+                        : json{{"id", new_id("msg_")},
+                               {"type", "message"},
+                               {"status", "in_progress"},
+                               {"role", "assistant"},
+                               {"content", json::array()}};
   json part = reasoning ? json{{"type", "reasoning_text"}, {"text", ""}}
-                        : json{{"type", "output_text"}, {"text", ""}, {"annotations", json::array()}, {"logprobs", json::array()}};
+                        : json{{"type", "output_text"},
+                               {"text", ""},
+                               {"annotations", json::array()},
+                               {"logprobs", json::array()}};
   const size_t index = output_.size();
   out += event("response.output_item.added", {{"output_index", index}, {"item", item}});
   out += event("response.content_part.added",
@@ -107,7 +117,8 @@ std::string ResponsesBuilder::close(const char* status) {
   json done = where;
   done["text"] = part["text"];
   if (open_ == Item::message) done["logprobs"] = json::array();
-  std::string out = event(open_ == Item::reasoning ? "response.reasoning_text.done" : "response.output_text.done", done);
+  std::string out =
+      event(open_ == Item::reasoning ? "response.reasoning_text.done" : "response.output_text.done", done);
   json part_done = where;
   part_done["part"] = part;
   out += event("response.content_part.done", part_done);
@@ -121,7 +132,7 @@ std::string ResponsesBuilder::add_call(const ToolCall& call) {
   std::string out = close();
   const size_t index = output_.size();
   json item = {{"id", new_id("fc_")}, {"type", "function_call"}, {"status", "in_progress"},
-               {"call_id", call.id}, {"name", call.name}, {"arguments", ""}};
+               {"call_id", call.id},  {"name", call.name},       {"arguments", ""}};
   out += event("response.output_item.added", {{"output_index", index}, {"item", item}});
   const json where = {{"item_id", item["id"]}, {"output_index", index}};
   json delta = where, done = where;
@@ -143,7 +154,10 @@ std::string ResponsesBuilder::push(const ParsedDelta& d) {
     out += open(kind);
     json& t = output_.back()["content"][0]["text"];
     t = t.get<std::string>() + text;
-    json e = {{"item_id", output_.back()["id"]}, {"output_index", output_.size() - 1}, {"content_index", 0}, {"delta", text}};
+    json e = {{"item_id", output_.back()["id"]},
+              {"output_index", output_.size() - 1},
+              {"content_index", 0},
+              {"delta", text}};
     if (kind == Item::message) e["logprobs"] = json::array();
     out += event(type, std::move(e));
   };
@@ -167,7 +181,8 @@ std::string ResponsesBuilder::stream_piece(const GenerationPiece& piece) {
 std::string ResponsesBuilder::stream_finish(const GenerationResult& result) {
   const bool incomplete = result.finish_reason == "length";
   std::string out = push(parser_.finish()) + close(incomplete ? "incomplete" : "completed");
-  return out + event(incomplete ? "response.incomplete" : "response.completed", {{"response", response_object(&result)}});
+  return out + event(incomplete ? "response.incomplete" : "response.completed",
+                     {{"response", response_object(&result)}});
 }
 
 std::string ResponsesBuilder::stream_error(const ApiError& e) {

@@ -257,13 +257,14 @@ void Server::handle(const HttpRequest& req, HttpExchange& ex) {
     }
   }};
   if (!known) {
-    return send_error(req, ex, ApiError{404, "invalid_request_error", "Unknown endpoint " + req.method + " " + p,
-                                        "", "not_found"});
+    return send_error(
+        req, ex, ApiError{404, "invalid_request_error", "Unknown endpoint " + req.method + " " + p, "", "not_found"});
   }
   if (req.method != (post ? "POST" : "GET")) {
-    return send_error(req, ex, ApiError{405, "invalid_request_error",
-                                   format("%s does not accept %s", p.c_str(), req.method.c_str()), "",
-                                   "method_not_allowed"});
+    return send_error(req, ex,
+                      ApiError{405, "invalid_request_error",
+                               format("%s does not accept %s", p.c_str(), req.method.c_str()), "",
+                               "method_not_allowed"});
   }
   if (p == "/" || p == "/index.html") return ex.send(200, "text/html; charset=utf-8", kChatPageHtml);
   if (p == "/chat.js") return ex.send(200, "text/javascript; charset=utf-8", kChatPageJs);

@@ -119,10 +119,13 @@ TEST(Engine, IncludeStopStringKeepsItAndReportsWhichMatched) {
   req.sampling.stop = {"never-there", stop};
   req.sampling.include_stop_str_in_output = true;
   std::string text;
-  GenerationResult r = engine->generate(req, [&](const GenerationPiece& p) {
-                                text += p.text;
-                                return true;
-                              }).value();
+  GenerationResult r = engine
+                           ->generate(req,
+                                      [&](const GenerationPiece& p) {
+                                        text += p.text;
+                                        return true;
+                                      })
+                           .value();
   EXPECT_EQ(r.finish_reason, "stop");
   EXPECT_EQ(r.stop_string, stop);
   EXPECT_EQ(text, all.substr(0, all.find(stop) + stop.size()));

@@ -21,8 +21,14 @@ inline json weather_tool_schema() {
 
 // The generated text of a reply that reasons, answers and calls the tool.
 inline std::vector<std::string> reasoning_answer_call_pieces() {
-  return {"Let me", " think.", "\n</think>\n\n", "Checking", " now.", "\n\n<tool_call>\n<function=get_weather>\n",
-          "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n", "</function>\n</tool_call>"};
+  return {"Let me",
+          " think.",
+          "\n</think>\n\n",
+          "Checking",
+          " now.",
+          "\n\n<tool_call>\n<function=get_weather>\n",
+          "<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n",
+          "</function>\n</tool_call>"};
 }
 
 // A body translated by another API (translated: the translation's error) -> validated chat request and
@@ -64,7 +70,8 @@ inline std::vector<std::pair<std::string, json>> named_events(const std::string&
     std::string e = sse.substr(pos, end - pos);
     pos = end + 2;
     size_t nl = e.find('\n');
-    EXPECT_TRUE(e.starts_with("event: ") && nl != std::string::npos && e.compare(nl + 1, 6, "data: ") == 0) << e;
+    EXPECT_TRUE(e.starts_with("event: ") && nl != std::string::npos && e.compare(nl + 1, 6, "data: ") == 0)
+        << e;
     if (nl == std::string::npos) continue;
     json data = json::parse(e.substr(nl + 7), nullptr, false);
     EXPECT_FALSE(data.is_discarded()) << e;

@@ -9,7 +9,9 @@ namespace {
 using test::kCompatModel;
 
 json weather_tool() {
-  return {{"name", "get_weather"}, {"description", "Weather of a city"}, {"input_schema", test::weather_tool_schema()}};
+  return {{"name", "get_weather"},
+          {"description", "Weather of a city"},
+          {"input_schema", test::weather_tool_schema()}};
 }
 
 json message(json extra = json::object()) {
@@ -38,17 +40,19 @@ void expect_error(const json& body, const std::string& param, bool count_only = 
 }
 
 TEST(AnthropicRequest, SystemBlocksToolRoundTripAndThinking) {
-  json messages = {
-      {{"role", "user"}, {"content", {{{"type", "text"}, {"text", "Weather in Paris?"}}}}},
-      {{"role", "assistant"},
-       {"content",
-        {{{"type", "thinking"}, {"thinking", "I should call the tool."}, {"signature", "x"}},
-         {{"type", "text"}, {"text", "Let me check."}},
-         {{"type", "tool_use"}, {"id", "toolu_1"}, {"name", "get_weather"}, {"input", {{"city", "Paris"}}}}}}},
-      {{"role", "user"},
-       {"content",
-        {{{"type", "tool_result"}, {"tool_use_id", "toolu_1"}, {"content", "sunny, 21 C"}},
-         {{"type", "text"}, {"text", "And tomorrow?"}}}}}};
+  json messages = {{{"role", "user"}, {"content", {{{"type", "text"}, {"text", "Weather in Paris?"}}}}},
+                   {{"role", "assistant"},
+                    {"content",
+                     {{{"type", "thinking"}, {"thinking", "I should call the tool."}, {"signature", "x"}},
+                      {{"type", "text"}, {"text", "Let me check."}},
+                      {{"type", "tool_use"},
+                       {"id", "toolu_1"},
+                       {"name", "get_weather"},
+                       {"input", {{"city", "Paris"}}}}}}},
+                   {{"role", "user"},
+                    {"content",
+                     {{{"type", "tool_result"}, {"tool_use_id", "toolu_1"}, {"content", "sunny, 21 C"}},
+                      {{"type", "text"}, {"text", "And tomorrow?"}}}}}};
   auto [chat, prompt] = translate(message({{"system", {{{"type", "text"}, {"text", "Be brief."}}}},
                                            {"messages", messages},
                                            {"tools", {weather_tool()}},
@@ -56,8 +60,10 @@ TEST(AnthropicRequest, SystemBlocksToolRoundTripAndThinking) {
                                            {"max_tokens", 2000}}));
   EXPECT_TRUE(prompt.text.starts_with("<|im_start|>system\n")) << prompt.text;
   EXPECT_LT(prompt.text.find("Be brief."), prompt.text.find("<|im_start|>user")) << prompt.text;
-  EXPECT_NE(prompt.text.find("<function=get_weather>\n<parameter=city>\nParis"), std::string::npos) << prompt.text;
-  EXPECT_NE(prompt.text.find("<tool_response>\nsunny, 21 C\n</tool_response>"), std::string::npos) << prompt.text;
+  EXPECT_NE(prompt.text.find("<function=get_weather>\n<parameter=city>\nParis"), std::string::npos)
+      << prompt.text;
+  EXPECT_NE(prompt.text.find("<tool_response>\nsunny, 21 C\n</tool_response>"), std::string::npos)
+      << prompt.text;
   EXPECT_NE(prompt.text.find("And tomorrow?"), std::string::npos);
   EXPECT_TRUE(prompt.starts_in_reasoning);
   EXPECT_EQ(chat.sampling.overrides.max_tokens, 2000);
@@ -67,20 +73,24 @@ TEST(AnthropicRequest, SystemBlocksToolRoundTripAndThinking) {
 }
 
 TEST(AnthropicRequest, ToolChoiceStopSequencesSamplingAndPrefill) {
-  auto [any, any_prompt] = translate(message({{"tools", {weather_tool()}}, {"tool_choice", {{"type", "any"}}}}));
+  auto [any, any_prompt] =
+      translate(message({{"tools", {weather_tool()}}, {"tool_choice", {{"type", "any"}}}}));
   EXPECT_EQ(any.tool_choice, ToolChoice::required);
-  auto [named, named_prompt] =
-      translate(message({{"tools", {weather_tool()}}, {"tool_choice", {{"type", "tool"}, {"name", "get_weather"}}}}));
+  auto [named, named_prompt] = translate(
+      message({{"tools", {weather_tool()}}, {"tool_choice", {{"type", "tool"}, {"name", "get_weather"}}}}));
   EXPECT_EQ(named.tool_choice, ToolChoice::named);
   EXPECT_TRUE(named_prompt.text.ends_with("<function=get_weather>\n"));
-  EXPECT_EQ(translate(message({{"tools", {weather_tool()}}, {"tool_choice", {{"type", "none"}}}})).first.tool_choice,
+  EXPECT_EQ(translate(message({{"tools", {weather_tool()}}, {"tool_choice", {{"type", "none"}}}}))
+                .first.tool_choice,
             ToolChoice::none);
-  auto [s, sp] = translate(message({{"stop_sequences", {"END", "\n\nHuman:"}}, {"temperature", 0.5}, {"top_k", 5}}));
+  auto [s, sp] =
+      translate(message({{"stop_sequences", {"END", "\n\nHuman:"}}, {"temperature", 0.5}, {"top_k", 5}}));
   EXPECT_EQ(s.sampling.params.stop, (std::vector<std::string>{"END", "\n\nHuman:"}));
   EXPECT_FLOAT_EQ(*s.sampling.overrides.temperature, 0.5f);
   EXPECT_EQ(*s.sampling.overrides.top_k, 5);
   // A final assistant message is a prefill: the reply continues it.
-  json prefill = {{{"role", "user"}, {"content", "Say a number"}}, {{"role", "assistant"}, {"content", "The number is"}}};
+  json prefill = {{{"role", "user"}, {"content", "Say a number"}},
+                  {{"role", "assistant"}, {"content", "The number is"}}};
   EXPECT_TRUE(translate(message({{"messages", prefill}})).second.text.ends_with("The number is"));
 }
 
@@ -91,12 +101,15 @@ TEST(AnthropicRequest, ShapeErrorsNameTheField) {
   expect_error(message({{"max_tokens", 0}}), "max_tokens");
   expect_error(message({{"messages", json::array()}}), "messages");
   expect_error(message({{"messages", {{{"role", "system"}, {"content", "x"}}}}}), "messages[0].role");
-  expect_error(message({{"messages", {{{"role", "user"}, {"content", {{{"type", "image"}, {"source", {}}}}}}}}}),
-               "messages[0].content[0].type");
-  expect_error(message({{"messages", {{{"role", "user"}, {"content", json::array()}}}}}), "messages[0].content");
+  expect_error(
+      message({{"messages", {{{"role", "user"}, {"content", {{{"type", "image"}, {"source", {}}}}}}}}}),
+      "messages[0].content[0].type");
+  expect_error(message({{"messages", {{{"role", "user"}, {"content", json::array()}}}}}),
+               "messages[0].content");
   expect_error(message({{"messages", {{{"role", "user"}, {"content", {{{"type", "tool_result"}}}}}}}}),
                "messages[0].content[0].tool_use_id");
-  expect_error(message({{"tools", {{{"type", "web_search_20250305"}, {"name", "web_search"}}}}}), "tools[0].type");
+  expect_error(message({{"tools", {{{"type", "web_search_20250305"}, {"name", "web_search"}}}}}),
+               "tools[0].type");
   expect_error(message({{"tools", {{{"name", "f"}}}}}), "tools[0].input_schema");
   expect_error(message({{"tool_choice", {{"type", "sometimes"}}}}), "tool_choice.type");
   expect_error(message({{"tool_choice", json::object()}}), "tool_choice");
@@ -105,9 +118,12 @@ TEST(AnthropicRequest, ShapeErrorsNameTheField) {
   expect_error(message({{"thinking", {{"type", 1}}}}), "thinking");
   expect_error(message({{"tools", {weather_tool()}}, {"tool_choice", {{"type", "tool"}, {"name", "nope"}}}}),
                "tool_choice");
-  expect_error(message({{"thinking", {{"type", "enabled"}, {"budget_tokens", 100}}}}), "thinking.budget_tokens");
-  expect_error(message({{"thinking", {{"type", "enabled"}, {"budget_tokens", 2048}}}}), "thinking.budget_tokens");
-  expect_error(message({{"thinking", {{"type", "adaptive"}}}, {"tools", {weather_tool()}},
+  expect_error(message({{"thinking", {{"type", "enabled"}, {"budget_tokens", 100}}}}),
+               "thinking.budget_tokens");
+  expect_error(message({{"thinking", {{"type", "enabled"}, {"budget_tokens", 2048}}}}),
+               "thinking.budget_tokens");
+  expect_error(message({{"thinking", {{"type", "adaptive"}}},
+                        {"tools", {weather_tool()}},
                         {"tool_choice", {{"type", "any"}}}}),
                "tool_choice");
   expect_error(message({{"temperature", 1.5}}), "temperature");
@@ -128,7 +144,8 @@ TEST(AnthropicResponse, StreamEventsInAnthropicsOrder) {
       translate(message({{"tools", {weather_tool()}}, {"thinking", {{"type", "adaptive"}}}}));
   AnthropicResponseBuilder b(chat, prompt, {"msg_1", 0, "tiny", ""}, 20);
   std::string sse = b.stream_start();
-  for (const std::string& text : test::reasoning_answer_call_pieces()) sse += b.stream_piece({text, 1, 0, {}});
+  for (const std::string& text : test::reasoning_answer_call_pieces())
+    sse += b.stream_piece({text, 1, 0, {}});
   sse += b.stream_finish(test::finished("stop"));
   auto events = test::named_events(sse);
   EXPECT_EQ(test::names_of(events),
@@ -139,7 +156,8 @@ TEST(AnthropicResponse, StreamEventsInAnthropicsOrder) {
                                       "content_block_stop", "message_delta", "message_stop"}));
   for (const auto& [name, data] : events) EXPECT_EQ(data["type"], name);
   EXPECT_EQ(events[0].second["message"]["usage"]["input_tokens"], 20);
-  EXPECT_EQ(events[1].second["content_block"], json({{"type", "thinking"}, {"thinking", ""}, {"signature", ""}}));
+  EXPECT_EQ(events[1].second["content_block"],
+            json({{"type", "thinking"}, {"thinking", ""}, {"signature", ""}}));
   EXPECT_EQ(events[3].second["delta"], json({{"type", "thinking_delta"}, {"thinking", "Let me"}}));
   EXPECT_EQ(events[5].second["delta"]["type"], "signature_delta");
   EXPECT_EQ(events[5].second["delta"]["signature"], thinking_signature("Let me think."));
@@ -159,14 +177,16 @@ TEST(AnthropicResponse, StreamEventsInAnthropicsOrder) {
 }
 
 TEST(AnthropicResponse, MessageBlocksAndStopReasons) {
-  auto [chat, prompt] = translate(message({{"tools", {weather_tool()}}, {"thinking", {{"type", "adaptive"}}}}));
+  auto [chat, prompt] =
+      translate(message({{"tools", {weather_tool()}}, {"thinking", {{"type", "adaptive"}}}}));
   AnthropicResponseBuilder b(chat, prompt, {"msg_2", 0, "tiny", ""}, 20);
   for (const std::string& text : test::reasoning_answer_call_pieces()) b.add_piece({text, 1, 0, {}});
   json m = b.response(test::finished("stop"));
   EXPECT_EQ(m["type"], "message");
   EXPECT_EQ(m["role"], "assistant");
   ASSERT_EQ(m["content"].size(), 3u) << m.dump();
-  EXPECT_EQ(m["content"][0], json({{"type", "thinking"}, {"thinking", "Let me think."},
+  EXPECT_EQ(m["content"][0], json({{"type", "thinking"},
+                                   {"thinking", "Let me think."},
                                    {"signature", thinking_signature("Let me think.")}}));
   EXPECT_EQ(m["content"][1], json({{"type", "text"}, {"text", "Checking now."}}));
   EXPECT_EQ(m["content"][2]["input"], json({{"city", "Paris"}, {"days", 3}}));

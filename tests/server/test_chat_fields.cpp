@@ -120,8 +120,9 @@ TEST(ChatFields, ContinueFinalMessageLeavesTheTurnOpen) {
   EXPECT_TRUE(text.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\nAutumn")) << text;
 
   expect_error(chat({{"continue_final_message", true}}), "continue_final_message", "invalid_value");
-  expect_error(chat({{"messages", messages}, {"continue_final_message", true}, {"add_generation_prompt", true}}),
-               "continue_final_message", "invalid_value");
+  expect_error(
+      chat({{"messages", messages}, {"continue_final_message", true}, {"add_generation_prompt", true}}),
+      "continue_final_message", "invalid_value");
   messages[1]["content"] = "  ";
   expect_error(chat({{"messages", messages}, {"continue_final_message", true}}), "continue_final_message");
   expect_error(chat({{"continue_final_message", "yes"}}), "continue_final_message", "invalid_type");

@@ -11,8 +11,18 @@ namespace lily {
 namespace {
 
 const std::vector<json>& junk() {
-  static const std::vector<json> values = {nullptr, 0, -1, 1.5, true, "", "x", json::array(), json::array({1}),
-                                           json::object(), json{{"type", 1}}, json{{"type", "text"}}};
+  static const std::vector<json> values = {nullptr,
+                                           0,
+                                           -1,
+                                           1.5,
+                                           true,
+                                           "",
+                                           "x",
+                                           json::array(),
+                                           json::array({1}),
+                                           json::object(),
+                                           json{{"type", 1}},
+                                           json{{"type", "text"}}};
   return values;
 }
 
@@ -51,7 +61,8 @@ void run_messages(const json& body) {
   if (!prompt.ok()) return;
   AnthropicResponseBuilder b(chat, *prompt, {"msg_1", 0, "tiny", ""}, 10);
   std::string out = b.stream_start();
-  for (const std::string& text : test::reasoning_answer_call_pieces()) out += b.stream_piece({text, 1, 0, {}});
+  for (const std::string& text : test::reasoning_answer_call_pieces())
+    out += b.stream_piece({text, 1, 0, {}});
   out += b.stream_finish(done());
   EXPECT_FALSE(out.empty());
 }
@@ -80,8 +91,10 @@ TEST(CompatRobustness, NoMessagesBodyThrows) {
           {{{"type", "thinking"}, {"thinking", "call it"}, {"signature", "s"}},
            {{"type", "tool_use"}, {"id", "t1"}, {"name", "get_weather"}, {"input", {{"city", "Paris"}}}}}}},
         {{"role", "user"},
-         {"content", {{{"type", "tool_result"}, {"tool_use_id", "t1"}, {"content", "sunny"}, {"is_error", false}}}}}}},
-      {"tools", {{{"name", "get_weather"}, {"description", "d"}, {"input_schema", test::weather_tool_schema()}}}},
+         {"content",
+          {{{"type", "tool_result"}, {"tool_use_id", "t1"}, {"content", "sunny"}, {"is_error", false}}}}}}},
+      {"tools",
+       {{{"name", "get_weather"}, {"description", "d"}, {"input_schema", test::weather_tool_schema()}}}},
       {"tool_choice", {{"type", "auto"}}},
       {"thinking", {{"type", "enabled"}, {"budget_tokens", 1024}}},
       {"stop_sequences", {"END"}},
@@ -101,11 +114,19 @@ TEST(CompatRobustness, NoResponsesBodyThrows) {
       {"model", "tiny"},
       {"instructions", "Be brief."},
       {"input",
-       {{{"type", "message"}, {"role", "user"}, {"content", {{{"type", "input_text"}, {"text", "Weather?"}}}}},
-        {{"type", "reasoning"}, {"content", {{{"type", "reasoning_text"}, {"text", "call it"}}}}, {"summary", json::array()}},
-        {{"type", "function_call"}, {"call_id", "c1"}, {"name", "get_weather"}, {"arguments", "{\"city\":\"Paris\"}"}},
+       {{{"type", "message"},
+         {"role", "user"},
+         {"content", {{{"type", "input_text"}, {"text", "Weather?"}}}}},
+        {{"type", "reasoning"},
+         {"content", {{{"type", "reasoning_text"}, {"text", "call it"}}}},
+         {"summary", json::array()}},
+        {{"type", "function_call"},
+         {"call_id", "c1"},
+         {"name", "get_weather"},
+         {"arguments", "{\"city\":\"Paris\"}"}},
         {{"type", "function_call_output"}, {"call_id", "c1"}, {"output", "sunny"}}}},
-      {"tools", {{{"type", "function"}, {"name", "get_weather"}, {"parameters", test::weather_tool_schema()}}}},
+      {"tools",
+       {{{"type", "function"}, {"name", "get_weather"}, {"parameters", test::weather_tool_schema()}}}},
       {"tool_choice", {{"type", "function"}, {"name", "get_weather"}}},
       {"reasoning", {{"effort", "low"}}},
       {"text", {{"format", {{"type", "text"}}}}},
@@ -122,17 +143,18 @@ TEST(CompatRobustness, NoResponsesBodyThrows) {
 }
 
 TEST(CompatRobustness, NoChatBodyWithTheVllmFieldsThrows) {
-  json body = {{"model", "tiny"},
-               {"messages", {{{"role", "user"}, {"content", "Hi"}}, {{"role", "assistant"}, {"content", "The"}}}},
-               {"continue_final_message", true},
-               {"add_generation_prompt", false},
-               {"min_tokens", 2},
-               {"max_tokens", 8},
-               {"stop_token_ids", {1, 2}},
-               {"stop", {"END"}},
-               {"include_stop_str_in_output", true},
-               {"reasoning_effort", "low"},
-               {"chat_template_kwargs", {{"enable_thinking", true}, {"preserve_thinking", false}}}};
+  json body = {
+      {"model", "tiny"},
+      {"messages", {{{"role", "user"}, {"content", "Hi"}}, {{"role", "assistant"}, {"content", "The"}}}},
+      {"continue_final_message", true},
+      {"add_generation_prompt", false},
+      {"min_tokens", 2},
+      {"max_tokens", 8},
+      {"stop_token_ids", {1, 2}},
+      {"stop", {"END"}},
+      {"include_stop_str_in_output", true},
+      {"reasoning_effort", "low"},
+      {"chat_template_kwargs", {{"enable_thinking", true}, {"preserve_thinking", false}}}};
   size_t n = 0;
   for_each_mutation(body, [&](const json& b) {
     ++n;
