@@ -31,6 +31,9 @@ json anthropic_error_json(const ApiError& e);
 // count_only: the body of count_tokens (max_tokens is not required there).
 MaybeError anthropic_to_chat_body(const json& body, bool count_only, json& chat_body);
 
+// An error of the translated body, in the Messages API's field names (stop -> stop_sequences).
+ApiError as_messages_error(ApiError e);
+
 // `signature` of a thinking block: "lily1:" + 16 hex digits of the FNV-1a 64-bit hash of the thinking text.
 // It is a digest, not a secret: a client can tell the block is unchanged; lily does not require it back.
 std::string thinking_signature(std::string_view thinking);

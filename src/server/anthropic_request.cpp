@@ -288,6 +288,10 @@ MaybeError anthropic_to_chat_body(const json& body, bool count_only, json& chat)
   return translate_sampling(body, count_only, chat);
 }
 
+ApiError as_messages_error(ApiError e) {
+  return rename_param(std::move(e), {{"stop", "stop_sequences"}});
+}
+
 std::string thinking_signature(std::string_view thinking) {
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a 64
   for (unsigned char c : thinking) h = (h ^ c) * 0x100000001b3ull;

@@ -16,7 +16,7 @@ void Server::handle_messages(const HttpRequest& req, HttpExchange& ex) {
   GenerationRequest g;
   if (auto e = parse_json_body(req.body, body)) return send_error(req, ex, *e);
   if (auto e = anthropic_to_chat_body(body, /*count_only=*/false, chat_body)) return send_error(req, ex, *e);
-  if (auto e = prepare_chat(chat_body, chat, prompt, g)) return send_error(req, ex, *e);
+  if (auto e = prepare_chat(chat_body, chat, prompt, g)) return send_error(req, ex, as_messages_error(*e));
   AnthropicResponseBuilder builder(chat, prompt, response_meta("msg_"), static_cast<int>(g.prompt.size()));
   StreamCallbacks cb = builder_callbacks(builder, chat.stream.stream);
   if (cb.stream) {
@@ -31,7 +31,8 @@ void Server::handle_count_tokens(const HttpRequest& req, HttpExchange& ex) {
   ChatRequest chat;
   if (auto e = parse_json_body(req.body, body)) return send_error(req, ex, *e);
   if (auto e = anthropic_to_chat_body(body, /*count_only=*/true, chat_body)) return send_error(req, ex, *e);
-  if (auto e = parse_chat_request(chat_body, loaded_->served, chat)) return send_error(req, ex, *e);
+  if (auto e = parse_chat_request(chat_body, loaded_->served, chat))
+    return send_error(req, ex, as_messages_error(*e));
   Result<ChatPrompt> prompt = build_chat_prompt(chat);
   if (!prompt.ok()) return send_error(req, ex, from_status(prompt.status(), "messages"));
   ex.send_json(200, dump_json(json{{"input_tokens", loaded_->tokenizer.encode(prompt->text).size()}}));
@@ -44,7 +45,7 @@ void Server::handle_responses(const HttpRequest& req, HttpExchange& ex) {
   GenerationRequest g;
   if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
   if (auto e = responses_to_chat_body(body, chat_body)) return send_error(ex, *e);
-  if (auto e = prepare_chat(chat_body, chat, prompt, g)) return send_error(ex, *e);
+  if (auto e = prepare_chat(chat_body, chat, prompt, g)) return send_error(ex, as_responses_error(*e));
   ResponsesBuilder builder(chat, prompt, body, response_meta("resp_"));
   StreamCallbacks cb = builder_callbacks(builder, chat.stream.stream);
   if (cb.stream) {

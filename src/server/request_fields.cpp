@@ -63,6 +63,20 @@ MaybeError for_each_object(
   return std::nullopt;
 }
 
+ApiError rename_param(ApiError e, std::initializer_list<std::pair<const char*, const char*>> renames) {
+  for (const auto& [from, to] : renames) {
+    const std::string_view f = from;
+    const std::string_view p = e.param;
+    if (!p.starts_with(f) || (p.size() > f.size() && p[f.size()] != '[' && p[f.size()] != '.')) continue;
+    e.param = std::string(to) + e.param.substr(f.size());
+    const std::string quoted = "'" + std::string(from);
+    if (size_t at = e.message.find(quoted); at != std::string::npos)
+      e.message.replace(at, quoted.size(), "'" + std::string(to));
+    break;
+  }
+  return e;
+}
+
 const char* json_type_name(const json& v) {
   switch (v.type()) {
     case json::value_t::null:

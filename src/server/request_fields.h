@@ -4,10 +4,12 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "engine/generation_config.h"
@@ -37,6 +39,9 @@ MaybeError read_required_string(const json& obj, const char* key, const std::str
 // (an object, checked) and its param name ("tools[2]").
 MaybeError for_each_object(const json& body, const char* key,
                            const std::function<MaybeError(const json& element, const std::string& at)>& each);
+// e with its param (and the quoted name in its message) renamed from a chat-completions field to the one the
+// client's API names: {from, to} pairs, matching the whole param or its part before '[' or '.'.
+ApiError rename_param(ApiError e, std::initializer_list<std::pair<const char*, const char*>> renames);
 // The field when it is present and not null.
 const json* field_of(const json& obj, const char* key);
 

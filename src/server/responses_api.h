@@ -27,6 +27,10 @@ namespace lily {
 // A Responses body -> the equivalent chat-completions body.
 MaybeError responses_to_chat_body(const json& body, json& chat_body);
 
+// An error of the translated body, in the Responses API's field names (max_tokens -> max_output_tokens,
+// response_format -> text.format, reasoning_effort -> reasoning.effort).
+ApiError as_responses_error(ApiError e);
+
 class ResponsesBuilder {
  public:
   // body: the request as sent (its tools, instructions, ... are echoed in the response object).

@@ -217,4 +217,10 @@ MaybeError responses_to_chat_body(const json& body, json& chat) {
   return translate_options(body, chat);
 }
 
+ApiError as_responses_error(ApiError e) {
+  return rename_param(std::move(e), {{"max_tokens", "max_output_tokens"},
+                                     {"response_format", "text.format"},
+                                     {"reasoning_effort", "reasoning.effort"}});
+}
+
 }  // namespace lily

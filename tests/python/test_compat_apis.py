@@ -134,6 +134,10 @@ class Compat:
         assert e.body == {"type": "error", "error": {"type": "invalid_request_error", "message": e.body["error"][
             "message"]}}, e.body
         assert "temperature" in e.body["error"]["message"]
+        e = expect_status(lambda: self.claude.messages.create(model="tiny", max_tokens=4, stop_sequences=["a", ""],
+                                                              messages=[{"role": "user", "content": "x"}]),
+                          anthropic.BadRequestError, 400)
+        assert "'stop_sequences[1]'" in e.body["error"]["message"], e.body
         expect_status(lambda: self.claude.messages.create(model="claude-x", max_tokens=4,
                                                           messages=[{"role": "user", "content": "x"}]),
                       anthropic.NotFoundError, 404)
@@ -221,6 +225,9 @@ class Compat:
                           openai.BadRequestError, 400)
         assert e.body["param"] == "tools[0].type", e.body
         expect_status(lambda: self.oai.responses.create(model="nope", input="x"), openai.NotFoundError, 404)
+        e = expect_status(lambda: self.oai.responses.create(model="tiny", input="x", max_output_tokens=10 ** 6),
+                          openai.BadRequestError, 400)  # beyond the context: named as the client sent it
+        assert e.body["param"] == "max_output_tokens" and e.body["code"] == "context_length_exceeded", e.body
 
     # --- tokenizer endpoints ---------------------------------------------------------------------------------
     def test_tokenize_detokenize(self):

@@ -30,6 +30,7 @@ void expect_error(const json& body, const std::string& param, bool count_only = 
   json chat_body;
   MaybeError translated = anthropic_to_chat_body(body, count_only, chat_body);
   MaybeError e = test::first_error(translated, chat_body);
+  if (e) e = as_messages_error(*e);
   ASSERT_TRUE(e.has_value()) << body.dump();
   EXPECT_EQ(e->status, 400) << e->message;
   EXPECT_EQ(e->param, param) << body.dump() << " -> " << e->message;
@@ -128,6 +129,8 @@ TEST(AnthropicRequest, ShapeErrorsNameTheField) {
                "tool_choice");
   expect_error(message({{"temperature", 1.5}}), "temperature");
   expect_error(message({{"stop_sequences", "END"}}), "stop_sequences");
+  expect_error(message({{"stop_sequences", {"END", ""}}}),
+               "stop_sequences[1]");  // checked as 'stop', named back
   json chat_body;
   ChatRequest chat;
   ASSERT_FALSE(anthropic_to_chat_body(message({{"model", "claude-sonnet"}}), false, chat_body));

@@ -31,6 +31,7 @@ void expect_error(const json& body, const std::string& param, const std::string&
   json chat_body;
   MaybeError translated = responses_to_chat_body(body, chat_body);
   MaybeError e = test::first_error(translated, chat_body);
+  if (e) e = as_responses_error(*e);
   ASSERT_TRUE(e.has_value()) << body.dump();
   EXPECT_EQ(e->status, 400) << e->message;
   EXPECT_EQ(e->param, param) << body.dump() << " -> " << e->message;
@@ -96,10 +97,10 @@ TEST(ResponsesRequest, RefusedAndMalformed) {
   expect_error(request({{"tools", {{{"type", "web_search"}}}}}), "tools[0].type", "unsupported_value");
   expect_error(request({{"tools", {{{"type", "function"}}}}}), "tools[0].name");
   expect_error(request({{"reasoning", {{"effort", "extreme"}}}}), "reasoning.effort", "invalid_value");
-  expect_error(request({{"max_output_tokens", 0}}), "max_tokens");
+  expect_error(request({{"max_output_tokens", 0}}), "max_output_tokens");
   expect_error(
       request({{"text", {{"format", {{"type", "json_schema"}, {"name", "x"}, {"schema", json::object()}}}}}}),
-      "response_format.type");
+      "text.format.type");
 }
 
 TEST(ResponsesResponse, StreamEventsAndSequenceNumbers) {
