@@ -22,7 +22,7 @@ BINS=(lily tests/test_cuda_kernels tests/test_cuda)
 if [[ "${1:-}" == pack ]]; then
   mkdir -p "$C" "$TOK"
   for b in "${BINS[@]}"; do xz -T2 -6 -c "$B/$b" > "$C/$(basename "$b").xz" || exit 1; done
-  cp ../shared/fixtures/qwen3-tokenizer/tokenizer.json ../shared/fixtures/qwen3-tokenizer/tokenizer_config.json "$TOK/"
+  cp tests/fixtures/qwen3-tokenizer/tokenizer.json tests/fixtures/qwen3-tokenizer/tokenizer_config.json "$TOK/"
   # the scripts too, so that a tree without them (main, before this branch lands) runs build-carry/gpu_validate_next.sh
   cp scripts/gpu_validate_next.sh scripts/profile_decode.sh scripts/ncu_summary.py "$C/"
   du -sh "$C" "$TOK"

@@ -1,0 +1,34 @@
+// One blob of a hub repository onto disk: resumable (the partial file is kept as <blob>.incomplete and continued
+// with `Range: bytes=N-`), retried after a transport failure, sha256-checked before it takes its final name.
+// HubSession carries the endpoint and the token and turns the hub's error answers into actionable messages.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "hub/hf_cache.h"
+#include "hub/http_client.h"
+#include "util/status.h"
+
+namespace lily {
+
+struct HubSession {
+  std::string endpoint, token;
+  HttpRequest request(const std::string& method, const std::string& url) const;  // with Authorization
+  // A non-success answer about `ref` (and `file`, when about one) as a Status: gated or private (401/403),
+  // missing repository, revision or file (404 or the hub's X-Error-Code), anything else with its status.
+  Status error_for(const HttpResponse& r, const RepoRef& ref, const std::string& file) const;
+};
+
+struct BlobDownload {
+  std::string url, display_name, blob_path;
+  int64_t expected_size = -1;   // -1: unknown
+  std::string expected_sha256;  // empty: not an LFS file (the hub gives no sha256 for those)
+  int retries = 5;
+  bool progress = false;
+};
+
+// Downloads d.url to d.blob_path (through d.blob_path + ".incomplete"). A size or sha256 mismatch deletes the
+// partial file and leaves nothing under the blob's name.
+Status download_blob(const BlobDownload& d, const HubSession& hub);
+
+}  // namespace lily
