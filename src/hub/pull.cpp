@@ -110,11 +110,32 @@ struct BlobMeta {
   int64_t size = -1;
 };
 
+// scheme://host[:port] of a URL, lowercased ("" when it has none).
+std::string url_origin(const std::string& url) {
+  const size_t scheme = url.find("://");
+  if (scheme == std::string::npos) return "";
+  std::string origin = url.substr(0, url.find('/', scheme + 3));
+  for (char& c : origin) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return origin;
+}
+
+// As huggingface_hub: redirects that stay on the hub's host (a renamed repository) are followed; one to another
+// host (the CDN) is not, since the file's metadata is on that redirect and the token must not leave the hub.
 Result<BlobMeta> head_blob(const std::string& url, const RepoRef& ref, const RepoFile& f, const HubSession& hub) {
-  HttpRequest req = hub.request("HEAD", url);
-  req.follow_redirects = false;  // the CDN redirect's own headers are not the file's
-  req.headers.push_back("Accept-Encoding: identity");
-  ASSIGN_OR_RETURN(HttpResponse r, http_request(req));
+  HttpResponse r;
+  std::string at = url;
+  for (int hop = 0;; ++hop) {
+    HttpRequest req = hub.request("HEAD", at);
+    req.follow_redirects = false;
+    req.headers.push_back("Accept-Encoding: identity");
+    ASSIGN_OR_RETURN(r, http_request(req));
+    std::string location = r.header("location");
+    if (r.status / 100 != 3 || location.empty()) break;
+    if (location.front() == '/') location = url_origin(at) + location;
+    if (url_origin(location) != url_origin(at)) break;
+    if (hop == 10) return io_error("%s: more than 10 redirects", url.c_str());
+    at = location;
+  }
   if (r.status / 100 != 2 && r.status / 100 != 3) return hub.error_for(r, ref, f.path);
   BlobMeta m;
   m.etag = normalize_etag(!r.header("x-linked-etag").empty() ? r.header("x-linked-etag") : r.header("etag"));
