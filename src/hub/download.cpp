@@ -1,6 +1,12 @@
 #include "hub/download.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -46,6 +52,29 @@ class ProgressBar {
   int64_t total_, start_bytes_ = 0;
   bool on_;
   Clock::time_point start_ = Clock::now(), last_{};
+};
+
+// An exclusive flock on `path` for the object's lifetime (fd < 0: could not be taken; the error says why).
+class FileLock {
+ public:
+  explicit FileLock(const std::string& path, const std::string& what) {
+    std::error_code ec;
+    fs::create_directories(fs::path(path).parent_path(), ec);
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0664);
+    if (fd_ < 0) return;
+    if (::flock(fd_, LOCK_EX | LOCK_NB) == 0) return;
+    std::fprintf(stderr, "lily pull: %s: waiting for another download of it (%s)\n", what.c_str(), path.c_str());
+    if (::flock(fd_, LOCK_EX) != 0) ::close(fd_), fd_ = -1;
+  }
+  ~FileLock() {
+    if (fd_ >= 0) ::close(fd_);  // closing releases the lock
+  }
+  FileLock(const FileLock&) = delete;
+  FileLock& operator=(const FileLock&) = delete;
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
 };
 
 int64_t file_size_or_zero(const fs::path& p) {
@@ -117,6 +146,10 @@ Status HubSession::error_for(const HttpResponse& r, const RepoRef& ref, const st
 
 Status download_blob(const BlobDownload& d, const HubSession& hub) {
   const fs::path part = d.blob_path + ".incomplete";
+  FileLock lock(d.lock_path, d.display_name);
+  if (!lock.held()) return io_error("%s: cannot lock: %s", d.lock_path.c_str(), std::strerror(errno));
+  std::error_code exists_ec;
+  if (fs::exists(d.blob_path, exists_ec)) return ok_status();  // another process finished it meanwhile
   ProgressBar bar(d.display_name, d.expected_size, d.progress);
   Status last;
   for (int attempt = 0; attempt <= d.retries; ++attempt) {

@@ -21,14 +21,18 @@ struct HubSession {
 
 struct BlobDownload {
   std::string url, display_name, blob_path;
+  // Held (flock) while the blob is written: the lock file huggingface_hub takes for the same blob, so two
+  // downloads of one blob, by lily or by Python, never write the same .incomplete file at once.
+  std::string lock_path;
   int64_t expected_size = -1;   // -1: unknown
   std::string expected_sha256;  // empty: not an LFS file (the hub gives no sha256 for those)
   int retries = 5;
   bool progress = false;
 };
 
-// Downloads d.url to d.blob_path (through d.blob_path + ".incomplete"). A size or sha256 mismatch deletes the
-// partial file and leaves nothing under the blob's name.
+// Downloads d.url to d.blob_path (through d.blob_path + ".incomplete") unless another process finished it while
+// this one waited for the lock. A size or sha256 mismatch deletes the partial file and leaves nothing under the
+// blob's name.
 Status download_blob(const BlobDownload& d, const HubSession& hub);
 
 }  // namespace lily

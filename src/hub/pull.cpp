@@ -3,13 +3,12 @@
 #include <fnmatch.h>
 #include <unistd.h>
 
-#include <chrono>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <thread>
 
 #include "hub/download.h"
 #include "hub/hf_cache.h"
@@ -224,6 +223,7 @@ Result<std::string> pull_model(const PullOptions& o) {
     if (!fs::exists(blob, ec)) {
       BlobDownload d;
       d.url = url, d.display_name = f.path, d.blob_path = blob.string();
+      d.lock_path = (fs::path(o.cache_dir) / ".locks" / ref.folder_name() / (meta.etag + ".lock")).string();
       d.expected_size = meta.size, d.expected_sha256 = f.lfs_sha256;
       d.retries = o.retries, d.progress = o.progress;
       RETURN_IF_ERROR(download_blob(d, hub).with_context(ref.repo_id + "/" + f.path));

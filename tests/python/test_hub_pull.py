@@ -213,6 +213,31 @@ class Cases:
             assert not os.path.lexists(os.path.join(snaps, commit, WEIGHTS))
         assert not os.path.exists(os.path.join(repo, "refs", "main")), "an incomplete snapshot gets no ref"
 
+    def test_waits_for_a_download_in_progress(self):
+        # The blob's lock is the file huggingface_hub locks (fcntl.flock) while it downloads the same blob.
+        import fcntl
+        cache = os.path.join(self.work, "cache-locked")
+        lock = os.path.join(cache, ".locks", "models--org--tiny", sha256(os.path.join(self.model_dir, WEIGHTS)) + ".lock")
+        os.makedirs(os.path.dirname(lock), exist_ok=True)
+        with open(lock, "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            start = len(self.hub.log())
+            p = subprocess.Popen([LILY_BIN, "pull", "--no-progress", "org/tiny"], env=self.env(cache),
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            deadline = time.time() + 30
+            while not self.hub_saw_head_of(WEIGHTS, "org/tiny", start) and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
+            assert p.poll() is None, "lily pull must wait while the blob is locked"
+            fcntl.flock(held, fcntl.LOCK_UN)
+        out, err = p.communicate(timeout=60)
+        assert p.returncode == 0 and "waiting for another download" in err, err
+        self.expect_same_files(out.strip())
+
+    def hub_saw_head_of(self, name, repo_id, since):
+        return any(e["method"] == "HEAD" and e["path"].startswith("/%s/resolve/" % repo_id) and e["path"].endswith(
+            "/" + name) for e in self.hub.log()[since:])
+
     def test_include_exclude(self):
         cache = os.path.join(self.work, "cache-filtered")
         r = self.pull("--include", "*.json", "--exclude", "tokenizer*", "org/tiny", cache=cache)
