@@ -37,8 +37,9 @@ class ProgressBar {
     const int width = 30, filled = static_cast<int>(frac * width);
     std::string bar(static_cast<size_t>(filled), '=');
     if (filled < width) bar += '>', bar += std::string(static_cast<size_t>(width - filled - 1), ' ');
-    std::fprintf(stderr, "\r  %-32.32s [%s] %3d%%  %.1f/%.1f MB  %.1f MB/s ", name_.c_str(), bar.c_str(),
-                 static_cast<int>(frac * 100), done / 1e6, total_ / 1e6, rate / 1e6);
+    std::fprintf(stderr, "\r  %-32.32s [%s] %3d%%  %s / %s  %s/s   ", name_.c_str(), bar.c_str(),
+                 static_cast<int>(frac * 100), human_bytes(done).c_str(), human_bytes(total_).c_str(),
+                 human_bytes(static_cast<int64_t>(rate)).c_str());
   }
   void set_start(int64_t bytes) { start_bytes_ = bytes; }
   void finish(int64_t done) {
@@ -115,6 +116,12 @@ Status fetch_rest(const BlobDownload& d, const HubSession& hub, const fs::path& 
 }
 
 }  // namespace
+
+std::string human_bytes(int64_t n) {
+  if (n >= 1000000000) return format("%.2f GB", n / 1e9);
+  if (n >= 1000000) return format("%.1f MB", n / 1e6);
+  return format("%.1f kB", n / 1e3);
+}
 
 HttpRequest HubSession::request(const std::string& method, const std::string& url) const {
   HttpRequest r;

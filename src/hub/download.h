@@ -30,6 +30,8 @@ struct BlobDownload {
   bool progress = false;
 };
 
+std::string human_bytes(int64_t n);  // "12.3 MB", "1.25 GB", "0.4 kB"
+
 // Downloads d.url to d.blob_path (through d.blob_path + ".incomplete") unless another process finished it while
 // this one waited for the lock. A size or sha256 mismatch deletes the partial file and leaves nothing under the
 // blob's name.

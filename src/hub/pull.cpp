@@ -180,12 +180,6 @@ Status write_ref(const fs::path& repo_dir, const RepoRef& ref, const std::string
   return ok_status();
 }
 
-std::string human_bytes(int64_t n) {
-  if (n >= (int64_t{1} << 30)) return format("%.2f GB", n / 1e9);
-  if (n >= (int64_t{1} << 20)) return format("%.1f MB", n / 1e6);
-  return format("%.1f kB", n / 1e3);
-}
-
 }  // namespace
 
 PullOptions pull_options_from_env() {
