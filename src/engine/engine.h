@@ -1,5 +1,5 @@
 // Engine: the generation loop over one backend, with the session cache that lets the next turn of a
-// conversation prefill only its new tokens (shared/DESIGN.md section 2). Batch 1: one request runs at a time;
+// conversation prefill only its new tokens (docs/DESIGN.md section 2). Batch 1: one request runs at a time;
 // the caller (CLI or the server's scheduler) serialises calls. The backend may be CPU or CUDA: when a request
 // needs nothing the device sampler lacks (penalties, logit_bias, logprobs), decoding uses
 // Backend::generate_on_device; otherwise logits come to the host and Sampler (engine/sampler.h) picks the token.

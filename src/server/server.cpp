@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "server/anthropic_api.h"
+#include "server/chat_page.h"
 #include "server/generation_job.h"
 #include "server/loaded_model.h"
 #include "server/sse.h"
@@ -239,11 +240,12 @@ void Server::handle_models(const HttpRequest& req, HttpExchange& ex) {
 void Server::handle(const HttpRequest& req, HttpExchange& ex) {
   using Clock = std::chrono::steady_clock;
   const std::string& p = req.path;
+  const ChatPageAsset* page = find_chat_page_asset(p);
   const bool compat = p == "/v1/messages" || p == "/v1/messages/count_tokens" || p == "/v1/responses" ||
                       p == "/tokenize" || p == "/detokenize";
   const bool post = p == "/v1/chat/completions" || p == "/v1/completions" || p == "/apply-template" || compat;
-  const bool known = p == "/" || p == "/index.html" || p == "/chat.js" || p == "/health" || p == "/metrics" ||
-                     p == "/v1/models" || p.starts_with("/v1/models/") || post;
+  const bool known = page != nullptr || p == "/health" || p == "/metrics" || p == "/v1/models" ||
+                     p.starts_with("/v1/models/") || post;
   const std::string endpoint = p.starts_with("/v1/models/") ? "/v1/models/{id}" : known ? p : "other";
   const auto t0 = Clock::now();
   struct Recorder {  // records the request however the handler returns
@@ -266,8 +268,7 @@ void Server::handle(const HttpRequest& req, HttpExchange& ex) {
                                format("%s does not accept %s", p.c_str(), req.method.c_str()), "",
                                "method_not_allowed"});
   }
-  if (p == "/" || p == "/index.html") return ex.send(200, "text/html; charset=utf-8", kChatPageHtml);
-  if (p == "/chat.js") return ex.send(200, "text/javascript; charset=utf-8", kChatPageJs);
+  if (page != nullptr) return ex.send(200, page->content_type, page->body, chat_page_headers());
   if (p == "/health") return handle_health(ex);
   if (p == "/metrics") {
     return ex.send(200, "text/plain; version=0.0.4; charset=utf-8", metrics_.render(live_gauges()));

@@ -141,8 +141,4 @@ Server::StreamCallbacks Server::builder_callbacks(Builder& builder, bool stream)
   return cb;
 }
 
-// The chat page (src/server/static/), embedded: chat_page.cpp.
-extern const char* const kChatPageHtml;
-extern const char* const kChatPageJs;
-
 }  // namespace lily
