@@ -10,6 +10,7 @@
 #include <filesystem>
 
 #include "engine/model_loader.h"
+#include "server/anthropic_api.h"
 #include "server/chat_page.h"
 #include "server/generation_job.h"
 #include "server/loaded_model.h"
@@ -136,15 +137,26 @@ void Server::send_error(HttpExchange& ex, const ApiError& e) {
   ex.send_json(e.status, error_body(e), headers);
 }
 
+void Server::send_error(const HttpRequest& req, HttpExchange& ex, const ApiError& e) {
+  if (!is_anthropic_path(req.path)) return send_error(ex, e);
+  HttpHeaders headers;
+  if (e.status == 429 || e.status == 503) headers.emplace_back("Retry-After", "1");
+  ex.send_json(e.status, anthropic_error_body(e), headers);
+}
+
+// `Authorization: Bearer KEY`, or `x-api-key: KEY` (what Anthropic's clients send).
 bool Server::authorized(const HttpRequest& req, HttpExchange& ex) {
   if (options_.api_key.empty()) return true;
   std::string auth = req.header("authorization");
+  std::string x_api_key = req.header("x-api-key");
   if (bearer_token_matches(auth, options_.api_key)) return true;
+  if (!x_api_key.empty() && bearer_token_matches("Bearer " + x_api_key, options_.api_key)) return true;
   ApiError e{401, "invalid_request_error",
-             auth.empty() ? "Missing API key: send the header `Authorization: Bearer KEY`."
-                          : "Incorrect API key provided.",
+             auth.empty() && x_api_key.empty()
+                 ? "Missing API key: send the header `Authorization: Bearer KEY` or `x-api-key: KEY`."
+                 : "Incorrect API key provided.",
              "", "invalid_api_key"};
-  send_error(ex, e);
+  send_error(req, ex, e);
   return false;
 }
 
@@ -201,10 +213,11 @@ void Server::handle(const HttpRequest& req, HttpExchange& ex) {
   using Clock = std::chrono::steady_clock;
   const std::string& p = req.path;
   const ChatPageAsset* page = find_chat_page_asset(p);
-  const bool known = page != nullptr || p == "/health" || p == "/metrics" ||
-                     p == "/v1/models" || p.starts_with("/v1/models/") || p == "/v1/chat/completions" ||
-                     p == "/v1/completions" || p == "/apply-template";
-  const bool post = p == "/v1/chat/completions" || p == "/v1/completions" || p == "/apply-template";
+  const bool compat = p == "/v1/messages" || p == "/v1/messages/count_tokens" || p == "/v1/responses" ||
+                      p == "/tokenize" || p == "/detokenize";
+  const bool post = p == "/v1/chat/completions" || p == "/v1/completions" || p == "/apply-template" || compat;
+  const bool known = page != nullptr || p == "/health" || p == "/metrics" || p == "/v1/models" ||
+                     p.starts_with("/v1/models/") || post;
   const std::string endpoint = p.starts_with("/v1/models/") ? "/v1/models/{id}" : known ? p : "other";
   const auto t0 = Clock::now();
   struct Recorder {  // records the request however the handler returns
@@ -218,13 +231,14 @@ void Server::handle(const HttpRequest& req, HttpExchange& ex) {
     }
   }};
   if (!known) {
-    return send_error(ex, ApiError{404, "invalid_request_error", "Unknown endpoint " + req.method + " " + p,
-                                   "", "not_found"});
+    return send_error(
+        req, ex, ApiError{404, "invalid_request_error", "Unknown endpoint " + req.method + " " + p, "", "not_found"});
   }
   if (req.method != (post ? "POST" : "GET")) {
-    return send_error(ex, ApiError{405, "invalid_request_error",
-                                   format("%s does not accept %s", p.c_str(), req.method.c_str()), "",
-                                   "method_not_allowed"});
+    return send_error(req, ex,
+                      ApiError{405, "invalid_request_error",
+                               format("%s does not accept %s", p.c_str(), req.method.c_str()), "",
+                               "method_not_allowed"});
   }
   if (page != nullptr) return ex.send(200, page->content_type, page->body, chat_page_headers());
   if (p == "/health") return handle_health(ex);
@@ -235,15 +249,20 @@ void Server::handle(const HttpRequest& req, HttpExchange& ex) {
   if (p.starts_with("/v1/models")) return handle_models(req, ex);
   if (state_.load() != State::ready) {
     return send_error(
-        ex, server_error(503,
+        req, ex, server_error(503,
                          state_.load() == State::loading ? "The model is still loading; retry shortly."
                                                          : "The model failed to load: " + load_error_,
                          "model_not_ready"));
   }
   if (shutting_down_.load())
-    return send_error(ex, server_error(503, "The server is shutting down.", "shutting_down"));
+    return send_error(req, ex, server_error(503, "The server is shutting down.", "shutting_down"));
   if (p == "/v1/chat/completions") return handle_chat(req, ex);
   if (p == "/v1/completions") return handle_completions(req, ex);
+  if (p == "/v1/messages") return handle_messages(req, ex);
+  if (p == "/v1/messages/count_tokens") return handle_count_tokens(req, ex);
+  if (p == "/v1/responses") return handle_responses(req, ex);
+  if (p == "/tokenize") return handle_tokenize(req, ex);
+  if (p == "/detokenize") return handle_detokenize(req, ex);
   return handle_apply_template(req, ex);
 }
 

@@ -6,7 +6,7 @@
 //    1,025-row prefill against the one taken between two forwards, then a table of wall times
 //    (cudaDeviceSynchronize around each step) for every step of a request as Engine::generate runs it, and last
 //    the engine's TTFT (GenerationResult) for a 1,026-token prompt. The engine part needs a tokenizer.json:
-//    $LILY_TOKENIZER_DIR, else the test fixture; without one it prints a note and skips only that part.
+//    $LILY_TOKENIZER_DIR, else tests/fixtures/qwen3-tokenizer; without one it prints a note and skips only that part.
 // Timings assert nothing.
 #include <gtest/gtest.h>
 
@@ -231,8 +231,8 @@ double median(std::vector<double> v) {
 std::optional<Tokenizer> find_tokenizer() {
   std::vector<std::filesystem::path> dirs;
   if (const char* env = std::getenv("LILY_TOKENIZER_DIR")) dirs.emplace_back(env);
-  dirs.emplace_back(LILY_SHARED_DIR "/fixtures/qwen3-tokenizer");
-  dirs.emplace_back("shared/fixtures/qwen3-tokenizer");
+  dirs.emplace_back(LILY_FIXTURES_DIR "/qwen3-tokenizer");
+  dirs.emplace_back("tests/fixtures/qwen3-tokenizer");  // run from the repository root with the binary carried
   for (const auto& d : dirs) {
     std::error_code ec;
     if (!std::filesystem::exists(d / "tokenizer.json", ec)) continue;
