@@ -1,0 +1,322 @@
+// The persistent decode kernel (step.cuh): a loader lane streams pages of weights ahead, eight consumer warps
+// wait for their inputs through counters and compute from shared memory.
+#include "cuda/kernels/quant_dot.cuh"
+#include "cuda/megakernel/step.cuh"
+
+#include <cstring>
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define LILY_MK_DEVICE 1
+#endif
+
+namespace lily::cuda::mk {
+
+namespace {
+
+constexpr int kConsumerThreads = 32 * kConsumerWarps;
+constexpr int kXFloats = xpad_floats(4096);
+// Page layout (both widths): 32 KB of packed weights, then 2 KB of scales, then 2 KB of biases.
+constexpr int kScalesAt = 32768;
+constexpr int kBiasesAt = 34816;
+constexpr size_t kSmemBytes = size_t{kPages} * kPageBytes + kXFloats * 4 + 32 * 4 + 2 * kPages * 8;
+
+__host__ __device__ constexpr int rows_per_page(int cols) { return cols == 2048 ? 32 : 16; }
+
+#if defined(LILY_MK_DEVICE)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+// Returns once the phase of parity `parity` has completed (a fresh barrier counts parity 1 as completed).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(void* dst_s, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst_s)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+__device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_add(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// The consumer warps' own barrier (the loader warp never joins it).
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory"); }
+
+struct Ring {
+  char* pages;
+  uint64_t* full;   // [kPages]: the bulk copies of a page landed (1 arrival + transaction bytes)
+  uint64_t* empty;  // [kPages]: every consumer warp is done reading it (kConsumerWarps arrivals)
+};
+
+// The loader lane: every page of every instruction of the block, in order, as soon as the ring has room.
+__device__ void run_loader(const ProgramView& pv, int begin, int end, const Ring& ring) {
+  uint32_t k = 0;
+  for (int i = begin; i < end; ++i) {
+    const Instr in = pv.instrs[i];
+    const QMatrix m = pv.ops[in.op].m;
+    const int rpp = rows_per_page(m.cols);
+    for (int r0 = in.row_begin; r0 < in.row_end; r0 += rpp, ++k) {
+      const int p = static_cast<int>(k % kPages);
+      const uint32_t n = static_cast<uint32_t>(min(rpp, in.row_end - r0));
+      mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);
+      char* page = ring.pages + p * kPageBytes;
+      const uint32_t w_bytes = n * m.cols / 2, sb_bytes = n * m.cols / 32;
+      mbar_expect_tx(&ring.full[p], w_bytes + 2 * sb_bytes);
+      const size_t row_w = static_cast<size_t>(r0) * m.cols / 2, row_sb = static_cast<size_t>(r0) * m.cols / 32;
+      bulk_copy(page, reinterpret_cast<const char*>(m.w) + row_w, w_bytes, &ring.full[p]);
+      bulk_copy(page + kScalesAt, reinterpret_cast<const char*>(m.scales) + row_sb, sb_bytes, &ring.full[p]);
+      bulk_copy(page + kBiasesAt, reinterpret_cast<const char*>(m.biases) + row_sb, sb_bytes, &ring.full[p]);
+    }
+  }
+}
+
+// Waits until every counter op reads has reached its target for this step.
+__device__ __forceinline__ void wait_inputs(const ProgramView& pv, const Op& op, unsigned long long epoch) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int w = 0; w < kMaxWaits; ++w) {
+      if (op.wait[w] < 0) continue;
+      const unsigned long long target = (epoch + 1) * op.wait_count[w];
+      while (ld_acquire(pv.counters + op.wait[w]) < target) __nanosleep(32);
+    }
+  }
+  consumer_sync();
+}
+
+// x_s (padded) = in, or in / RMS(in) * norm_w. Activations are read through the L2 (__ldcg): other SMs wrote them
+// in this step, and this SM's L1 may hold last step's lines.
+__device__ void load_x(const Op& op, float* x_s, float* red_s) {
+  constexpr int kPerThread = 4;  // float4s: 4096 columns at most
+  const int cols = op.m.cols, n4 = cols / 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float4* in4 = reinterpret_cast<const float4*>(op.in);
+  float4 v[kPerThread];
+  float ss = 0.0f;
+#pragma unroll
+  for (int t = 0; t < kPerThread; ++t) {
+    const int i = threadIdx.x + t * kConsumerThreads;
+    v[t] = i < n4 ? __ldcg(in4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    ss += (v[t].x * v[t].x + v[t].y * v[t].y) + (v[t].z * v[t].z + v[t].w * v[t].w);
+  }
+  float inv_rms = 1.0f;
+  const bool norm = op.flags & kRmsNorm;
+  if (norm) {
+    ss = warp_sum(ss);
+    if (lane == 0) red_s[warp] = ss;
+    consumer_sync();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) total += red_s[w];
+    inv_rms = rsqrtf(total / static_cast<float>(cols) + op.eps);
+  }
+  const float4* w4 = reinterpret_cast<const float4*>(op.norm_w);
+#pragma unroll
+  for (int t = 0; t < kPerThread; ++t) {
+    const int i = threadIdx.x + t * kConsumerThreads;
+    if (i < n4) {
+      const float4 w = norm ? __ldg(w4 + i) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+      *reinterpret_cast<float4*>(x_s + xpad(4 * i)) =
+          make_float4(v[t].x * inv_rms * w.x, v[t].y * inv_rms * w.y, v[t].z * inv_rms * w.z, v[t].w * inv_rms * w.w);
+    }
+  }
+  consumer_sync();
+}
+
+// The pages of one gemv instruction: warp w takes rows 4w..4w+3 (2048 columns) or 2w..2w+1 (4096) of each page;
+// lane j reads the 16-byte vectors v * 32 + j of those rows, so its slices of x are loaded once per page.
+template <int COLS>
+__device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, const Ring& ring, uint32_t& k) {
+  constexpr int kRpp = rows_per_page(COLS);
+  constexpr int kRpw = kRpp / kConsumerWarps;
+  constexpr int kVecsPerRow = COLS / kVecElems4;
+  constexpr int kV = kVecsPerRow / 32;
+  constexpr int kLanesPerRow = 32 / kRpw;  // after the reduce-scatter: lane j holds row j / kLanesPerRow
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * kRpw;
+  for (int r0 = in.row_begin; r0 < in.row_end; r0 += kRpp, ++k) {
+    const int p = static_cast<int>(k % kPages), n = min(kRpp, in.row_end - r0);
+    mbar_wait(&ring.full[p], (k / kPages) & 1);
+    const char* page = ring.pages + p * kPageBytes;
+    const unsigned short* s_s = reinterpret_cast<const unsigned short*>(page + kScalesAt);
+    const unsigned short* b_s = reinterpret_cast<const unsigned short*>(page + kBiasesAt);
+    float part[kRpw];
+#pragma unroll
+    for (int r = 0; r < kRpw; ++r) part[r] = 0.0f;
+    const bool active = row0 < n;  // n is a multiple of kRpw (slices are whole quanta)
+    if (active) {
+#pragma unroll
+      for (int v = 0; v < kV; ++v) {
+        float x[32];
+        const int vec = v * 32 + lane;
+        const float x_sum = load_x_vec(x_s, vec, x);
+#pragma unroll
+        for (int r = 0; r < kRpw; ++r) {
+          const uint4 w = *reinterpret_cast<const uint4*>(page + ((row0 + r) * kVecsPerRow + vec) * 16);
+          const int g = (row0 + r) * (COLS / 64) + vec / 2;
+          part[r] += q4_group_term(dot_q4_vec(w, x), x_sum, s_s[g], b_s[g]);
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&ring.empty[p]);  // the page is free once every lane has read it
+    if (active) {
+      group_reduce_scatter<kRpw, 32>(part, lane);
+      if (lane % kLanesPerRow == 0) {
+        const int row = r0 + row0 + lane / kLanesPerRow;
+        float y = part[0];
+        if (op.flags & kResidual) y += __ldcg(op.residual + row);
+        op.out[row] = y;
+      }
+    }
+  }
+}
+
+__device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring,
+                              float* x_s, float* red_s) {
+  uint32_t k = 0;
+  for (int i = begin; i < end; ++i) {
+    const Instr in = pv.instrs[i];
+    const Op op = pv.ops[in.op];
+    wait_inputs(pv, op, epoch);
+    load_x(op, x_s, red_s);
+    if (op.m.cols == 2048) {
+      gemv_pages<2048>(op, in, x_s, ring, k);
+    } else {
+      gemv_pages<4096>(op, in, x_s, ring, k);
+    }
+    consumer_sync();  // every store of the instruction issued (and x_s free for the next one)
+    if (threadIdx.x == 0) {
+      __threadfence();
+      red_release_add(pv.counters + op.signal, 1);
+    }
+  }
+}
+
+#endif  // LILY_MK_DEVICE
+
+__global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant__ ProgramView pv) {
+#if defined(LILY_MK_DEVICE)
+  extern __shared__ __align__(128) char smem[];
+  Ring ring;
+  ring.pages = smem;
+  float* x_s = reinterpret_cast<float*>(smem + kPages * kPageBytes);
+  float* red_s = x_s + kXFloats;
+  ring.full = reinterpret_cast<uint64_t*>(red_s + 32);
+  ring.empty = ring.full + kPages;
+  const int b = blockIdx.x, begin = pv.list_begin[b], end = pv.list_begin[b + 1];
+  const unsigned long long epoch = pv.epochs[b];  // read by every thread before thread 0 advances it
+  if (threadIdx.x == 0) {
+    for (int p = 0; p < kPages; ++p) {
+      mbar_init(&ring.full[p], 1);
+      mbar_init(&ring.empty[p], kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5;
+  if (warp == kConsumerWarps) {
+    if ((threadIdx.x & 31) == 0) run_loader(pv, begin, end, ring);
+    return;
+  }
+  run_consumers(pv, begin, end, epoch, ring, x_s, red_s);
+  if (threadIdx.x == 0) pv.epochs[b] = epoch + 1;
+#endif
+}
+
+}  // namespace
+
+size_t step_smem_bytes() { return kSmemBytes; }
+
+bool step_supported() {
+  int dev = 0;
+  cudaDeviceProp prop{};
+  cudaFuncAttributes attr{};
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) return false;
+  if (cudaFuncGetAttributes(&attr, step_kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  // ptxVersion: the virtual architecture the kernel was compiled for; below 90 its body is empty.
+  return prop.major >= 9 && attr.ptxVersion >= 90 && prop.sharedMemPerBlockOptin >= kSmemBytes &&
+         prop.cooperativeLaunch;
+}
+
+Result<std::unique_ptr<DeviceProgram>> DeviceProgram::upload(const Program& p) {
+  if (p.list_begin().size() < 2) return invalid_argument("megakernel: the program has no schedule");
+  std::unique_ptr<DeviceProgram> d(new DeviceProgram());
+  auto copy = [&](const void* src, size_t bytes, void** dst) -> Status {
+    if (cudaMalloc(dst, bytes > 0 ? bytes : 16) != cudaSuccess)
+      return error(ErrorCode::internal, "megakernel: cudaMalloc of %zu bytes failed", bytes);
+    d->allocations_.push_back(*dst);
+    if (src && bytes > 0 && cudaMemcpy(*dst, src, bytes, cudaMemcpyHostToDevice) != cudaSuccess)
+      return error(ErrorCode::internal, "megakernel: upload failed");
+    if (!src && cudaMemset(*dst, 0, bytes) != cudaSuccess) return error(ErrorCode::internal, "megakernel: memset");
+    return ok_status();
+  };
+  void *ops, *instrs, *list, *counters, *epochs;
+  const int n_blocks = static_cast<int>(p.list_begin().size()) - 1;
+  d->n_counters_ = static_cast<int>(p.ops().size());
+  RETURN_IF_ERROR(copy(p.ops().data(), p.ops().size() * sizeof(Op), &ops));
+  RETURN_IF_ERROR(copy(p.instrs().data(), p.instrs().size() * sizeof(Instr), &instrs));
+  RETURN_IF_ERROR(copy(p.list_begin().data(), p.list_begin().size() * sizeof(int), &list));
+  RETURN_IF_ERROR(copy(nullptr, d->n_counters_ * sizeof(unsigned long long), &counters));
+  RETURN_IF_ERROR(copy(nullptr, n_blocks * sizeof(unsigned long long), &epochs));
+  d->view_.ops = static_cast<const Op*>(ops);
+  d->view_.instrs = static_cast<const Instr*>(instrs);
+  d->view_.list_begin = static_cast<const int*>(list);
+  d->view_.counters = static_cast<unsigned long long*>(counters);
+  d->view_.epochs = static_cast<unsigned long long*>(epochs);
+  d->view_.n_blocks = n_blocks;
+  if (cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+    return error(ErrorCode::unsupported, "megakernel: %zu bytes of shared memory per block not available", kSmemBytes);
+  Result<std::unique_ptr<DeviceProgram>> done(std::move(d));
+  return done;
+}
+
+DeviceProgram::~DeviceProgram() {
+  for (void* a : allocations_) cudaFree(a);
+}
+
+cudaError_t DeviceProgram::launch(cudaStream_t stream) const {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;  // every block resident at once: the counter waits need it
+  attr[0].val.cooperative = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(view_.n_blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CUDA_TRY(cudaLaunchKernelEx(&cfg, step_kernel, view_));
+  return cudaGetLastError();
+}
+
+Result<std::vector<unsigned long long>> DeviceProgram::counters() const {
+  std::vector<unsigned long long> v(static_cast<size_t>(n_counters_));
+  if (cudaMemcpy(v.data(), view_.counters, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return error(ErrorCode::internal, "megakernel: reading the counters failed");
+  return v;
+}
+
+}  // namespace lily::cuda::mk
