@@ -37,7 +37,7 @@ Result<int> Program::add_gemv(const QMatrix& m, const float* in, float* out, std
     return invalid_argument("megakernel gemv: waits on %zu ops (at most %d)", waits.size(), kMaxWaits);
   Op op;
   op.code = Opcode::gemv_q4;
-  op.flags = static_cast<uint16_t>((norm_w ? kRmsNorm : 0) | (residual ? kResidual : 0));
+  op.flags = static_cast<uint16_t>((norm_w ? kRmsNorm : 0) | (residual ? kResidual : 0) | (int8_x_ ? kInt8X : 0));
   op.m = m, op.in = in, op.norm_w = norm_w, op.eps = eps, op.residual = residual, op.out = out;
   const int id = static_cast<int>(ops_.size());
   for (size_t i = 0; i < waits.size(); ++i) {
@@ -46,6 +46,17 @@ Result<int> Program::add_gemv(const QMatrix& m, const float* in, float* out, std
   }
   op.signal = id;
   ops_.push_back(op);
+  return id;
+}
+
+Result<int> Program::add_gemv_tagged(const QMatrix& m, const void* in, bool in_tagged, void* out, bool out_tagged,
+                                     std::vector<int> waits, const float* norm_w, float eps, const void* residual,
+                                     bool residual_tagged) {
+  ASSIGN_OR_RETURN(const int id, add_gemv(m, static_cast<const float*>(in), static_cast<float*>(out), std::move(waits),
+                                          norm_w, eps, static_cast<const float*>(residual)));
+  ops_[id].flags = static_cast<uint16_t>(ops_[id].flags | (in_tagged ? kTaggedIn : 0) |
+                                         (residual && residual_tagged ? kTaggedResidual : 0) |
+                                         (out_tagged ? kTaggedOut : 0));
   return id;
 }
 
@@ -99,6 +110,55 @@ std::string Program::describe() const {
     s += line;
   }
   return s;
+}
+
+std::string Program::summarize_trace(const std::vector<unsigned long long>& marks) const {
+  if (marks.size() != instrs_.size() * kTraceMarks) return "no timeline\n";
+  struct Sum {
+    double wait = 0, x = 0, pages = 0, page_wait = 0, sync = 0, signal = 0, max_x = 0, max_pages = 0;
+    unsigned long long first_done = ~0ull;
+    unsigned long long first_ready = ~0ull, last_done = 0, first_start = ~0ull;
+    int n = 0;
+  };
+  std::vector<Sum> per_op(ops_.size());
+  unsigned long long t0 = ~0ull;
+  for (size_t i = 0; i < instrs_.size(); ++i) {
+    const unsigned long long* m = &marks[i * kTraceMarks];
+    Sum& s = per_op[static_cast<size_t>(instrs_[i].op)];
+    s.wait += static_cast<double>(m[1] - m[0]);
+    s.x += static_cast<double>(m[2] - m[1]);
+    s.pages += static_cast<double>(m[3] - m[2]);
+    s.page_wait += static_cast<double>(m[6]);
+    s.max_x = std::max(s.max_x, static_cast<double>(m[2] - m[1]));
+    s.max_pages = std::max(s.max_pages, static_cast<double>(m[3] - m[2]));
+    s.first_done = std::min(s.first_done, m[5]);
+    s.sync += static_cast<double>(m[4] - m[3]);
+    s.signal += static_cast<double>(m[5] - m[4]);
+    s.first_start = std::min(s.first_start, m[0]);
+    s.first_ready = std::min(s.first_ready, m[1]);
+    s.last_done = std::max(s.last_done, m[5]);
+    ++s.n;
+    t0 = std::min(t0, m[0]);
+  }
+  std::string out =
+      "op  rows x cols   instrs  wait us  x us (max)  pages us (waited, max)  sync us  signal us  first ready us  "
+      "done us (first, last)  gap us\n";
+  for (size_t o = 0; o < ops_.size(); ++o) {
+    const Sum& s = per_op[o];
+    if (s.n == 0) continue;
+    const double gap = o + 1 < ops_.size() && per_op[o + 1].n
+                           ? (static_cast<double>(per_op[o + 1].first_ready) - static_cast<double>(s.last_done)) / 1e3
+                           : 0.0;
+    char line[200];
+    std::snprintf(line, sizeof line,
+                  "%-3zu %6d x %-5d %6d %8.2f %5.2f (%5.2f) %8.2f (%5.2f, %5.2f) %8.2f %10.2f %15.2f %9.2f %9.2f %6.2f\n", o,
+                  ops_[o].m.rows, ops_[o].m.cols, s.n, s.wait / s.n / 1e3, s.x / s.n / 1e3, s.max_x / 1e3,
+                  s.pages / s.n / 1e3, s.page_wait / s.n / 1e3, s.max_pages / 1e3, s.sync / s.n / 1e3,
+                  s.signal / s.n / 1e3, (s.first_ready - t0) / 1e3, (s.first_done - t0) / 1e3,
+                  (s.last_done - t0) / 1e3, gap);
+    out += line;
+  }
+  return out;
 }
 
 }  // namespace lily::cuda::mk

@@ -26,6 +26,14 @@ enum class Opcode : uint16_t {
 enum OpFlags : uint16_t {
   kRmsNorm = 1,   // x = in / RMS(in) * norm_w (eqs 1-2, multiplier form)
   kResidual = 2,  // y = residual + W x (residual may alias y)
+  kInt8X = 4,     // x quantized to int8 per 32-element vector, dot products on dp4a (else fp32 FMAs)
+  // Tagged activations: a value travels with the step that wrote it, as one 64-bit word (tag << 32 | float bits,
+  // tag = step + 1), so a consumer polls the data itself and needs no counter, and a producer no fence (a fence
+  // waits for the SM's bulk copies in flight: ~1.5 us an instruction, measured). in / residual / out of the op
+  // are then `const uint64_t*` / `uint64_t*` in disguise.
+  kTaggedIn = 8,
+  kTaggedResidual = 16,
+  kTaggedOut = 32,
 };
 
 constexpr int kMaxWaits = 2;
@@ -59,8 +67,18 @@ struct ProgramView {
   const int* list_begin = nullptr; // [n_blocks + 1]: block b runs instrs[list_begin[b] .. list_begin[b + 1])
   unsigned long long* counters = nullptr;  // [n_counters], monotonic
   unsigned long long* epochs = nullptr;    // [n_blocks]: steps each block has run
+  // Optional instruction timeline: [instrs][kTraceMarks] %globaltimer ns of the last step (null: off).
+  unsigned long long* trace = nullptr;
   int n_blocks = 0;
+  // The loader also asks the L2 for the page this many pages past the one it copies (0: off), so DRAM streams
+  // ahead of the shared-memory ring by up to l2_ahead pages an SM.
+  int l2_ahead = 0;
+  int signal_mode = 0;  // how an instruction publishes its stores (step.cu signal()); measured variants
 };
+
+// The timeline's marks per instruction (thread 0 of the block): start (before the input wait), inputs ready, x
+// built, its own pages done, every consumer warp done, counter signalled; and the ns it waited for pages.
+constexpr int kTraceMarks = 7;
 
 // The rows one instruction covers are a multiple of this for a gemv of `cols` (a warp's rows in a page).
 int gemv_row_quantum(int cols);
@@ -72,6 +90,13 @@ class Program {
   // 4-bit with cols 2048 or 4096, its scales and biases 16-byte aligned.
   Result<int> add_gemv(const QMatrix& m, const float* in, float* out, std::vector<int> waits,
                        const float* norm_w = nullptr, float eps = 1e-6f, const float* residual = nullptr);
+  // GEMVs added from now on quantize x to int8 and use dp4a (OpFlags::kInt8X).
+  void set_int8_activations(bool on) { int8_x_ = on; }
+  // Tagged variant (OpFlags kTagged*): each of in, residual, out tagged when its flag is set; a tagged input
+  // needs no wait (pass no waits for it), a tagged output signals no counter.
+  Result<int> add_gemv_tagged(const QMatrix& m, const void* in, bool in_tagged, void* out, bool out_tagged,
+                              std::vector<int> waits, const float* norm_w, float eps, const void* residual,
+                              bool residual_tagged);
 
   // Deals every op's rows to n_blocks lists (each op cut into at most n_blocks slices of whole row quanta,
   // the larger slices rotated over the blocks from op to op so the bytes per block even out).
@@ -85,12 +110,16 @@ class Program {
   // Weight bytes block b streams in one step.
   size_t block_bytes(int b) const;
   std::string describe() const;  // one line per block: instructions and bytes
+  // A timeline (DeviceProgram::trace) summed per op: the mean wait, x and page time of its instructions, and
+  // when the op's last instruction finished and the next op's first input wait returned.
+  std::string summarize_trace(const std::vector<unsigned long long>& marks) const;
 
  private:
   std::vector<Op> ops_;
   std::vector<Instr> instrs_;
   std::vector<int> list_begin_;
   std::vector<uint32_t> signals_;
+  bool int8_x_ = false;
 };
 
 size_t instr_weight_bytes(const Op& op, const Instr& in);

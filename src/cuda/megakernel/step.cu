@@ -18,7 +18,10 @@ constexpr int kXFloats = xpad_floats(4096);
 // Page layout (both widths): 32 KB of packed weights, then 2 KB of scales, then 2 KB of biases.
 constexpr int kScalesAt = 32768;
 constexpr int kBiasesAt = 34816;
-constexpr size_t kSmemBytes = size_t{kPages} * kPageBytes + kXFloats * 4 + 32 * 4 + 2 * kPages * 8;
+constexpr int kMaxVecs = 4096 / kVecElems4;  // 32-element vectors of x
+// pages | x (fp32, padded) | block sums | x as int8 (32 B a vector) | its scale | its sum | mbarriers
+constexpr size_t kSmemBytes =
+    size_t{kPages} * kPageBytes + kXFloats * 4 + 32 * 4 + kMaxVecs * 32 + kMaxVecs * 8 + 2 * kPages * 8;
 
 __host__ __device__ constexpr int rows_per_page(int cols) { return cols == 2048 ? 32 : 16; }
 
@@ -53,6 +56,10 @@ __device__ __forceinline__ void bulk_copy(void* dst_s, const void* src, uint32_t
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
+__device__ __forceinline__ void prefetch_lines(const char* src, uint32_t bytes, int lane) {
+  for (uint32_t at = static_cast<uint32_t>(lane) * 128; at < bytes; at += 32 * 128)
+    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(src + at));
+}
 __device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long* p) {
   unsigned long long v;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -70,9 +77,51 @@ struct Ring {
   uint64_t* empty;  // [kPages]: every consumer warp is done reading it (kConsumerWarps arrivals)
 };
 
-// The loader lane: every page of every instruction of the block, in order, as soon as the ring has room.
+// x quantized for dp4a (OpFlags::kInt8X): per 32-element vector v, q[2v], q[2v + 1] hold its int8 values in the
+// order of the 4-bit weight words' low and high nibbles (lo_k = elements 8k + 0, 2, 4, 6; hi_k = 8k + 1, 3, 5, 7:
+// q[2v] = {lo0, hi0, lo1, hi1}, q[2v + 1] = {lo2, hi2, lo3, hi3}), with x ~ scale[v] * q and sum[v] = sum of x.
+struct XInt8 {
+  uint4* q;
+  float* scale;
+  float* sum;
+};
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// A position in the block's stream of pages: instruction i, its page starting at row r0.
+struct PageCursor {
+  int i, r0;
+  __device__ void advance(const ProgramView& pv, int end) {
+    const Instr in = pv.instrs[i];
+    r0 += rows_per_page(pv.ops[in.op].m.cols);
+    if (r0 >= in.row_end && ++i < end) r0 = pv.instrs[i].row_begin;
+  }
+  // Asks the L2 for this page's three pieces: each lane of the loader warp prefetches every 32nd 128-byte line
+  // (plain prefetches: a bulk prefetch would queue in the copy engine ahead of the ring's copies).
+  __device__ void prefetch(const ProgramView& pv, int lane) const {
+    const Instr in = pv.instrs[i];
+    const QMatrix m = pv.ops[in.op].m;
+    const uint32_t n = static_cast<uint32_t>(min(rows_per_page(m.cols), in.row_end - r0));
+    const size_t row_w = static_cast<size_t>(r0) * m.cols / 2, row_sb = static_cast<size_t>(r0) * m.cols / 32;
+    prefetch_lines(reinterpret_cast<const char*>(m.w) + row_w, n * m.cols / 2, lane);
+    prefetch_lines(reinterpret_cast<const char*>(m.scales) + row_sb, n * m.cols / 32, lane);
+    prefetch_lines(reinterpret_cast<const char*>(m.biases) + row_sb, n * m.cols / 32, lane);
+  }
+};
+
+// The loader lane: every page of every instruction of the block, in order, as soon as the ring has room; the L2
+// is asked for the pages l2_ahead further on (the first ones up front).
 __device__ void run_loader(const ProgramView& pv, int begin, int end, const Ring& ring) {
+  const int lane = threadIdx.x & 31;
   uint32_t k = 0;
+  PageCursor ahead{begin, begin < end ? pv.instrs[begin].row_begin : 0};
+  for (int a = 0; a < pv.l2_ahead + kPages && ahead.i < end; ++a, ahead.advance(pv, end)) {
+    if (a >= kPages) ahead.prefetch(pv, lane);  // the first kPages are copied at once anyway
+  }
   for (int i = begin; i < end; ++i) {
     const Instr in = pv.instrs[i];
     const QMatrix m = pv.ops[in.op].m;
@@ -80,7 +129,12 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, const Ring
     for (int r0 = in.row_begin; r0 < in.row_end; r0 += rpp, ++k) {
       const int p = static_cast<int>(k % kPages);
       const uint32_t n = static_cast<uint32_t>(min(rpp, in.row_end - r0));
-      mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);
+      mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);  // every lane: the ring paces the prefetches too
+      if (pv.l2_ahead > 0 && ahead.i < end) {
+        ahead.prefetch(pv, lane);
+        ahead.advance(pv, end);
+      }
+      if (lane != 0) continue;
       char* page = ring.pages + p * kPageBytes;
       const uint32_t w_bytes = n * m.cols / 2, sb_bytes = n * m.cols / 32;
       mbar_expect_tx(&ring.full[p], w_bytes + 2 * sb_bytes);
@@ -89,6 +143,55 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, const Ring
       bulk_copy(page + kScalesAt, reinterpret_cast<const char*>(m.scales) + row_sb, sb_bytes, &ring.full[p]);
       bulk_copy(page + kBiasesAt, reinterpret_cast<const char*>(m.biases) + row_sb, sb_bytes, &ring.full[p]);
     }
+  }
+}
+
+// Tagged activations (OpFlags::kTagged*): 64-bit words tag << 32 | float bits, accessed as single-copy-atomic
+// relaxed gpu-scope 64-bit loads and stores (from the L2, never a stale L1 line).
+__device__ __forceinline__ void ld_tagged2(const unsigned long long* p, unsigned long long& a, unsigned long long& b) {
+  asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+__device__ __forceinline__ void st_tagged(unsigned long long* p, float v, uint32_t tag) {
+  const unsigned long long w = (static_cast<unsigned long long>(tag) << 32) | __float_as_uint(v);
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
+}
+__device__ __forceinline__ bool has_tag(unsigned long long w, uint32_t tag) { return (w >> 32) == tag; }
+__device__ __forceinline__ float tagged_value(unsigned long long w) {
+  return __uint_as_float(static_cast<uint32_t>(w));
+}
+// Elements 4i..4i+3 of a tagged vector, polled until all carry `tag`.
+__device__ __forceinline__ float4 load_tagged4(const unsigned long long* p, int i, uint32_t tag) {
+  unsigned long long a, b, c, d;
+  ld_tagged2(p + 4 * i, a, b);
+  ld_tagged2(p + 4 * i + 2, c, d);
+  while (!(has_tag(a, tag) && has_tag(b, tag) && has_tag(c, tag) && has_tag(d, tag))) {
+    ld_tagged2(p + 4 * i, a, b);
+    ld_tagged2(p + 4 * i + 2, c, d);
+  }
+  return make_float4(tagged_value(a), tagged_value(b), tagged_value(c), tagged_value(d));
+}
+__device__ __forceinline__ float load_tagged(const unsigned long long* p, uint32_t tag) {
+  unsigned long long w;
+  do {
+    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
+  } while (!has_tag(w, tag));
+  return tagged_value(w);
+}
+
+// Adds 1 to counter c once this block's stores (ordered before by the consumer barrier) are visible gpu-wide.
+__device__ __forceinline__ void signal(const ProgramView& pv, int c) {
+  switch (pv.signal_mode) {
+    case 1:  // release add alone (cumulative over the barrier-ordered stores)
+      red_release_add(pv.counters + c, 1);
+      break;
+    case 2:  // acq_rel fence, relaxed add
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+      asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(pv.counters + c), "l"(1ull) : "memory");
+      break;
+    default:  // sequentially consistent fence, release add
+      __threadfence();
+      red_release_add(pv.counters + c, 1);
+      break;
   }
 }
 
@@ -105,9 +208,45 @@ __device__ __forceinline__ void wait_inputs(const ProgramView& pv, const Op& op,
   consumer_sync();
 }
 
+// Elements 4i..4i+3 of x (thread i % 8 of the 8 consecutive lanes that hold vector i / 8) into the int8 layout.
+__device__ __forceinline__ void quantize_x4(const float4 x, int i, const XInt8& xi) {
+  float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
+  float sum = (x.x + x.y) + (x.z + x.w);
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  }
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const int q0 = __float2int_rn(x.x * inv), q1 = __float2int_rn(x.y * inv);
+  const int q2 = __float2int_rn(x.z * inv), q3 = __float2int_rn(x.w * inv);
+  // This thread has elements 8k + 4h + 0..3 (k = (i % 8) / 2, h = i % 2): bytes 2h, 2h+1 of lo_k and of hi_k.
+  const uint32_t lo = (q0 & 0xFF) | ((q2 & 0xFF) << 8), hi = (q1 & 0xFF) | ((q3 & 0xFF) << 8);
+  const uint32_t lo_up = __shfl_xor_sync(0xffffffffu, lo, 1), hi_up = __shfl_xor_sync(0xffffffffu, hi, 1);
+  const int vec = i / 8, k = (i % 8) / 2;
+  if ((i & 1) == 0) {
+    uint32_t* q = reinterpret_cast<uint32_t*>(xi.q + 2 * vec);
+    *reinterpret_cast<uint2*>(q + 2 * k) = make_uint2(lo | (lo_up << 16), hi | (hi_up << 16));
+  }
+  if (i % 8 == 0) xi.scale[vec] = amax / 127.0f, xi.sum[vec] = sum;
+}
+
+// sum q_e x_e over one 16-byte vector of 4-bit weights against its int8 x (two uint4 of XInt8::q): 8 dp4a.
+__device__ __forceinline__ int dot_q4_i8(uint4 w, uint4 xa, uint4 xb) {
+  constexpr uint32_t kLow = 0x0F0F0F0Fu;
+  int acc = __dp4a(static_cast<int>(w.x & kLow), static_cast<int>(xa.x), 0);
+  acc = __dp4a(static_cast<int>((w.x >> 4) & kLow), static_cast<int>(xa.y), acc);
+  acc = __dp4a(static_cast<int>(w.y & kLow), static_cast<int>(xa.z), acc);
+  acc = __dp4a(static_cast<int>((w.y >> 4) & kLow), static_cast<int>(xa.w), acc);
+  acc = __dp4a(static_cast<int>(w.z & kLow), static_cast<int>(xb.x), acc);
+  acc = __dp4a(static_cast<int>((w.z >> 4) & kLow), static_cast<int>(xb.y), acc);
+  acc = __dp4a(static_cast<int>(w.w & kLow), static_cast<int>(xb.z), acc);
+  return __dp4a(static_cast<int>((w.w >> 4) & kLow), static_cast<int>(xb.w), acc);
+}
+
 // x_s (padded) = in, or in / RMS(in) * norm_w. Activations are read through the L2 (__ldcg): other SMs wrote them
 // in this step, and this SM's L1 may hold last step's lines.
-__device__ void load_x(const Op& op, float* x_s, float* red_s) {
+__device__ void load_x(const Op& op, float* x_s, float* red_s, const XInt8& xi, uint32_t tag) {
   constexpr int kPerThread = 4;  // float4s: 4096 columns at most
   const int cols = op.m.cols, n4 = cols / 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float4* in4 = reinterpret_cast<const float4*>(op.in);
@@ -116,7 +255,13 @@ __device__ void load_x(const Op& op, float* x_s, float* red_s) {
 #pragma unroll
   for (int t = 0; t < kPerThread; ++t) {
     const int i = threadIdx.x + t * kConsumerThreads;
-    v[t] = i < n4 ? __ldcg(in4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (i >= n4) {
+      v[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    } else if (op.flags & kTaggedIn) {
+      v[t] = load_tagged4(reinterpret_cast<const unsigned long long*>(op.in), i, tag);
+    } else {
+      v[t] = __ldcg(in4 + i);
+    }
     ss += (v[t].x * v[t].x + v[t].y * v[t].y) + (v[t].z * v[t].z + v[t].w * v[t].w);
   }
   float inv_rms = 1.0f;
@@ -136,8 +281,16 @@ __device__ void load_x(const Op& op, float* x_s, float* red_s) {
     const int i = threadIdx.x + t * kConsumerThreads;
     if (i < n4) {
       const float4 w = norm ? __ldg(w4 + i) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-      *reinterpret_cast<float4*>(x_s + xpad(4 * i)) =
-          make_float4(v[t].x * inv_rms * w.x, v[t].y * inv_rms * w.y, v[t].z * inv_rms * w.z, v[t].w * inv_rms * w.w);
+      v[t] = make_float4(v[t].x * inv_rms * w.x, v[t].y * inv_rms * w.y, v[t].z * inv_rms * w.z, v[t].w * inv_rms * w.w);
+      *reinterpret_cast<float4*>(x_s + xpad(4 * i)) = v[t];
+    }
+  }
+  if (op.flags & kInt8X) {
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int i = threadIdx.x + t * kConsumerThreads;
+      if (t * kConsumerThreads >= n4) break;  // warp-uniform: n4 is a multiple of the consumer threads
+      quantize_x4(v[t], i, xi);
     }
   }
   consumer_sync();
@@ -145,35 +298,68 @@ __device__ void load_x(const Op& op, float* x_s, float* red_s) {
 
 // The pages of one gemv instruction: warp w takes rows 4w..4w+3 (2048 columns) or 2w..2w+1 (4096) of each page;
 // lane j reads the 16-byte vectors v * 32 + j of those rows, so its slices of x are loaded once per page.
-template <int COLS>
-__device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, const Ring& ring, uint32_t& k) {
+template <int COLS, bool INT8>
+__device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, const XInt8& xi, const Ring& ring,
+                           uint32_t& k, unsigned long long* wait_ns, uint32_t tag) {
   constexpr int kRpp = rows_per_page(COLS);
   constexpr int kRpw = kRpp / kConsumerWarps;
   constexpr int kVecsPerRow = COLS / kVecElems4;
   constexpr int kV = kVecsPerRow / 32;
   constexpr int kLanesPerRow = 32 / kRpw;  // after the reduce-scatter: lane j holds row j / kLanesPerRow
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * kRpw;
+  // int8: this lane's vectors of x stay in registers for all the instruction's pages.
+  uint4 xq[INT8 ? kV : 1][2];
+  float x_scale[INT8 ? kV : 1], x_sums[INT8 ? kV : 1];
+  if constexpr (INT8) {
+#pragma unroll
+    for (int v = 0; v < kV; ++v) {
+      const int vec = v * 32 + lane;
+      xq[v][0] = xi.q[2 * vec], xq[v][1] = xi.q[2 * vec + 1];
+      x_scale[v] = xi.scale[vec], x_sums[v] = xi.sum[vec];
+    }
+  }
   for (int r0 = in.row_begin; r0 < in.row_end; r0 += kRpp, ++k) {
     const int p = static_cast<int>(k % kPages), n = min(kRpp, in.row_end - r0);
+    const bool active = row0 < n;  // n is a multiple of kRpw (slices are whole quanta)
+    const bool writes = active && lane % kLanesPerRow == 0;
+    const int row = r0 + row0 + lane / kLanesPerRow;
+    // The residual is loaded before the page wait: its L2 round trip overlaps the wait and the dot products.
+    float residual = 0.0f;
+    if (writes && (op.flags & kResidual)) {
+      residual = op.flags & kTaggedResidual
+                     ? load_tagged(reinterpret_cast<const unsigned long long*>(op.residual) + row, tag)
+                     : __ldcg(op.residual + row);
+    }
+    const unsigned long long t_wait = wait_ns ? globaltimer() : 0;
     mbar_wait(&ring.full[p], (k / kPages) & 1);
+    if (wait_ns) *wait_ns += globaltimer() - t_wait;
     const char* page = ring.pages + p * kPageBytes;
     const unsigned short* s_s = reinterpret_cast<const unsigned short*>(page + kScalesAt);
     const unsigned short* b_s = reinterpret_cast<const unsigned short*>(page + kBiasesAt);
     float part[kRpw];
 #pragma unroll
     for (int r = 0; r < kRpw; ++r) part[r] = 0.0f;
-    const bool active = row0 < n;  // n is a multiple of kRpw (slices are whole quanta)
     if (active) {
 #pragma unroll
       for (int v = 0; v < kV; ++v) {
-        float x[32];
         const int vec = v * 32 + lane;
-        const float x_sum = load_x_vec(x_s, vec, x);
+        if constexpr (INT8) {
 #pragma unroll
-        for (int r = 0; r < kRpw; ++r) {
-          const uint4 w = *reinterpret_cast<const uint4*>(page + ((row0 + r) * kVecsPerRow + vec) * 16);
-          const int g = (row0 + r) * (COLS / 64) + vec / 2;
-          part[r] += q4_group_term(dot_q4_vec(w, x), x_sum, s_s[g], b_s[g]);
+          for (int r = 0; r < kRpw; ++r) {
+            const uint4 w = *reinterpret_cast<const uint4*>(page + ((row0 + r) * kVecsPerRow + vec) * 16);
+            const int g = (row0 + r) * (COLS / 64) + vec / 2;
+            const float qx = x_scale[v] * static_cast<float>(dot_q4_i8(w, xq[v][0], xq[v][1]));
+            part[r] += fmaf(bf16_bits_to_float(s_s[g]), qx, bf16_bits_to_float(b_s[g]) * x_sums[v]);
+          }
+        } else {
+          float x[32];
+          const float x_sum = load_x_vec(x_s, vec, x);
+#pragma unroll
+          for (int r = 0; r < kRpw; ++r) {
+            const uint4 w = *reinterpret_cast<const uint4*>(page + ((row0 + r) * kVecsPerRow + vec) * 16);
+            const int g = (row0 + r) * (COLS / 64) + vec / 2;
+            part[r] += q4_group_term(dot_q4_vec(w, x), x_sum, s_s[g], b_s[g]);
+          }
         }
       }
     }
@@ -181,34 +367,49 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
     if (lane == 0) mbar_arrive(&ring.empty[p]);  // the page is free once every lane has read it
     if (active) {
       group_reduce_scatter<kRpw, 32>(part, lane);
-      if (lane % kLanesPerRow == 0) {
-        const int row = r0 + row0 + lane / kLanesPerRow;
-        float y = part[0];
-        if (op.flags & kResidual) y += __ldcg(op.residual + row);
-        op.out[row] = y;
+      if (writes) {
+        if (op.flags & kTaggedOut) {
+          st_tagged(reinterpret_cast<unsigned long long*>(op.out) + row, part[0] + residual, tag);
+        } else {
+          op.out[row] = part[0] + residual;
+        }
       }
     }
   }
 }
 
 __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring,
-                              float* x_s, float* red_s) {
+                              float* x_s, float* red_s, const XInt8& xi) {
   uint32_t k = 0;
+  const bool trace = pv.trace != nullptr && threadIdx.x == 0;
+  const uint32_t tag = static_cast<uint32_t>(epoch + 1);
   for (int i = begin; i < end; ++i) {
+    unsigned long long* marks = trace ? pv.trace + static_cast<size_t>(i) * kTraceMarks : nullptr;
+    if (marks) marks[0] = globaltimer();
     const Instr in = pv.instrs[i];
     const Op op = pv.ops[in.op];
     wait_inputs(pv, op, epoch);
-    load_x(op, x_s, red_s);
+    if (marks) marks[1] = globaltimer();
+    load_x(op, x_s, red_s, xi, tag);
+    if (marks) marks[2] = globaltimer();
+    const bool int8 = op.flags & kInt8X;
+    unsigned long long page_wait = 0;
     if (op.m.cols == 2048) {
-      gemv_pages<2048>(op, in, x_s, ring, k);
+      if (int8) {
+        gemv_pages<2048, true>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr, tag);
+      } else {
+        gemv_pages<2048, false>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr, tag);
+      }
+    } else if (int8) {
+      gemv_pages<4096, true>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr, tag);
     } else {
-      gemv_pages<4096>(op, in, x_s, ring, k);
+      gemv_pages<4096, false>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr, tag);
     }
+    if (marks) marks[3] = globaltimer();
     consumer_sync();  // every store of the instruction issued (and x_s free for the next one)
-    if (threadIdx.x == 0) {
-      __threadfence();
-      red_release_add(pv.counters + op.signal, 1);
-    }
+    if (marks) marks[4] = globaltimer();
+    if (threadIdx.x == 0 && !(op.flags & kTaggedOut)) signal(pv, op.signal);
+    if (marks) marks[5] = globaltimer(), marks[6] = page_wait;
   }
 }
 
@@ -221,7 +422,11 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   ring.pages = smem;
   float* x_s = reinterpret_cast<float*>(smem + kPages * kPageBytes);
   float* red_s = x_s + kXFloats;
-  ring.full = reinterpret_cast<uint64_t*>(red_s + 32);
+  XInt8 xi;
+  xi.q = reinterpret_cast<uint4*>(red_s + 32);
+  xi.scale = reinterpret_cast<float*>(xi.q + 2 * kMaxVecs);
+  xi.sum = xi.scale + kMaxVecs;
+  ring.full = reinterpret_cast<uint64_t*>(xi.sum + kMaxVecs);
   ring.empty = ring.full + kPages;
   const int b = blockIdx.x, begin = pv.list_begin[b], end = pv.list_begin[b + 1];
   const unsigned long long epoch = pv.epochs[b];  // read by every thread before thread 0 advances it
@@ -235,10 +440,10 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   __syncthreads();
   const int warp = threadIdx.x >> 5;
   if (warp == kConsumerWarps) {
-    if ((threadIdx.x & 31) == 0) run_loader(pv, begin, end, ring);
+    run_loader(pv, begin, end, ring);
     return;
   }
-  run_consumers(pv, begin, end, epoch, ring, x_s, red_s);
+  run_consumers(pv, begin, end, epoch, ring, x_s, red_s, xi);
   if (threadIdx.x == 0) pv.epochs[b] = epoch + 1;
 #endif
 }
@@ -276,6 +481,7 @@ Result<std::unique_ptr<DeviceProgram>> DeviceProgram::upload(const Program& p) {
   void *ops, *instrs, *list, *counters, *epochs;
   const int n_blocks = static_cast<int>(p.list_begin().size()) - 1;
   d->n_counters_ = static_cast<int>(p.ops().size());
+  d->n_instrs_ = static_cast<int>(p.instrs().size());
   RETURN_IF_ERROR(copy(p.ops().data(), p.ops().size() * sizeof(Op), &ops));
   RETURN_IF_ERROR(copy(p.instrs().data(), p.instrs().size() * sizeof(Instr), &instrs));
   RETURN_IF_ERROR(copy(p.list_begin().data(), p.list_begin().size() * sizeof(int), &list));
@@ -287,6 +493,7 @@ Result<std::unique_ptr<DeviceProgram>> DeviceProgram::upload(const Program& p) {
   d->view_.counters = static_cast<unsigned long long*>(counters);
   d->view_.epochs = static_cast<unsigned long long*>(epochs);
   d->view_.n_blocks = n_blocks;
+  d->view_.l2_ahead = kDefaultL2Ahead;
   if (cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
     return error(ErrorCode::unsupported, "megakernel: %zu bytes of shared memory per block not available", kSmemBytes);
   Result<std::unique_ptr<DeviceProgram>> done(std::move(d));
@@ -310,6 +517,25 @@ cudaError_t DeviceProgram::launch(cudaStream_t stream) const {
   cfg.numAttrs = 1;
   CUDA_TRY(cudaLaunchKernelEx(&cfg, step_kernel, view_));
   return cudaGetLastError();
+}
+
+Status DeviceProgram::enable_trace() {
+  if (view_.trace) return ok_status();
+  void* t = nullptr;
+  const size_t bytes = static_cast<size_t>(n_instrs_) * kTraceMarks * sizeof(unsigned long long);
+  if (cudaMalloc(&t, bytes) != cudaSuccess || cudaMemset(t, 0, bytes) != cudaSuccess)
+    return error(ErrorCode::internal, "megakernel: no memory for the timeline");
+  allocations_.push_back(t);
+  view_.trace = static_cast<unsigned long long*>(t);
+  return ok_status();
+}
+
+Result<std::vector<unsigned long long>> DeviceProgram::trace() const {
+  if (!view_.trace) return error(ErrorCode::invalid_argument, "megakernel: the timeline is off");
+  std::vector<unsigned long long> v(static_cast<size_t>(n_instrs_) * kTraceMarks);
+  if (cudaMemcpy(v.data(), view_.trace, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return error(ErrorCode::internal, "megakernel: reading the timeline failed");
+  return v;
 }
 
 Result<std::vector<unsigned long long>> DeviceProgram::counters() const {

@@ -29,6 +29,7 @@ constexpr int kConsumerWarps = 8;
 constexpr int kThreads = 32 * (kConsumerWarps + 1);
 constexpr int kPageBytes = 36864;
 constexpr int kPages = 5;
+constexpr int kDefaultL2Ahead = 8;
 
 // The program in device memory, with its counters (zero at upload) and the launch.
 class DeviceProgram {
@@ -43,11 +44,18 @@ class DeviceProgram {
   // The counters' values (for tests: after n steps counter i is n * signals_per_step(i)).
   Result<std::vector<unsigned long long>> counters() const;
   int n_blocks() const { return view_.n_blocks; }
+  // Pages the loader asks the L2 for ahead of its copies (ProgramView::l2_ahead); kDefaultL2Ahead at upload.
+  void set_l2_ahead(int pages) { view_.l2_ahead = pages; }
+  void set_signal_mode(int mode) { view_.signal_mode = mode; }
+  // The instruction timeline (program.h kTraceMarks per instruction, the last step's): on from enable_trace().
+  Status enable_trace();
+  Result<std::vector<unsigned long long>> trace() const;
 
  private:
   DeviceProgram() = default;
   ProgramView view_;
   int n_counters_ = 0;
+  int n_instrs_ = 0;
   std::vector<void*> allocations_;
 };
 

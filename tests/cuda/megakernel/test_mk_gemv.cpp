@@ -131,14 +131,45 @@ struct Chain {
     }
   }
 
-  Result<Program> program(int n_blocks) {
+  // Tagged buffers (OpFlags::kTagged*): each layer's proj and the h between layers, 64-bit words.
+  std::vector<DeviceBuffer<unsigned long long>> proj_t, h_t;
+
+  Result<Program> program(int n_blocks, bool int8 = false, bool tagged = false) {
     Program p;
+    p.set_int8_activations(int8);
+    if (tagged) return tagged_program(p, n_blocks);
     int prev = -1;
     for (auto& L : layers) {
       std::vector<int> waits;
       if (prev >= 0) waits.push_back(prev);
       ASSIGN_OR_RETURN(const int in, p.add_gemv(L->d_in, h.get(), L->d_proj.get(), waits, L->d_norm.get()));
       ASSIGN_OR_RETURN(prev, p.add_gemv(L->d_out, L->d_proj.get(), h.get(), {in}, nullptr, 1e-6f, h.get()));
+    }
+    RETURN_IF_ERROR(p.schedule(n_blocks));
+    return p;
+  }
+
+  // Layer 0 reads the plain h of the previous step, the last layer writes it back; everything between is tagged.
+  Result<Program> tagged_program(Program& p, int n_blocks) {
+    const size_t n = layers.size();
+    if (proj_t.empty()) {
+      for (size_t l = 0; l < n; ++l) {
+        proj_t.emplace_back(static_cast<size_t>(layers[l]->w_in.rows));
+        h_t.emplace_back(2048);
+        if (proj_t.back().zero() != cudaSuccess || h_t.back().zero() != cudaSuccess)
+          return error(ErrorCode::internal, "alloc");
+      }
+    }
+    for (size_t l = 0; l < n; ++l) {
+      const bool first = l == 0, last = l + 1 == n;
+      const void* h_in = first ? static_cast<const void*>(h.get()) : h_t[l].get();
+      RETURN_IF_ERROR(p.add_gemv_tagged(layers[l]->d_in, h_in, !first, proj_t[l].get(), true, {},
+                                        layers[l]->d_norm.get(), 1e-6f, nullptr, false)
+                          .status());
+      void* h_out = last ? static_cast<void*>(h.get()) : h_t[l + 1].get();
+      RETURN_IF_ERROR(
+          p.add_gemv_tagged(layers[l]->d_out, proj_t[l].get(), true, h_out, !last, {}, nullptr, 1e-6f, h_in, !first)
+              .status());
     }
     RETURN_IF_ERROR(p.schedule(n_blocks));
     return p;
@@ -173,13 +204,15 @@ struct Chain {
   }
 };
 
-std::vector<std::vector<float>> run_steps(Chain& chain, int n_blocks, int steps) {
-  auto program = chain.program(n_blocks);
+std::vector<std::vector<float>> run_steps(Chain& chain, int n_blocks, int steps, bool int8 = false,
+                                          int signal_mode = 0, bool tagged = false) {
+  auto program = chain.program(n_blocks, int8, tagged);
   EXPECT_TRUE(program.ok()) << program.status().message();
   if (!program.ok()) return {};
   auto d = DeviceProgram::upload(*program);
   EXPECT_TRUE(d.ok()) << d.status().message();
   if (!d.ok()) return {};
+  (*d)->set_signal_mode(signal_mode);
   EXPECT_EQ(chain.h.upload(chain.h0), cudaSuccess);
   std::vector<std::vector<float>> out;
   for (int s = 0; s < steps; ++s) {
@@ -190,7 +223,9 @@ std::vector<std::vector<float>> run_steps(Chain& chain, int n_blocks, int steps)
   auto counters = (*d)->counters();
   EXPECT_TRUE(counters.ok());
   for (size_t i = 0; counters.ok() && i < counters->size(); ++i) {
-    EXPECT_EQ((*counters)[i], static_cast<unsigned long long>(steps) * program->signals_per_step(static_cast<int>(i)))
+    const bool signals = !(program->ops()[i].flags & kTaggedOut);
+    EXPECT_EQ((*counters)[i],
+              signals ? static_cast<unsigned long long>(steps) * program->signals_per_step(static_cast<int>(i)) : 0ull)
         << "counter " << i << " after " << steps << " steps";
   }
   return out;
@@ -217,9 +252,17 @@ TEST(MkStep, GemvChainMatchesCpuOnAnyGrid) {
     EXPECT_EQ(bad, 0) << "step " << s;
   }
   for (int n_blocks : {1, 7, device_sms()}) {
-    const auto again = run_steps(chain, n_blocks, steps);
-    ASSERT_EQ(again.size(), full.size());
-    for (int s = 0; s < steps; ++s) EXPECT_EQ(again[s], full[s]) << n_blocks << " blocks, step " << s;
+    for (int signal_mode : {0, 1, 2}) {
+      if (n_blocks == 1 && signal_mode > 0) continue;  // one block: no cross-SM publication to test
+      const auto again = run_steps(chain, n_blocks, steps, false, signal_mode);
+      ASSERT_EQ(again.size(), full.size());
+      for (int s = 0; s < steps; ++s)
+        EXPECT_EQ(again[s], full[s]) << n_blocks << " blocks, signal mode " << signal_mode << ", step " << s;
+    }
+    // Tagged activations: no counters, no fences, the same arithmetic.
+    const auto tagged = run_steps(chain, n_blocks, steps, false, 0, true);
+    ASSERT_EQ(tagged.size(), full.size());
+    for (int s = 0; s < steps; ++s) EXPECT_EQ(tagged[s], full[s]) << n_blocks << " blocks tagged, step " << s;
   }
 }
 
@@ -245,6 +288,77 @@ TEST(MkStep, GemvChainMatchesKernelChain) {
   for (float v : chain_h) norm = std::max(norm, std::fabs(double(v)));
   std::printf("megakernel vs gemv chain: max |diff| %.3g of max |h| %.3g\n", worst, norm);
   EXPECT_LE(worst, 1e-4 * norm);
+}
+
+// int8 activations (dp4a) on one GEMV of each width against the CPU in double, within the rigorous bound of the
+// quantization: |error| <= sum_c |w_rc| * amax(vector of c) / 254 (+ the fp32 rounding of the plain path).
+TEST(MkStep, Int8GemvWithinItsQuantizationBound) {
+  SKIP_WITHOUT_STEP();
+  for (int cols : {2048, 4096}) {
+    SCOPED_TRACE(cols);
+    const int rows = cols == 2048 ? 12352 : 2048;
+    HostQMatrix hm = test::random_qmatrix(rows, cols, 4, 7100 + cols);
+    const std::vector<float> in = test::random_vector(cols, 7101), residual = test::random_vector(rows, 7102);
+    const std::vector<float> norm_w = test::random_vector(cols, 7103, 0.1f, 1.0f);
+    DeviceBuffer<float> d_in(in), d_norm(norm_w), d_y(residual);
+    Program p;
+    p.set_int8_activations(true);
+    const bool norm = cols == 2048;  // one width with the RMSNorm prologue, the other with the residual
+    ASSERT_TRUE(p.add_gemv(hm.upload(), d_in.get(), d_y.get(), {}, norm ? d_norm.get() : nullptr, 1e-6f,
+                           norm ? nullptr : d_y.get())
+                    .ok());
+    ASSERT_TRUE(p.schedule(device_sms()).ok());
+    auto d = DeviceProgram::upload(p);
+    ASSERT_TRUE(d.ok()) << d.status().message();
+    ASSERT_EQ((*d)->launch(nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> y = d_y.download();
+    std::vector<double> x(in.begin(), in.end());
+    if (norm) {
+      double ss = 0;
+      for (double v : x) ss += v * v;
+      const double inv = 1.0 / std::sqrt(ss / cols + 1e-6);
+      for (int c = 0; c < cols; ++c) x[c] = x[c] * inv * norm_w[c];
+    }
+    std::vector<double> amax(cols / 32, 0.0);
+    for (int c = 0; c < cols; ++c) amax[c / 32] = std::max(amax[c / 32], std::fabs(x[c]));
+    int bad = 0;
+    double worst_ratio = 0;
+    for (int r = 0; r < rows; ++r) {
+      double ref = norm ? 0.0 : residual[r], bound = 0, abs_sum = 0;
+      for (int c = 0; c < cols; ++c) {
+        const double w = hm.dequant(r, c);
+        ref += w * x[c];
+        bound += std::fabs(w) * amax[c / 32] / 254.0;
+        abs_sum += std::fabs(w * x[c]);
+      }
+      const double tol = bound * 1.01 + 2e-5 * abs_sum + 1e-5 * (std::fabs(ref) + 1.0);
+      worst_ratio = std::max(worst_ratio, std::fabs(y[r] - ref) / tol);
+      if (!(std::fabs(y[r] - ref) <= tol) && bad++ < 5) ADD_FAILURE() << "row " << r << ": " << y[r] << " vs " << ref;
+    }
+    EXPECT_EQ(bad, 0);
+    std::printf("int8 gemv [%d, %d]: worst error %.2f of the bound\n", rows, cols, worst_ratio);
+  }
+}
+
+// The int8 chain against the fp32 one: close (what the bound above allows, accumulated over the layers), the
+// same bits on any grid and run to run.
+TEST(MkStep, Int8ChainCloseToFp32AndDeterministic) {
+  SKIP_WITHOUT_STEP();
+  Chain chain(2, 12352, 7003);
+  const auto fp32 = run_steps(chain, device_sms(), 1);
+  const auto int8 = run_steps(chain, device_sms(), 2, true);
+  const auto int8_7 = run_steps(chain, 7, 2, true);
+  const auto int8_tagged = run_steps(chain, device_sms(), 2, true, 0, true);
+  ASSERT_EQ(fp32.size(), 1u);
+  ASSERT_EQ(int8.size(), 2u);
+  EXPECT_EQ(int8, int8_7);
+  EXPECT_EQ(int8, int8_tagged);
+  double worst = 0, norm = 0;
+  for (int r = 0; r < 2048; ++r) worst = std::max(worst, std::fabs(double(int8[0][r]) - fp32[0][r]));
+  for (float v : fp32[0]) norm = std::max(norm, std::fabs(double(v)));
+  std::printf("int8 vs fp32 chain: max |diff| %.3g of max |h| %.3g\n", worst, norm);
+  EXPECT_LE(worst, 2e-2 * norm);
 }
 
 // ---- timing (prints, asserts nothing) ------------------------------------------------------------------------
@@ -293,10 +407,28 @@ TEST(MkStepBench, GdnProjectionChain) {
   std::printf("\n");
   test::print_bandwidth("gemv chain, 60 launches (graph)", test::graph_time_us(chain, 10), bytes);
 
-  for (int n_blocks : {device_sms(), device_sms() - 4}) {
+  struct Variant {
+    int n_blocks;
+    bool int8;
+    int l2_ahead;
+    bool timeline;
+    int signal_mode;
+    bool tagged;
+  };
+  const int sms = device_sms();
+  const Variant variants[] = {{sms, false, 0, false, 1, false}, {sms, true, 0, true, 1, false},
+                              {sms, true, 0, true, 0, true}};
+  std::vector<DeviceBuffer<unsigned long long>> proj_t, h_t;
+  for (int l = 0; l < n_layers; ++l) {
+    proj_t.emplace_back(12352), h_t.emplace_back(2048);
+    ASSERT_CUDA(proj_t.back().zero());
+    ASSERT_CUDA(h_t.back().zero());
+  }
+  for (const Variant& v : variants) {
     Program p;
+    p.set_int8_activations(v.int8);
     int prev = -1;
-    for (int l = 0; l < n_layers; ++l) {
+    for (int l = 0; l < n_layers && !v.tagged; ++l) {
       auto in = p.add_gemv(w_in[l], h.get(), proj.get(), prev < 0 ? std::vector<int>{} : std::vector<int>{prev},
                            norm_w.get());
       ASSERT_TRUE(in.ok()) << in.status().message();
@@ -304,14 +436,38 @@ TEST(MkStepBench, GdnProjectionChain) {
       ASSERT_TRUE(out.ok());
       prev = *out;
     }
-    ASSERT_TRUE(p.schedule(n_blocks).ok());
+    for (int l = 0; l < n_layers && v.tagged; ++l) {
+      const bool first = l == 0, last = l + 1 == n_layers;
+      const void* h_in = first ? static_cast<const void*>(h.get()) : h_t[l].get();
+      ASSERT_TRUE(p.add_gemv_tagged(w_in[l], h_in, !first, proj_t[l].get(), true, {}, norm_w.get(), 1e-6f, nullptr,
+                                    false)
+                      .ok());
+      void* h_out = last ? static_cast<void*>(h.get()) : h_t[l + 1].get();
+      ASSERT_TRUE(
+          p.add_gemv_tagged(w_out[l], proj_t[l].get(), true, h_out, !last, {}, nullptr, 1e-6f, h_in, !first).ok());
+    }
+    ASSERT_TRUE(p.schedule(v.n_blocks).ok());
     auto d = DeviceProgram::upload(p);
     ASSERT_TRUE(d.ok()) << d.status().message();
+    (*d)->set_l2_ahead(v.l2_ahead);
+    (*d)->set_signal_mode(v.signal_mode);
     const DeviceProgram& prog = **d;
     auto mk = [&](int, cudaStream_t stream) { return prog.launch(stream); };
-    char name[64];
-    std::snprintf(name, sizeof name, "megakernel, 1 launch, %d blocks", n_blocks);
+    char name[80];
+    std::snprintf(name, sizeof name, "mk %d blocks, %s x, L2 ahead %d, %s", v.n_blocks, v.int8 ? "int8" : "fp32",
+                  v.l2_ahead, v.tagged ? "tagged" : v.signal_mode == 1 ? "counters (release)" : "counters");
     test::print_bandwidth(name, test::graph_time_us(mk, 10), bytes);
+    if (v.timeline) {  // the timeline of one more step (its first 6 ops and the last)
+      ASSERT_TRUE((*d)->enable_trace().ok());
+      ASSERT_EQ(prog.launch(nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      auto marks = (*d)->trace();
+      ASSERT_TRUE(marks.ok());
+      const std::string t = p.summarize_trace(*marks);
+      size_t cut = 0;
+      for (int line = 0; line < 7 && cut != std::string::npos; ++line) cut = t.find('\n', cut + 1);
+      std::printf("%s...\n%s", t.substr(0, cut + 1).c_str(), t.substr(t.rfind('\n', t.size() - 2) + 1).c_str());
+    }
   }
 }
 
