@@ -74,6 +74,7 @@ struct ProgramView {
   // ahead of the shared-memory ring by up to l2_ahead pages an SM.
   int l2_ahead = 0;
   int signal_mode = 0;  // how an instruction publishes its stores (step.cu signal()); measured variants
+  int n_pages = 5;      // pages of the ring in use (1..kPages)
 };
 
 // The timeline's marks per instruction (thread 0 of the block): start (before the input wait), inputs ready, x

@@ -75,6 +75,7 @@ struct Ring {
   char* pages;
   uint64_t* full;   // [kPages]: the bulk copies of a page landed (1 arrival + transaction bytes)
   uint64_t* empty;  // [kPages]: every consumer warp is done reading it (kConsumerWarps arrivals)
+  uint32_t n;       // pages in use (ProgramView::n_pages, 1..kPages)
 };
 
 // x quantized for dp4a (OpFlags::kInt8X): per 32-element vector v, q[2v], q[2v + 1] hold its int8 values in the
@@ -119,17 +120,17 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, const Ring
   const int lane = threadIdx.x & 31;
   uint32_t k = 0;
   PageCursor ahead{begin, begin < end ? pv.instrs[begin].row_begin : 0};
-  for (int a = 0; a < pv.l2_ahead + kPages && ahead.i < end; ++a, ahead.advance(pv, end)) {
-    if (a >= kPages) ahead.prefetch(pv, lane);  // the first kPages are copied at once anyway
+  for (int a = 0; a < pv.l2_ahead + static_cast<int>(ring.n) && ahead.i < end; ++a, ahead.advance(pv, end)) {
+    if (a >= static_cast<int>(ring.n)) ahead.prefetch(pv, lane);  // the first ring.n are copied at once anyway
   }
   for (int i = begin; i < end; ++i) {
     const Instr in = pv.instrs[i];
     const QMatrix m = pv.ops[in.op].m;
     const int rpp = rows_per_page(m.cols);
     for (int r0 = in.row_begin; r0 < in.row_end; r0 += rpp, ++k) {
-      const int p = static_cast<int>(k % kPages);
+      const int p = static_cast<int>(k % ring.n);
       const uint32_t n = static_cast<uint32_t>(min(rpp, in.row_end - r0));
-      mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);  // every lane: the ring paces the prefetches too
+      mbar_wait(&ring.empty[p], ((k / ring.n) & 1) ^ 1);  // every lane: the ring paces the prefetches too
       if (pv.l2_ahead > 0 && ahead.i < end) {
         ahead.prefetch(pv, lane);
         ahead.advance(pv, end);
@@ -319,7 +320,7 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
     }
   }
   for (int r0 = in.row_begin; r0 < in.row_end; r0 += kRpp, ++k) {
-    const int p = static_cast<int>(k % kPages), n = min(kRpp, in.row_end - r0);
+    const int p = static_cast<int>(k % ring.n), n = min(kRpp, in.row_end - r0);
     const bool active = row0 < n;  // n is a multiple of kRpw (slices are whole quanta)
     const bool writes = active && lane % kLanesPerRow == 0;
     const int row = r0 + row0 + lane / kLanesPerRow;
@@ -331,7 +332,7 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
                      : __ldcg(op.residual + row);
     }
     const unsigned long long t_wait = wait_ns ? globaltimer() : 0;
-    mbar_wait(&ring.full[p], (k / kPages) & 1);
+    mbar_wait(&ring.full[p], (k / ring.n) & 1);
     if (wait_ns) *wait_ns += globaltimer() - t_wait;
     const char* page = ring.pages + p * kPageBytes;
     const unsigned short* s_s = reinterpret_cast<const unsigned short*>(page + kScalesAt);
@@ -428,6 +429,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   xi.sum = xi.scale + kMaxVecs;
   ring.full = reinterpret_cast<uint64_t*>(xi.sum + kMaxVecs);
   ring.empty = ring.full + kPages;
+  ring.n = static_cast<uint32_t>(min(max(pv.n_pages, 1), kPages));
   const int b = blockIdx.x, begin = pv.list_begin[b], end = pv.list_begin[b + 1];
   const unsigned long long epoch = pv.epochs[b];  // read by every thread before thread 0 advances it
   if (threadIdx.x == 0) {

@@ -25,7 +25,10 @@
 
 namespace lily::cuda::mk {
 
-constexpr int kConsumerWarps = 8;
+#ifndef LILY_MK_CONSUMER_WARPS
+#define LILY_MK_CONSUMER_WARPS 8
+#endif
+constexpr int kConsumerWarps = LILY_MK_CONSUMER_WARPS;
 constexpr int kThreads = 32 * (kConsumerWarps + 1);
 constexpr int kPageBytes = 36864;
 constexpr int kPages = 5;
@@ -47,6 +50,7 @@ class DeviceProgram {
   // Pages the loader asks the L2 for ahead of its copies (ProgramView::l2_ahead); kDefaultL2Ahead at upload.
   void set_l2_ahead(int pages) { view_.l2_ahead = pages; }
   void set_signal_mode(int mode) { view_.signal_mode = mode; }
+  void set_pages(int n) { view_.n_pages = n; }
   // The instruction timeline (program.h kTraceMarks per instruction, the last step's): on from enable_trace().
   Status enable_trace();
   Result<std::vector<unsigned long long>> trace() const;

@@ -414,10 +414,13 @@ TEST(MkStepBench, GdnProjectionChain) {
     bool timeline;
     int signal_mode;
     bool tagged;
+    int pages;
   };
   const int sms = device_sms();
-  const Variant variants[] = {{sms, false, 0, false, 1, false}, {sms, true, 0, true, 1, false},
-                              {sms, true, 0, true, 0, true}};
+  const Variant variants[] = {{sms, true, 0, false, 1, false, 5}, {sms, true, 0, true, 1, false, 3},
+                              {sms, true, 0, true, 1, false, 2},  {sms, true, 8, false, 1, false, 3},
+                              {sms, true, 8, true, 1, false, 2},  {sms, true, 16, false, 1, false, 2},
+                              {sms, true, 0, false, 0, true, 2},  {sms, false, 0, false, 1, false, 3}};
   std::vector<DeviceBuffer<unsigned long long>> proj_t, h_t;
   for (int l = 0; l < n_layers; ++l) {
     proj_t.emplace_back(12352), h_t.emplace_back(2048);
@@ -451,11 +454,12 @@ TEST(MkStepBench, GdnProjectionChain) {
     ASSERT_TRUE(d.ok()) << d.status().message();
     (*d)->set_l2_ahead(v.l2_ahead);
     (*d)->set_signal_mode(v.signal_mode);
+    (*d)->set_pages(v.pages);
     const DeviceProgram& prog = **d;
     auto mk = [&](int, cudaStream_t stream) { return prog.launch(stream); };
     char name[80];
-    std::snprintf(name, sizeof name, "mk %d blocks, %s x, L2 ahead %d, %s", v.n_blocks, v.int8 ? "int8" : "fp32",
-                  v.l2_ahead, v.tagged ? "tagged" : v.signal_mode == 1 ? "counters (release)" : "counters");
+    std::snprintf(name, sizeof name, "mk %s, %d pages, L2 ahead %d, %s", v.int8 ? "int8" : "fp32", v.pages,
+                  v.l2_ahead, v.tagged ? "tagged" : v.signal_mode == 1 ? "release" : "fence");
     test::print_bandwidth(name, test::graph_time_us(mk, 10), bytes);
     if (v.timeline) {  // the timeline of one more step (its first 6 ops and the last)
       ASSERT_TRUE((*d)->enable_trace().ok());
