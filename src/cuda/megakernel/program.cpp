@@ -49,17 +49,6 @@ Result<int> Program::add_gemv(const QMatrix& m, const float* in, float* out, std
   return id;
 }
 
-Result<int> Program::add_gemv_tagged(const QMatrix& m, const void* in, bool in_tagged, void* out, bool out_tagged,
-                                     std::vector<int> waits, const float* norm_w, float eps, const void* residual,
-                                     bool residual_tagged) {
-  ASSIGN_OR_RETURN(const int id, add_gemv(m, static_cast<const float*>(in), static_cast<float*>(out), std::move(waits),
-                                          norm_w, eps, static_cast<const float*>(residual)));
-  ops_[id].flags = static_cast<uint16_t>(ops_[id].flags | (in_tagged ? kTaggedIn : 0) |
-                                         (residual && residual_tagged ? kTaggedResidual : 0) |
-                                         (out_tagged ? kTaggedOut : 0));
-  return id;
-}
-
 Status Program::schedule(int n_blocks) {
   if (n_blocks <= 0) return invalid_argument("megakernel schedule: %d blocks", n_blocks);
   if (ops_.empty()) return invalid_argument("megakernel schedule: no ops");

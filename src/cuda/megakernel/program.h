@@ -27,13 +27,6 @@ enum OpFlags : uint16_t {
   kRmsNorm = 1,   // x = in / RMS(in) * norm_w (eqs 1-2, multiplier form)
   kResidual = 2,  // y = residual + W x (residual may alias y)
   kInt8X = 4,     // x quantized to int8 per 32-element vector, dot products on dp4a (else fp32 FMAs)
-  // Tagged activations: a value travels with the step that wrote it, as one 64-bit word (tag << 32 | float bits,
-  // tag = step + 1), so a consumer polls the data itself and needs no counter, and a producer no fence (a fence
-  // waits for the SM's bulk copies in flight: ~1.5 us an instruction, measured). in / residual / out of the op
-  // are then `const uint64_t*` / `uint64_t*` in disguise.
-  kTaggedIn = 8,
-  kTaggedResidual = 16,
-  kTaggedOut = 32,
 };
 
 constexpr int kMaxWaits = 2;
@@ -70,11 +63,6 @@ struct ProgramView {
   // Optional instruction timeline: [instrs][kTraceMarks] %globaltimer ns of the last step (null: off).
   unsigned long long* trace = nullptr;
   int n_blocks = 0;
-  // The loader also asks the L2 for the page this many pages past the one it copies (0: off), so DRAM streams
-  // ahead of the shared-memory ring by up to l2_ahead pages an SM.
-  int l2_ahead = 0;
-  int signal_mode = 0;  // how an instruction publishes its stores (step.cu signal()); measured variants
-  int n_pages = 5;      // pages of the ring in use (1..kPages)
 };
 
 // The timeline's marks per instruction (thread 0 of the block): start (before the input wait), inputs ready, x
@@ -93,11 +81,7 @@ class Program {
                        const float* norm_w = nullptr, float eps = 1e-6f, const float* residual = nullptr);
   // GEMVs added from now on quantize x to int8 and use dp4a (OpFlags::kInt8X).
   void set_int8_activations(bool on) { int8_x_ = on; }
-  // Tagged variant (OpFlags kTagged*): each of in, residual, out tagged when its flag is set; a tagged input
-  // needs no wait (pass no waits for it), a tagged output signals no counter.
-  Result<int> add_gemv_tagged(const QMatrix& m, const void* in, bool in_tagged, void* out, bool out_tagged,
-                              std::vector<int> waits, const float* norm_w, float eps, const void* residual,
-                              bool residual_tagged);
+
 
   // Deals every op's rows to n_blocks lists (each op cut into at most n_blocks slices of whole row quanta,
   // the larger slices rotated over the blocks from op to op so the bytes per block even out).

@@ -56,10 +56,6 @@ __device__ __forceinline__ void bulk_copy(void* dst_s, const void* src, uint32_t
                "l"(src), "r"(bytes), "r"(smem_u32(bar))
                : "memory");
 }
-__device__ __forceinline__ void prefetch_lines(const char* src, uint32_t bytes, int lane) {
-  for (uint32_t at = static_cast<uint32_t>(lane) * 128; at < bytes; at += 32 * 128)
-    asm volatile("prefetch.global.L2::evict_last [%0];" ::"l"(src + at));
-}
 __device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long* p) {
   unsigned long long v;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
@@ -75,7 +71,6 @@ struct Ring {
   char* pages;
   uint64_t* full;   // [kPages]: the bulk copies of a page landed (1 arrival + transaction bytes)
   uint64_t* empty;  // [kPages]: every consumer warp is done reading it (kConsumerWarps arrivals)
-  uint32_t n;       // pages in use (ProgramView::n_pages, 1..kPages)
 };
 
 // x quantized for dp4a (OpFlags::kInt8X): per 32-element vector v, q[2v], q[2v + 1] hold its int8 values in the
@@ -93,49 +88,17 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
-// A position in the block's stream of pages: instruction i, its page starting at row r0.
-struct PageCursor {
-  int i, r0;
-  __device__ void advance(const ProgramView& pv, int end) {
-    const Instr in = pv.instrs[i];
-    r0 += rows_per_page(pv.ops[in.op].m.cols);
-    if (r0 >= in.row_end && ++i < end) r0 = pv.instrs[i].row_begin;
-  }
-  // Asks the L2 for this page's three pieces: each lane of the loader warp prefetches every 32nd 128-byte line
-  // (plain prefetches: a bulk prefetch would queue in the copy engine ahead of the ring's copies).
-  __device__ void prefetch(const ProgramView& pv, int lane) const {
-    const Instr in = pv.instrs[i];
-    const QMatrix m = pv.ops[in.op].m;
-    const uint32_t n = static_cast<uint32_t>(min(rows_per_page(m.cols), in.row_end - r0));
-    const size_t row_w = static_cast<size_t>(r0) * m.cols / 2, row_sb = static_cast<size_t>(r0) * m.cols / 32;
-    prefetch_lines(reinterpret_cast<const char*>(m.w) + row_w, n * m.cols / 2, lane);
-    prefetch_lines(reinterpret_cast<const char*>(m.scales) + row_sb, n * m.cols / 32, lane);
-    prefetch_lines(reinterpret_cast<const char*>(m.biases) + row_sb, n * m.cols / 32, lane);
-  }
-};
-
-// The loader lane: every page of every instruction of the block, in order, as soon as the ring has room; the L2
-// is asked for the pages l2_ahead further on (the first ones up front).
+// The loader lane: every page of every instruction of the block, in order, as soon as the ring has room.
 __device__ void run_loader(const ProgramView& pv, int begin, int end, const Ring& ring) {
-  const int lane = threadIdx.x & 31;
   uint32_t k = 0;
-  PageCursor ahead{begin, begin < end ? pv.instrs[begin].row_begin : 0};
-  for (int a = 0; a < pv.l2_ahead + static_cast<int>(ring.n) && ahead.i < end; ++a, ahead.advance(pv, end)) {
-    if (a >= static_cast<int>(ring.n)) ahead.prefetch(pv, lane);  // the first ring.n are copied at once anyway
-  }
   for (int i = begin; i < end; ++i) {
     const Instr in = pv.instrs[i];
     const QMatrix m = pv.ops[in.op].m;
     const int rpp = rows_per_page(m.cols);
     for (int r0 = in.row_begin; r0 < in.row_end; r0 += rpp, ++k) {
-      const int p = static_cast<int>(k % ring.n);
+      const int p = static_cast<int>(k % kPages);
       const uint32_t n = static_cast<uint32_t>(min(rpp, in.row_end - r0));
-      mbar_wait(&ring.empty[p], ((k / ring.n) & 1) ^ 1);  // every lane: the ring paces the prefetches too
-      if (pv.l2_ahead > 0 && ahead.i < end) {
-        ahead.prefetch(pv, lane);
-        ahead.advance(pv, end);
-      }
-      if (lane != 0) continue;
+      mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);
       char* page = ring.pages + p * kPageBytes;
       const uint32_t w_bytes = n * m.cols / 2, sb_bytes = n * m.cols / 32;
       mbar_expect_tx(&ring.full[p], w_bytes + 2 * sb_bytes);
@@ -147,54 +110,10 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, const Ring
   }
 }
 
-// Tagged activations (OpFlags::kTagged*): 64-bit words tag << 32 | float bits, accessed as single-copy-atomic
-// relaxed gpu-scope 64-bit loads and stores (from the L2, never a stale L1 line).
-__device__ __forceinline__ void ld_tagged2(const unsigned long long* p, unsigned long long& a, unsigned long long& b) {
-  asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
-}
-__device__ __forceinline__ void st_tagged(unsigned long long* p, float v, uint32_t tag) {
-  const unsigned long long w = (static_cast<unsigned long long>(tag) << 32) | __float_as_uint(v);
-  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(w) : "memory");
-}
-__device__ __forceinline__ bool has_tag(unsigned long long w, uint32_t tag) { return (w >> 32) == tag; }
-__device__ __forceinline__ float tagged_value(unsigned long long w) {
-  return __uint_as_float(static_cast<uint32_t>(w));
-}
-// Elements 4i..4i+3 of a tagged vector, polled until all carry `tag`.
-__device__ __forceinline__ float4 load_tagged4(const unsigned long long* p, int i, uint32_t tag) {
-  unsigned long long a, b, c, d;
-  ld_tagged2(p + 4 * i, a, b);
-  ld_tagged2(p + 4 * i + 2, c, d);
-  while (!(has_tag(a, tag) && has_tag(b, tag) && has_tag(c, tag) && has_tag(d, tag))) {
-    ld_tagged2(p + 4 * i, a, b);
-    ld_tagged2(p + 4 * i + 2, c, d);
-  }
-  return make_float4(tagged_value(a), tagged_value(b), tagged_value(c), tagged_value(d));
-}
-__device__ __forceinline__ float load_tagged(const unsigned long long* p, uint32_t tag) {
-  unsigned long long w;
-  do {
-    asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(w) : "l"(p) : "memory");
-  } while (!has_tag(w, tag));
-  return tagged_value(w);
-}
-
-// Adds 1 to counter c once this block's stores (ordered before by the consumer barrier) are visible gpu-wide.
-__device__ __forceinline__ void signal(const ProgramView& pv, int c) {
-  switch (pv.signal_mode) {
-    case 1:  // release add alone (cumulative over the barrier-ordered stores)
-      red_release_add(pv.counters + c, 1);
-      break;
-    case 2:  // acq_rel fence, relaxed add
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");
-      asm volatile("red.relaxed.gpu.global.add.u64 [%0], %1;" ::"l"(pv.counters + c), "l"(1ull) : "memory");
-      break;
-    default:  // sequentially consistent fence, release add
-      __threadfence();
-      red_release_add(pv.counters + c, 1);
-      break;
-  }
-}
+// Adds 1 to counter c once this block's stores are visible gpu-wide: the consumer barrier orders every consumer
+// thread's stores before thread 0's release, which is cumulative over them. (A fence.sc or fence.acq_rel before it
+// cost ~1.5 us more an instruction, measured.)
+__device__ __forceinline__ void signal(const ProgramView& pv, int c) { red_release_add(pv.counters + c, 1); }
 
 // Waits until every counter op reads has reached its target for this step.
 __device__ __forceinline__ void wait_inputs(const ProgramView& pv, const Op& op, unsigned long long epoch) {
@@ -247,7 +166,7 @@ __device__ __forceinline__ int dot_q4_i8(uint4 w, uint4 xa, uint4 xb) {
 
 // x_s (padded) = in, or in / RMS(in) * norm_w. Activations are read through the L2 (__ldcg): other SMs wrote them
 // in this step, and this SM's L1 may hold last step's lines.
-__device__ void load_x(const Op& op, float* x_s, float* red_s, const XInt8& xi, uint32_t tag) {
+__device__ void load_x(const Op& op, float* x_s, float* red_s, const XInt8& xi) {
   constexpr int kPerThread = 4;  // float4s: 4096 columns at most
   const int cols = op.m.cols, n4 = cols / 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float4* in4 = reinterpret_cast<const float4*>(op.in);
@@ -256,13 +175,7 @@ __device__ void load_x(const Op& op, float* x_s, float* red_s, const XInt8& xi, 
 #pragma unroll
   for (int t = 0; t < kPerThread; ++t) {
     const int i = threadIdx.x + t * kConsumerThreads;
-    if (i >= n4) {
-      v[t] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    } else if (op.flags & kTaggedIn) {
-      v[t] = load_tagged4(reinterpret_cast<const unsigned long long*>(op.in), i, tag);
-    } else {
-      v[t] = __ldcg(in4 + i);
-    }
+    v[t] = i < n4 ? __ldcg(in4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     ss += (v[t].x * v[t].x + v[t].y * v[t].y) + (v[t].z * v[t].z + v[t].w * v[t].w);
   }
   float inv_rms = 1.0f;
@@ -301,7 +214,7 @@ __device__ void load_x(const Op& op, float* x_s, float* red_s, const XInt8& xi, 
 // lane j reads the 16-byte vectors v * 32 + j of those rows, so its slices of x are loaded once per page.
 template <int COLS, bool INT8>
 __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, const XInt8& xi, const Ring& ring,
-                           uint32_t& k, unsigned long long* wait_ns, uint32_t tag) {
+                           uint32_t& k, unsigned long long* wait_ns) {
   constexpr int kRpp = rows_per_page(COLS);
   constexpr int kRpw = kRpp / kConsumerWarps;
   constexpr int kVecsPerRow = COLS / kVecElems4;
@@ -320,19 +233,14 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
     }
   }
   for (int r0 = in.row_begin; r0 < in.row_end; r0 += kRpp, ++k) {
-    const int p = static_cast<int>(k % ring.n), n = min(kRpp, in.row_end - r0);
+    const int p = static_cast<int>(k % kPages), n = min(kRpp, in.row_end - r0);
     const bool active = row0 < n;  // n is a multiple of kRpw (slices are whole quanta)
     const bool writes = active && lane % kLanesPerRow == 0;
     const int row = r0 + row0 + lane / kLanesPerRow;
     // The residual is loaded before the page wait: its L2 round trip overlaps the wait and the dot products.
-    float residual = 0.0f;
-    if (writes && (op.flags & kResidual)) {
-      residual = op.flags & kTaggedResidual
-                     ? load_tagged(reinterpret_cast<const unsigned long long*>(op.residual) + row, tag)
-                     : __ldcg(op.residual + row);
-    }
+    const float residual = writes && (op.flags & kResidual) ? __ldcg(op.residual + row) : 0.0f;
     const unsigned long long t_wait = wait_ns ? globaltimer() : 0;
-    mbar_wait(&ring.full[p], (k / ring.n) & 1);
+    mbar_wait(&ring.full[p], (k / kPages) & 1);
     if (wait_ns) *wait_ns += globaltimer() - t_wait;
     const char* page = ring.pages + p * kPageBytes;
     const unsigned short* s_s = reinterpret_cast<const unsigned short*>(page + kScalesAt);
@@ -368,13 +276,7 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
     if (lane == 0) mbar_arrive(&ring.empty[p]);  // the page is free once every lane has read it
     if (active) {
       group_reduce_scatter<kRpw, 32>(part, lane);
-      if (writes) {
-        if (op.flags & kTaggedOut) {
-          st_tagged(reinterpret_cast<unsigned long long*>(op.out) + row, part[0] + residual, tag);
-        } else {
-          op.out[row] = part[0] + residual;
-        }
-      }
+      if (writes) op.out[row] = part[0] + residual;
     }
   }
 }
@@ -383,7 +285,6 @@ __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigne
                               float* x_s, float* red_s, const XInt8& xi) {
   uint32_t k = 0;
   const bool trace = pv.trace != nullptr && threadIdx.x == 0;
-  const uint32_t tag = static_cast<uint32_t>(epoch + 1);
   for (int i = begin; i < end; ++i) {
     unsigned long long* marks = trace ? pv.trace + static_cast<size_t>(i) * kTraceMarks : nullptr;
     if (marks) marks[0] = globaltimer();
@@ -391,25 +292,25 @@ __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigne
     const Op op = pv.ops[in.op];
     wait_inputs(pv, op, epoch);
     if (marks) marks[1] = globaltimer();
-    load_x(op, x_s, red_s, xi, tag);
+    load_x(op, x_s, red_s, xi);
     if (marks) marks[2] = globaltimer();
     const bool int8 = op.flags & kInt8X;
     unsigned long long page_wait = 0;
     if (op.m.cols == 2048) {
       if (int8) {
-        gemv_pages<2048, true>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr, tag);
+        gemv_pages<2048, true>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
       } else {
-        gemv_pages<2048, false>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr, tag);
+        gemv_pages<2048, false>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
       }
     } else if (int8) {
-      gemv_pages<4096, true>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr, tag);
+      gemv_pages<4096, true>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
     } else {
-      gemv_pages<4096, false>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr, tag);
+      gemv_pages<4096, false>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
     }
     if (marks) marks[3] = globaltimer();
     consumer_sync();  // every store of the instruction issued (and x_s free for the next one)
     if (marks) marks[4] = globaltimer();
-    if (threadIdx.x == 0 && !(op.flags & kTaggedOut)) signal(pv, op.signal);
+    if (threadIdx.x == 0) signal(pv, op.signal);
     if (marks) marks[5] = globaltimer(), marks[6] = page_wait;
   }
 }
@@ -429,7 +330,6 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   xi.sum = xi.scale + kMaxVecs;
   ring.full = reinterpret_cast<uint64_t*>(xi.sum + kMaxVecs);
   ring.empty = ring.full + kPages;
-  ring.n = static_cast<uint32_t>(min(max(pv.n_pages, 1), kPages));
   const int b = blockIdx.x, begin = pv.list_begin[b], end = pv.list_begin[b + 1];
   const unsigned long long epoch = pv.epochs[b];  // read by every thread before thread 0 advances it
   if (threadIdx.x == 0) {
@@ -442,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   __syncthreads();
   const int warp = threadIdx.x >> 5;
   if (warp == kConsumerWarps) {
-    run_loader(pv, begin, end, ring);
+    if ((threadIdx.x & 31) == 0) run_loader(pv, begin, end, ring);
     return;
   }
   run_consumers(pv, begin, end, epoch, ring, x_s, red_s, xi);
@@ -495,7 +395,6 @@ Result<std::unique_ptr<DeviceProgram>> DeviceProgram::upload(const Program& p) {
   d->view_.counters = static_cast<unsigned long long*>(counters);
   d->view_.epochs = static_cast<unsigned long long*>(epochs);
   d->view_.n_blocks = n_blocks;
-  d->view_.l2_ahead = kDefaultL2Ahead;
   if (cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
     return error(ErrorCode::unsupported, "megakernel: %zu bytes of shared memory per block not available", kSmemBytes);
   Result<std::unique_ptr<DeviceProgram>> done(std::move(d));

@@ -131,45 +131,15 @@ struct Chain {
     }
   }
 
-  // Tagged buffers (OpFlags::kTagged*): each layer's proj and the h between layers, 64-bit words.
-  std::vector<DeviceBuffer<unsigned long long>> proj_t, h_t;
-
-  Result<Program> program(int n_blocks, bool int8 = false, bool tagged = false) {
+  Result<Program> program(int n_blocks, bool int8 = false) {
     Program p;
     p.set_int8_activations(int8);
-    if (tagged) return tagged_program(p, n_blocks);
     int prev = -1;
     for (auto& L : layers) {
       std::vector<int> waits;
       if (prev >= 0) waits.push_back(prev);
       ASSIGN_OR_RETURN(const int in, p.add_gemv(L->d_in, h.get(), L->d_proj.get(), waits, L->d_norm.get()));
       ASSIGN_OR_RETURN(prev, p.add_gemv(L->d_out, L->d_proj.get(), h.get(), {in}, nullptr, 1e-6f, h.get()));
-    }
-    RETURN_IF_ERROR(p.schedule(n_blocks));
-    return p;
-  }
-
-  // Layer 0 reads the plain h of the previous step, the last layer writes it back; everything between is tagged.
-  Result<Program> tagged_program(Program& p, int n_blocks) {
-    const size_t n = layers.size();
-    if (proj_t.empty()) {
-      for (size_t l = 0; l < n; ++l) {
-        proj_t.emplace_back(static_cast<size_t>(layers[l]->w_in.rows));
-        h_t.emplace_back(2048);
-        if (proj_t.back().zero() != cudaSuccess || h_t.back().zero() != cudaSuccess)
-          return error(ErrorCode::internal, "alloc");
-      }
-    }
-    for (size_t l = 0; l < n; ++l) {
-      const bool first = l == 0, last = l + 1 == n;
-      const void* h_in = first ? static_cast<const void*>(h.get()) : h_t[l].get();
-      RETURN_IF_ERROR(p.add_gemv_tagged(layers[l]->d_in, h_in, !first, proj_t[l].get(), true, {},
-                                        layers[l]->d_norm.get(), 1e-6f, nullptr, false)
-                          .status());
-      void* h_out = last ? static_cast<void*>(h.get()) : h_t[l + 1].get();
-      RETURN_IF_ERROR(
-          p.add_gemv_tagged(layers[l]->d_out, proj_t[l].get(), true, h_out, !last, {}, nullptr, 1e-6f, h_in, !first)
-              .status());
     }
     RETURN_IF_ERROR(p.schedule(n_blocks));
     return p;
@@ -204,15 +174,13 @@ struct Chain {
   }
 };
 
-std::vector<std::vector<float>> run_steps(Chain& chain, int n_blocks, int steps, bool int8 = false,
-                                          int signal_mode = 0, bool tagged = false) {
-  auto program = chain.program(n_blocks, int8, tagged);
+std::vector<std::vector<float>> run_steps(Chain& chain, int n_blocks, int steps, bool int8 = false) {
+  auto program = chain.program(n_blocks, int8);
   EXPECT_TRUE(program.ok()) << program.status().message();
   if (!program.ok()) return {};
   auto d = DeviceProgram::upload(*program);
   EXPECT_TRUE(d.ok()) << d.status().message();
   if (!d.ok()) return {};
-  (*d)->set_signal_mode(signal_mode);
   EXPECT_EQ(chain.h.upload(chain.h0), cudaSuccess);
   std::vector<std::vector<float>> out;
   for (int s = 0; s < steps; ++s) {
@@ -223,9 +191,7 @@ std::vector<std::vector<float>> run_steps(Chain& chain, int n_blocks, int steps,
   auto counters = (*d)->counters();
   EXPECT_TRUE(counters.ok());
   for (size_t i = 0; counters.ok() && i < counters->size(); ++i) {
-    const bool signals = !(program->ops()[i].flags & kTaggedOut);
-    EXPECT_EQ((*counters)[i],
-              signals ? static_cast<unsigned long long>(steps) * program->signals_per_step(static_cast<int>(i)) : 0ull)
+    EXPECT_EQ((*counters)[i], static_cast<unsigned long long>(steps) * program->signals_per_step(static_cast<int>(i)))
         << "counter " << i << " after " << steps << " steps";
   }
   return out;
@@ -252,17 +218,9 @@ TEST(MkStep, GemvChainMatchesCpuOnAnyGrid) {
     EXPECT_EQ(bad, 0) << "step " << s;
   }
   for (int n_blocks : {1, 7, device_sms()}) {
-    for (int signal_mode : {0, 1, 2}) {
-      if (n_blocks == 1 && signal_mode > 0) continue;  // one block: no cross-SM publication to test
-      const auto again = run_steps(chain, n_blocks, steps, false, signal_mode);
-      ASSERT_EQ(again.size(), full.size());
-      for (int s = 0; s < steps; ++s)
-        EXPECT_EQ(again[s], full[s]) << n_blocks << " blocks, signal mode " << signal_mode << ", step " << s;
-    }
-    // Tagged activations: no counters, no fences, the same arithmetic.
-    const auto tagged = run_steps(chain, n_blocks, steps, false, 0, true);
-    ASSERT_EQ(tagged.size(), full.size());
-    for (int s = 0; s < steps; ++s) EXPECT_EQ(tagged[s], full[s]) << n_blocks << " blocks tagged, step " << s;
+    const auto again = run_steps(chain, n_blocks, steps);
+    ASSERT_EQ(again.size(), full.size());
+    for (int s = 0; s < steps; ++s) EXPECT_EQ(again[s], full[s]) << n_blocks << " blocks, step " << s;
   }
 }
 
@@ -349,11 +307,9 @@ TEST(MkStep, Int8ChainCloseToFp32AndDeterministic) {
   const auto fp32 = run_steps(chain, device_sms(), 1);
   const auto int8 = run_steps(chain, device_sms(), 2, true);
   const auto int8_7 = run_steps(chain, 7, 2, true);
-  const auto int8_tagged = run_steps(chain, device_sms(), 2, true, 0, true);
   ASSERT_EQ(fp32.size(), 1u);
   ASSERT_EQ(int8.size(), 2u);
   EXPECT_EQ(int8, int8_7);
-  EXPECT_EQ(int8, int8_tagged);
   double worst = 0, norm = 0;
   for (int r = 0; r < 2048; ++r) worst = std::max(worst, std::fabs(double(int8[0][r]) - fp32[0][r]));
   for (float v : fp32[0]) norm = std::max(norm, std::fabs(double(v)));
@@ -410,28 +366,14 @@ TEST(MkStepBench, GdnProjectionChain) {
   struct Variant {
     int n_blocks;
     bool int8;
-    int l2_ahead;
-    bool timeline;
-    int signal_mode;
-    bool tagged;
-    int pages;
   };
   const int sms = device_sms();
-  const Variant variants[] = {{sms, true, 0, false, 1, false, 5}, {sms, true, 0, true, 1, false, 3},
-                              {sms, true, 0, true, 1, false, 2},  {sms, true, 8, false, 1, false, 3},
-                              {sms, true, 8, true, 1, false, 2},  {sms, true, 16, false, 1, false, 2},
-                              {sms, true, 0, false, 0, true, 2},  {sms, false, 0, false, 1, false, 3}};
-  std::vector<DeviceBuffer<unsigned long long>> proj_t, h_t;
-  for (int l = 0; l < n_layers; ++l) {
-    proj_t.emplace_back(12352), h_t.emplace_back(2048);
-    ASSERT_CUDA(proj_t.back().zero());
-    ASSERT_CUDA(h_t.back().zero());
-  }
+  const Variant variants[] = {{sms, false}, {sms, true}, {sms - 4, true}};
   for (const Variant& v : variants) {
     Program p;
     p.set_int8_activations(v.int8);
     int prev = -1;
-    for (int l = 0; l < n_layers && !v.tagged; ++l) {
+    for (int l = 0; l < n_layers; ++l) {
       auto in = p.add_gemv(w_in[l], h.get(), proj.get(), prev < 0 ? std::vector<int>{} : std::vector<int>{prev},
                            norm_w.get());
       ASSERT_TRUE(in.ok()) << in.status().message();
@@ -439,29 +381,15 @@ TEST(MkStepBench, GdnProjectionChain) {
       ASSERT_TRUE(out.ok());
       prev = *out;
     }
-    for (int l = 0; l < n_layers && v.tagged; ++l) {
-      const bool first = l == 0, last = l + 1 == n_layers;
-      const void* h_in = first ? static_cast<const void*>(h.get()) : h_t[l].get();
-      ASSERT_TRUE(p.add_gemv_tagged(w_in[l], h_in, !first, proj_t[l].get(), true, {}, norm_w.get(), 1e-6f, nullptr,
-                                    false)
-                      .ok());
-      void* h_out = last ? static_cast<void*>(h.get()) : h_t[l + 1].get();
-      ASSERT_TRUE(
-          p.add_gemv_tagged(w_out[l], proj_t[l].get(), true, h_out, !last, {}, nullptr, 1e-6f, h_in, !first).ok());
-    }
     ASSERT_TRUE(p.schedule(v.n_blocks).ok());
     auto d = DeviceProgram::upload(p);
     ASSERT_TRUE(d.ok()) << d.status().message();
-    (*d)->set_l2_ahead(v.l2_ahead);
-    (*d)->set_signal_mode(v.signal_mode);
-    (*d)->set_pages(v.pages);
     const DeviceProgram& prog = **d;
     auto mk = [&](int, cudaStream_t stream) { return prog.launch(stream); };
     char name[80];
-    std::snprintf(name, sizeof name, "mk %s, %d pages, L2 ahead %d, %s", v.int8 ? "int8" : "fp32", v.pages,
-                  v.l2_ahead, v.tagged ? "tagged" : v.signal_mode == 1 ? "release" : "fence");
+    std::snprintf(name, sizeof name, "megakernel, 1 launch, %d blocks, %s x", v.n_blocks, v.int8 ? "int8" : "fp32");
     test::print_bandwidth(name, test::graph_time_us(mk, 10), bytes);
-    if (v.timeline) {  // the timeline of one more step (its first 6 ops and the last)
+    if (v.n_blocks == sms) {  // the timeline of one more step (its first 6 ops and the last)
       ASSERT_TRUE((*d)->enable_trace().ok());
       ASSERT_EQ(prog.launch(nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
