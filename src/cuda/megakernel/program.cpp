@@ -17,6 +17,7 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 int gemv_row_quantum(int cols) { return cols == 2048 ? 4 : 2; }
 
 size_t instr_weight_bytes(const Op& op, const Instr& in) {
+  if (op.code == Opcode::gdn_head) return static_cast<size_t>(in.row_end - in.row_begin) * kGdnDim * kGdnDim * 4;
   QMatrix slice = op.m;
   slice.rows = in.row_end - in.row_begin;
   return slice.bytes();
@@ -49,6 +50,25 @@ Result<int> Program::add_gemv(const QMatrix& m, const float* in, float* out, std
   return id;
 }
 
+Result<int> Program::add_gdn_heads(const GdnArgs& g, float* out, int in_proj, float eps) {
+  if (!g.proj || !g.conv_ring || !g.conv_w || !g.A_log || !g.dt_bias || !g.norm_w || !g.S || !g.pos || !out)
+    return invalid_argument("megakernel gdn: a null operand");
+  if (g.n_k <= 0 || g.n_v <= 0 || g.n_v % g.n_k != 0) return invalid_argument("megakernel gdn: %d / %d heads", g.n_v, g.n_k);
+  if (!aligned16(g.S)) return invalid_argument("megakernel gdn: the state must be 16-byte aligned");
+  const int id = static_cast<int>(ops_.size());
+  if (in_proj < -1 || in_proj >= id) return invalid_argument("megakernel gdn: waits on op %d of %d", in_proj, id);
+  Op op;
+  op.code = Opcode::gdn_head;
+  op.gdn = g;
+  op.m.rows = g.n_v;  // the schedule cuts "rows": here value heads
+  op.out = out;
+  op.eps = eps;
+  op.wait[0] = in_proj;
+  op.signal = id;
+  ops_.push_back(op);
+  return id;
+}
+
 Status Program::schedule(int n_blocks) {
   if (n_blocks <= 0) return invalid_argument("megakernel schedule: %d blocks", n_blocks);
   if (ops_.empty()) return invalid_argument("megakernel schedule: no ops");
@@ -57,7 +77,7 @@ Status Program::schedule(int n_blocks) {
   int rotate = 0;
   for (size_t o = 0; o < ops_.size(); ++o) {
     const Op& op = ops_[o];
-    const int quantum = gemv_row_quantum(op.m.cols);
+    const int quantum = op.code == Opcode::gdn_head ? 1 : gemv_row_quantum(op.m.cols);
     const int quanta = op.m.rows / quantum;
     const int slices = std::min(quanta, n_blocks);
     // Slice s gets quanta/slices quanta, the first quanta%slices one more; slice s goes to block

@@ -20,7 +20,23 @@
 namespace lily::cuda::mk {
 
 enum class Opcode : uint16_t {
-  gemv_q4 = 1,  // y[rows] = W x (+ residual), W 4-bit [rows, cols], x = in or RMSNorm(in) * norm_w
+  gemv_q4 = 1,   // y[rows] = W x (+ residual), W 4-bit [rows, cols], x = in or RMSNorm(in) * norm_w
+  gdn_head = 2,  // the Gated DeltaNet step of value heads [row_begin, row_end) (eqs 14-19, docs/MODEL.md)
+};
+
+// The Gated DeltaNet step's operands (Opcode::gdn_head): d_k = d_v = 128, conv kernel 4. The state of a head,
+// S[h] (128 x 128 fp32, 64 KB), streams in through the loader's pages (two 32 KB pages) like weights: no kernel
+// writes it within a step but this op, once per head.
+struct GdnArgs {
+  const float* proj = nullptr;     // [conv_dim (q|k|v) + value_dim (z) + n_v (b) + n_v (a)]: the in-projection
+  float* conv_ring = nullptr;      // [4, conv_dim]: pre-conv vectors, position p in slot p % 4
+  const float* conv_w = nullptr;   // [conv_dim, 4]
+  const float* A_log = nullptr;    // [n_v]
+  const float* dt_bias = nullptr;  // [n_v]
+  const float* norm_w = nullptr;   // [d_v]: the gated RMSNorm's multiplier (eq 19)
+  float* S = nullptr;              // [n_v, d_k, d_v] fp32
+  const int* pos = nullptr;        // device: this token's position
+  int n_k = 16, n_v = 32;
 };
 
 enum OpFlags : uint16_t {
@@ -35,7 +51,8 @@ constexpr int kMaxWaits = 2;
 struct Op {
   Opcode code = Opcode::gemv_q4;
   uint16_t flags = 0;
-  QMatrix m;
+  QMatrix m;                      // gemv_q4
+  GdnArgs gdn;                    // gdn_head; out = the gated-normed o [n_v * d_v]
   const float* in = nullptr;      // [cols]
   const float* norm_w = nullptr;  // [cols] (kRmsNorm)
   float eps = 1e-6f;
@@ -71,6 +88,7 @@ constexpr int kTraceMarks = 7;
 
 // The rows one instruction covers are a multiple of this for a gemv of `cols` (a warp's rows in a page).
 int gemv_row_quantum(int cols);
+constexpr int kGdnDim = 128;  // d_k = d_v of the gdn_head op
 
 // The host side: ops added in step order, then a schedule for n_blocks SMs, uploaded once.
 class Program {
@@ -98,6 +116,10 @@ class Program {
   // A timeline (DeviceProgram::trace) summed per op: the mean wait, x and page time of its instructions, and
   // when the op's last instruction finished and the next op's first input wait returned.
   std::string summarize_trace(const std::vector<unsigned long long>& marks) const;
+
+  // Adds the Gated DeltaNet step of every value head (one instruction a head), reading the in-projection op
+  // `in_proj` (its whole output; -1: none, for op tests), writing eq 19's x (the out-projection's input) to out [n_v * 128].
+  Result<int> add_gdn_heads(const GdnArgs& g, float* out, int in_proj, float eps = 1e-6f);
 
  private:
   std::vector<Op> ops_;

@@ -1,5 +1,6 @@
 // The persistent decode kernel (step.cuh): a loader lane streams pages of weights ahead, eight consumer warps
 // wait for their inputs through counters and compute from shared memory.
+#include "cuda/kernels/gdn.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 #include "cuda/megakernel/step.cuh"
 
@@ -93,6 +94,20 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, const Ring
   uint32_t k = 0;
   for (int i = begin; i < end; ++i) {
     const Instr in = pv.instrs[i];
+    if (pv.ops[in.op].code == Opcode::gdn_head) {  // each head's state: rows 0-63, then 64-127 (32 KB each)
+      const float* S = pv.ops[in.op].gdn.S;
+      for (int h = in.row_begin; h < in.row_end; ++h) {
+        for (int half = 0; half < 2; ++half, ++k) {
+          const int p = static_cast<int>(k % kPages);
+          mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);
+          constexpr uint32_t kHalfBytes = kGdnDim * kGdnDim * 2;
+          mbar_expect_tx(&ring.full[p], kHalfBytes);
+          bulk_copy(ring.pages + p * kPageBytes,
+                    S + (static_cast<size_t>(h) * kGdnDim + half * (kGdnDim / 2)) * kGdnDim, kHalfBytes, &ring.full[p]);
+        }
+      }
+      continue;
+    }
     const QMatrix m = pv.ops[in.op].m;
     const int rpp = rows_per_page(m.cols);
     for (int r0 = in.row_begin; r0 < in.row_end; r0 += rpp, ++k) {
@@ -281,6 +296,101 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
   }
 }
 
+// The Gated DeltaNet step of value heads [row_begin, row_end) (Opcode::gdn_head), the chain's gdn_step arithmetic
+// (gdn.cu) on 512 threads: thread (quarter, j) holds rows 32 quarter .. +31 of column j of the head's state, which
+// arrives as two pages (rows 0-63: quarters 0-1, rows 64-127: quarters 2-3).
+//   eq 14  conv + SiLU of the 384 channels the head reads (q, k of its key head, its v), ring slot pos % 4 updated
+//   eq 16  q_hat = q / |q| / sqrt(d_k), k_hat = k / |k|;  eq 17  beta, decay
+//   eq 18  S' = decay S; e = (v - S'^T k_hat) beta; S = S' + k_hat e^T; o = S'^T q_hat + e (k_hat . q_hat)
+//   eq 19  out = norm_w * o / RMS(o) * silu(z)
+__device__ void gdn_heads(const Op& op, const Instr& in, float* scratch, float* red_s, const Ring& ring, uint32_t& k) {
+  constexpr int D = kGdnDim, K = 4, kRows = D / 4;
+  static_assert(kConsumerThreads == 4 * D, "a consumer thread per (row quarter, column) of a head's state");
+  const GdnArgs& g = op.gdn;
+  const int key_dim = g.n_k * D, value_dim = g.n_v * D, conv_dim = 2 * key_dim + value_dim;
+  float* q_s = scratch;
+  float* k_s = q_s + D;
+  float* v_s = k_s + D;
+  float* part_s = v_s + D;       // [2][4][D]: partial S'^T k_hat, S'^T q_hat per quarter
+  float* norm_s = part_s + 8 * D;  // 1/|q|, 1/|k|, raw q.k
+  const int tid = threadIdx.x, j = tid % D, quarter = tid / D, warp = tid >> 5, lane = tid & 31;
+  const int pos = __ldcg(g.pos);
+  for (int h = in.row_begin; h < in.row_end; ++h, k += 2) {
+    const int kh = h / (g.n_v / g.n_k);
+    if (tid < 3 * D) {
+      const int ch = tid < D ? kh * D + tid : tid < 2 * D ? key_dim + kh * D + (tid - D) : 2 * key_dim + h * D + (tid - 2 * D);
+      float x[K];
+#pragma unroll
+      for (int t = 0; t < K - 1; ++t) x[t] = __ldcg(g.conv_ring + static_cast<size_t>((pos + 1 + t) % K) * conv_dim + ch);
+      x[K - 1] = __ldcg(g.proj + ch);
+      float acc = 0.0f;
+#pragma unroll
+      for (int t = 0; t < K; ++t) acc += __ldg(g.conv_w + static_cast<size_t>(ch) * K + t) * x[t];
+      g.conv_ring[static_cast<size_t>(pos % K) * conv_dim + ch] = x[K - 1];
+      const float y = gdn_silu(acc);
+      (tid < D ? q_s : tid < 2 * D ? k_s : v_s)[tid % D] = y;
+    }
+    const float z = quarter == 0 ? __ldcg(g.proj + conv_dim + h * D + j) : 0.0f;
+    const float b_logit = __ldcg(g.proj + conv_dim + value_dim + h);
+    const float a_in = __ldcg(g.proj + conv_dim + value_dim + g.n_v + h) + __ldg(g.dt_bias + h);
+    consumer_sync();
+    if (warp < 3) {
+      float acc = 0.0f;
+      for (int i = lane; i < D; i += 32) acc += warp == 0 ? q_s[i] * q_s[i] : warp == 1 ? k_s[i] * k_s[i] : q_s[i] * k_s[i];
+      acc = warp_sum(acc);
+      if (lane == 0) norm_s[warp] = warp == 2 ? acc : 1.0f / sqrtf(acc + 1e-6f);
+    }
+    float beta, decay;
+    gdn_gates(b_logit, a_in, __ldg(g.A_log + h), beta, decay);
+    consumer_sync();
+    const float q_inv = norm_s[0] * (1.0f / sqrtf(static_cast<float>(D))), k_inv = norm_s[1];
+    const float kq = norm_s[2] * q_inv * k_inv;
+    consumer_sync();  // every thread has read norm_s before the scaling below
+    if (tid < D) {
+      q_s[tid] *= q_inv;
+      k_s[tid] *= k_inv;
+    }
+    consumer_sync();
+    const int p = static_cast<int>((k + quarter / 2) % kPages);
+    mbar_wait(&ring.full[p], ((k + quarter / 2) / kPages) & 1);
+    const float* page = reinterpret_cast<const float*>(ring.pages + p * kPageBytes) + (quarter % 2) * kRows * D;
+    float s_reg[kRows];
+    float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int i = quarter * kRows + r;
+      s_reg[r] = page[r * D + j] * decay;
+      sk += s_reg[r] * k_s[i];
+      sq += s_reg[r] * q_s[i];
+    }
+    __syncwarp();
+    if (lane == 0) {  // each warp has read its page; the other page it never reads
+      mbar_arrive(&ring.empty[k % kPages]);
+      mbar_arrive(&ring.empty[(k + 1) % kPages]);
+    }
+    part_s[quarter * D + j] = sk;
+    part_s[4 * D + quarter * D + j] = sq;
+    consumer_sync();
+    float kv = 0.0f, sqv = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) kv += part_s[q * D + j], sqv += part_s[4 * D + q * D + j];
+    const float e = (v_s[j] - kv) * beta;
+    float* S = g.S + (static_cast<size_t>(h) * D + quarter * kRows) * D + j;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) S[static_cast<size_t>(r) * D] = s_reg[r] + k_s[quarter * kRows + r] * e;
+    const float o = sqv + e * kq;
+    if (quarter == 0) {
+      const float ss = warp_sum(o * o);
+      if (lane == 0) red_s[warp] = ss;
+    }
+    consumer_sync();
+    const float total = (red_s[0] + red_s[1]) + (red_s[2] + red_s[3]);
+    const float inv_rms = rsqrtf(total / static_cast<float>(D) + op.eps);
+    if (quarter == 0) op.out[h * D + j] = __ldg(g.norm_w + j) * (o * inv_rms) * siluf_(z);
+    consumer_sync();  // scratch and red_s free for the next head
+  }
+}
+
 __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring,
                               float* x_s, float* red_s, const XInt8& xi) {
   uint32_t k = 0;
@@ -292,6 +402,14 @@ __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigne
     const Op op = pv.ops[in.op];
     wait_inputs(pv, op, epoch);
     if (marks) marks[1] = globaltimer();
+    if (op.code == Opcode::gdn_head) {
+      if (marks) marks[2] = globaltimer();
+      gdn_heads(op, in, x_s, red_s, ring, k);
+      if (marks) marks[3] = marks[4] = globaltimer();
+      if (threadIdx.x == 0) signal(pv, op.signal);
+      if (marks) marks[5] = globaltimer(), marks[6] = 0;
+      continue;
+    }
     load_x(op, x_s, red_s, xi);
     if (marks) marks[2] = globaltimer();
     const bool int8 = op.flags & kInt8X;
