@@ -1,0 +1,173 @@
+// The decode program's builder: ops in step order, cut into slices and dealt to per-SM lists (program.h).
+#include "cuda/megakernel/program.h"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace lily::cuda::mk {
+
+namespace {
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
+
+}  // namespace
+
+// A page holds 32 rows of 2048 columns or 16 of 4096 (36 KB with scales and biases); its rows are shared by the
+// consumer warps, 4 or 2 rows each (step.cu).
+int gemv_row_quantum(int cols) { return cols == 2048 ? 4 : 2; }
+
+size_t instr_weight_bytes(const Op& op, const Instr& in) {
+  if (op.code == Opcode::gdn_head) return static_cast<size_t>(in.row_end - in.row_begin) * kGdnDim * kGdnDim * 4;
+  QMatrix slice = op.m;
+  slice.rows = in.row_end - in.row_begin;
+  return slice.bytes();
+}
+
+Result<int> Program::add_gemv(const QMatrix& m, const float* in, float* out, std::vector<int> waits,
+                              const float* norm_w, float eps, const float* residual) {
+  if (m.bits != 4 || (m.cols != 2048 && m.cols != 4096))
+    return invalid_argument("megakernel gemv: %d-bit [%d, %d] (takes 4-bit, 2048 or 4096 columns)", m.bits, m.rows,
+                            m.cols);
+  if (m.rows <= 0 || m.rows % gemv_row_quantum(m.cols) != 0)
+    return invalid_argument("megakernel gemv: %d rows is not a multiple of %d", m.rows, gemv_row_quantum(m.cols));
+  if (!m.w || !m.scales || !m.biases || !in || !out)
+    return invalid_argument("megakernel gemv: null matrix, input or output");
+  if (!aligned16(m.w) || !aligned16(m.scales) || !aligned16(m.biases) || !aligned16(in))
+    return invalid_argument("megakernel gemv: weights, scales, biases and input must be 16-byte aligned");
+  if (waits.size() > static_cast<size_t>(kMaxWaits))
+    return invalid_argument("megakernel gemv: waits on %zu ops (at most %d)", waits.size(), kMaxWaits);
+  Op op;
+  op.code = Opcode::gemv_q4;
+  op.flags = static_cast<uint16_t>((norm_w ? kRmsNorm : 0) | (residual ? kResidual : 0) | (int8_x_ ? kInt8X : 0));
+  op.m = m, op.in = in, op.norm_w = norm_w, op.eps = eps, op.residual = residual, op.out = out;
+  const int id = static_cast<int>(ops_.size());
+  for (size_t i = 0; i < waits.size(); ++i) {
+    if (waits[i] < 0 || waits[i] >= id) return invalid_argument("megakernel gemv: waits on op %d of %d", waits[i], id);
+    op.wait[i] = waits[i];
+  }
+  op.signal = id;
+  ops_.push_back(op);
+  return id;
+}
+
+Result<int> Program::add_gdn_heads(const GdnArgs& g, float* out, int in_proj, float eps) {
+  if (!g.proj || !g.conv_ring || !g.conv_w || !g.A_log || !g.dt_bias || !g.norm_w || !g.S || !g.pos || !out)
+    return invalid_argument("megakernel gdn: a null operand");
+  if (g.n_k <= 0 || g.n_v <= 0 || g.n_v % g.n_k != 0) return invalid_argument("megakernel gdn: %d / %d heads", g.n_v, g.n_k);
+  if (!aligned16(g.S)) return invalid_argument("megakernel gdn: the state must be 16-byte aligned");
+  const int id = static_cast<int>(ops_.size());
+  if (in_proj < -1 || in_proj >= id) return invalid_argument("megakernel gdn: waits on op %d of %d", in_proj, id);
+  Op op;
+  op.code = Opcode::gdn_head;
+  op.gdn = g;
+  op.m.rows = g.n_v;  // the schedule cuts "rows": here value heads
+  op.out = out;
+  op.eps = eps;
+  op.wait[0] = in_proj;
+  op.signal = id;
+  ops_.push_back(op);
+  return id;
+}
+
+Status Program::schedule(int n_blocks) {
+  if (n_blocks <= 0) return invalid_argument("megakernel schedule: %d blocks", n_blocks);
+  if (ops_.empty()) return invalid_argument("megakernel schedule: no ops");
+  std::vector<std::vector<Instr>> lists(static_cast<size_t>(n_blocks));
+  signals_.assign(ops_.size(), 0);
+  int rotate = 0;
+  for (size_t o = 0; o < ops_.size(); ++o) {
+    const Op& op = ops_[o];
+    const int quantum = op.code == Opcode::gdn_head ? 1 : gemv_row_quantum(op.m.cols);
+    const int quanta = op.m.rows / quantum;
+    const int slices = std::min(quanta, n_blocks);
+    // Slice s gets quanta/slices quanta, the first quanta%slices one more; slice s goes to block
+    // (rotate + s) % n_blocks, and rotate moves past the larger slices so the next op's larger ones land elsewhere.
+    const int base = quanta / slices, extra = quanta % slices;
+    int row = 0;
+    for (int s = 0; s < slices; ++s) {
+      const int rows = (base + (s < extra ? 1 : 0)) * quantum;
+      lists[static_cast<size_t>((rotate + s) % n_blocks)].push_back({static_cast<int>(o), row, row + rows});
+      row += rows;
+    }
+    rotate = (rotate + (extra > 0 ? extra : slices)) % n_blocks;
+    signals_[o] = static_cast<uint32_t>(slices);
+  }
+  for (Op& op : ops_) {
+    for (int i = 0; i < kMaxWaits; ++i) op.wait_count[i] = op.wait[i] >= 0 ? signals_[op.wait[i]] : 0;
+  }
+  instrs_.clear();
+  list_begin_.assign(1, 0);
+  for (const auto& l : lists) {
+    instrs_.insert(instrs_.end(), l.begin(), l.end());
+    list_begin_.push_back(static_cast<int>(instrs_.size()));
+  }
+  return ok_status();
+}
+
+size_t Program::block_bytes(int b) const {
+  size_t bytes = 0;
+  for (int i = list_begin_[b]; i < list_begin_[b + 1]; ++i) bytes += instr_weight_bytes(ops_[instrs_[i].op], instrs_[i]);
+  return bytes;
+}
+
+std::string Program::describe() const {
+  std::string s;
+  for (size_t b = 0; b + 1 < list_begin_.size(); ++b) {
+    char line[96];
+    std::snprintf(line, sizeof line, "block %zu: %d instructions, %.2f MB\n", b, list_begin_[b + 1] - list_begin_[b],
+                   block_bytes(static_cast<int>(b)) / 1e6);
+    s += line;
+  }
+  return s;
+}
+
+std::string Program::summarize_trace(const std::vector<unsigned long long>& marks) const {
+  if (marks.size() != instrs_.size() * kTraceMarks) return "no timeline\n";
+  struct Sum {
+    double wait = 0, x = 0, pages = 0, page_wait = 0, sync = 0, signal = 0, max_x = 0, max_pages = 0;
+    unsigned long long first_done = ~0ull;
+    unsigned long long first_ready = ~0ull, last_done = 0, first_start = ~0ull;
+    int n = 0;
+  };
+  std::vector<Sum> per_op(ops_.size());
+  unsigned long long t0 = ~0ull;
+  for (size_t i = 0; i < instrs_.size(); ++i) {
+    const unsigned long long* m = &marks[i * kTraceMarks];
+    Sum& s = per_op[static_cast<size_t>(instrs_[i].op)];
+    s.wait += static_cast<double>(m[1] - m[0]);
+    s.x += static_cast<double>(m[2] - m[1]);
+    s.pages += static_cast<double>(m[3] - m[2]);
+    s.page_wait += static_cast<double>(m[6]);
+    s.max_x = std::max(s.max_x, static_cast<double>(m[2] - m[1]));
+    s.max_pages = std::max(s.max_pages, static_cast<double>(m[3] - m[2]));
+    s.first_done = std::min(s.first_done, m[5]);
+    s.sync += static_cast<double>(m[4] - m[3]);
+    s.signal += static_cast<double>(m[5] - m[4]);
+    s.first_start = std::min(s.first_start, m[0]);
+    s.first_ready = std::min(s.first_ready, m[1]);
+    s.last_done = std::max(s.last_done, m[5]);
+    ++s.n;
+    t0 = std::min(t0, m[0]);
+  }
+  std::string out =
+      "op  rows x cols   instrs  wait us  x us (max)  pages us (waited, max)  sync us  signal us  first ready us  "
+      "done us (first, last)  gap us\n";
+  for (size_t o = 0; o < ops_.size(); ++o) {
+    const Sum& s = per_op[o];
+    if (s.n == 0) continue;
+    const double gap = o + 1 < ops_.size() && per_op[o + 1].n
+                           ? (static_cast<double>(per_op[o + 1].first_ready) - static_cast<double>(s.last_done)) / 1e3
+                           : 0.0;
+    char line[200];
+    std::snprintf(line, sizeof line,
+                  "%-3zu %6d x %-5d %6d %8.2f %5.2f (%5.2f) %8.2f (%5.2f, %5.2f) %8.2f %10.2f %15.2f %9.2f %9.2f %6.2f\n", o,
+                  ops_[o].m.rows, ops_[o].m.cols, s.n, s.wait / s.n / 1e3, s.x / s.n / 1e3, s.max_x / 1e3,
+                  s.pages / s.n / 1e3, s.page_wait / s.n / 1e3, s.max_pages / 1e3, s.sync / s.n / 1e3,
+                  s.signal / s.n / 1e3, (s.first_ready - t0) / 1e3, (s.first_done - t0) / 1e3,
+                  (s.last_done - t0) / 1e3, gap);
+    out += line;
+  }
+  return out;
+}
+
+}  // namespace lily::cuda::mk

@@ -1,0 +1,134 @@
+// The decode step as a program for one persistent kernel (step.cuh): the host turns the step's fixed structure
+// into operations (an op: what it computes, its inputs and outputs, the counters it waits for and signals) and
+// cuts each op into instructions (a slice of its rows), which a schedule deals out to per-SM instruction lists
+// once, at load. The kernel interprets them; no grid barrier anywhere:
+//   - dependencies go through counters: every instruction of an op adds 1 to the op's counter after its stores
+//     are visible; a consumer waits until the counters it reads reach their target for this step. Counters count
+//     up across steps (never reset): at step e (0-based, per block) the target is (e + 1) * (instructions of
+//     the producer), so no memset node and no floating-point atomics - results are bit-identical run to run;
+//   - each SM's list is in op order, so the earliest unfinished instruction of the whole grid never waits
+//     (its producers come from earlier ops): with every block resident (one per SM) the program cannot deadlock.
+// Plain structs shared by host and device code; the builder is host code (program.cpp).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cuda/kernels/common.cuh"
+#include "util/status.h"
+
+namespace lily::cuda::mk {
+
+enum class Opcode : uint16_t {
+  gemv_q4 = 1,   // y[rows] = W x (+ residual), W 4-bit [rows, cols], x = in or RMSNorm(in) * norm_w
+  gdn_head = 2,  // the Gated DeltaNet step of value heads [row_begin, row_end) (eqs 14-19, docs/MODEL.md)
+};
+
+// The Gated DeltaNet step's operands (Opcode::gdn_head): d_k = d_v = 128, conv kernel 4. The state of a head,
+// S[h] (128 x 128 fp32, 64 KB), streams in through the loader's pages (two 32 KB pages) like weights: no kernel
+// writes it within a step but this op, once per head.
+struct GdnArgs {
+  const float* proj = nullptr;     // [conv_dim (q|k|v) + value_dim (z) + n_v (b) + n_v (a)]: the in-projection
+  float* conv_ring = nullptr;      // [4, conv_dim]: pre-conv vectors, position p in slot p % 4
+  const float* conv_w = nullptr;   // [conv_dim, 4]
+  const float* A_log = nullptr;    // [n_v]
+  const float* dt_bias = nullptr;  // [n_v]
+  const float* norm_w = nullptr;   // [d_v]: the gated RMSNorm's multiplier (eq 19)
+  float* S = nullptr;              // [n_v, d_k, d_v] fp32
+  const int* pos = nullptr;        // device: this token's position
+  int n_k = 16, n_v = 32;
+};
+
+enum OpFlags : uint16_t {
+  kRmsNorm = 1,   // x = in / RMS(in) * norm_w (eqs 1-2, multiplier form)
+  kResidual = 2,  // y = residual + W x (residual may alias y)
+  kInt8X = 4,     // x quantized to int8 per 32-element vector, dot products on dp4a (else fp32 FMAs)
+};
+
+constexpr int kMaxWaits = 2;
+
+// One operation of the step: everything its instructions share.
+struct Op {
+  Opcode code = Opcode::gemv_q4;
+  uint16_t flags = 0;
+  QMatrix m;                      // gemv_q4
+  GdnArgs gdn;                    // gdn_head; out = the gated-normed o [n_v * d_v]
+  const float* in = nullptr;      // [cols]
+  const float* norm_w = nullptr;  // [cols] (kRmsNorm)
+  float eps = 1e-6f;
+  const float* residual = nullptr;  // [rows] (kResidual)
+  float* out = nullptr;             // [rows]
+  int wait[kMaxWaits] = {-1, -1};   // counters this op reads (-1: none)
+  uint32_t wait_count[kMaxWaits] = {0, 0};  // signals per step on each
+  int signal = -1;                           // the counter of this op's output
+};
+
+// One instruction: rows [row_begin, row_end) of op `op`.
+struct Instr {
+  int op = 0;
+  int row_begin = 0;
+  int row_end = 0;
+};
+
+// What the kernel reads (device pointers).
+struct ProgramView {
+  const Op* ops = nullptr;
+  const Instr* instrs = nullptr;   // all SMs' lists back to back
+  const int* list_begin = nullptr; // [n_blocks + 1]: block b runs instrs[list_begin[b] .. list_begin[b + 1])
+  unsigned long long* counters = nullptr;  // [n_counters], monotonic
+  unsigned long long* epochs = nullptr;    // [n_blocks]: steps each block has run
+  // Optional instruction timeline: [instrs][kTraceMarks] %globaltimer ns of the last step (null: off).
+  unsigned long long* trace = nullptr;
+  int n_blocks = 0;
+};
+
+// The timeline's marks per instruction (thread 0 of the block): start (before the input wait), inputs ready, x
+// built, its own pages done, every consumer warp done, counter signalled; and the ns it waited for pages.
+constexpr int kTraceMarks = 7;
+
+// The rows one instruction covers are a multiple of this for a gemv of `cols` (a warp's rows in a page).
+int gemv_row_quantum(int cols);
+constexpr int kGdnDim = 128;  // d_k = d_v of the gdn_head op
+
+// The host side: ops added in step order, then a schedule for n_blocks SMs, uploaded once.
+class Program {
+ public:
+  // Adds y = W x (+ residual) reading `waits` (ops whose outputs this one reads); returns its op id. W must be
+  // 4-bit with cols 2048 or 4096, its scales and biases 16-byte aligned.
+  Result<int> add_gemv(const QMatrix& m, const float* in, float* out, std::vector<int> waits,
+                       const float* norm_w = nullptr, float eps = 1e-6f, const float* residual = nullptr);
+  // GEMVs added from now on quantize x to int8 and use dp4a (OpFlags::kInt8X).
+  void set_int8_activations(bool on) { int8_x_ = on; }
+
+
+  // Deals every op's rows to n_blocks lists (each op cut into at most n_blocks slices of whole row quanta,
+  // the larger slices rotated over the blocks from op to op so the bytes per block even out).
+  Status schedule(int n_blocks);
+
+  const std::vector<Op>& ops() const { return ops_; }
+  const std::vector<Instr>& instrs() const { return instrs_; }
+  const std::vector<int>& list_begin() const { return list_begin_; }
+  // Instructions that signal op i's counter in one step.
+  uint32_t signals_per_step(int op) const { return signals_[op]; }
+  // Weight bytes block b streams in one step.
+  size_t block_bytes(int b) const;
+  std::string describe() const;  // one line per block: instructions and bytes
+  // A timeline (DeviceProgram::trace) summed per op: the mean wait, x and page time of its instructions, and
+  // when the op's last instruction finished and the next op's first input wait returned.
+  std::string summarize_trace(const std::vector<unsigned long long>& marks) const;
+
+  // Adds the Gated DeltaNet step of every value head (one instruction a head), reading the in-projection op
+  // `in_proj` (its whole output; -1: none, for op tests), writing eq 19's x (the out-projection's input) to out [n_v * 128].
+  Result<int> add_gdn_heads(const GdnArgs& g, float* out, int in_proj, float eps = 1e-6f);
+
+ private:
+  std::vector<Op> ops_;
+  std::vector<Instr> instrs_;
+  std::vector<int> list_begin_;
+  std::vector<uint32_t> signals_;
+  bool int8_x_ = false;
+};
+
+size_t instr_weight_bytes(const Op& op, const Instr& in);
+
+}  // namespace lily::cuda::mk

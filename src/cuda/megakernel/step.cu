@@ -1,0 +1,567 @@
+// The persistent decode kernel (step.cuh): a loader lane streams pages of weights ahead, eight consumer warps
+// wait for their inputs through counters and compute from shared memory.
+#include "cuda/kernels/gdn.cuh"
+#include "cuda/kernels/quant_dot.cuh"
+#include "cuda/megakernel/step.cuh"
+
+#include <cstring>
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define LILY_MK_DEVICE 1
+#endif
+
+namespace lily::cuda::mk {
+
+namespace {
+
+constexpr int kConsumerThreads = 32 * kConsumerWarps;
+constexpr int kXFloats = xpad_floats(4096);
+// Page layout (both widths): 32 KB of packed weights, then 2 KB of scales, then 2 KB of biases.
+constexpr int kScalesAt = 32768;
+constexpr int kBiasesAt = 34816;
+constexpr int kMaxVecs = 4096 / kVecElems4;  // 32-element vectors of x
+// pages | x (fp32, padded) | block sums | x as int8 (32 B a vector) | its scale | its sum | mbarriers
+constexpr size_t kSmemBytes =
+    size_t{kPages} * kPageBytes + kXFloats * 4 + 32 * 4 + kMaxVecs * 32 + kMaxVecs * 8 + 2 * kPages * 8;
+
+__host__ __device__ constexpr int rows_per_page(int cols) { return cols == 2048 ? 32 : 16; }
+
+#if defined(LILY_MK_DEVICE)
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(bar)) : "memory");
+}
+// Returns once the phase of parity `parity` has completed (a fresh barrier counts parity 1 as completed).
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_u32(bar)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+__device__ __forceinline__ void bulk_copy(void* dst_s, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_u32(dst_s)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+__device__ __forceinline__ unsigned long long ld_acquire(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void red_release_add(unsigned long long* p, unsigned long long v) {
+  asm volatile("red.release.gpu.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+// The consumer warps' own barrier (the loader warp never joins it).
+__device__ __forceinline__ void consumer_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerThreads) : "memory"); }
+
+struct Ring {
+  char* pages;
+  uint64_t* full;   // [kPages]: the bulk copies of a page landed (1 arrival + transaction bytes)
+  uint64_t* empty;  // [kPages]: every consumer warp is done reading it (kConsumerWarps arrivals)
+};
+
+// x quantized for dp4a (OpFlags::kInt8X): per 32-element vector v, q[2v], q[2v + 1] hold its int8 values in the
+// order of the 4-bit weight words' low and high nibbles (lo_k = elements 8k + 0, 2, 4, 6; hi_k = 8k + 1, 3, 5, 7:
+// q[2v] = {lo0, hi0, lo1, hi1}, q[2v + 1] = {lo2, hi2, lo3, hi3}), with x ~ scale[v] * q and sum[v] = sum of x.
+struct XInt8 {
+  uint4* q;
+  float* scale;
+  float* sum;
+};
+
+__device__ __forceinline__ unsigned long long globaltimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The loader lane: every page of every instruction of the block, in order, as soon as the ring has room.
+__device__ void run_loader(const ProgramView& pv, int begin, int end, const Ring& ring) {
+  uint32_t k = 0;
+  for (int i = begin; i < end; ++i) {
+    const Instr in = pv.instrs[i];
+    if (pv.ops[in.op].code == Opcode::gdn_head) {  // each head's state: rows 0-63, then 64-127 (32 KB each)
+      const float* S = pv.ops[in.op].gdn.S;
+      for (int h = in.row_begin; h < in.row_end; ++h) {
+        for (int half = 0; half < 2; ++half, ++k) {
+          const int p = static_cast<int>(k % kPages);
+          mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);
+          constexpr uint32_t kHalfBytes = kGdnDim * kGdnDim * 2;
+          mbar_expect_tx(&ring.full[p], kHalfBytes);
+          bulk_copy(ring.pages + p * kPageBytes,
+                    S + (static_cast<size_t>(h) * kGdnDim + half * (kGdnDim / 2)) * kGdnDim, kHalfBytes, &ring.full[p]);
+        }
+      }
+      continue;
+    }
+    const QMatrix m = pv.ops[in.op].m;
+    const int rpp = rows_per_page(m.cols);
+    for (int r0 = in.row_begin; r0 < in.row_end; r0 += rpp, ++k) {
+      const int p = static_cast<int>(k % kPages);
+      const uint32_t n = static_cast<uint32_t>(min(rpp, in.row_end - r0));
+      mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);
+      char* page = ring.pages + p * kPageBytes;
+      const uint32_t w_bytes = n * m.cols / 2, sb_bytes = n * m.cols / 32;
+      mbar_expect_tx(&ring.full[p], w_bytes + 2 * sb_bytes);
+      const size_t row_w = static_cast<size_t>(r0) * m.cols / 2, row_sb = static_cast<size_t>(r0) * m.cols / 32;
+      bulk_copy(page, reinterpret_cast<const char*>(m.w) + row_w, w_bytes, &ring.full[p]);
+      bulk_copy(page + kScalesAt, reinterpret_cast<const char*>(m.scales) + row_sb, sb_bytes, &ring.full[p]);
+      bulk_copy(page + kBiasesAt, reinterpret_cast<const char*>(m.biases) + row_sb, sb_bytes, &ring.full[p]);
+    }
+  }
+}
+
+// Adds 1 to counter c once this block's stores are visible gpu-wide: the consumer barrier orders every consumer
+// thread's stores before thread 0's release, which is cumulative over them. (A fence.sc or fence.acq_rel before it
+// cost ~1.5 us more an instruction, measured.)
+__device__ __forceinline__ void signal(const ProgramView& pv, int c) { red_release_add(pv.counters + c, 1); }
+
+// Waits until every counter op reads has reached its target for this step.
+__device__ __forceinline__ void wait_inputs(const ProgramView& pv, const Op& op, unsigned long long epoch) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int w = 0; w < kMaxWaits; ++w) {
+      if (op.wait[w] < 0) continue;
+      const unsigned long long target = (epoch + 1) * op.wait_count[w];
+      while (ld_acquire(pv.counters + op.wait[w]) < target) __nanosleep(32);
+    }
+  }
+  consumer_sync();
+}
+
+// Elements 4i..4i+3 of x (thread i % 8 of the 8 consecutive lanes that hold vector i / 8) into the int8 layout.
+__device__ __forceinline__ void quantize_x4(const float4 x, int i, const XInt8& xi) {
+  float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
+  float sum = (x.x + x.y) + (x.z + x.w);
+#pragma unroll
+  for (int o = 1; o < 8; o <<= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  }
+  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const int q0 = __float2int_rn(x.x * inv), q1 = __float2int_rn(x.y * inv);
+  const int q2 = __float2int_rn(x.z * inv), q3 = __float2int_rn(x.w * inv);
+  // This thread has elements 8k + 4h + 0..3 (k = (i % 8) / 2, h = i % 2): bytes 2h, 2h+1 of lo_k and of hi_k.
+  const uint32_t lo = (q0 & 0xFF) | ((q2 & 0xFF) << 8), hi = (q1 & 0xFF) | ((q3 & 0xFF) << 8);
+  const uint32_t lo_up = __shfl_xor_sync(0xffffffffu, lo, 1), hi_up = __shfl_xor_sync(0xffffffffu, hi, 1);
+  const int vec = i / 8, k = (i % 8) / 2;
+  if ((i & 1) == 0) {
+    uint32_t* q = reinterpret_cast<uint32_t*>(xi.q + 2 * vec);
+    *reinterpret_cast<uint2*>(q + 2 * k) = make_uint2(lo | (lo_up << 16), hi | (hi_up << 16));
+  }
+  if (i % 8 == 0) xi.scale[vec] = amax / 127.0f, xi.sum[vec] = sum;
+}
+
+// sum q_e x_e over one 16-byte vector of 4-bit weights against its int8 x (two uint4 of XInt8::q): 8 dp4a.
+__device__ __forceinline__ int dot_q4_i8(uint4 w, uint4 xa, uint4 xb) {
+  constexpr uint32_t kLow = 0x0F0F0F0Fu;
+  int acc = __dp4a(static_cast<int>(w.x & kLow), static_cast<int>(xa.x), 0);
+  acc = __dp4a(static_cast<int>((w.x >> 4) & kLow), static_cast<int>(xa.y), acc);
+  acc = __dp4a(static_cast<int>(w.y & kLow), static_cast<int>(xa.z), acc);
+  acc = __dp4a(static_cast<int>((w.y >> 4) & kLow), static_cast<int>(xa.w), acc);
+  acc = __dp4a(static_cast<int>(w.z & kLow), static_cast<int>(xb.x), acc);
+  acc = __dp4a(static_cast<int>((w.z >> 4) & kLow), static_cast<int>(xb.y), acc);
+  acc = __dp4a(static_cast<int>(w.w & kLow), static_cast<int>(xb.z), acc);
+  return __dp4a(static_cast<int>((w.w >> 4) & kLow), static_cast<int>(xb.w), acc);
+}
+
+// x_s (padded) = in, or in / RMS(in) * norm_w. Activations are read through the L2 (__ldcg): other SMs wrote them
+// in this step, and this SM's L1 may hold last step's lines.
+__device__ void load_x(const Op& op, float* x_s, float* red_s, const XInt8& xi) {
+  constexpr int kPerThread = 4;  // float4s: 4096 columns at most
+  const int cols = op.m.cols, n4 = cols / 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float4* in4 = reinterpret_cast<const float4*>(op.in);
+  float4 v[kPerThread];
+  float ss = 0.0f;
+#pragma unroll
+  for (int t = 0; t < kPerThread; ++t) {
+    const int i = threadIdx.x + t * kConsumerThreads;
+    v[t] = i < n4 ? __ldcg(in4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    ss += (v[t].x * v[t].x + v[t].y * v[t].y) + (v[t].z * v[t].z + v[t].w * v[t].w);
+  }
+  float inv_rms = 1.0f;
+  const bool norm = op.flags & kRmsNorm;
+  if (norm) {
+    ss = warp_sum(ss);
+    if (lane == 0) red_s[warp] = ss;
+    consumer_sync();
+    float total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kConsumerWarps; ++w) total += red_s[w];
+    inv_rms = rsqrtf(total / static_cast<float>(cols) + op.eps);
+  }
+  const float4* w4 = reinterpret_cast<const float4*>(op.norm_w);
+#pragma unroll
+  for (int t = 0; t < kPerThread; ++t) {
+    const int i = threadIdx.x + t * kConsumerThreads;
+    if (i < n4) {
+      const float4 w = norm ? __ldg(w4 + i) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+      v[t] = make_float4(v[t].x * inv_rms * w.x, v[t].y * inv_rms * w.y, v[t].z * inv_rms * w.z, v[t].w * inv_rms * w.w);
+      *reinterpret_cast<float4*>(x_s + xpad(4 * i)) = v[t];
+    }
+  }
+  if (op.flags & kInt8X) {
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int i = threadIdx.x + t * kConsumerThreads;
+      if (t * kConsumerThreads >= n4) break;  // warp-uniform: n4 is a multiple of the consumer threads
+      quantize_x4(v[t], i, xi);
+    }
+  }
+  consumer_sync();
+}
+
+// The pages of one gemv instruction: warp w takes rows 4w..4w+3 (2048 columns) or 2w..2w+1 (4096) of each page;
+// lane j reads the 16-byte vectors v * 32 + j of those rows, so its slices of x are loaded once per page.
+template <int COLS, bool INT8>
+__device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, const XInt8& xi, const Ring& ring,
+                           uint32_t& k, unsigned long long* wait_ns) {
+  constexpr int kRpp = rows_per_page(COLS);
+  constexpr int kRpw = kRpp / kConsumerWarps;
+  constexpr int kVecsPerRow = COLS / kVecElems4;
+  constexpr int kV = kVecsPerRow / 32;
+  constexpr int kLanesPerRow = 32 / kRpw;  // after the reduce-scatter: lane j holds row j / kLanesPerRow
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * kRpw;
+  // int8: this lane's vectors of x stay in registers for all the instruction's pages.
+  uint4 xq[INT8 ? kV : 1][2];
+  float x_scale[INT8 ? kV : 1], x_sums[INT8 ? kV : 1];
+  if constexpr (INT8) {
+#pragma unroll
+    for (int v = 0; v < kV; ++v) {
+      const int vec = v * 32 + lane;
+      xq[v][0] = xi.q[2 * vec], xq[v][1] = xi.q[2 * vec + 1];
+      x_scale[v] = xi.scale[vec], x_sums[v] = xi.sum[vec];
+    }
+  }
+  for (int r0 = in.row_begin; r0 < in.row_end; r0 += kRpp, ++k) {
+    const int p = static_cast<int>(k % kPages), n = min(kRpp, in.row_end - r0);
+    const bool active = row0 < n;  // n is a multiple of kRpw (slices are whole quanta)
+    const bool writes = active && lane % kLanesPerRow == 0;
+    const int row = r0 + row0 + lane / kLanesPerRow;
+    // The residual is loaded before the page wait: its L2 round trip overlaps the wait and the dot products.
+    const float residual = writes && (op.flags & kResidual) ? __ldcg(op.residual + row) : 0.0f;
+    const unsigned long long t_wait = wait_ns ? globaltimer() : 0;
+    mbar_wait(&ring.full[p], (k / kPages) & 1);
+    if (wait_ns) *wait_ns += globaltimer() - t_wait;
+    const char* page = ring.pages + p * kPageBytes;
+    const unsigned short* s_s = reinterpret_cast<const unsigned short*>(page + kScalesAt);
+    const unsigned short* b_s = reinterpret_cast<const unsigned short*>(page + kBiasesAt);
+    float part[kRpw];
+#pragma unroll
+    for (int r = 0; r < kRpw; ++r) part[r] = 0.0f;
+    if (active) {
+#pragma unroll
+      for (int v = 0; v < kV; ++v) {
+        const int vec = v * 32 + lane;
+        if constexpr (INT8) {
+#pragma unroll
+          for (int r = 0; r < kRpw; ++r) {
+            const uint4 w = *reinterpret_cast<const uint4*>(page + ((row0 + r) * kVecsPerRow + vec) * 16);
+            const int g = (row0 + r) * (COLS / 64) + vec / 2;
+            const float qx = x_scale[v] * static_cast<float>(dot_q4_i8(w, xq[v][0], xq[v][1]));
+            part[r] += fmaf(bf16_bits_to_float(s_s[g]), qx, bf16_bits_to_float(b_s[g]) * x_sums[v]);
+          }
+        } else {
+          float x[32];
+          const float x_sum = load_x_vec(x_s, vec, x);
+#pragma unroll
+          for (int r = 0; r < kRpw; ++r) {
+            const uint4 w = *reinterpret_cast<const uint4*>(page + ((row0 + r) * kVecsPerRow + vec) * 16);
+            const int g = (row0 + r) * (COLS / 64) + vec / 2;
+            part[r] += q4_group_term(dot_q4_vec(w, x), x_sum, s_s[g], b_s[g]);
+          }
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&ring.empty[p]);  // the page is free once every lane has read it
+    if (active) {
+      group_reduce_scatter<kRpw, 32>(part, lane);
+      if (writes) op.out[row] = part[0] + residual;
+    }
+  }
+}
+
+// The Gated DeltaNet step of value heads [row_begin, row_end) (Opcode::gdn_head), the chain's gdn_step arithmetic
+// (gdn.cu) on 512 threads: thread (quarter, j) holds rows 32 quarter .. +31 of column j of the head's state, which
+// arrives as two pages (rows 0-63: quarters 0-1, rows 64-127: quarters 2-3).
+//   eq 14  conv + SiLU of the 384 channels the head reads (q, k of its key head, its v), ring slot pos % 4 updated
+//   eq 16  q_hat = q / |q| / sqrt(d_k), k_hat = k / |k|;  eq 17  beta, decay
+//   eq 18  S' = decay S; e = (v - S'^T k_hat) beta; S = S' + k_hat e^T; o = S'^T q_hat + e (k_hat . q_hat)
+//   eq 19  out = norm_w * o / RMS(o) * silu(z)
+__device__ void gdn_heads(const Op& op, const Instr& in, float* scratch, float* red_s, const Ring& ring, uint32_t& k) {
+  constexpr int D = kGdnDim, K = 4, kRows = D / 4;
+  static_assert(kConsumerThreads == 4 * D, "a consumer thread per (row quarter, column) of a head's state");
+  const GdnArgs& g = op.gdn;
+  const int key_dim = g.n_k * D, value_dim = g.n_v * D, conv_dim = 2 * key_dim + value_dim;
+  float* q_s = scratch;
+  float* k_s = q_s + D;
+  float* v_s = k_s + D;
+  float* part_s = v_s + D;       // [2][4][D]: partial S'^T k_hat, S'^T q_hat per quarter
+  float* norm_s = part_s + 8 * D;  // 1/|q|, 1/|k|, raw q.k
+  const int tid = threadIdx.x, j = tid % D, quarter = tid / D, warp = tid >> 5, lane = tid & 31;
+  const int pos = __ldcg(g.pos);
+  for (int h = in.row_begin; h < in.row_end; ++h, k += 2) {
+    const int kh = h / (g.n_v / g.n_k);
+    if (tid < 3 * D) {
+      const int ch = tid < D ? kh * D + tid : tid < 2 * D ? key_dim + kh * D + (tid - D) : 2 * key_dim + h * D + (tid - 2 * D);
+      float x[K];
+#pragma unroll
+      for (int t = 0; t < K - 1; ++t) x[t] = __ldcg(g.conv_ring + static_cast<size_t>((pos + 1 + t) % K) * conv_dim + ch);
+      x[K - 1] = __ldcg(g.proj + ch);
+      float acc = 0.0f;
+#pragma unroll
+      for (int t = 0; t < K; ++t) acc += __ldg(g.conv_w + static_cast<size_t>(ch) * K + t) * x[t];
+      g.conv_ring[static_cast<size_t>(pos % K) * conv_dim + ch] = x[K - 1];
+      const float y = gdn_silu(acc);
+      (tid < D ? q_s : tid < 2 * D ? k_s : v_s)[tid % D] = y;
+    }
+    const float z = quarter == 0 ? __ldcg(g.proj + conv_dim + h * D + j) : 0.0f;
+    const float b_logit = __ldcg(g.proj + conv_dim + value_dim + h);
+    const float a_in = __ldcg(g.proj + conv_dim + value_dim + g.n_v + h) + __ldg(g.dt_bias + h);
+    consumer_sync();
+    if (warp < 3) {
+      float acc = 0.0f;
+      for (int i = lane; i < D; i += 32) acc += warp == 0 ? q_s[i] * q_s[i] : warp == 1 ? k_s[i] * k_s[i] : q_s[i] * k_s[i];
+      acc = warp_sum(acc);
+      if (lane == 0) norm_s[warp] = warp == 2 ? acc : 1.0f / sqrtf(acc + 1e-6f);
+    }
+    float beta, decay;
+    gdn_gates(b_logit, a_in, __ldg(g.A_log + h), beta, decay);
+    consumer_sync();
+    const float q_inv = norm_s[0] * (1.0f / sqrtf(static_cast<float>(D))), k_inv = norm_s[1];
+    const float kq = norm_s[2] * q_inv * k_inv;
+    consumer_sync();  // every thread has read norm_s before the scaling below
+    if (tid < D) {
+      q_s[tid] *= q_inv;
+      k_s[tid] *= k_inv;
+    }
+    consumer_sync();
+    const int p = static_cast<int>((k + quarter / 2) % kPages);
+    mbar_wait(&ring.full[p], ((k + quarter / 2) / kPages) & 1);
+    const float* page = reinterpret_cast<const float*>(ring.pages + p * kPageBytes) + (quarter % 2) * kRows * D;
+    float s_reg[kRows];
+    float sk = 0.0f, sq = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int i = quarter * kRows + r;
+      s_reg[r] = page[r * D + j] * decay;
+      sk += s_reg[r] * k_s[i];
+      sq += s_reg[r] * q_s[i];
+    }
+    __syncwarp();
+    if (lane == 0) {  // each warp has read its page; the other page it never reads
+      mbar_arrive(&ring.empty[k % kPages]);
+      mbar_arrive(&ring.empty[(k + 1) % kPages]);
+    }
+    part_s[quarter * D + j] = sk;
+    part_s[4 * D + quarter * D + j] = sq;
+    consumer_sync();
+    float kv = 0.0f, sqv = 0.0f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) kv += part_s[q * D + j], sqv += part_s[4 * D + q * D + j];
+    const float e = (v_s[j] - kv) * beta;
+    float* S = g.S + (static_cast<size_t>(h) * D + quarter * kRows) * D + j;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) S[static_cast<size_t>(r) * D] = s_reg[r] + k_s[quarter * kRows + r] * e;
+    const float o = sqv + e * kq;
+    if (quarter == 0) {
+      const float ss = warp_sum(o * o);
+      if (lane == 0) red_s[warp] = ss;
+    }
+    consumer_sync();
+    const float total = (red_s[0] + red_s[1]) + (red_s[2] + red_s[3]);
+    const float inv_rms = rsqrtf(total / static_cast<float>(D) + op.eps);
+    if (quarter == 0) op.out[h * D + j] = __ldg(g.norm_w + j) * (o * inv_rms) * siluf_(z);
+    consumer_sync();  // scratch and red_s free for the next head
+  }
+}
+
+__device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring,
+                              float* x_s, float* red_s, const XInt8& xi) {
+  uint32_t k = 0;
+  const bool trace = pv.trace != nullptr && threadIdx.x == 0;
+  for (int i = begin; i < end; ++i) {
+    unsigned long long* marks = trace ? pv.trace + static_cast<size_t>(i) * kTraceMarks : nullptr;
+    if (marks) marks[0] = globaltimer();
+    const Instr in = pv.instrs[i];
+    const Op op = pv.ops[in.op];
+    wait_inputs(pv, op, epoch);
+    if (marks) marks[1] = globaltimer();
+    if (op.code == Opcode::gdn_head) {
+      if (marks) marks[2] = globaltimer();
+      gdn_heads(op, in, x_s, red_s, ring, k);
+      if (marks) marks[3] = marks[4] = globaltimer();
+      if (threadIdx.x == 0) signal(pv, op.signal);
+      if (marks) marks[5] = globaltimer(), marks[6] = 0;
+      continue;
+    }
+    load_x(op, x_s, red_s, xi);
+    if (marks) marks[2] = globaltimer();
+    const bool int8 = op.flags & kInt8X;
+    unsigned long long page_wait = 0;
+    if (op.m.cols == 2048) {
+      if (int8) {
+        gemv_pages<2048, true>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
+      } else {
+        gemv_pages<2048, false>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
+      }
+    } else if (int8) {
+      gemv_pages<4096, true>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
+    } else {
+      gemv_pages<4096, false>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
+    }
+    if (marks) marks[3] = globaltimer();
+    consumer_sync();  // every store of the instruction issued (and x_s free for the next one)
+    if (marks) marks[4] = globaltimer();
+    if (threadIdx.x == 0) signal(pv, op.signal);
+    if (marks) marks[5] = globaltimer(), marks[6] = page_wait;
+  }
+}
+
+#endif  // LILY_MK_DEVICE
+
+__global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant__ ProgramView pv) {
+#if defined(LILY_MK_DEVICE)
+  extern __shared__ __align__(128) char smem[];
+  Ring ring;
+  ring.pages = smem;
+  float* x_s = reinterpret_cast<float*>(smem + kPages * kPageBytes);
+  float* red_s = x_s + kXFloats;
+  XInt8 xi;
+  xi.q = reinterpret_cast<uint4*>(red_s + 32);
+  xi.scale = reinterpret_cast<float*>(xi.q + 2 * kMaxVecs);
+  xi.sum = xi.scale + kMaxVecs;
+  ring.full = reinterpret_cast<uint64_t*>(xi.sum + kMaxVecs);
+  ring.empty = ring.full + kPages;
+  const int b = blockIdx.x, begin = pv.list_begin[b], end = pv.list_begin[b + 1];
+  const unsigned long long epoch = pv.epochs[b];  // read by every thread before thread 0 advances it
+  if (threadIdx.x == 0) {
+    for (int p = 0; p < kPages; ++p) {
+      mbar_init(&ring.full[p], 1);
+      mbar_init(&ring.empty[p], kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+  const int warp = threadIdx.x >> 5;
+  if (warp == kConsumerWarps) {
+    if ((threadIdx.x & 31) == 0) run_loader(pv, begin, end, ring);
+    return;
+  }
+  run_consumers(pv, begin, end, epoch, ring, x_s, red_s, xi);
+  if (threadIdx.x == 0) pv.epochs[b] = epoch + 1;
+#endif
+}
+
+}  // namespace
+
+size_t step_smem_bytes() { return kSmemBytes; }
+
+bool step_supported() {
+  int dev = 0;
+  cudaDeviceProp prop{};
+  cudaFuncAttributes attr{};
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaGetDeviceProperties(&prop, dev) != cudaSuccess) return false;
+  if (cudaFuncGetAttributes(&attr, step_kernel) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  // ptxVersion: the virtual architecture the kernel was compiled for; below 90 its body is empty.
+  return prop.major >= 9 && attr.ptxVersion >= 90 && prop.sharedMemPerBlockOptin >= kSmemBytes &&
+         prop.cooperativeLaunch;
+}
+
+Result<std::unique_ptr<DeviceProgram>> DeviceProgram::upload(const Program& p) {
+  if (p.list_begin().size() < 2) return invalid_argument("megakernel: the program has no schedule");
+  std::unique_ptr<DeviceProgram> d(new DeviceProgram());
+  auto copy = [&](const void* src, size_t bytes, void** dst) -> Status {
+    if (cudaMalloc(dst, bytes > 0 ? bytes : 16) != cudaSuccess)
+      return error(ErrorCode::internal, "megakernel: cudaMalloc of %zu bytes failed", bytes);
+    d->allocations_.push_back(*dst);
+    if (src && bytes > 0 && cudaMemcpy(*dst, src, bytes, cudaMemcpyHostToDevice) != cudaSuccess)
+      return error(ErrorCode::internal, "megakernel: upload failed");
+    if (!src && cudaMemset(*dst, 0, bytes) != cudaSuccess) return error(ErrorCode::internal, "megakernel: memset");
+    return ok_status();
+  };
+  void *ops, *instrs, *list, *counters, *epochs;
+  const int n_blocks = static_cast<int>(p.list_begin().size()) - 1;
+  d->n_counters_ = static_cast<int>(p.ops().size());
+  d->n_instrs_ = static_cast<int>(p.instrs().size());
+  RETURN_IF_ERROR(copy(p.ops().data(), p.ops().size() * sizeof(Op), &ops));
+  RETURN_IF_ERROR(copy(p.instrs().data(), p.instrs().size() * sizeof(Instr), &instrs));
+  RETURN_IF_ERROR(copy(p.list_begin().data(), p.list_begin().size() * sizeof(int), &list));
+  RETURN_IF_ERROR(copy(nullptr, d->n_counters_ * sizeof(unsigned long long), &counters));
+  RETURN_IF_ERROR(copy(nullptr, n_blocks * sizeof(unsigned long long), &epochs));
+  d->view_.ops = static_cast<const Op*>(ops);
+  d->view_.instrs = static_cast<const Instr*>(instrs);
+  d->view_.list_begin = static_cast<const int*>(list);
+  d->view_.counters = static_cast<unsigned long long*>(counters);
+  d->view_.epochs = static_cast<unsigned long long*>(epochs);
+  d->view_.n_blocks = n_blocks;
+  if (cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
+    return error(ErrorCode::unsupported, "megakernel: %zu bytes of shared memory per block not available", kSmemBytes);
+  Result<std::unique_ptr<DeviceProgram>> done(std::move(d));
+  return done;
+}
+
+DeviceProgram::~DeviceProgram() {
+  for (void* a : allocations_) cudaFree(a);
+}
+
+cudaError_t DeviceProgram::launch(cudaStream_t stream) const {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;  // every block resident at once: the counter waits need it
+  attr[0].val.cooperative = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(view_.n_blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  CUDA_TRY(cudaLaunchKernelEx(&cfg, step_kernel, view_));
+  return cudaGetLastError();
+}
+
+Status DeviceProgram::enable_trace() {
+  if (view_.trace) return ok_status();
+  void* t = nullptr;
+  const size_t bytes = static_cast<size_t>(n_instrs_) * kTraceMarks * sizeof(unsigned long long);
+  if (cudaMalloc(&t, bytes) != cudaSuccess || cudaMemset(t, 0, bytes) != cudaSuccess)
+    return error(ErrorCode::internal, "megakernel: no memory for the timeline");
+  allocations_.push_back(t);
+  view_.trace = static_cast<unsigned long long*>(t);
+  return ok_status();
+}
+
+Result<std::vector<unsigned long long>> DeviceProgram::trace() const {
+  if (!view_.trace) return error(ErrorCode::invalid_argument, "megakernel: the timeline is off");
+  std::vector<unsigned long long> v(static_cast<size_t>(n_instrs_) * kTraceMarks);
+  if (cudaMemcpy(v.data(), view_.trace, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return error(ErrorCode::internal, "megakernel: reading the timeline failed");
+  return v;
+}
+
+Result<std::vector<unsigned long long>> DeviceProgram::counters() const {
+  std::vector<unsigned long long> v(static_cast<size_t>(n_counters_));
+  if (cudaMemcpy(v.data(), view_.counters, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost) != cudaSuccess)
+    return error(ErrorCode::internal, "megakernel: reading the counters failed");
+  return v;
+}
+
+}  // namespace lily::cuda::mk

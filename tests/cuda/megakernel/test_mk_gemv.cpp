@@ -1,0 +1,410 @@
+// The decode megakernel's machinery (src/cuda/megakernel): the schedule (host, runs everywhere), then on a GPU the
+// interpreter with counters and pages on chains of 4-bit GEMVs against a CPU reference on fresh random inputs,
+// against the kernel-per-op chain, and timed against it.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "../kernels/cuda_test_util.h"
+#include "cuda/kernels/gemv.cuh"
+#include "cuda/megakernel/step.cuh"
+
+namespace lily::cuda::mk {
+namespace {
+
+using test::DeviceBuffer;
+using test::HostQMatrix;
+
+// A QMatrix at a fake, aligned address (the schedule never dereferences it).
+QMatrix fake_matrix(int rows, int cols, uintptr_t base) {
+  QMatrix m;
+  m.rows = rows, m.cols = cols, m.bits = 4;
+  m.w = reinterpret_cast<const uint32_t*>(base);
+  m.scales = reinterpret_cast<const __nv_bfloat16*>(base + (uintptr_t{1} << 32));
+  m.biases = reinterpret_cast<const __nv_bfloat16*>(base + (uintptr_t{2} << 32));
+  return m;
+}
+
+TEST(MkProgram, ScheduleCoversEveryRowOnceInOpOrder) {
+  float* act = reinterpret_cast<float*>(uintptr_t{1} << 20);
+  for (int n_blocks : {1, 7, 132}) {
+    SCOPED_TRACE(n_blocks);
+    Program p;
+    int prev = -1;
+    for (int l = 0; l < 3; ++l) {
+      auto in = p.add_gemv(fake_matrix(12352, 2048, 0x10000), act, act, prev < 0 ? std::vector<int>{}
+                                                                               : std::vector<int>{prev}, act);
+      ASSERT_TRUE(in.ok()) << in.status().message();
+      auto out = p.add_gemv(fake_matrix(2048, 4096, 0x20000), act, act, {*in}, nullptr, 1e-6f, act);
+      ASSERT_TRUE(out.ok()) << out.status().message();
+      prev = *out;
+    }
+    ASSERT_TRUE(p.schedule(n_blocks).ok());
+    ASSERT_EQ(p.list_begin().size(), static_cast<size_t>(n_blocks) + 1);
+    std::vector<std::vector<int>> covered(p.ops().size());
+    for (size_t o = 0; o < p.ops().size(); ++o) covered[o].assign(p.ops()[o].m.rows, 0);
+    std::vector<uint32_t> slices(p.ops().size(), 0);
+    size_t total = 0, most = 0;
+    for (int b = 0; b < n_blocks; ++b) {
+      int last_op = -1;
+      for (int i = p.list_begin()[b]; i < p.list_begin()[b + 1]; ++i) {
+        const Instr& in = p.instrs()[i];
+        EXPECT_GT(in.op, last_op) << "block " << b << ": one instruction per op, in op order";
+        last_op = in.op;
+        EXPECT_EQ(in.row_begin % gemv_row_quantum(p.ops()[in.op].m.cols), 0);
+        EXPECT_EQ(in.row_end % gemv_row_quantum(p.ops()[in.op].m.cols), 0);
+        for (int r = in.row_begin; r < in.row_end; ++r) ++covered[in.op][r];
+        ++slices[in.op];
+      }
+      total += p.block_bytes(b);
+      most = std::max(most, p.block_bytes(b));
+    }
+    for (size_t o = 0; o < p.ops().size(); ++o) {
+      EXPECT_EQ(std::count(covered[o].begin(), covered[o].end(), 1), p.ops()[o].m.rows) << "op " << o;
+      EXPECT_EQ(slices[o], p.signals_per_step(static_cast<int>(o)));
+      const Op& op = p.ops()[o];
+      EXPECT_EQ(op.signal, static_cast<int>(o));
+      if (op.wait[0] >= 0) {
+        EXPECT_EQ(op.wait_count[0], p.signals_per_step(op.wait[0]));
+      }
+    }
+    // Balanced to within one slice quantum of each op (4 rows of 2048 or 2 of 4096 columns, ~5 KB each).
+    const double mean = static_cast<double>(total) / n_blocks;
+    EXPECT_LE(static_cast<double>(most), mean + 6 * 5000.0);
+  }
+}
+
+TEST(MkProgram, RefusesWhatTheKernelCannotRun) {
+  float* act = reinterpret_cast<float*>(uintptr_t{1} << 20);
+  Program p;
+  EXPECT_FALSE(p.add_gemv(fake_matrix(64, 1024, 0x10000), act, act, {}).ok()) << "1024 columns";
+  EXPECT_FALSE(p.add_gemv(fake_matrix(66, 2048, 0x10000), act, act, {}).ok()) << "rows not a multiple of 4";
+  EXPECT_FALSE(p.add_gemv(fake_matrix(64, 2048, 0x10008), act, act, {}).ok()) << "misaligned weights";
+  EXPECT_FALSE(p.add_gemv(fake_matrix(64, 2048, 0x10000), act, act, {0}).ok()) << "waits on itself";
+  EXPECT_FALSE(p.schedule(4).ok()) << "no ops";
+  ASSERT_TRUE(p.add_gemv(fake_matrix(64, 2048, 0x10000), act, act, {}).ok());
+  EXPECT_FALSE(p.schedule(0).ok());
+}
+
+// ---- on the GPU ----------------------------------------------------------------------------------------------
+
+#define SKIP_WITHOUT_STEP()                                                                     \
+  do {                                                                                          \
+    SKIP_WITHOUT_GPU();                                                                         \
+    if (!step_supported()) GTEST_SKIP() << "the megakernel needs an sm_90a build on a Hopper GPU"; \
+  } while (0)
+
+int device_sms() {
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  return prop.multiProcessorCount;
+}
+
+// A layer of the projection chain: proj = W_in RMSNorm(h) * norm_w; h = h + W_out proj[0:4096].
+struct ChainLayer {
+  HostQMatrix w_in, w_out;
+  std::vector<float> norm_w;
+  QMatrix d_in, d_out;
+  DeviceBuffer<float> d_norm, d_proj;
+};
+
+struct Chain {
+  std::vector<std::unique_ptr<ChainLayer>> layers;
+  DeviceBuffer<float> h;
+  std::vector<float> h0;
+
+  Chain(int n_layers, int in_rows, uint32_t seed) {
+    h0 = test::random_vector(2048, seed);
+    h = DeviceBuffer<float>(h0);
+    for (int l = 0; l < n_layers; ++l) {
+      auto L = std::make_unique<ChainLayer>();
+      L->w_in = test::random_qmatrix(in_rows, 2048, 4, seed + 10 * l + 1);
+      L->w_out = test::random_qmatrix(2048, 4096, 4, seed + 10 * l + 2);
+      L->norm_w = test::random_vector(2048, seed + 10 * l + 3, 0.1f, 1.0f);
+      L->d_in = L->w_in.upload();
+      L->d_out = L->w_out.upload();
+      L->d_norm = DeviceBuffer<float>(L->norm_w);
+      L->d_proj = DeviceBuffer<float>(static_cast<size_t>(in_rows));
+      layers.push_back(std::move(L));
+    }
+  }
+
+  Result<Program> program(int n_blocks, bool int8 = false) {
+    Program p;
+    p.set_int8_activations(int8);
+    int prev = -1;
+    for (auto& L : layers) {
+      std::vector<int> waits;
+      if (prev >= 0) waits.push_back(prev);
+      ASSIGN_OR_RETURN(const int in, p.add_gemv(L->d_in, h.get(), L->d_proj.get(), waits, L->d_norm.get()));
+      ASSIGN_OR_RETURN(prev, p.add_gemv(L->d_out, L->d_proj.get(), h.get(), {in}, nullptr, 1e-6f, h.get()));
+    }
+    RETURN_IF_ERROR(p.schedule(n_blocks));
+    return p;
+  }
+
+  // One step on the CPU in double; returns for each row of h the sum of |terms| of its last update (the scale of
+  // its rounding).
+  std::vector<double> reference_step(std::vector<double>& href) const {
+    std::vector<double> scale(2048, 0.0);
+    for (const auto& L : layers) {
+      double ss = 0;
+      for (double v : href) ss += v * v;
+      const double inv = 1.0 / std::sqrt(ss / 2048 + 1e-6);
+      std::vector<double> x(2048), proj(L->w_in.rows);
+      for (int c = 0; c < 2048; ++c) x[c] = href[c] * inv * L->norm_w[c];
+      for (int r = 0; r < L->w_in.rows; ++r) {
+        double acc = 0;
+        for (int c = 0; c < 2048; ++c) acc += static_cast<double>(L->w_in.dequant(r, c)) * x[c];
+        proj[r] = acc;
+      }
+      for (int r = 0; r < 2048; ++r) {
+        double acc = 0, abs_sum = 0;
+        for (int c = 0; c < 4096; ++c) {
+          const double t = static_cast<double>(L->w_out.dequant(r, c)) * proj[c];
+          acc += t, abs_sum += std::fabs(t);
+        }
+        href[r] += acc;
+        scale[r] = abs_sum + std::fabs(href[r]);
+      }
+    }
+    return scale;
+  }
+};
+
+std::vector<std::vector<float>> run_steps(Chain& chain, int n_blocks, int steps, bool int8 = false) {
+  auto program = chain.program(n_blocks, int8);
+  EXPECT_TRUE(program.ok()) << program.status().message();
+  if (!program.ok()) return {};
+  auto d = DeviceProgram::upload(*program);
+  EXPECT_TRUE(d.ok()) << d.status().message();
+  if (!d.ok()) return {};
+  EXPECT_EQ(chain.h.upload(chain.h0), cudaSuccess);
+  std::vector<std::vector<float>> out;
+  for (int s = 0; s < steps; ++s) {
+    EXPECT_EQ((*d)->launch(nullptr), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    out.push_back(chain.h.download());
+  }
+  auto counters = (*d)->counters();
+  EXPECT_TRUE(counters.ok());
+  for (size_t i = 0; counters.ok() && i < counters->size(); ++i) {
+    EXPECT_EQ((*counters)[i], static_cast<unsigned long long>(steps) * program->signals_per_step(static_cast<int>(i)))
+        << "counter " << i << " after " << steps << " steps";
+  }
+  return out;
+}
+
+// Three steps of a two-layer chain at the model's shapes (12352 x 2048 in, 2048 x 4096 out): every step against
+// the CPU reference; the same bits on 1, 7 and all SMs (a row's arithmetic does not depend on the slicing; 1 and
+// 7 blocks run ~300 and ~45 pages each through the 5-page ring) and on a second run.
+TEST(MkStep, GemvChainMatchesCpuOnAnyGrid) {
+  SKIP_WITHOUT_STEP();
+  Chain chain(2, 12352, 7001);
+  const int steps = 3;
+  const auto full = run_steps(chain, device_sms(), steps);
+  ASSERT_EQ(full.size(), static_cast<size_t>(steps));
+  std::vector<double> href(chain.h0.begin(), chain.h0.end());
+  for (int s = 0; s < steps; ++s) {
+    const std::vector<double> scale = chain.reference_step(href);
+    int bad = 0;
+    for (int r = 0; r < 2048; ++r) {
+      const double tol = 3e-5 * scale[r] * (s + 1) + 1e-5;
+      if (!(std::fabs(full[s][r] - href[r]) <= tol) && bad++ < 5)
+        ADD_FAILURE() << "step " << s << " row " << r << ": got " << full[s][r] << " want " << href[r];
+    }
+    EXPECT_EQ(bad, 0) << "step " << s;
+  }
+  for (int n_blocks : {1, 7, device_sms()}) {
+    const auto again = run_steps(chain, n_blocks, steps);
+    ASSERT_EQ(again.size(), full.size());
+    for (int s = 0; s < steps; ++s) EXPECT_EQ(again[s], full[s]) << n_blocks << " blocks, step " << s;
+  }
+}
+
+// The same chain through the kernel-per-op gemv: equal within rounding (the two sum in other orders).
+TEST(MkStep, GemvChainMatchesKernelChain) {
+  SKIP_WITHOUT_STEP();
+  Chain chain(3, 4096 + 64, 7002);
+  const auto mk_h = run_steps(chain, device_sms(), 1);
+  ASSERT_EQ(mk_h.size(), 1u);
+  ASSERT_EQ(chain.h.upload(chain.h0), cudaSuccess);
+  for (auto& L : chain.layers) {
+    GemvParams in{L->d_in, chain.h.get(), GemvPrologue::rms_norm, L->d_norm.get(), nullptr, 0, 1e-6f, nullptr,
+                  L->d_proj.get()};
+    ASSERT_EQ(gemv(in, nullptr), cudaSuccess);
+    GemvParams out{L->d_out, L->d_proj.get(), GemvPrologue::none, nullptr, nullptr, 0, 1e-6f, chain.h.get(),
+                   chain.h.get()};
+    ASSERT_EQ(gemv(out, nullptr), cudaSuccess);
+  }
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> chain_h = chain.h.download();
+  double worst = 0, norm = 0;
+  for (int r = 0; r < 2048; ++r) worst = std::max(worst, std::fabs(double(chain_h[r]) - mk_h[0][r]));
+  for (float v : chain_h) norm = std::max(norm, std::fabs(double(v)));
+  std::printf("megakernel vs gemv chain: max |diff| %.3g of max |h| %.3g\n", worst, norm);
+  EXPECT_LE(worst, 1e-4 * norm);
+}
+
+// int8 activations (dp4a) on one GEMV of each width against the CPU in double, within the rigorous bound of the
+// quantization: |error| <= sum_c |w_rc| * amax(vector of c) / 254 (+ the fp32 rounding of the plain path).
+TEST(MkStep, Int8GemvWithinItsQuantizationBound) {
+  SKIP_WITHOUT_STEP();
+  for (int cols : {2048, 4096}) {
+    SCOPED_TRACE(cols);
+    const int rows = cols == 2048 ? 12352 : 2048;
+    HostQMatrix hm = test::random_qmatrix(rows, cols, 4, 7100 + cols);
+    const std::vector<float> in = test::random_vector(cols, 7101), residual = test::random_vector(rows, 7102);
+    const std::vector<float> norm_w = test::random_vector(cols, 7103, 0.1f, 1.0f);
+    DeviceBuffer<float> d_in(in), d_norm(norm_w), d_y(residual);
+    Program p;
+    p.set_int8_activations(true);
+    const bool norm = cols == 2048;  // one width with the RMSNorm prologue, the other with the residual
+    ASSERT_TRUE(p.add_gemv(hm.upload(), d_in.get(), d_y.get(), {}, norm ? d_norm.get() : nullptr, 1e-6f,
+                           norm ? nullptr : d_y.get())
+                    .ok());
+    ASSERT_TRUE(p.schedule(device_sms()).ok());
+    auto d = DeviceProgram::upload(p);
+    ASSERT_TRUE(d.ok()) << d.status().message();
+    ASSERT_EQ((*d)->launch(nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<float> y = d_y.download();
+    std::vector<double> x(in.begin(), in.end());
+    if (norm) {
+      double ss = 0;
+      for (double v : x) ss += v * v;
+      const double inv = 1.0 / std::sqrt(ss / cols + 1e-6);
+      for (int c = 0; c < cols; ++c) x[c] = x[c] * inv * norm_w[c];
+    }
+    std::vector<double> amax(cols / 32, 0.0);
+    for (int c = 0; c < cols; ++c) amax[c / 32] = std::max(amax[c / 32], std::fabs(x[c]));
+    int bad = 0;
+    double worst_ratio = 0;
+    for (int r = 0; r < rows; ++r) {
+      double ref = norm ? 0.0 : residual[r], bound = 0, abs_sum = 0;
+      for (int c = 0; c < cols; ++c) {
+        const double w = hm.dequant(r, c);
+        ref += w * x[c];
+        bound += std::fabs(w) * amax[c / 32] / 254.0;
+        abs_sum += std::fabs(w * x[c]);
+      }
+      const double tol = bound * 1.01 + 2e-5 * abs_sum + 1e-5 * (std::fabs(ref) + 1.0);
+      worst_ratio = std::max(worst_ratio, std::fabs(y[r] - ref) / tol);
+      if (!(std::fabs(y[r] - ref) <= tol) && bad++ < 5) ADD_FAILURE() << "row " << r << ": " << y[r] << " vs " << ref;
+    }
+    EXPECT_EQ(bad, 0);
+    std::printf("int8 gemv [%d, %d]: worst error %.2f of the bound\n", rows, cols, worst_ratio);
+  }
+}
+
+// The int8 chain against the fp32 one: close (what the bound above allows, accumulated over the layers), the
+// same bits on any grid and run to run.
+TEST(MkStep, Int8ChainCloseToFp32AndDeterministic) {
+  SKIP_WITHOUT_STEP();
+  Chain chain(2, 12352, 7003);
+  const auto fp32 = run_steps(chain, device_sms(), 1);
+  const auto int8 = run_steps(chain, device_sms(), 2, true);
+  const auto int8_7 = run_steps(chain, 7, 2, true);
+  ASSERT_EQ(fp32.size(), 1u);
+  ASSERT_EQ(int8.size(), 2u);
+  EXPECT_EQ(int8, int8_7);
+  double worst = 0, norm = 0;
+  for (int r = 0; r < 2048; ++r) worst = std::max(worst, std::fabs(double(int8[0][r]) - fp32[0][r]));
+  for (float v : fp32[0]) norm = std::max(norm, std::fabs(double(v)));
+  std::printf("int8 vs fp32 chain: max |diff| %.3g of max |h| %.3g\n", worst, norm);
+  EXPECT_LE(worst, 2e-2 * norm);
+}
+
+// ---- timing (prints, asserts nothing) ------------------------------------------------------------------------
+
+// n distinct [rows, cols] 4-bit matrices carved back to back from one pool (no two share bytes: a cold L2).
+struct Carver {
+  const DeviceBuffer<uint16_t>& pool;
+  size_t offset = 0;
+  QMatrix next(int rows, int cols) {
+    QMatrix m;
+    m.rows = rows, m.cols = cols, m.bits = 4;
+    const size_t w = static_cast<size_t>(rows) * cols / 2, sb = static_cast<size_t>(rows) * cols / 32;
+    char* base = reinterpret_cast<char*>(pool.get()) + offset;
+    m.w = reinterpret_cast<const uint32_t*>(base);
+    m.scales = reinterpret_cast<const __nv_bfloat16*>(base + w);
+    m.biases = reinterpret_cast<const __nv_bfloat16*>(base + w + sb);
+    offset += (w + 2 * sb + 255) / 256 * 256;
+    return m;
+  }
+};
+
+// The 30 Gated DeltaNet layers' projections of one step (in 12352 x 2048 with RMSNorm, out 2048 x 4096 with the
+// residual): 569 MB. The chain: 60 gemv launches in a graph (programmatic dependent launch); the megakernel: one
+// launch. Floor at 4.27 TB/s: 133 us.
+TEST(MkStepBench, GdnProjectionChain) {
+  SKIP_WITHOUT_STEP();
+  const int n_layers = 30;
+  const DeviceBuffer<uint16_t> pool = test::bench_pool(size_t{600} << 20);
+  Carver carve{pool};
+  std::vector<QMatrix> w_in, w_out;
+  for (int l = 0; l < n_layers; ++l) w_in.push_back(carve.next(12352, 2048)), w_out.push_back(carve.next(2048, 4096));
+  ASSERT_LE(carve.offset, pool.size() * 2);
+  DeviceBuffer<float> h(test::random_vector(2048, 3)), proj(12352), norm_w(test::random_vector(2048, 4, 0.1f, 1.0f));
+  double bytes = 0;
+  for (int l = 0; l < n_layers; ++l) bytes += static_cast<double>(w_in[l].bytes() + w_out[l].bytes());
+
+  auto chain = [&](int, cudaStream_t stream) {
+    for (int l = 0; l < n_layers; ++l) {
+      GemvParams in{w_in[l], h.get(), GemvPrologue::rms_norm, norm_w.get(), nullptr, 0, 1e-6f, nullptr, proj.get()};
+      CUDA_TRY(gemv(in, stream));
+      GemvParams out{w_out[l], proj.get(), GemvPrologue::none, nullptr, nullptr, 0, 1e-6f, h.get(), h.get()};
+      CUDA_TRY(gemv(out, stream));
+    }
+    return cudaSuccess;
+  };
+  std::printf("\n");
+  test::print_bandwidth("gemv chain, 60 launches (graph)", test::graph_time_us(chain, 10), bytes);
+
+  struct Variant {
+    int n_blocks;
+    bool int8;
+    bool hot;  // every layer reads layer 0's weights (19 MB: L2-resident): is the publication latency DRAM load?
+  };
+  const int sms = device_sms();
+  const Variant variants[] = {{sms, false, false}, {sms, true, false}, {sms - 4, true, false}, {sms, true, true}};
+  for (const Variant& v : variants) {
+    Program p;
+    p.set_int8_activations(v.int8);
+    int prev = -1;
+    for (int l = 0; l < n_layers; ++l) {
+      const int wl = v.hot ? 0 : l;
+      auto in = p.add_gemv(w_in[wl], h.get(), proj.get(), prev < 0 ? std::vector<int>{} : std::vector<int>{prev},
+                           norm_w.get());
+      ASSERT_TRUE(in.ok()) << in.status().message();
+      auto out = p.add_gemv(w_out[wl], proj.get(), h.get(), {*in}, nullptr, 1e-6f, h.get());
+      ASSERT_TRUE(out.ok());
+      prev = *out;
+    }
+    ASSERT_TRUE(p.schedule(v.n_blocks).ok());
+    auto d = DeviceProgram::upload(p);
+    ASSERT_TRUE(d.ok()) << d.status().message();
+    const DeviceProgram& prog = **d;
+    auto mk = [&](int, cudaStream_t stream) { return prog.launch(stream); };
+    char name[80];
+    std::snprintf(name, sizeof name, "megakernel, 1 launch, %d blocks, %s x%s", v.n_blocks, v.int8 ? "int8" : "fp32",
+                  v.hot ? ", L2-hot weights" : "");
+    test::print_bandwidth(name, test::graph_time_us(mk, 10), bytes);
+    if (v.n_blocks == sms && (v.int8 || !v.hot)) {  // the timeline of one more step (its first 6 ops and the last)
+      ASSERT_TRUE((*d)->enable_trace().ok());
+      ASSERT_EQ(prog.launch(nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      auto marks = (*d)->trace();
+      ASSERT_TRUE(marks.ok());
+      const std::string t = p.summarize_trace(*marks);
+      size_t cut = 0;
+      for (int line = 0; line < 7 && cut != std::string::npos; ++line) cut = t.find('\n', cut + 1);
+      std::printf("%s...\n%s", t.substr(0, cut + 1).c_str(), t.substr(t.rfind('\n', t.size() - 2) + 1).c_str());
+    }
+  }
+}
+
+}  // namespace
+}  // namespace lily::cuda::mk
