@@ -14,19 +14,20 @@ namespace lily::cuda::mk {
 
 namespace {
 
-constexpr int kConsumerThreads = 32 * kConsumerWarps;
 constexpr int kXFloats = xpad_floats(4096);
-// Page layout (both widths): 32 KB of packed weights, then 2 KB of scales, then 2 KB of biases.
-constexpr int kScalesAt = 32768;
-constexpr int kBiasesAt = 34816;
 constexpr int kMaxVecs = 4096 / kVecElems4;  // 32-element vectors of x
 // pages | x (fp32, padded) | block sums | x as int8 (32 B a vector) | its scale | its sum | mbarriers
 constexpr size_t kSmemBytes =
     size_t{kPages} * kPageBytes + kXFloats * 4 + 32 * 4 + kMaxVecs * 32 + kMaxVecs * 8 + 2 * kPages * 8;
 
-__host__ __device__ constexpr int rows_per_page(int cols) { return cols == 2048 ? 32 : 16; }
 
 #if defined(LILY_MK_DEVICE)
+
+constexpr int kConsumerThreads = 32 * kConsumerWarps;
+// Page layout (both widths): 32 KB of packed weights, then 2 KB of scales, then 2 KB of biases.
+constexpr int kScalesAt = 32768;
+constexpr int kBiasesAt = 34816;
+__device__ constexpr int rows_per_page(int cols) { return cols == 2048 ? 32 : 16; }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
