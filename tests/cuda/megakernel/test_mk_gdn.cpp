@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "../kernels/cuda_test_util.h"
+#include "mk_test_util.h"
 #include "cuda/kernels/gdn.cuh"
 #include "cuda/kernels/gemv.cuh"
 #include "cuda/megakernel/step.cuh"
@@ -16,21 +16,11 @@ namespace lily::cuda::mk {
 namespace {
 
 using test::DeviceBuffer;
+using test_util::Carver;
+using test_util::device_sms;
 
 constexpr int kNk = 16, kNv = 32, kD = 128, kConv = 2 * kNk * kD + kNv * kD, kValue = kNv * kD;
 constexpr int kProj = kConv + kValue + 2 * kNv;
-
-#define SKIP_WITHOUT_STEP()                                                                     \
-  do {                                                                                          \
-    SKIP_WITHOUT_GPU();                                                                         \
-    if (!step_supported()) GTEST_SKIP() << "the megakernel needs an sm_90a build on a Hopper GPU"; \
-  } while (0)
-
-int device_sms() {
-  cudaDeviceProp prop{};
-  cudaGetDeviceProperties(&prop, 0);
-  return prop.multiProcessorCount;
-}
 
 // One layer's recurrent state and step constants, host copies and device buffers.
 struct GdnState {
@@ -160,22 +150,6 @@ TEST(MkGdn, HeadsMatchCpuAndTheChainKernel) {
 }
 
 // ---- a whole Gated DeltaNet layer ------------------------------------------------------------------------------
-
-struct Carver {
-  const DeviceBuffer<uint16_t>& pool;
-  size_t offset = 0;
-  QMatrix next(int rows, int cols) {
-    QMatrix m;
-    m.rows = rows, m.cols = cols, m.bits = 4;
-    const size_t w = static_cast<size_t>(rows) * cols / 2, sb = static_cast<size_t>(rows) * cols / 32;
-    char* base = reinterpret_cast<char*>(pool.get()) + offset;
-    m.w = reinterpret_cast<const uint32_t*>(base);
-    m.scales = reinterpret_cast<const __nv_bfloat16*>(base + w);
-    m.biases = reinterpret_cast<const __nv_bfloat16*>(base + w + sb);
-    offset += (w + 2 * sb + 255) / 256 * 256;
-    return m;
-  }
-};
 
 // n_layers Gated DeltaNet layers: h -> in_proj (RMSNorm) -> proj -> heads -> o -> out_proj + h -> h.
 struct GdnLayers {

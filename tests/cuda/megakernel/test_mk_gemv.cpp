@@ -7,7 +7,7 @@
 #include <memory>
 #include <vector>
 
-#include "../kernels/cuda_test_util.h"
+#include "mk_test_util.h"
 #include "cuda/kernels/gemv.cuh"
 #include "cuda/megakernel/step.cuh"
 
@@ -15,6 +15,8 @@ namespace lily::cuda::mk {
 namespace {
 
 using test::DeviceBuffer;
+using test_util::Carver;
+using test_util::device_sms;
 using test::HostQMatrix;
 
 // A QMatrix at a fake, aligned address (the schedule never dereferences it).
@@ -89,18 +91,6 @@ TEST(MkProgram, RefusesWhatTheKernelCannotRun) {
 }
 
 // ---- on the GPU ----------------------------------------------------------------------------------------------
-
-#define SKIP_WITHOUT_STEP()                                                                     \
-  do {                                                                                          \
-    SKIP_WITHOUT_GPU();                                                                         \
-    if (!step_supported()) GTEST_SKIP() << "the megakernel needs an sm_90a build on a Hopper GPU"; \
-  } while (0)
-
-int device_sms() {
-  cudaDeviceProp prop{};
-  cudaGetDeviceProperties(&prop, 0);
-  return prop.multiProcessorCount;
-}
 
 // A layer of the projection chain: proj = W_in RMSNorm(h) * norm_w; h = h + W_out proj[0:4096].
 struct ChainLayer {
@@ -318,23 +308,6 @@ TEST(MkStep, Int8ChainCloseToFp32AndDeterministic) {
 }
 
 // ---- timing (prints, asserts nothing) ------------------------------------------------------------------------
-
-// n distinct [rows, cols] 4-bit matrices carved back to back from one pool (no two share bytes: a cold L2).
-struct Carver {
-  const DeviceBuffer<uint16_t>& pool;
-  size_t offset = 0;
-  QMatrix next(int rows, int cols) {
-    QMatrix m;
-    m.rows = rows, m.cols = cols, m.bits = 4;
-    const size_t w = static_cast<size_t>(rows) * cols / 2, sb = static_cast<size_t>(rows) * cols / 32;
-    char* base = reinterpret_cast<char*>(pool.get()) + offset;
-    m.w = reinterpret_cast<const uint32_t*>(base);
-    m.scales = reinterpret_cast<const __nv_bfloat16*>(base + w);
-    m.biases = reinterpret_cast<const __nv_bfloat16*>(base + w + sb);
-    offset += (w + 2 * sb + 255) / 256 * 256;
-    return m;
-  }
-};
 
 // The 30 Gated DeltaNet layers' projections of one step (in 12352 x 2048 with RMSNorm, out 2048 x 4096 with the
 // residual): 569 MB. The chain: 60 gemv launches in a graph (programmatic dependent launch); the megakernel: one

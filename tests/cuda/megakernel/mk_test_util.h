@@ -1,0 +1,40 @@
+// Shared helpers of the megakernel tests: the skip macro, the SM count, distinct weight matrices carved from a
+// pool (no two share bytes: a cold L2 for the timing tests).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "../kernels/cuda_test_util.h"
+#include "cuda/megakernel/step.cuh"
+
+namespace lily::cuda::mk::test_util {
+
+#define SKIP_WITHOUT_STEP()                                                                     \
+  do {                                                                                          \
+    SKIP_WITHOUT_GPU();                                                                         \
+    if (!::lily::cuda::mk::step_supported()) GTEST_SKIP() << "the megakernel needs an sm_90a build on a Hopper GPU"; \
+  } while (0)
+
+inline int device_sms() {
+  cudaDeviceProp prop{};
+  cudaGetDeviceProperties(&prop, 0);
+  return prop.multiProcessorCount;
+}
+
+// n distinct [rows, cols] 4-bit matrices carved back to back from one pool.
+struct Carver {
+  const test::DeviceBuffer<uint16_t>& pool;
+  size_t offset = 0;
+  QMatrix next(int rows, int cols) {
+    QMatrix m;
+    m.rows = rows, m.cols = cols, m.bits = 4;
+    const size_t w = static_cast<size_t>(rows) * cols / 2, sb = static_cast<size_t>(rows) * cols / 32;
+    char* base = reinterpret_cast<char*>(pool.get()) + offset;
+    m.w = reinterpret_cast<const uint32_t*>(base);
+    m.scales = reinterpret_cast<const __nv_bfloat16*>(base + w);
+    m.biases = reinterpret_cast<const __nv_bfloat16*>(base + w + sb);
+    offset += (w + 2 * sb + 255) / 256 * 256;
+    return m;
+  }
+};
+
+}  // namespace lily::cuda::mk::test_util
