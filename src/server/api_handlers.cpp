@@ -21,6 +21,11 @@ std::string new_id(const char* prefix) {
   return id;
 }
 
+// For parse_json_body: a request whose client has left stops being parsed.
+std::function<bool()> gone(HttpExchange& ex) {
+  return [&ex] { return ex.client_gone(); };
+}
+
 ApiError context_exceeded(const std::string& message, const std::string& param) {
   return bad_request(message, param, "context_length_exceeded");
 }
@@ -85,7 +90,10 @@ MaybeError Server::make_generation_request(const std::vector<int32_t>& prompt,
                param.c_str()),
         "max_tokens");
   }
-  if (p.max_tokens < 0 || p.max_tokens > room) p.max_tokens = room;
+  // --max-tokens: the default of a request that sets none, and the most any request gets (clamped, not refused).
+  if (const int limit = options_.max_tokens; limit > 0 && (p.max_tokens <= 0 || p.max_tokens > limit))
+    p.max_tokens = limit;
+  if (p.max_tokens <= 0 || p.max_tokens > room) p.max_tokens = room;
   if (Status st = p.validate(L.served.vocab_size); !st.ok()) return from_status(st);
   out.prompt = prompt;
   out.sampling = std::move(p);
@@ -95,7 +103,8 @@ MaybeError Server::make_generation_request(const std::vector<int32_t>& prompt,
 }
 
 std::shared_ptr<GenerationJob> Server::make_job(GenerationRequest request) {
-  return std::make_shared<GenerationJob>(*loaded_->engine, std::move(request), metrics_);
+  return std::make_shared<GenerationJob>(*loaded_->engine, std::move(request), metrics_,
+                                         options_.request_timeout_ms);
 }
 
 void Server::run_job(const HttpRequest& req, HttpExchange& ex, const std::shared_ptr<GenerationJob>& job,
@@ -166,10 +175,11 @@ void Server::handle_chat(const HttpRequest& req, HttpExchange& ex) {
   const Loaded& L = *loaded_;
   json body;
   ChatRequest chat;
-  if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
+  if (auto e = parse_json_body(req.body, body, gone(ex))) return send_error(ex, *e);
   if (auto e = parse_chat_request(body, L.served, chat)) return send_error(ex, *e);
   Result<ChatPrompt> prompt = build_chat_prompt(chat);
   if (!prompt.ok()) return send_error(ex, from_status(prompt.status(), "messages"));
+  if (ex.client_gone()) return ex.abandon();  // before tokenizing: a large prompt costs CPU
   if (chat.tool_choice == ToolChoice::none && !chat.tools.is_null() && L.tool_call_token >= 0) {
     chat.sampling.params.logit_bias[L.tool_call_token] = -100;  // no call can even begin
   }
@@ -199,8 +209,9 @@ void Server::handle_completions(const HttpRequest& req, HttpExchange& ex) {
   const Loaded& L = *loaded_;
   json body;
   CompletionRequest creq;
-  if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
+  if (auto e = parse_json_body(req.body, body, gone(ex))) return send_error(ex, *e);
   if (auto e = parse_completion_request(body, L.served, creq)) return send_error(ex, *e);
+  if (ex.client_gone()) return ex.abandon();
   std::vector<int32_t> prompt = creq.prompt_is_ids ? creq.prompt_ids : L.tokenizer.encode(creq.prompt_text);
   GenerationRequest g;
   if (auto e = make_generation_request(prompt, creq.sampling, creq.logprobs >= 0, std::max(creq.logprobs, 0),
@@ -217,7 +228,7 @@ void Server::handle_apply_template(const HttpRequest& req, HttpExchange& ex) {
   const Loaded& L = *loaded_;
   json body;
   ChatRequest chat;
-  if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
+  if (auto e = parse_json_body(req.body, body, gone(ex))) return send_error(ex, *e);
   if (!body.contains("model")) body["model"] = options_.served_model_name;
   if (auto e = parse_chat_request(body, L.served, chat)) return send_error(ex, *e);
   Result<ChatPrompt> prompt = build_chat_prompt(chat);

@@ -8,6 +8,7 @@
 //   POST /v1/completions        raw text completion of a string or token ids
 //   POST /apply-template        the rendered chat prompt of a chat request (as llama.cpp's server), for
 //   debugging
+//   GET  /props                 the served model, context size and per-request limits (as llama.cpp's server)
 // With an API key, everything but /, /health and /metrics needs `Authorization: Bearer KEY`.
 #pragma once
 #include <atomic>
@@ -15,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 #include <thread>
 
 #include "engine/backend_factory.h"
@@ -24,6 +26,7 @@
 #include "server/chat_request.h"
 #include "server/http.h"
 #include "server/metrics.h"
+#include "server/origin_policy.h"
 #include "server/scheduler.h"
 
 namespace lily {
@@ -36,6 +39,11 @@ struct ServerOptions {
   int ctx_size = 0;               // 0: the model's max_position_embeddings
   size_t max_queue = 64;          // requests waiting behind the running one; more get 429
   int shutdown_grace_ms = 10000;  // SIGTERM: in-flight work may finish within this, then is cancelled
+  // Per-request limits (src/server/README.md, "Limits"): the completion tokens of a request that sets none, and
+  // the most any request gets (larger asks are clamped); 0: up to the context.
+  int max_tokens = 32768;
+  int request_timeout_ms = 0;               // > 0: a generation running longer ends with finish_reason "length"
+  std::vector<std::string> allowed_origins;  // --allow-origin: browser origins besides the server's own
   bool log_requests = true;
   HttpServerOptions http;
   EngineOptions engine;
@@ -56,7 +64,10 @@ class Server {
   struct Loaded;  // engine, tokenizer, defaults: set once by the loader
 
   void load_model();
-  void handle(const HttpRequest& req, HttpExchange& ex);
+  void handle(const HttpRequest& req, HttpExchange& ex);  // the catch-all around route()
+  void route(const HttpRequest& req, HttpExchange& ex);
+  void answer_exception(const HttpRequest& req, HttpExchange& ex, const char* what);
+  void handle_props(HttpExchange& ex);
   bool authorized(const HttpRequest& req, HttpExchange& ex);
   void send_error(HttpExchange& ex, const ApiError& e);
   void handle_health(HttpExchange& ex);
@@ -90,6 +101,7 @@ class Server {
   LiveGauges live_gauges() const;
 
   ServerOptions options_;
+  OriginPolicy origin_policy_;
   HttpServer http_;
   Metrics metrics_;
   std::unique_ptr<Scheduler> scheduler_;
