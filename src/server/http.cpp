@@ -430,7 +430,17 @@ void HttpServer::serve_connection(int fd) {
     HttpExchange ex(fd, false, options_.io_timeout_ms);
     if (!read_request(fd, buf, req, ex)) return;
     if (stopping_.load()) ex.close_after();
-    handler_(req, ex);
+    try {
+      handler_(req, ex);
+    } catch (const std::exception& e) {  // handlers should catch their own (Server::handle does); never past here
+      std::fprintf(stderr, "lily serve: internal error in %s %s: %s\n", req.method.c_str(), req.path.c_str(),
+                   e.what());
+      ex.close_after();
+      if (!ex.responded())
+        ex.send_json(500, error_body(server_error(500, std::string("Internal server error: ") + e.what(),
+                                                  "internal_error")));
+      return;
+    }
     if (!ex.responded()) ex.send_json(500, error_body(server_error(500, "no response was produced")));
     if (!ex.keep_alive()) return;
     set_idle(fd, true);
