@@ -103,7 +103,7 @@ void setup(CLI::App& app) {
       ->check(CLI::Range(0.0, 3600.0));
   cmd->add_option("--max-tokens", a->max_tokens,
                   "completion tokens of a request that sets no max_tokens, and the most any request gets (larger "
-                  "asks are clamped; finish_reason length); 0: up to the context")
+                  "asks are clamped; finish_reason length); 0: up to the context (default 32768)")
       ->check(CLI::Range(0, 1 << 30));
   cmd->add_option("--request-timeout", a->request_timeout_s,
                   "seconds a generation may run (prefill and decode, queue wait excluded); then it ends with what "
@@ -114,7 +114,7 @@ void setup(CLI::App& app) {
                   "page; repeat or comma-separate; * allows any. Others get 403 and no CORS headers")
       ->delimiter(',');
   cmd->add_option("--max-connections-per-client", a->max_per_client,
-                  "open connections from one address (past it the oldest idle one is closed, else 503)")
+                  "open connections from one address (default 64; past it the oldest idle one is closed, else 503)")
       ->check(CLI::Range(1, 100000));
   cmd->add_flag("--quiet", a->quiet, "no per-request log lines");
   cmd->callback([a] { set_exit_code(run_serve(*a)); });

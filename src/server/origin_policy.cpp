@@ -31,7 +31,8 @@ std::string strip_port(std::string_view host) {
 }
 
 bool origin_listed(const std::string& origin, const OriginPolicy& policy) {
-  for (const std::string& o : policy.allowed_origins) {
+  for (std::string_view o : policy.allowed_origins) {
+    if (o.ends_with('/')) o.remove_suffix(1);  // `http://localhost:3000/` as written; browsers send no slash
     if (o == "*" || lower(o) == origin) return true;
   }
   return false;
