@@ -43,6 +43,21 @@ class HttpHardening : public ::testing::Test {
     TearDown();
     start(o);
   }
+  void restart_with_caps(size_t total, size_t per_client) {
+    HttpServerOptions o;
+    o.max_connections = total;
+    o.max_connections_per_client = per_client;
+    restart(o);
+  }
+  // A new connection from `source` is answered at once.
+  void expect_answered_from(const char* source) {
+    Client c(port(), source);
+    auto t0 = Clock::now();
+    c.send("GET /health HTTP/1.1\r\nConnection: close\r\n\r\n");
+    std::string r = c.read_all();
+    EXPECT_TRUE(r.starts_with("HTTP/1.1 200 OK")) << source << ": " << r;
+    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1));
+  }
 
   std::unique_ptr<HttpServer> server_;
   std::thread thread_;
@@ -156,46 +171,29 @@ TEST_F(HttpHardening, ASlowHeadGets408) {
 
 // Before: 512 idle connections took every slot and everyone, /health included, got 503 for a minute.
 TEST_F(HttpHardening, AnIdleFloodFromOneAddressLocksNobodyOut) {
-  HttpServerOptions o;
-  o.max_connections = 40;
-  o.max_connections_per_client = 8;
-  restart(o);
+  restart_with_caps(40, 8);
   std::vector<std::unique_ptr<Client>> flood;
   for (int i = 0; i < 120; ++i) flood.push_back(std::make_unique<Client>(port()));
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_LE(server_->connections(), 9u);  // the flood's oldest connections were closed to make room
-  for (const char* from : {"127.0.0.1", "127.0.0.2"}) {
-    Client c(port(), from);
-    auto t0 = Clock::now();
-    c.send("GET /health HTTP/1.1\r\nConnection: close\r\n\r\n");
-    std::string r = c.read_all();
-    EXPECT_TRUE(r.starts_with("HTTP/1.1 200 OK")) << from << ": " << r;
-    EXPECT_LT(Clock::now() - t0, std::chrono::seconds(1));
-  }
+  expect_answered_from("127.0.0.1");
+  expect_answered_from("127.0.0.2");
   EXPECT_GE(server_->evicted_connections(), 100u);
 }
 
 TEST_F(HttpHardening, AnIdleFloodFromManyAddressesLocksNobodyOut) {
-  HttpServerOptions o;
-  o.max_connections = 16;
-  o.max_connections_per_client = 8;
-  restart(o);
+  restart_with_caps(16, 8);
   std::vector<std::unique_ptr<Client>> flood;
   for (const char* from : {"127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"}) {
     for (int i = 0; i < 8; ++i) flood.push_back(std::make_unique<Client>(port(), from));
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   EXPECT_LE(server_->connections(), 17u);
-  Client c(port(), "127.0.0.9");
-  c.send("GET /health HTTP/1.1\r\nConnection: close\r\n\r\n");
-  EXPECT_TRUE(c.read_all().starts_with("HTTP/1.1 200 OK"));
+  expect_answered_from("127.0.0.9");
 }
 
 TEST_F(HttpHardening, BusyConnectionsAreNotEvictedAndPastTheCapThe503Says) {
-  HttpServerOptions o;
-  o.max_connections_per_client = 4;
-  o.max_body_bytes = 1000;
-  restart(o);
+  restart_with_caps(512, 4);
   std::vector<std::unique_ptr<Client>> busy;
   for (int i = 0; i < 4; ++i) {  // each is reading its body: a request in progress
     busy.push_back(std::make_unique<Client>(port()));
