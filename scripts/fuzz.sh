@@ -37,9 +37,10 @@ seed_http_request() {
   printf 'POST /v1/completions HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\n{}GET / HTTP/1.0\r\n\r\n' > "$1/pipelined"
   printf 'POST /x HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n3;e=1\r\nabc\r\n0\r\nT: 1\r\n\r\n' > "$1/chunked"
   printf 'GET /a%%20b?q=1 HTTP/1.1\nHost: [::1]:8080\nContent-Length: 1\nContent-Length: 1, 1\n\nx' > "$1/bare_lf"
-  printf '%s\n' '"HTTP/1.1"' '"HTTP/1.0"' '"\r\n"' '"Content-Length: "' '"Transfer-Encoding: chunked"' \
-    '"Host: "' '"Expect: 100-continue"' '"Connection: close"' '";"' '"0\r\n\r\n"' '"POST "' '"HEAD "' \
-    > "$out/fuzz_http_request.dict"
+  # libFuzzer dictionaries escape bytes as \xAB only.
+  printf '%s\n' '"HTTP/1.1"' '"HTTP/1.0"' '"\x0D\x0A"' '"\x0A\x0A"' '"Content-Length: "' \
+    '"Transfer-Encoding: chunked"' '"Host: "' '"Expect: 100-continue"' '"Connection: close"' '";"' \
+    '"0\x0D\x0A\x0D\x0A"' '"POST "' '"HEAD "' > "$out/fuzz_http_request.dict"
 }
 
 seed_request_validation() {
