@@ -4,6 +4,9 @@ set -euo pipefail
 
 apt_pkgs=(build-essential cmake pkg-config python3 python3-pip nlohmann-json3-dev libpcre2-dev
           libutf8proc-dev libcli11-dev libgtest-dev libbenchmark-dev)
+# `lily chat`'s line editing (libedit, BSD); the chat page's markdown and code highlighting, compiled into the
+# binary from /usr/share/javascript; headless Chromium for the chat page's test (tests/python/test_chat_page.py).
+apt_pkgs+=(libedit-dev libjs-marked libjs-highlight.js chromium)
 # --fuzz: also clang with its sanitizer/libFuzzer runtime (scripts/fuzz.sh).
 if [ "${1:-}" = "--fuzz" ]; then apt_pkgs+=(clang libclang-rt-14-dev); fi
 missing=()

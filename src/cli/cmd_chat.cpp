@@ -1,18 +1,20 @@
-// lily chat: interactive multi-turn chat in the terminal. Lines are read from stdin (a pipe works too); the
-// conversation is kept as OpenAI messages and rendered with the chat template each turn, so the session cache
-// resumes from the previous turn. The answer streams as it is generated: reasoning dimmed (or hidden), then
-// the content; usage follows, dimmed. Ctrl-C stops the current answer; at the prompt, a second Ctrl-C exits.
+// lily chat: interactive multi-turn chat in the terminal. Lines are read from stdin, edited with history on a
+// terminal (cli/line_reader.h), plain from a pipe; the conversation is kept as OpenAI messages and rendered with
+// the chat template each turn, so the session cache resumes from the previous turn. The answer streams as it
+// is generated: reasoning dimmed (or hidden), then the content; usage follows, dimmed. Ctrl-C stops the
+// current answer; at the prompt, a second Ctrl-C exits. --save FILE keeps the conversation as JSON messages.
 #include <unistd.h>
 
 #include <atomic>
-#include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <fstream>
 #include <optional>
 #include <string>
 
 #include "cli/cli_common.h"
 #include "cli/commands.h"
+#include "cli/line_reader.h"
 #include "tokenizer/chat_format.h"
 #include "tokenizer/output_parser.h"
 
@@ -39,30 +41,9 @@ void install_sigint_handler() {
 struct ChatArgs {
   EngineArgs engine;
   SamplingArgs sampling;
-  std::string system;
+  std::string system, save;
   bool hide_reasoning = false, no_thinking = false;
 };
-
-enum class ReadResult { line, eof, interrupted };
-
-// One line from stdin without its newline; `interrupted` when Ctrl-C arrives before Enter.
-ReadResult read_line(std::string& line) {
-  line.clear();
-  while (true) {
-    errno = 0;
-    int c = std::fgetc(stdin);
-    if (c == EOF) {
-      if (std::ferror(stdin) && errno == EINTR) {
-        std::clearerr(stdin);
-        if (g_interrupted.load()) return ReadResult::interrupted;
-        continue;
-      }
-      return line.empty() ? ReadResult::eof : ReadResult::line;
-    }
-    if (c == '\n') return ReadResult::line;
-    line.push_back(static_cast<char>(c));
-  }
-}
 
 class ChatSession {
  public:
@@ -70,7 +51,8 @@ class ChatSession {
       : loaded_(std::move(loaded)),
         args_(args),
         tty_out_(isatty(STDOUT_FILENO)),
-        tty_in_(isatty(STDIN_FILENO)) {
+        tty_in_(isatty(STDIN_FILENO)),
+        input_(g_interrupted) {
     if (!args.system.empty()) system_ = args.system;
   }
   int run();
@@ -81,10 +63,12 @@ class ChatSession {
   Status answer(const std::string& user_text);
   json messages_for_render() const;
   void print_delta(const ParsedDelta& d);
+  void save() const;
 
   LoadedEngine loaded_;
   const ChatArgs& args_;
   const bool tty_out_, tty_in_;
+  LineReader input_;
   std::optional<std::string> system_;
   json turns_ = json::array();  // user and assistant messages (no system)
   bool in_reasoning_ = false, printed_reasoning_ = false, printed_content_ = false;
@@ -97,6 +81,13 @@ void ChatSession::dim(const char* fmt, const std::string& text, FILE* f) {
   std::fprintf(f, fmt, text.c_str());
   if (tty_out_) std::fputs("\x1b[0m", f);
   std::fflush(f);
+}
+
+// The conversation as OpenAI messages (system first), rewritten whole after each answer.
+void ChatSession::save() const {
+  std::ofstream f(args_.save, std::ios::binary | std::ios::trunc);
+  f << messages_for_render().dump(2) << "\n";
+  if (!f.good()) std::fprintf(stderr, "lily chat: cannot write the conversation to %s\n", args_.save.c_str());
 }
 
 json ChatSession::messages_for_render() const {
@@ -196,15 +187,12 @@ int ChatSession::run() {
   dim("%s\n",
       format("lily chat: %s on %s (loaded in %.1f s). /reset, /system TEXT, /exit; Ctrl-C stops an answer.",
              args_.engine.model.c_str(), engine.backend().name(), loaded_.load_s));
+  if (!input_.note().empty()) dim("%s\n", input_.note());
   install_sigint_handler();
   bool exit_armed = false;  // a Ctrl-C at the prompt arms, a second one exits
   std::string line;
   while (!quit_) {
-    if (tty_in_) {
-      std::fputs("> ", stdout);
-      std::fflush(stdout);
-    }
-    ReadResult rr = read_line(line);
+    ReadResult rr = input_.read(line);
     if (rr == ReadResult::eof) break;
     if (rr == ReadResult::interrupted) {
       g_interrupted.store(false);
@@ -221,6 +209,7 @@ int ChatSession::run() {
     }
     Status st = answer(line);
     if (!st.ok()) std::fprintf(stderr, "lily chat: %s\n", st.message().c_str());
+    if (st.ok() && !args_.save.empty()) save();
   }
   if (tty_in_) std::fputs("\n", stdout);
   return 0;
@@ -232,6 +221,7 @@ void setup(CLI::App& app) {
   add_engine_options(cmd, a->engine);
   add_sampling_options(cmd, a->sampling);
   cmd->add_option("--system", a->system, "system prompt");
+  cmd->add_option("--save", a->save, "write the conversation (OpenAI messages, JSON) to this file after each answer");
   cmd->add_flag("--hide-reasoning", a->hide_reasoning, "do not print the reasoning (it is shown dimmed)");
   cmd->add_flag("--no-thinking", a->no_thinking,
                 "the template's enable_thinking=false: answer without reasoning");

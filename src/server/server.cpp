@@ -10,6 +10,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include "server/chat_page.h"
 #include "server/generation_job.h"
 #include "server/loaded_model.h"
 #include "server/sse.h"
@@ -19,9 +20,9 @@ namespace lily {
 namespace {
 
 bool known_endpoint(const std::string& p) {
-  return p == "/" || p == "/index.html" || p == "/chat.js" || p == "/health" || p == "/metrics" ||
-         p == "/v1/models" || p.starts_with("/v1/models/") || p == "/v1/chat/completions" ||
-         p == "/v1/completions" || p == "/apply-template" || p == "/props";
+  return find_chat_page_asset(p) != nullptr || p == "/health" || p == "/metrics" || p == "/v1/models" ||
+         p.starts_with("/v1/models/") || p == "/v1/chat/completions" || p == "/v1/completions" ||
+         p == "/apply-template" || p == "/props";
 }
 
 // The `endpoint` label of lily_requests_total.
@@ -311,6 +312,7 @@ void Server::answer_exception(const HttpRequest& req, HttpExchange& ex, const ch
 
 void Server::route(const HttpRequest& req, HttpExchange& ex) {
   const std::string& p = req.path;
+  const ChatPageAsset* page = find_chat_page_asset(p);
   const bool known = known_endpoint(p);
   const bool post = p == "/v1/chat/completions" || p == "/v1/completions" || p == "/apply-template";
   if (auto e = check_origin(req, origin_policy_)) return send_error(ex, *e);
@@ -327,8 +329,7 @@ void Server::route(const HttpRequest& req, HttpExchange& ex) {
                "method_not_allowed"};
     return ex.send_json(405, error_body(e), {{"Allow", allow}});
   }
-  if (p == "/" || p == "/index.html") return ex.send(200, "text/html; charset=utf-8", kChatPageHtml);
-  if (p == "/chat.js") return ex.send(200, "text/javascript; charset=utf-8", kChatPageJs);
+  if (page != nullptr) return ex.send(200, page->content_type, page->body, chat_page_headers());
   if (p == "/health") return handle_health(ex);
   if (p == "/metrics") {
     return ex.send(200, "text/plain; version=0.0.4; charset=utf-8", metrics_.render(live_gauges()));

@@ -114,8 +114,4 @@ class Server {
   int64_t started_at_ = 0;
 };
 
-// The chat page (src/server/static/), embedded: chat_page.cpp.
-extern const char* const kChatPageHtml;
-extern const char* const kChatPageJs;
-
 }  // namespace lily
