@@ -1,8 +1,8 @@
-// libFuzzer target for the HTTP/1.1 request parser (server/http_parse.h), as HttpServer::read_request uses it:
-// requests one after another in one buffer (pipelining), each head located, parsed and its body framed, then read
-// by Content-Length or decoded as chunked. Invariants: the head ends inside the buffer; a refusal has a 4xx status
-// and a message; a chunked body never exceeds the limit, and decoding it in two pieces gives exactly what
-// decoding it at once gives (the decoder is incremental: bytes arrive in any split).
+// libFuzzer target for the HTTP/1.1 request parser (server/http_parse.h), as HttpServer::read_request uses
+// it: requests one after another in one buffer (pipelining), each head located, parsed and its body framed,
+// then read by Content-Length or decoded as chunked. Invariants: the head ends inside the buffer; a refusal
+// has a 4xx status and a message; a chunked body never exceeds the limit, and decoding it in two pieces gives
+// exactly what decoding it at once gives (the decoder is incremental: bytes arrive in any split).
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -34,7 +34,8 @@ lily::ChunkedDecoder::State decode(std::string& in, size_t split) {
     piece_in += rest;
   }
   if (whole_body.size() > kMaxBody) violated("chunked body over the limit");
-  if (st == lily::ChunkedDecoder::State::done && (st2 != st || piece_body != whole_body || piece_in != whole_in))
+  if (st == lily::ChunkedDecoder::State::done &&
+      (st2 != st || piece_body != whole_body || piece_in != whole_in))
     violated("split decoding differs from whole decoding");
   in = whole_in;
   return st;
@@ -50,7 +51,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     buf.erase(0, blank == std::string::npos ? buf.size() : blank);
     lily::HeadEnd end = lily::find_head_end(buf);
     if (!end.found) return 0;
-    if (end.head_size > end.body_start || end.body_start > buf.size()) violated("head end outside the buffer");
+    if (end.head_size > end.body_start || end.body_start > buf.size())
+      violated("head end outside the buffer");
     lily::HttpRequest req;
     bool http11 = false;
     std::string err = lily::parse_head(std::string_view(buf).substr(0, end.head_size), req, http11);

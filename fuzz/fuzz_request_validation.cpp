@@ -1,8 +1,9 @@
-// libFuzzer target for the request validation of every POST endpoint: the first input byte picks the endpoint,
-// the rest is its body, which goes through what the endpoint's handler runs before the engine sees anything
-// (parse_json_body, the endpoint's schema checks, the chat template). Every input must end in a result or an
-// ApiError with a 4xx status, a message, and OpenAI error JSON that serializes; an exception escaping, a
-// sanitizer finding or a violated invariant is a crash. Adding an endpoint is one line in kEndpoints.
+// libFuzzer target for the request validation of every POST endpoint: the first input byte picks the
+// endpoint, the rest is its body, which goes through what the endpoint's handler runs before the engine sees
+// anything (parse_json_body, the endpoint's schema checks, the chat template). Every input must end in a
+// result or an ApiError with a 4xx status, a message, and OpenAI error JSON that serializes; an exception
+// escaping, a sanitizer finding or a violated invariant is a crash. Adding an endpoint is one line in
+// kEndpoints.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -51,8 +52,8 @@ const Endpoint kEndpoints[] = {
 constexpr size_t kNumEndpoints = sizeof(kEndpoints) / sizeof(kEndpoints[0]);
 
 [[noreturn]] void violated(const char* what, const Endpoint& e, const ApiError& err) {
-  std::fprintf(stderr, "fuzz_request_validation: %s: %s (status %d, message `%s`)\n", e.path, what, err.status,
-               err.message.c_str());
+  std::fprintf(stderr, "fuzz_request_validation: %s: %s (status %d, message `%s`)\n", e.path, what,
+               err.status, err.message.c_str());
   std::abort();
 }
 

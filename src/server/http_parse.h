@@ -1,8 +1,8 @@
 // The request side of HTTP/1.1 (RFC 9112) as pure functions over bytes, so the socket code in http.cpp stays
 // small and the parser can be fuzzed without sockets (fuzz/fuzz_http_request.cpp): where the head ends (CRLF,
-// or bare LF as RFC 9112 section 2.2 lets a recipient accept), the request line and header fields, how the body
-// is framed (one Content-Length, or chunked; conflicting framings are refused as request smuggling), and an
-// incremental decoder of chunked bodies under the same size limit as Content-Length ones.
+// or bare LF as RFC 9112 section 2.2 lets a recipient accept), the request line and header fields, how the
+// body is framed (one Content-Length, or chunked; conflicting framings are refused as request smuggling), and
+// an incremental decoder of chunked bodies under the same size limit as Content-Length ones.
 #pragma once
 #include <cstddef>
 #include <string>
@@ -22,7 +22,8 @@ struct HeadEnd {
 };
 HeadEnd find_head_end(std::string_view buf);
 
-// Parses the request line and header fields (the head without the blank line). Returns an error message or "".
+// Parses the request line and header fields (the head without the blank line). Returns an error message or
+// "".
 std::string parse_head(std::string_view head, HttpRequest& req, bool& http11);
 
 // How the body is framed. status != 0: the request is refused with that status and message.

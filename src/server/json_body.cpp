@@ -1,12 +1,14 @@
 // parse_json_body (declared in request_fields.h): the raw body of a POST -> a JSON object, in time linear in
 // the body's size, with a specific 400 for each way it can be wrong.
 //
-// Why not json::parse: nlohmann's DOM parser inserts each key with ordered_map::operator[], a linear search of
-// the object's keys, so an object of n keys costs O(n^2) (a 1.8 MB body of 150,000 keys: ~29 s of CPU, found by
-// profiling `lily serve`). The builder below appends keys to the object's vector and finds duplicates through
-// a hash index once an object is larger than a few keys; the last of duplicate keys wins, as with json::parse.
-// It also refuses nesting past the limit while parsing (not after), turns a number that overflows a double
-// (`1e400`, which json::parse reports by throwing out_of_range) into a 400, and stops when the client has gone.
+// Why not json::parse: nlohmann's DOM parser inserts each key with ordered_map::operator[], a linear search
+// of the object's keys, so an object of n keys costs O(n^2) (a 1.8 MB body of 150,000 keys: ~29 s of CPU,
+// found by profiling `lily serve`). The builder below appends keys to the object's vector and finds
+// duplicates through a hash index once an object is larger than a few keys; the last of duplicate keys wins,
+// as with json::parse. It also refuses nesting past the limit while parsing (not after), turns a number that
+// overflows a double
+// (`1e400`, which json::parse reports by throwing out_of_range) into a 400, and stops when the client has
+// gone.
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -19,8 +21,9 @@ namespace lily {
 namespace {
 
 constexpr size_t kMaxJsonDepth = 64;
-constexpr size_t kIndexFrom = 16;            // objects with more keys get a hash index of their keys
-constexpr size_t kEventsPerClientCheck = 1u << 14;  // how often the parser asks whether the client is still there
+constexpr size_t kIndexFrom = 16;  // objects with more keys get a hash index of their keys
+constexpr size_t kEventsPerClientCheck =
+    1u << 14;  // how often the parser asks whether the client is still there
 
 class LinearDomBuilder {
  public:

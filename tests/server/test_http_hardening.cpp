@@ -1,6 +1,6 @@
-// Attacks on the HTTP layer over real sockets: request smuggling through conflicting framing, chunked bodies and
-// their limit, bare-LF requests, HEAD, slow heads, idle-connection floods (per-address and total caps with idle
-// eviction), and a handler that throws.
+// Attacks on the HTTP layer over real sockets: request smuggling through conflicting framing, chunked bodies
+// and their limit, bare-LF requests, HEAD, slow heads, idle-connection floods (per-address and total caps
+// with idle eviction), and a handler that throws.
 #include <chrono>
 #include <memory>
 #include <stdexcept>
@@ -66,7 +66,9 @@ class HttpHardening : public ::testing::Test {
 TEST_F(HttpHardening, ConflictingContentLengthsAre400AndTheRestIsNotARequest) {
   Client c(port());
   // Before: the first length framed the body and "GET /smuggled" ran as a second request.
-  c.send("POST /echo HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 30\r\n\r\nhelloGET /smuggled HTTP/1.1\r\n\r\n");
+  c.send(
+      "POST /echo HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 30\r\n\r\nhelloGET /smuggled "
+      "HTTP/1.1\r\n\r\n");
   std::string r = c.read_all();
   EXPECT_TRUE(r.starts_with("HTTP/1.1 400 ")) << r;
   EXPECT_NE(r.find("conflicting Content-Length headers"), std::string::npos) << r;
@@ -77,12 +79,15 @@ TEST_F(HttpHardening, ConflictingContentLengthsAre400AndTheRestIsNotARequest) {
 TEST_F(HttpHardening, EqualContentLengthsAreOneAndMixedFramingIsRefused) {
   {
     Client c(port());
-    c.send("POST /echo HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5, 5\r\nConnection: close\r\n\r\nhello");
+    c.send(
+        "POST /echo HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5, 5\r\nConnection: close\r\n\r\nhello");
     EXPECT_TRUE(c.read_all().ends_with("POST hello"));
   }
   {
     Client c(port());
-    c.send("POST /echo HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
+    c.send(
+        "POST /echo HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: "
+        "chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
     std::string r = c.read_all();
     EXPECT_TRUE(r.starts_with("HTTP/1.1 400 ")) << r;
   }
@@ -111,7 +116,8 @@ TEST_F(HttpHardening, ChunkedBodiesAreDecodedUnderTheBodyLimit) {
   {
     Client c(port());
     std::string big(600, 'x');
-    c.send("POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n258\r\n" + big + "\r\n258\r\n" + big + "\r\n0\r\n\r\n");
+    c.send("POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n258\r\n" + big + "\r\n258\r\n" + big +
+           "\r\n0\r\n\r\n");
     std::string r = c.read_all();
     EXPECT_TRUE(r.starts_with("HTTP/1.1 413 ")) << r;
     EXPECT_NE(r.find("exceeds the limit of 1000 bytes"), std::string::npos) << r;
@@ -139,7 +145,8 @@ TEST_F(HttpHardening, HeadSendsTheHeadersOfGetWithoutTheBody) {
   std::string r = c.read_all();
   // HEAD's Content-Length is that of its own body ("HEAD "); then the GET's response follows on the same
   // connection, so nothing was sent after the HEAD response's headers.
-  EXPECT_TRUE(r.starts_with("HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nHTTP/1.1 200 OK"))
+  EXPECT_TRUE(r.starts_with(
+      "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 5\r\n\r\nHTTP/1.1 200 OK"))
       << r;
   EXPECT_TRUE(r.ends_with("GET ")) << r;
 }
@@ -150,7 +157,8 @@ TEST_F(HttpHardening, AThrowingHandlerGets500JsonAndTheServerGoesOn) {
     c.send("GET /throw HTTP/1.1\r\n\r\n");
     std::string r = c.read_all();
     EXPECT_TRUE(r.starts_with("HTTP/1.1 500 ")) << r;
-    EXPECT_NE(r.find(R"("type":"server_error","param":null,"code":"internal_error")"), std::string::npos) << r;
+    EXPECT_NE(r.find(R"("type":"server_error","param":null,"code":"internal_error")"), std::string::npos)
+        << r;
   }
   Client c(port());
   c.send("GET /ok HTTP/1.1\r\nConnection: close\r\n\r\n");

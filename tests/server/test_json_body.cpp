@@ -1,6 +1,6 @@
-// parse_json_body (src/server/json_body.cpp): the same tree as json::parse (key order, duplicates: last wins),
-// linear time on objects of many keys, a 400 naming an overflowing number instead of an exception, nesting
-// refused while parsing, and a parse that stops once the client has gone.
+// parse_json_body (src/server/json_body.cpp): the same tree as json::parse (key order, duplicates: last
+// wins), linear time on objects of many keys, a 400 naming an overflowing number instead of an exception,
+// nesting refused while parsing, and a parse that stops once the client has gone.
 #include <chrono>
 #include <string>
 
@@ -52,7 +52,8 @@ TEST(JsonBodyParser, NumbersBeyondADoubleAreA400NamingThem) {
     }
   }
   json out;
-  EXPECT_FALSE(parse_json_body(R"({"t": 1e-400, "u": 1.7e308})", out));  // underflow is 0; the largest is fine
+  EXPECT_FALSE(
+      parse_json_body(R"({"t": 1e-400, "u": 1.7e308})", out));  // underflow is 0; the largest is fine
 }
 
 TEST(JsonBodyParser, NestingIsLimitedWhileParsing) {
@@ -69,8 +70,8 @@ TEST(JsonBodyParser, NestingIsLimitedWhileParsing) {
   EXPECT_NE(e->message.find("nests deeper"), std::string::npos) << e->message;
 }
 
-// Before: nlohmann's DOM parser inserted each key with a linear search (ordered_map::operator[]): 150,000 keys
-// cost ~29 s. A complexity bug, so the bound is generous: linear is ~0.1 s here.
+// Before: nlohmann's DOM parser inserted each key with a linear search (ordered_map::operator[]): 150,000
+// keys cost ~29 s. A complexity bug, so the bound is generous: linear is ~0.1 s here.
 double parse_and_validate_seconds(const std::string& body, ChatRequest& chat) {
   auto t0 = std::chrono::steady_clock::now();
   json out;
@@ -88,7 +89,7 @@ TEST(JsonBodyParser, ManyKeysParseAndValidateInLinearTime) {
   ChatRequest chat;
   double s = parse_and_validate_seconds(keys, chat);
   EXPECT_LT(s, 0.5) << keys.size() << " bytes";  // 150,000 unknown fields
-  s = parse_and_validate_seconds(bias, chat);  // 150,000 entries of one field, duplicates among them
+  s = parse_and_validate_seconds(bias, chat);    // 150,000 entries of one field, duplicates among them
   EXPECT_LT(s, 0.5) << bias.size() << " bytes";
   EXPECT_EQ(chat.sampling.params.logit_bias.size(), 1000u);
 }
