@@ -84,8 +84,8 @@ void setup(CLI::App& app) {
   cmd->add_option("--model", a->model, "checkpoint directory (config.json, safetensors, tokenizer.json)")
       ->required();
   cmd->add_option("--host", a->host,
-                  "address to listen on (default 127.0.0.1: this machine only; on loopback, requests whose Host "
-                  "header is not a loopback name get 403)");
+                  "address to listen on (default 127.0.0.1: this machine only; on loopback, requests "
+                  "whose Host header is not a loopback name get 403)");
   cmd->add_option("--port", a->port, "TCP port (0: any free port)")->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", a->api_key, "require `Authorization: Bearer KEY` on the API");
   cmd->add_option("--backend", a->backend, "auto | cpu | cuda");
@@ -102,19 +102,21 @@ void setup(CLI::App& app) {
   cmd->add_option("--shutdown-grace", a->grace_s, "seconds in-flight work may take to finish on SIGTERM")
       ->check(CLI::Range(0.0, 3600.0));
   cmd->add_option("--max-tokens", a->max_tokens,
-                  "completion tokens of a request that sets no max_tokens, and the most any request gets (larger "
-                  "asks are clamped; finish_reason length); 0: up to the context (default 32768)")
+                  "completion tokens of a request that sets no max_tokens, and the most any request "
+                  "gets (larger asks are clamped; finish_reason length); 0: up to the context (default "
+                  "32768)")
       ->check(CLI::Range(0, 1 << 30));
   cmd->add_option("--request-timeout", a->request_timeout_s,
-                  "seconds a generation may run (prefill and decode, queue wait excluded); then it ends with what "
-                  "it has and finish_reason length; 0: no limit")
+                  "seconds a generation may run (prefill and decode, queue wait excluded); then it ends "
+                  "with what it has and finish_reason length; 0: no limit")
       ->check(CLI::Range(0.0, 1e6));
   cmd->add_option("--allow-origin", a->allow_origins,
-                  "a browser origin (e.g. http://localhost:3000) allowed to call the API besides the server's own "
-                  "page; repeat or comma-separate; * allows any. Others get 403 and no CORS headers")
+                  "a browser origin (e.g. http://localhost:3000) allowed to call the API besides the "
+                  "server's own page; repeat or comma-separate; * allows any. Others get 403, no CORS")
       ->delimiter(',');
   cmd->add_option("--max-connections-per-client", a->max_per_client,
-                  "open connections from one address (default 64; past it the oldest idle one is closed, else 503)")
+                  "open connections from one address (default 64; past it the oldest idle one is "
+                  "closed, else 503)")
       ->check(CLI::Range(1, 100000));
   cmd->add_flag("--quiet", a->quiet, "no per-request log lines");
   cmd->callback([a] { set_exit_code(run_serve(*a)); });

@@ -90,7 +90,8 @@ MaybeError Server::make_generation_request(const std::vector<int32_t>& prompt,
                param.c_str()),
         "max_tokens");
   }
-  // --max-tokens: the default of a request that sets none, and the most any request gets (clamped, not refused).
+  // --max-tokens: the default of a request that sets none, and the most any request gets (clamped, not
+  // refused).
   if (const int limit = options_.max_tokens; limit > 0 && (p.max_tokens <= 0 || p.max_tokens > limit))
     p.max_tokens = limit;
   if (p.max_tokens <= 0 || p.max_tokens > room) p.max_tokens = room;

@@ -39,7 +39,8 @@ void GenerationJob::run() {
     std::fprintf(stderr, "lily serve: the generation failed: %s\n", e.what());
     result = error(ErrorCode::internal, "the generation failed: %s", e.what());
   }
-  if (result.ok() && timed_out_.load() && result->finish_reason == "cancelled") result->finish_reason = "length";
+  if (result.ok() && timed_out_.load() && result->finish_reason == "cancelled")
+    result->finish_reason = "length";
   if (result.ok()) metrics_.record_generation(*result);
   {
     std::lock_guard lock(mu_);

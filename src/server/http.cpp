@@ -343,7 +343,8 @@ void HttpServer::run() {
   // Busy connections finish their response; past the drain timeout their sockets are shut down, which ends
   // any read, write or poll in progress, so no connection thread outlives the server.
   std::unique_lock lock(mu_);
-  if (!cv_.wait_for(lock, std::chrono::milliseconds(options_.drain_timeout_ms), [&] { return conns_.empty(); })) {
+  if (!cv_.wait_for(lock, std::chrono::milliseconds(options_.drain_timeout_ms),
+                    [&] { return conns_.empty(); })) {
     for (int fd : conns_.fds()) ::shutdown(fd, SHUT_RDWR);
     cv_.wait_for(lock, std::chrono::seconds(5), [&] { return conns_.empty(); });
   }
@@ -369,7 +370,8 @@ bool HttpServer::read_request(int fd, std::string& buf, HttpRequest& req, HttpEx
       deadline = std::min(deadline, Clock::now() + std::chrono::milliseconds(options_.header_timeout_ms));
     }
     if (recv_some(fd, buf, deadline, buf.empty(), stopping_) != 1) {
-      if (started && Clock::now() >= deadline) return fail(408, "the request head did not arrive in time", false);
+      if (started && Clock::now() >= deadline)
+        return fail(408, "the request head did not arrive in time", false);
       return false;
     }
   }
@@ -432,7 +434,8 @@ void HttpServer::serve_connection(int fd) {
     if (stopping_.load()) ex.close_after();
     try {
       handler_(req, ex);
-    } catch (const std::exception& e) {  // handlers should catch their own (Server::handle does); never past here
+    } catch (const std::exception& e) {
+      // Handlers should catch their own (Server::handle does); nothing gets past this one.
       std::fprintf(stderr, "lily serve: internal error in %s %s: %s\n", req.method.c_str(), req.path.c_str(),
                    e.what());
       ex.close_after();

@@ -1,8 +1,8 @@
 // A small HTTP/1.1 server on POSIX sockets: what the OpenAI API needs and no more. One thread per connection,
-// keep-alive, Content-Length or chunked request bodies (with `Expect: 100-continue`; parsing in http_parse.h),
-// HEAD, fixed-length or chunked responses
-// (SSE), and a non-blocking check that the client is still there, so a generation can stop within one token
-// of a disconnect. Limits (header and body size, connection count, timeouts) answer with OpenAI error JSON.
+// keep-alive, Content-Length or chunked request bodies (with `Expect: 100-continue`; parsing in
+// http_parse.h), HEAD, fixed-length or chunked responses (SSE), and a non-blocking check that the client is
+// still there, so a generation can stop within one token of a disconnect. Limits (header and body size,
+// connection count, timeouts) answer with OpenAI error JSON.
 //
 // Why not cpp-httplib: Debian 12's libcpp-httplib-dev is the split (compiled) build, whose declarations
 // depend on the OpenSSL/zlib/brotli defines it was built with and which needs -lcpp-httplib at link time;
@@ -50,7 +50,9 @@ class HttpExchange {
   bool client_gone();
 
   // Headers every response of this exchange carries (CORS), added before it is sent.
-  void add_header(std::string name, std::string value) { extra_headers_.emplace_back(std::move(name), std::move(value)); }
+  void add_header(std::string name, std::string value) {
+    extra_headers_.emplace_back(std::move(name), std::move(value));
+  }
   // HEAD: responses carry the headers GET would (Content-Length included) and no body.
   void set_head_only() { head_only_ = true; }
   bool streaming() const { return streaming_; }
@@ -86,8 +88,8 @@ struct HttpServerOptions {
   size_t max_header_bytes = 64u << 10;
   size_t max_connections = 512;
   size_t max_connections_per_client = 64;  // from one address; past either cap an idle connection is evicted
-  // A keep-alive connection with no request. The OpenAI SDKs (httpx) drop pooled connections after 5 s idle, so
-  // 10 s keeps their reuse while an idle flood frees its slots quickly.
+  // A keep-alive connection with no request. The OpenAI SDKs (httpx) drop pooled connections after 5 s idle,
+  // so 10 s keeps their reuse while an idle flood frees its slots quickly.
   int idle_timeout_ms = 10000;
   int header_timeout_ms = 10000;  // from the first byte of a request to the end of its head
   int io_timeout_ms = 30000;      // a request body or response that stalls

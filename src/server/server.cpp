@@ -4,8 +4,8 @@
 
 #include <unistd.h>
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -198,7 +198,8 @@ json Server::model_json() const {
   m["owned_by"] = "lily";
   if (state_.load() == State::ready) m["max_model_len"] = loaded_->served.ctx_size;
   m["max_tokens"] = options_.max_tokens > 0 ? json(options_.max_tokens) : json(nullptr);
-  m["request_timeout"] = options_.request_timeout_ms > 0 ? json(options_.request_timeout_ms / 1000.0) : json(nullptr);
+  m["request_timeout"] =
+      options_.request_timeout_ms > 0 ? json(options_.request_timeout_ms / 1000.0) : json(nullptr);
   return m;
 }
 
@@ -288,8 +289,8 @@ void Server::handle(const HttpRequest& req, HttpExchange& ex) {
       std::fprintf(stderr, "%s %s %d %.1f ms\n", req.method.c_str(), p.c_str(), ex.status(), ms);
     }
   }};
-  // No exception leaves a request: whatever a handler throws is answered 500 (or ends its stream with an error
-  // event) and logged, and the server goes on.
+  // No exception leaves a request: whatever a handler throws is answered 500 (or ends its stream with an
+  // error event) and logged, and the server goes on.
   try {
     route(req, ex);
   } catch (const std::exception& e) {
@@ -300,7 +301,8 @@ void Server::handle(const HttpRequest& req, HttpExchange& ex) {
 }
 
 void Server::answer_exception(const HttpRequest& req, HttpExchange& ex, const char* what) {
-  std::fprintf(stderr, "lily serve: internal error in %s %s: %s\n", req.method.c_str(), req.path.c_str(), what);
+  std::fprintf(stderr, "lily serve: internal error in %s %s: %s\n", req.method.c_str(), req.path.c_str(),
+               what);
   ApiError e = server_error(500, std::string("Internal server error: ") + what, "internal_error");
   ex.close_after();
   if (!ex.responded()) return send_error(ex, e);
@@ -325,8 +327,8 @@ void Server::route(const HttpRequest& req, HttpExchange& ex) {
   if (req.method == "OPTIONS") return answer_options(req, origin_policy_, allow, ex);
   const std::string method = req.method == "HEAD" ? "GET" : req.method;  // HEAD: GET without the body
   if (method != (post ? "POST" : "GET")) {
-    ApiError e{405, "invalid_request_error", format("%s does not accept %s", p.c_str(), req.method.c_str()), "",
-               "method_not_allowed"};
+    ApiError e{405, "invalid_request_error", format("%s does not accept %s", p.c_str(), req.method.c_str()),
+               "", "method_not_allowed"};
     return ex.send_json(405, error_body(e), {{"Allow", allow}});
   }
   if (page != nullptr) return ex.send(200, page->content_type, page->body, chat_page_headers());

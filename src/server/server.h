@@ -16,8 +16,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <vector>
 #include <thread>
+#include <vector>
 
 #include "engine/backend_factory.h"
 #include "engine/engine.h"
@@ -39,10 +39,10 @@ struct ServerOptions {
   int ctx_size = 0;               // 0: the model's max_position_embeddings
   size_t max_queue = 64;          // requests waiting behind the running one; more get 429
   int shutdown_grace_ms = 10000;  // SIGTERM: in-flight work may finish within this, then is cancelled
-  // Per-request limits (src/server/README.md, "Limits"): the completion tokens of a request that sets none, and
-  // the most any request gets (larger asks are clamped); 0: up to the context.
+  // Per-request limits (src/server/README.md, "Limits"): the completion tokens of a request that sets none,
+  // and the most any request gets (larger asks are clamped); 0: up to the context.
   int max_tokens = 32768;
-  int request_timeout_ms = 0;               // > 0: a generation running longer ends with finish_reason "length"
+  int request_timeout_ms = 0;  // > 0: a generation running longer ends with finish_reason "length"
   std::vector<std::string> allowed_origins;  // --allow-origin: browser origins besides the server's own
   bool log_requests = true;
   HttpServerOptions http;

@@ -107,7 +107,9 @@ TEST_F(HttpTest, MalformedRequestsAndLimits) {
   }
   {
     Client c(server_->port());
-    c.send("POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
+    c.send(
+        "POST /echo HTTP/1.1\r\nTransfer-Encoding: chunked\r\nConnection: "
+        "close\r\n\r\n5\r\nhello\r\n0\r\n\r\n");
     EXPECT_TRUE(c.read_all().ends_with("\r\n\r\nPOST hello "));  // chunked bodies are decoded
   }
   {

@@ -125,8 +125,8 @@ TEST(Scheduler, StopLetsTheRunningJobFinishWithinGrace) {
 }
 
 // SIGTERM's shutdown (stop with the grace) and the end of Server::run() (stop(0)) stop the scheduler from two
-// threads at once. Before stop() was serialized both joined the worker: undefined, and about one SIGTERM in four
-// with a stream in flight never exited (or aborted on EINVAL from the second join).
+// threads at once. Before stop() was serialized both joined the worker: undefined, and about one SIGTERM in
+// four with a stream in flight never exited (or aborted on EINVAL from the second join).
 TEST(Scheduler, ConcurrentStopsBothReturn) {
   for (int round = 0; round < 50; ++round) {
     Log log;
