@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Teacher-forced fidelity of lily against transformers on the same weights (issue 7, part 3).
+"""Teacher-forced fidelity of lily against transformers on the same weights.
 
 On a full-width reduced-depth synthetic model (`lily synth --preset full4`: full Qwen3.6-35B-A3B width, 3 Gated
 DeltaNet + 1 attention layer, 256 experts, the full vocabulary), over N >= 192 positions of random but fixed ids

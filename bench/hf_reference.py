@@ -3,7 +3,7 @@
 bench/fidelity.py.
 
 The model is built from a lily checkpoint directory (`lily synth ... --layout mlx|hf`, or a real checkpoint):
-  - config: config.json's text_config (the released file nests it under "text_config"; shared/MODEL.md 1.1);
+  - config: config.json's text_config (the released file nests it under "text_config"; docs/MODEL.md 1.1);
   - mlx 4-bit layout: every affine triple (weight uint32, scales/biases bf16, group 64; 8 bits where the
     config's "quantization" overrides say so, i.e. mlp.gate and shared_expert_gate) is dequantized as
     w = scale * q + bias (MODEL.md 2.4) in fp32 on the target device, then cast to the compute dtype; the names
@@ -85,7 +85,7 @@ def _checkpoint_files(model_dir):
 
 
 def dequantize(wq, scales, biases, bits, group_size, out_dtype, max_elems=1 << 26):
-    """MLX affine dequantization (shared/MODEL.md 2.4): w = scale * q + bias, groups along the last axis,
+    """MLX affine dequantization (docs/MODEL.md 2.4): w = scale * q + bias, groups along the last axis,
     q packed LSB first in uint32 words. Computed in fp32 in row blocks of at most `max_elems` outputs."""
     wq = wq.view(torch.int32)
     lead = wq.shape[:-1]

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# Reproduces the benchmark and fidelity report (issue 7) on a GPU machine from a clean clone:
+# Reproduces the benchmark and fidelity report (docs/BENCHMARKS.md) on an H200 from a clean clone:
 #   1. build   lily with CUDA (cmake preset `cuda`) unless build-cuda/lily exists;
 #   2. synth   the synthetic checkpoints: full (mlx 4-bit, ~20 GB) for the benchmark, full4 (mlx 4-bit and hf
 #              bf16) for the fidelity check; each is written once and reused while present;
-#   3. bench   bench/run_bench.py: lily vs transformers side by side, alternating rounds -> $OUT/bench.json;
-#   4. fidelity bench/fidelity.py: teacher-forced perplexity / top-1 agreement -> $OUT/fidelity.json;
-#   5. plot    bench/plot.py -> $OUT/bench.png (from every $OUT/bench*.json).
+#   3. bench   bench/run_bench.py: lily vs transformers side by side, alternating rounds -> $RESULTS/bench.json;
+#   4. fidelity bench/fidelity.py: teacher-forced perplexity / top-1 agreement -> $RESULTS/fidelity.json;
+#   5. plot    bench/plot.py -> $RESULTS/bench.png (from every $RESULTS/bench*.json).
 # With --mlx, MLX-LM runs as the third engine of the bench step (the same 4-bit checkpoint bytes; its CUDA build
-# must be importable: scripts/carry_wheels.sh installs it on the GPU machine, then PYTHONPATH=/tmp/site), and
+# must be importable: `pip install "mlx[cuda]" mlx-lm`, docs/BENCH_HARNESS.md), and
 # step mlxcheck (bench/mlx_reference.py check) compares MLX-LM's logits with `lily score` on the fidelity preset
-# -> $OUT/mlx_check.json (MLX-LM in the checkpoint's bf16) and $OUT/mlx_check_fp32.json (MLX-LM in fp32). Step smoke adds MLX-LM by itself when mlx_lm can be imported.
+# -> $RESULTS/mlx_check.json (MLX-LM in the checkpoint's bf16) and $RESULTS/mlx_check_fp32.json (MLX-LM in fp32). Step smoke adds MLX-LM by itself when mlx_lm can be imported.
 #
 # Usage: bench/reproduce.sh [--out DIR] [--work DIR] [--steps build,synth,bench,fidelity,plot] [--budget-s N]
 #                           [--sha SHA] [--bench-preset full] [--fidelity-preset full4] [--bench-name bench]
@@ -22,20 +22,19 @@
 #     fidelity,plot --bench-preset tiny --fidelity-preset tiny --out /tmp/r -- --engines transformers \
 #     --prefill-lengths 256,1k --decode-contexts 256,1k
 # Step `smoke` (not in the default list) runs the whole chain on the tiny model in about a minute, with the real
-# binary, to catch an environment problem before the long steps: bench/reproduce.sh --steps smoke --out $OUT
-# On a machine whose commands are limited to 10 minutes, run the steps one per call, e.g.
+# binary, to catch an environment problem before the long steps: bench/reproduce.sh --steps smoke --out DIR
+# The steps can also run one at a time (each reuses what the earlier ones left in --work and --out), e.g.
 #   bench/reproduce.sh --steps build,synth
 #   bench/reproduce.sh --steps fidelity
 #   bench/reproduce.sh --steps bench --budget-s 500 --bench-name bench_short -- --prefill-lengths 256,512,1k,2k,4k,8k \
 #     --decode-contexts 256,512,1k,2k,4k,8k
 #   bench/reproduce.sh --steps bench,plot --budget-s 500 --bench-name bench_long -- --prefill-lengths 16k,32k,64k,128k \
 #     --decode-contexts 16k,32k,64k,128k
-# (plot draws every $OUT/bench*.json together; run_bench.py --merge a.json b.json --out c.json makes one file).
-# Where each call's output folder is fresh, give every call the same persistent --out and copy it out at the end.
+# (plot draws every bench*.json of --out together; run_bench.py --merge a.json b.json --out c.json makes one file).
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="$REPO/bench/results"
+RESULTS="$REPO/bench/results"
 WORK="/tmp/lily_bench"
 STEPS="build,synth,bench,fidelity,plot"
 BUDGET=""
@@ -48,7 +47,7 @@ MLX=0
 STEPS_GIVEN=0
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --out) OUT="$2"; shift 2 ;;
+    --out) RESULTS="$2"; shift 2 ;;
     --work) WORK="$2"; shift 2 ;;
     --steps) STEPS="$2"; STEPS_GIVEN=1; shift 2 ;;
     --budget-s) BUDGET="$2"; shift 2 ;;
@@ -68,7 +67,7 @@ if [[ -z "${PYTHON:-}" ]]; then
   if [[ -x /opt/torch/.venv/bin/python3 ]]; then PYTHON=/opt/torch/.venv/bin/python3; else PYTHON=python3; fi
 fi
 LILY="${LILY:-$REPO/build-cuda/lily}"
-mkdir -p "$OUT" "$WORK"
+mkdir -p "$RESULTS" "$WORK"
 SHA_ARGS=()
 [[ -n "$SHA" ]] && SHA_ARGS=(--sha "$SHA")
 has() { [[ ",$STEPS," == *",$1,"* ]]; }
@@ -91,7 +90,7 @@ if "$PYTHON" -c 'import mlx.core, mlx_lm' 2>/dev/null; then
   say "mlx: $("$PYTHON" -c 'import mlx.core as mx, mlx_lm
 print("mlx", mx.__version__, "mlx-lm", mlx_lm.__version__, "on", mx.default_device())')"
 elif [[ $MLX == 1 ]]; then
-  echo "reproduce.sh: --mlx, but $PYTHON cannot import mlx and mlx_lm (scripts/carry_wheels.sh; PYTHONPATH)" >&2; exit 1
+  echo "reproduce.sh: --mlx, but $PYTHON cannot import mlx and mlx_lm (pip install "mlx[cuda]" mlx-lm; or set PYTHONPATH)" >&2; exit 1
 fi
 ENGINE_ARGS=()
 [[ $MLX == 1 ]] && ENGINE_ARGS=(--engines "lily,transformers,mlx_lm")
@@ -99,13 +98,13 @@ SMOKE_ENGINES=lily,transformers
 [[ $MLX_OK == 1 ]] && SMOKE_ENGINES=lily,transformers,mlx_lm
 
 if has smoke; then
-  say "smoke: the chain on the tiny model -> $OUT/smoke_*"
+  say "smoke: the chain on the tiny model -> $RESULTS/smoke_*"
   "$PYTHON" "$REPO/bench/run_bench.py" --lily "$LILY" --work "$WORK" --preset tiny --rounds 2 \
     --prefill-lengths 256,1k --decode-contexts 256,1k --hf-steps 4 --mlx-steps 4 --engines "$SMOKE_ENGINES" \
-    --out "$OUT/smoke_bench.json" "${SHA_ARGS[@]}"
+    --out "$RESULTS/smoke_bench.json" "${SHA_ARGS[@]}"
   "$PYTHON" "$REPO/bench/fidelity.py" --lily "$LILY" --work "$WORK" --preset tiny --positions 192 \
-    --out "$OUT/smoke_fidelity.json" "${SHA_ARGS[@]}"
-  "$PYTHON" "$REPO/bench/plot.py" "$OUT/smoke_bench.json" --out "$OUT/smoke_bench.png"
+    --out "$RESULTS/smoke_fidelity.json" "${SHA_ARGS[@]}"
+  "$PYTHON" "$REPO/bench/plot.py" "$RESULTS/smoke_bench.json" --out "$RESULTS/smoke_bench.png"
 fi
 
 if has synth; then
@@ -118,40 +117,40 @@ common.ensure_checkpoint('$LILY', '${spec%%:*}', '${spec##*:}', '$WORK/${spec%%:
 fi
 
 if has bench; then
-  say "bench: run_bench.py -> $OUT/$BENCH_NAME.json"
+  say "bench: run_bench.py -> $RESULTS/$BENCH_NAME.json"
   BUDGET_ARGS=()
   [[ -n "$BUDGET" ]] && BUDGET_ARGS=(--budget-s "$BUDGET")
-  "$PYTHON" "$REPO/bench/run_bench.py" --lily "$LILY" --work "$WORK" --preset "$BENCH_PRESET" --out "$OUT/$BENCH_NAME.json" \
+  "$PYTHON" "$REPO/bench/run_bench.py" --lily "$LILY" --work "$WORK" --preset "$BENCH_PRESET" --out "$RESULTS/$BENCH_NAME.json" \
     "${BUDGET_ARGS[@]}" "${SHA_ARGS[@]}" "${ENGINE_ARGS[@]}" "${EXTRA[@]}"
 fi
 
 if has fidelity; then
-  say "fidelity: fidelity.py -> $OUT/fidelity.json"
+  say "fidelity: fidelity.py -> $RESULTS/fidelity.json"
   # shellcheck disable=SC2086
   "$PYTHON" "$REPO/bench/fidelity.py" --lily "$LILY" --work "$WORK" --preset "$FID_PRESET" \
-    --out "$OUT/fidelity.json" "${SHA_ARGS[@]}" ${FIDELITY_ARGS:-}
+    --out "$RESULTS/fidelity.json" "${SHA_ARGS[@]}" ${FIDELITY_ARGS:-}
 fi
 
 if has mlxcheck; then
-  say "mlxcheck: mlx_reference.py check (MLX-LM vs lily score, $FID_PRESET mlx 4-bit) -> $OUT/mlx_check.json"
+  say "mlxcheck: mlx_reference.py check (MLX-LM vs lily score, $FID_PRESET mlx 4-bit) -> $RESULTS/mlx_check.json"
   BACKEND=cpu
   command -v nvidia-smi >/dev/null && BACKEND=cuda
   for dtype in checkpoint float32; do
     suffix=""
     [[ $dtype == float32 ]] && suffix=_fp32
     "$PYTHON" "$REPO/bench/mlx_reference.py" --model "$WORK/${FID_PRESET}_mlx" --dtype "$dtype" check --lily "$LILY" \
-      --backend "$BACKEND" --positions 256 --work "$WORK" --json "$OUT/mlx_check$suffix.json"
+      --backend "$BACKEND" --positions 256 --work "$WORK" --json "$RESULTS/mlx_check$suffix.json"
   done
 fi
 
 if has plot; then
   shopt -s nullglob
-  runs=("$OUT"/bench*.json)
+  runs=("$RESULTS"/bench*.json)
   if [[ ${#runs[@]} -gt 0 ]]; then
-    say "plot: ${runs[*]} -> $OUT/bench.png"
-    "$PYTHON" "$REPO/bench/plot.py" "${runs[@]}" --out "$OUT/bench.png"
+    say "plot: ${runs[*]} -> $RESULTS/bench.png"
+    "$PYTHON" "$REPO/bench/plot.py" "${runs[@]}" --out "$RESULTS/bench.png"
   else
-    say "plot: no $OUT/bench*.json yet"
+    say "plot: no $RESULTS/bench*.json yet"
   fi
 fi
-say "done; results in $OUT"
+say "done; results in $RESULTS"

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """lily against transformers (and MLX-LM), side by side in one run, on the same synthetic full-geometry weights
-(issue 7).
+
 
 The checkpoint is written once with `lily synth --preset full --layout mlx` (skipped when present). lily runs
 it as is (4-bit); transformers runs the same weights dequantized to bf16 (bench/hf_reference.py), kept loaded in

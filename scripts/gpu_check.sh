@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# Runs on the GPU machine: every CUDA test (kernel op tests and end-to-end against the CPU reference) and the
-# benchmark (prefill and decode, `lily bench`), then prints a summary table. Build first (here or there) with:
+# Runs on a machine with an NVIDIA H200 (sm_90a): every CUDA test (kernel op tests and end-to-end against the CPU reference) and the
+# benchmark (prefill and decode, `lily bench`), then prints a summary table. Build first with:
 #   cmake --preset cuda && cmake --build build-cuda -j
 # Usage: scripts/gpu_check.sh [build-dir] [out-dir]
 # env: TRACE_BUILD=dir of a -DLILY_TRACE=ON build (cmake -S . -B build-cuda-trace -DLILY_TRACE=ON): also runs the
 #      block timeline test there and prints the 4K decode step's timeline by op (docs/BENCH_HARNESS.md)
 set -uo pipefail
 build=${1:-build-cuda}
-out=${2:-${OUT:-/tmp/lily-gpu}}
+out=${2:-/tmp/lily-gpu}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$out/gpu.txt"
 git_sha=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)

@@ -3,7 +3,7 @@
 set -euo pipefail
 
 apt_pkgs=(build-essential cmake pkg-config python3 python3-pip nlohmann-json3-dev libpcre2-dev
-          libutf8proc-dev libcli11-dev libgtest-dev libbenchmark-dev)
+          libutf8proc-dev libcli11-dev libgtest-dev libbenchmark-dev libcurl4-openssl-dev)
 # `lily chat`'s line editing (libedit, BSD); the chat page's markdown and code highlighting, compiled into the
 # binary from /usr/share/javascript; headless Chromium for the chat page's test (tests/python/test_chat_page.py).
 apt_pkgs+=(libedit-dev libjs-marked libjs-highlight.js chromium)
@@ -21,11 +21,12 @@ if ((${#missing[@]})); then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-# Python tools used by the test suite (server contract tests use the official openai client).
-py_pkgs=(openai)
+# Python tools used by the test suite: the official openai and anthropic clients (server contract tests) and huggingface_hub
+# (lily pull and the Hugging Face cache checked against the reference client). pip name:import name.
+py_pkgs=(openai:openai huggingface_hub:huggingface_hub anthropic:anthropic)
 py_missing=()
 for p in "${py_pkgs[@]}"; do
-  python3 -c "import $p" >/dev/null 2>&1 || py_missing+=("$p")
+  python3 -c "import ${p#*:}" >/dev/null 2>&1 || py_missing+=("${p%%:*}")
 done
 if ((${#py_missing[@]})); then
   echo "install_deps: pip installing ${py_missing[*]}"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One decode step under Nsight Compute, on the GPU machine: every kernel of the step (graph nodes profiled one by
-# one, caches NOT flushed between them, clocks left alone: shared/DEVICE.md) with its duration, DRAM bytes, L2 hit
+# One decode step under Nsight Compute, on the GPU: every kernel of the step (graph nodes profiled one by
+# one, caches NOT flushed between them, clocks left alone: docs/DESIGN.md section 5) with its duration, DRAM bytes, L2 hit
 # rate and achieved bandwidth, summed per kernel name. What the event breakdown of `lily bench` cannot give:
 # times without the ~8 us of event overhead per launch, and whether a kernel's bytes came from DRAM or the L2
 # (e.g. with --variants decode_prefetch=2: the next layer's weights should be L2 hits).

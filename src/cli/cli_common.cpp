@@ -5,12 +5,23 @@
 #include <filesystem>
 
 #include "engine/backend_factory.h"
+#include "hub/hf_cache.h"
 
 namespace lily::cli {
 
+CLI::Validator model_location() {
+  return CLI::Validator(
+      [](std::string& value) {
+        Result<ModelLocation> where = resolve_model(value);
+        if (!where.ok()) return where.status().message();
+        value = where->path;
+        return std::string();
+      },
+      "DIR|ORG/NAME[@REV]");
+}
+
 void add_engine_options(CLI::App* cmd, EngineArgs& args) {
-  cmd->add_option("--model", args.model, "checkpoint directory (weights, config.json, tokenizer.json)")
-      ->required();
+  cmd->add_option("--model", args.model, kModelHelp)->required()->transform(model_location());
   cmd->add_option("--backend", args.backend, "auto | cpu | cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}));
   cmd->add_option("--threads", args.threads, "CPU backend threads (0: all cores)")

@@ -22,6 +22,13 @@ struct EngineArgs {
 // --model (required), --backend, --threads, --ctx-size, --cuda-options.
 void add_engine_options(CLI::App* cmd, EngineArgs& args);
 
+// Every --model option's transform: a directory stays as it is (it wins when it exists); ORG/NAME[@REVISION]
+// becomes its snapshot directory in the Hugging Face cache (hub/hf_cache.h); anything else is a parse error
+// that says what to do ("run `lily pull ORG/NAME`").
+CLI::Validator model_location();
+inline constexpr const char* kModelHelp =
+    "checkpoint directory, or a Hugging Face id ORG/NAME[@REVISION] found in the hub cache (see `lily pull`)";
+
 // The help of every command's --cuda-options (serve, chat, generate).
 inline constexpr const char* kCudaOptionsHelp =
     "CUDA backend tuning, key=value,... (the keys of `lily bench --variants`; experiments, off by default)";

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/bench_ttft.h"
+#include "cli/cli_common.h"
 #include "cli/commands.h"
 #include "model/synth.h"
 
@@ -319,7 +320,8 @@ Status bench_main(BenchArgs a) {
 void setup(CLI::App& app) {
   auto* cmd = app.add_subcommand("bench", "Benchmark prefill and decode on the GPU at the standard lengths");
   auto a = std::make_shared<BenchArgs>();
-  cmd->add_option("--model", a->model, "checkpoint directory (default: synthetic model in memory)");
+  cmd->add_option("--model", a->model, std::string(kModelHelp) + " (default: a synthetic model in memory)")
+      ->transform(model_location());
   cmd->add_option("--synthetic", a->synthetic, "synthetic preset when no --model: full | full4 | small | tiny");
   cmd->add_option("--mode", a->mode,
                   "decode | prefill | all (the GPU benchmark) | ttft (time to first token through `lily serve` on "

@@ -1,6 +1,7 @@
 // lily inspect DIR: layout, config summary, tensor count and bytes, quantization.
 #include <cstdio>
 
+#include "cli/cli_common.h"
 #include "cli/commands.h"
 #include "model/weights.h"
 
@@ -9,7 +10,7 @@ namespace lily::cli {
 static void setup(CLI::App& app) {
   auto* cmd = app.add_subcommand("inspect", "Describe a checkpoint directory");
   auto dir = std::make_shared<std::string>();
-  cmd->add_option("dir", *dir, "checkpoint directory")->required();
+  cmd->add_option("dir", *dir, kModelHelp)->required()->transform(model_location());
   cmd->callback([dir] {
     auto w = ModelWeights::load(*dir);
     if (!w.ok()) {

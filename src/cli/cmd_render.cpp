@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "cli/cli_common.h"
 #include "cli/commands.h"
 #include "tokenizer/chat_format.h"
 
@@ -31,7 +32,8 @@ static int run_render() {
 static void setup(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("render", "Print the prompt text for a chat-completions request read on stdin");
   auto model_dir = std::make_shared<std::string>();
-  cmd->add_option("--model", *model_dir, "Model directory (optional: the chat template is built in)");
+  cmd->add_option("--model", *model_dir, std::string(lily::cli::kModelHelp) + " (optional: the chat template is built in)")
+      ->transform(lily::cli::model_location());
   cmd->callback([model_dir] {  // the capture keeps the option's storage alive
     lily::cli::set_exit_code(run_render());
   });

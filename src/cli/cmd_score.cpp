@@ -128,7 +128,7 @@ Status run_score(const ScoreArgs& a) {
 void setup(CLI::App& app) {
   auto* cmd = app.add_subcommand("score", "Teacher-forced scoring of token ids: log-probs, top-1, logits");
   auto a = std::make_shared<ScoreArgs>();
-  cmd->add_option("--model", a->model, "checkpoint directory")->required();
+  cmd->add_option("--model", a->model, kModelHelp)->required()->transform(model_location());
   cmd->add_option("--ids-file", a->ids_file, "token ids, separated by whitespace or commas (at least 2)")
       ->required();
   cmd->add_option("--backend", a->backend, "auto | cpu | cuda")->check(CLI::IsMember({"auto", "cpu", "cuda"}));

@@ -9,6 +9,7 @@
 
 #include "cli/cli_common.h"
 #include "cli/commands.h"
+#include "hub/hf_cache.h"
 #include "server/server.h"
 
 namespace lily::cli {
@@ -37,8 +38,13 @@ void handle_signals(Server& server, sigset_t signals) {
 
 int run_serve(const ServeArgs& a) {
   ServerOptions o;
-  o.model_dir = a.model;
-  o.served_model_name = a.name;
+  Result<ModelLocation> where = resolve_model(a.model);
+  if (!where.ok()) {
+    std::fprintf(stderr, "lily serve: %s\n", where.status().message().c_str());
+    return 2;
+  }
+  o.model_dir = where->path;
+  o.served_model_name = a.name.empty() ? where->repo_id : a.name;  // empty: the directory's name
   o.api_key = a.api_key;
   Result<BackendKind> kind = parse_backend_kind(a.backend);
   if (!kind.ok()) {
@@ -81,8 +87,7 @@ int run_serve(const ServeArgs& a) {
 void setup(CLI::App& app) {
   auto* cmd = app.add_subcommand("serve", "Serve the OpenAI-compatible API and the chat page");
   auto a = std::make_shared<ServeArgs>();
-  cmd->add_option("--model", a->model, "checkpoint directory (config.json, safetensors, tokenizer.json)")
-      ->required();
+  cmd->add_option("--model", a->model, kModelHelp)->required();
   cmd->add_option("--host", a->host,
                   "address to listen on (default 127.0.0.1: this machine only; on loopback, requests "
                   "whose Host header is not a loopback name get 403)");
@@ -98,7 +103,7 @@ void setup(CLI::App& app) {
   cmd->add_option("--max-body-mb", a->max_body_mb, "largest request body in MiB (then 413)")
       ->check(CLI::Range(1, 1024));
   cmd->add_option("--session-cache-mb", a->cache_mb, "memory budget of the session cache in MiB");
-  cmd->add_option("--served-model-name", a->name, "model id in the API (default: the directory's name)");
+  cmd->add_option("--served-model-name", a->name, "model id in the API (default: ORG/NAME, or the directory's name)");
   cmd->add_option("--shutdown-grace", a->grace_s, "seconds in-flight work may take to finish on SIGTERM")
       ->check(CLI::Range(0.0, 3600.0));
   cmd->add_option("--max-tokens", a->max_tokens,

@@ -1,6 +1,6 @@
 // The model's coarse operations on the CPU (the reference every other backend is compared with).
 // Each block reads a normalised input [T, hidden] and writes the block's output [T, hidden] (before the
-// residual add). Equations are numbered as in shared/MODEL.md.
+// residual add). Equations are numbered as in docs/MODEL.md.
 #pragma once
 #include <cstdint>
 #include <functional>

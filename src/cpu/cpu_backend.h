@@ -1,4 +1,4 @@
-// The CPU reference backend: the whole forward of shared/MODEL.md eqs 1-25 in fp32, multi-threaded.
+// The CPU reference backend: the whole forward of docs/MODEL.md eqs 1-25 in fp32, multi-threaded.
 #pragma once
 #include <memory>
 

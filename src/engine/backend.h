@@ -15,7 +15,7 @@
 namespace lily {
 
 // The recurrent part of a sequence at one position: conv and Gated DeltaNet state. The KV cache is not copied:
-// restoring truncates it to `n_tokens` (shared/DESIGN.md section 2).
+// restoring truncates it to `n_tokens` (docs/DESIGN.md section 2).
 class Checkpoint {
  public:
   virtual ~Checkpoint() = default;

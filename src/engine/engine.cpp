@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cmath>
 
 #include "engine/session_cache.h"
 #include "engine/stop_strings.h"
@@ -37,16 +38,20 @@ class TokenSink {
         on_piece_(on_piece),
         result_(result),
         decoder_(tokenizer),
-        matcher_(request.sampling.stop),
+        matcher_(request.sampling.stop, request.sampling.include_stop_str_in_output),
         budget_(budget) {}
 
+  // Stop strings are looked for from the min_tokens-th token on (before it, text bypasses the matcher, as
+  // vLLM checks stops only from there); stop tokens are banned until then by the host loop.
   bool accept(int32_t id, float logprob = 0, std::vector<TokenLogprob> top = {}) {
     if (emitted_.empty()) first_token_at_ = Clock::now();
     emitted_.push_back(id);
     const auto& stops = request_.stop_token_ids;
     if (std::find(stops.begin(), stops.end(), id) != stops.end()) return end("stop");
     result_.tokens.push_back(id);
-    GenerationPiece piece{matcher_.push(decoder_.push(id)), id, logprob, std::move(top)};
+    const bool stops_armed = static_cast<int64_t>(emitted_.size()) >= request_.sampling.min_tokens;
+    std::string text = decoder_.push(id);
+    GenerationPiece piece{stops_armed ? matcher_.push(text) : std::move(text), id, logprob, std::move(top)};
     if (on_piece_ && !on_piece_(piece)) return end("cancelled");
     if (matcher_.stopped()) return end("stop");
     if (cancelled(request_)) return end("cancelled");
@@ -57,11 +62,13 @@ class TokenSink {
   // Generation ended (any reason): releases the text still held back unless the caller stopped listening.
   void finish() {
     if (result_.finish_reason.empty()) result_.finish_reason = "length";
-    if (result_.finish_reason == "cancelled") return;
-    std::string rest = matcher_.push(decoder_.flush());
-    if (matcher_.stopped()) result_.finish_reason = "stop";
-    rest += matcher_.flush();
-    if (!rest.empty() && on_piece_) on_piece_(GenerationPiece{std::move(rest), -1, 0, {}});
+    if (result_.finish_reason != "cancelled") {
+      std::string rest = matcher_.push(decoder_.flush());
+      if (matcher_.stopped()) result_.finish_reason = "stop";
+      rest += matcher_.flush();
+      if (!rest.empty() && on_piece_) on_piece_(GenerationPiece{std::move(rest), -1, 0, {}});
+    }
+    if (auto k = matcher_.matched_stop()) result_.stop_string = request_.sampling.stop[*k];
   }
 
   bool end(const char* reason) {
@@ -82,10 +89,11 @@ class TokenSink {
   Clock::time_point first_token_at_;
 };
 
+// min_tokens needs the stop tokens banned step by step, which the device sampler cannot do: the host runs it.
 bool device_can_sample(const Backend& backend, const SamplingParams& p) {
   return backend.has_device_sampling() && p.presence_penalty == 0 && p.frequency_penalty == 0 &&
          p.repetition_penalty == 1 && p.logit_bias.empty() && !p.logprobs && p.top_logprobs == 0 &&
-         p.top_k <= 64;
+         p.top_k <= 64 && p.min_tokens == 0;
 }
 
 }  // namespace
@@ -128,6 +136,9 @@ Status Engine::Impl::validate(const GenerationRequest& request) const {
   for (size_t i = 0; i < p.size(); ++i)
     if (p[i] < 0 || p[i] >= vocab)
       return invalid_argument("prompt token %zu: id %d is outside the vocabulary [0, %d)", i, p[i], vocab);
+  for (int32_t id : request.stop_token_ids)
+    if (id < 0 || id >= vocab)
+      return invalid_argument("stop token id %d is outside the vocabulary [0, %d)", id, vocab);
   if (static_cast<int64_t>(p.size()) > max_context())
     return error(ErrorCode::out_of_range, "the prompt has %zu tokens; the context holds %lld", p.size(),
                  (long long)max_context());
@@ -198,6 +209,9 @@ Status Engine::Impl::decode_on_host(SequenceState& state, const GenerationReques
       return ok_status();
     }
     RETURN_IF_ERROR(st);
+    if (static_cast<int64_t>(sink.emitted().size()) < request.sampling.min_tokens) {
+      for (int32_t id : request.stop_token_ids) logits[static_cast<size_t>(id)] = -INFINITY;  // min_tokens
+    }
     SampleResult r = sampler.sample(logits, history, request.prompt.size());
     history.push_back(r.id);
     next = r.id;

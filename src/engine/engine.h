@@ -1,5 +1,5 @@
 // Engine: the generation loop over one backend, with the session cache that lets the next turn of a
-// conversation prefill only its new tokens (shared/DESIGN.md section 2). Batch 1: one request runs at a time;
+// conversation prefill only its new tokens (docs/DESIGN.md section 2). Batch 1: one request runs at a time;
 // the caller (CLI or the server's scheduler) serialises calls. The backend may be CPU or CUDA: when a request
 // needs nothing the device sampler lacks (penalties, logit_bias, logprobs), decoding uses
 // Backend::generate_on_device; otherwise logits come to the host and Sampler (engine/sampler.h) picks the token.
@@ -49,6 +49,7 @@ struct GenerationPiece {
 struct GenerationResult {
   std::vector<int32_t> tokens;              // generated ids (stop token excluded)
   std::string finish_reason;                // "stop" | "length" | "cancelled"
+  std::string stop_string;                  // the sampling.stop string that ended it, if one did
   // completion_tokens counts every sampled token, a final stop token included (as vLLM reports usage);
   // cached_tokens: prompt tokens not prefilled (resumed from the session cache).
   int prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;

@@ -96,6 +96,10 @@ Status SamplingParams::validate(int32_t vocab_size) const {
   if (max_tokens != -1 && max_tokens < 1) {
     return invalid_argument("max_tokens must be >= 1 (or -1 for no limit), got %d", max_tokens);
   }
+  if (min_tokens < 0) return invalid_argument("min_tokens must be >= 0, got %d", min_tokens);
+  if (max_tokens != -1 && min_tokens > max_tokens) {
+    return invalid_argument("min_tokens (%d) must be <= max_tokens (%d)", min_tokens, max_tokens);
+  }
   for (size_t i = 0; i < stop.size(); ++i) {
     if (stop[i].empty()) return invalid_argument("stop[%zu] is an empty string", i);
   }

@@ -68,13 +68,18 @@ struct SamplingParams {
   std::optional<uint64_t> seed;
   int max_tokens = -1;  // -1: until the end of the context
   std::vector<std::string> stop;
+  bool include_stop_str_in_output = false;  // a matched stop string stays at the end of the text (vLLM)
+  // No stop token and no stop string ends generation before this many tokens (vLLM's min_tokens): the
+  // generation loop bans the stop tokens from the logits until then (engine.cpp), so it runs on the host.
+  int min_tokens = 0;
   int top_logprobs = 0;
   bool logprobs = false;
 
   // Ranges as in the OpenAI API: temperature [0, 2], top_p (0, 1], presence/frequency_penalty [-2, 2],
   // top_logprobs [0, 20] (and > 0 only with logprobs), logit_bias ids in [0, vocab_size) with values in
   // [-100, 100]; plus repetition_penalty > 0, min_p [0, 1], top_k >= 0, max_tokens -1 or >= 1, stop strings
-  // non-empty. NaN fails every range. The message names the field and the value.
+  // non-empty, min_tokens >= 0 and <= max_tokens when that is set. NaN fails every range. The message names
+  // the field and the value.
   Status validate(int32_t vocab_size) const;
 };
 

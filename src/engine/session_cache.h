@@ -1,5 +1,5 @@
 // SessionCache: the sequences kept between requests so that the next turn of a conversation prefills only its
-// new tokens (shared/DESIGN.md section 2). Each entry is a backend SequenceState, the exact tokens it has
+// new tokens (docs/DESIGN.md section 2). Each entry is a backend SequenceState, the exact tokens it has
 // consumed and checkpoints of its recurrent state at chosen positions. The KV cache can be cut back to any
 // length but the Gated DeltaNet state cannot be rewound, so a request resumes at the latest checkpoint (or
 // the state's own end) inside the prefix it shares with an entry. Entries live in an LRU bounded by a byte

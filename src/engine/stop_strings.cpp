@@ -37,7 +37,8 @@ size_t floor_to_boundary(const std::string& s, size_t cut) {
 
 }  // namespace
 
-StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {}
+StopMatcher::StopMatcher(std::vector<std::string> stops, bool include_stop)
+    : stops_(std::move(stops)), include_stop_(include_stop) {}
 
 // Longest suffix of pending_ that is a proper prefix of some stop string: it could still become a match.
 size_t StopMatcher::longest_held_prefix() const {
@@ -74,7 +75,7 @@ std::string StopMatcher::push(std::string_view piece) {
     }
   }
   if (matched_) {
-    std::string out = pending_.substr(0, floor_to_boundary(pending_, best_start));
+    std::string out = pending_.substr(0, include_stop_ ? best_end : floor_to_boundary(pending_, best_start));
     pending_.clear();
     return out;
   }

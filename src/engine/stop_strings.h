@@ -6,7 +6,10 @@
 //   read left to right; if several complete at the same byte, the one starting earliest (the longest) cuts.
 //   This is what a byte-by-byte scan would do, so splitting the same text differently never changes the
 //   output.
-// - A stop string is never emitted, even when it arrives split over several pieces: a tail of the text
+// - With include_stop, the output ends with the stop string that matched instead (vLLM's
+//   include_stop_str_in_output); what is held back while a match may still come is the same.
+// - A stop string is never emitted (unless include_stop), even when it arrives split over several pieces: a
+// tail of the text
 //   that is a proper prefix of some stop string is held back until it can no longer start a match, then
 //   released.
 // - Once a stop string has matched, stopped() is true and everything after it (in that piece and later) is
@@ -25,7 +28,7 @@ namespace lily {
 class StopMatcher {
  public:
   // Empty strings in `stops` are ignored (SamplingParams::validate() rejects them).
-  explicit StopMatcher(std::vector<std::string> stops);
+  explicit StopMatcher(std::vector<std::string> stops, bool include_stop = false);
 
   std::string push(std::string_view piece);
   std::string flush();
@@ -39,6 +42,7 @@ class StopMatcher {
   size_t longest_held_prefix() const;
 
   std::vector<std::string> stops_;
+  bool include_stop_;
   std::string pending_;
   std::optional<size_t> matched_;
 };

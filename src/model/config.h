@@ -1,5 +1,5 @@
 // ModelConfig: config.json of Qwen3.6-35B-A3B, both the nested `qwen3_5_moe` form (fields under text_config) and
-// the flat `qwen3_5_moe_text` form, plus the mlx-lm `quantization` block. Every field of shared/MODEL.md 1.1 that
+// the flat `qwen3_5_moe_text` form, plus the mlx-lm `quantization` block. Every field of docs/MODEL.md 1.1 that
 // the forward needs is read and validated; a problem names the field.
 #pragma once
 #include <map>
@@ -54,7 +54,7 @@ struct ModelConfig {
   std::vector<int> eos_token_ids;
   QuantConfig quantization;
 
-  // Derived sizes (shared/MODEL.md eqs 7-20).
+  // Derived sizes (docs/MODEL.md eqs 7-20).
   int rotary_dim() const { return static_cast<int>(head_dim * partial_rotary_factor); }
   int linear_key_dim() const { return linear_num_key_heads * linear_key_head_dim; }        // 2048
   int linear_value_dim() const { return linear_num_value_heads * linear_value_head_dim; }  // 4096

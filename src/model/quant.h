@@ -1,4 +1,4 @@
-// MLX-compatible affine quantization (shared/MODEL.md 2.4): groups of 64 along the last (input) axis,
+// MLX-compatible affine quantization (docs/MODEL.md 2.4): groups of 64 along the last (input) axis,
 // w = scale * q + bias with q unsigned, scales may be negative. Packing: uint32 words, element k of a word at
 // bits [k*bits, (k+1)*bits), LSB first (4-bit: 8 per word, 8-bit: 4 per word). Scales and biases are bf16.
 #pragma once

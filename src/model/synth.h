@@ -32,7 +32,7 @@ struct SynthTensor {
   uint64_t scale_stream = 0;  // for quant_scales/biases: the stream their scales come from
 };
 
-// Every tensor the preset writes, in file order (names and shapes of shared/MODEL.md 1.2 or 2.3).
+// Every tensor the preset writes, in file order (names and shapes of docs/MODEL.md 1.2 or 2.3).
 std::vector<SynthTensor> synth_plan(const ModelConfig& config, CheckpointLayout layout);
 
 struct SynthOptions {

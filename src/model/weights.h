@@ -1,4 +1,4 @@
-// ModelWeights: every tensor the forward needs, bound from either real checkpoint layout (shared/MODEL.md 1.2 and
+// ModelWeights: every tensor the forward needs, bound from either real checkpoint layout (docs/MODEL.md 1.2 and
 // 2.3) into one structure. Linear weights stay where they are (mmap); norms and small vectors are copied to fp32
 // with the zero-centred (1+w) shift already applied, so every backend sees plain multipliers.
 #pragma once

@@ -1,8 +1,8 @@
 // The generation endpoints: POST /v1/chat/completions, POST /v1/completions, POST /apply-template.
 // Each parses and validates on the connection's thread (JSON, schema, chat template, tokenizer), then hands a
 // GenerationJob to the scheduler and streams or collects its pieces.
+#include <algorithm>
 #include <ctime>
-#include <random>
 
 #include "server/chat_response.h"
 #include "server/generation_job.h"
@@ -12,19 +12,6 @@
 namespace lily {
 
 namespace {
-
-std::string new_id(const char* prefix) {
-  static thread_local std::mt19937_64 rng(std::random_device{}());
-  static const char kAlphabet[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
-  std::string id = prefix;
-  for (int i = 0; i < 24; ++i) id += kAlphabet[rng() % (sizeof(kAlphabet) - 1)];
-  return id;
-}
-
-// For parse_json_body: a request whose client has left stops being parsed.
-std::function<bool()> gone(HttpExchange& ex) {
-  return [&ex] { return ex.client_gone(); };
-}
 
 ApiError context_exceeded(const std::string& message, const std::string& param) {
   return bad_request(message, param, "context_length_exceeded");
@@ -99,6 +86,9 @@ MaybeError Server::make_generation_request(const std::vector<int32_t>& prompt,
   out.prompt = prompt;
   out.sampling = std::move(p);
   out.stop_token_ids = L.stop_token_ids;
+  for (int32_t id : sampling.stop_token_ids)
+    if (std::find(out.stop_token_ids.begin(), out.stop_token_ids.end(), id) == out.stop_token_ids.end())
+      out.stop_token_ids.push_back(id);
   out.reuse_cache = reuse_cache;
   return std::nullopt;
 }
@@ -127,7 +117,7 @@ void Server::run_job(const HttpRequest& req, HttpExchange& ex, const std::shared
         });
     Outcome outcome{d, job.get()};
     if (d == DriveOutcome::client_gone) return ex.abandon();
-    if (auto e = outcome.error()) return send_error(ex, *e);
+    if (auto e = outcome.error()) return send_error(req, ex, *e);
     std::string body = cb.finish(job->result().value());
     return ex.send_json(200, body, cb.headers);
   }
@@ -144,54 +134,44 @@ void Server::run_job(const HttpRequest& req, HttpExchange& ex, const std::shared
   Outcome outcome{d, job.get()};
   if (d == DriveOutcome::client_gone) return ex.abandon();
   if (!ex.responded()) {  // refused before the stream began: a plain error response
-    if (auto e = outcome.error()) return send_error(ex, *e);
+    if (auto e = outcome.error()) return send_error(req, ex, *e);
   }
   if (auto e = outcome.error()) {
-    ex.write(sse_event(error_body(*e)) + sse_done());
+    ex.write(cb.stream_error ? cb.stream_error(*e) : sse_event(error_body(*e)) + sse_done());
   } else {
     ex.write(cb.finish(job->result().value()));
   }
   ex.end_stream();
 }
 
-template <typename Builder>
-Server::StreamCallbacks Server::builder_callbacks(Builder& builder, bool stream) {
-  StreamCallbacks cb;
-  cb.stream = stream;
-  cb.start = [] { return std::string(); };
-  if (stream) {
-    cb.piece = [&builder](const GenerationPiece& p) { return builder.stream_piece(p); };
-    cb.finish = [&builder](const GenerationResult& r) { return builder.stream_finish(r); };
-  } else {
-    cb.piece = [&builder](const GenerationPiece& p) {
-      builder.add_piece(p);
-      return std::string();
-    };
-    cb.finish = [&builder](const GenerationResult& r) { return dump_json(builder.response(r)); };
+MaybeError Server::prepare_chat(const json& body, ChatRequest& chat, ChatPrompt& prompt, GenerationRequest& g,
+                                const std::function<bool()>& client_gone) {
+  const Loaded& L = *loaded_;
+  RETURN_IF_API_ERROR(parse_chat_request(body, L.served, chat));
+  Result<ChatPrompt> rendered = build_chat_prompt(chat);
+  if (!rendered.ok()) return from_status(rendered.status(), "messages");
+  prompt = std::move(rendered).value();
+  if (chat.tool_choice == ToolChoice::none && !chat.tools.is_null() && L.tool_call_token >= 0) {
+    chat.sampling.params.logit_bias[L.tool_call_token] = -100;  // no call can even begin
   }
-  return cb;
+  if (client_gone && client_gone()) return client_gone_error();  // before tokenizing: a long prompt costs CPU
+  return make_generation_request(L.tokenizer.encode(prompt.text), chat.sampling, chat.logprobs,
+                                 chat.top_logprobs, chat.stream.reuse_cache, -1, "messages", g);
+}
+
+ResponseMeta Server::response_meta(const char* id_prefix) const {
+  return {new_id(id_prefix), std::time(nullptr), options_.served_model_name, loaded_->fingerprint};
 }
 
 void Server::handle_chat(const HttpRequest& req, HttpExchange& ex) {
   const Loaded& L = *loaded_;
   json body;
   ChatRequest chat;
-  if (auto e = parse_json_body(req.body, body, gone(ex))) return send_error(ex, *e);
-  if (auto e = parse_chat_request(body, L.served, chat)) return send_error(ex, *e);
-  Result<ChatPrompt> prompt = build_chat_prompt(chat);
-  if (!prompt.ok()) return send_error(ex, from_status(prompt.status(), "messages"));
-  if (ex.client_gone()) return ex.abandon();  // before tokenizing: a large prompt costs CPU
-  if (chat.tool_choice == ToolChoice::none && !chat.tools.is_null() && L.tool_call_token >= 0) {
-    chat.sampling.params.logit_bias[L.tool_call_token] = -100;  // no call can even begin
-  }
+  ChatPrompt prompt;
   GenerationRequest g;
-  if (auto e = make_generation_request(L.tokenizer.encode(prompt->text), chat.sampling, chat.logprobs,
-                                       chat.top_logprobs, chat.stream.reuse_cache, -1, "messages", g)) {
-    return send_error(ex, *e);
-  }
-  ChatResponseBuilder builder(
-      chat, *prompt, L.tokenizer,
-      {new_id("chatcmpl-"), std::time(nullptr), options_.served_model_name, L.fingerprint});
+  if (auto e = parse_json_body(req.body, body, ex.client_gone_fn())) return send_error(ex, *e);
+  if (auto e = prepare_chat(body, chat, prompt, g, ex.client_gone_fn())) return send_error(ex, *e);
+  ChatResponseBuilder builder(chat, prompt, L.tokenizer, response_meta("chatcmpl-"));
   StreamCallbacks cb = builder_callbacks(builder, chat.stream.stream);
   if (cb.stream) {
     cb.start = [&] { return builder.stream_start(); };
@@ -210,7 +190,7 @@ void Server::handle_completions(const HttpRequest& req, HttpExchange& ex) {
   const Loaded& L = *loaded_;
   json body;
   CompletionRequest creq;
-  if (auto e = parse_json_body(req.body, body, gone(ex))) return send_error(ex, *e);
+  if (auto e = parse_json_body(req.body, body, ex.client_gone_fn())) return send_error(ex, *e);
   if (auto e = parse_completion_request(body, L.served, creq)) return send_error(ex, *e);
   if (ex.client_gone()) return ex.abandon();
   std::vector<int32_t> prompt = creq.prompt_is_ids ? creq.prompt_ids : L.tokenizer.encode(creq.prompt_text);
@@ -219,8 +199,7 @@ void Server::handle_completions(const HttpRequest& req, HttpExchange& ex) {
                                        creq.stream.reuse_cache, kDefaultCompletionTokens, "prompt", g)) {
     return send_error(ex, *e);
   }
-  CompletionResponseBuilder builder(
-      creq, L.tokenizer, {new_id("cmpl-"), std::time(nullptr), options_.served_model_name, L.fingerprint});
+  CompletionResponseBuilder builder(creq, L.tokenizer, response_meta("cmpl-"));
   StreamCallbacks cb = builder_callbacks(builder, creq.stream.stream);
   run_job(req, ex, make_job(std::move(g)), cb);
 }
@@ -229,7 +208,7 @@ void Server::handle_apply_template(const HttpRequest& req, HttpExchange& ex) {
   const Loaded& L = *loaded_;
   json body;
   ChatRequest chat;
-  if (auto e = parse_json_body(req.body, body, gone(ex))) return send_error(ex, *e);
+  if (auto e = parse_json_body(req.body, body, ex.client_gone_fn())) return send_error(ex, *e);
   if (!body.contains("model")) body["model"] = options_.served_model_name;
   if (auto e = parse_chat_request(body, L.served, chat)) return send_error(ex, *e);
   Result<ChatPrompt> prompt = build_chat_prompt(chat);

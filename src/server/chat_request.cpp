@@ -283,7 +283,101 @@ MaybeError check_n(const json& body) {
   return std::nullopt;
 }
 
+// chat_template_kwargs: an object whose known switches are booleans (the template tests `is false` / `is
+// true`, so "no" would silently mean thinking on); add_generation_prompt a boolean too.
+MaybeError check_template_kwargs(const json& body) {
+  if (!has(body, "chat_template_kwargs")) return std::nullopt;
+  const json& kwargs = body["chat_template_kwargs"];
+  if (!kwargs.is_object()) return wrong_type("chat_template_kwargs", "an object", kwargs);
+  for (const char* key : {"enable_thinking", "preserve_thinking", "add_vision_id"}) {
+    std::optional<bool> ignored;
+    RETURN_IF_API_ERROR(read_bool(kwargs, key, std::string("chat_template_kwargs.") + key, ignored));
+  }
+  return std::nullopt;
+}
+
+// The text a continuation extends: the final message's string content, or its last text part.
+std::string final_text(const json& messages) {
+  const json& content = messages.back().value("content", json());
+  if (content.is_string()) return content.get<std::string>();
+  std::string text;
+  if (content.is_array()) {
+    for (const json& part : content) text = part.value("text", text);
+  }
+  return text;
+}
+
+MaybeError check_continuation(const json& body, ChatRequest& out) {
+  std::optional<bool> cont, agp;
+  RETURN_IF_API_ERROR(read_bool(body, "continue_final_message", "continue_final_message", cont));
+  RETURN_IF_API_ERROR(read_bool(body, "add_generation_prompt", "add_generation_prompt", agp));
+  out.continue_final_message = cont.value_or(false);
+  if (!out.continue_final_message) return std::nullopt;
+  if (agp.value_or(false)) {
+    return bad_request("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                       "continue_final_message", "invalid_value");
+  }
+  if (out.messages.back()["role"] != "assistant") {
+    return bad_request("'continue_final_message' needs the last message to be an assistant message",
+                       "continue_final_message", "invalid_value");
+  }
+  if (final_text(out.messages).find_first_not_of(" \t\r\n") == std::string::npos) {
+    return bad_request("'continue_final_message': the last message has no text to continue",
+                       "continue_final_message", "invalid_value");
+  }
+  if (out.tool_choice == ToolChoice::required || out.tool_choice == ToolChoice::named) {
+    return bad_request("'continue_final_message' cannot be combined with a tool_choice that forces a call",
+                       "tool_choice", "invalid_value");
+  }
+  out.chat.add_generation_prompt = false;
+  return std::nullopt;
+}
+
+MaybeError check_reasoning_effort(const json& body, ChatRequest& out) {
+  if (!has(body, "reasoning_effort")) return std::nullopt;
+  bool on = true;
+  RETURN_IF_API_ERROR(read_reasoning_effort(body["reasoning_effort"], "reasoning_effort", on));
+  const json kwargs = body.value("chat_template_kwargs", json::object());
+  if (has(kwargs, "enable_thinking") && kwargs["enable_thinking"].get<bool>() != on) {
+    return bad_request(
+        "'reasoning_effort' and 'chat_template_kwargs.enable_thinking' disagree; send one of them",
+        "reasoning_effort", "invalid_value");
+  }
+  out.chat.enable_thinking = on;
+  return std::nullopt;
+}
+
+// transformers' cut: after the last occurrence of the final text (stripped), keeping its trailing
+// whitespace only when the template kept it.
+Result<std::string> cut_after_final_message(const std::string& rendered, const std::string& final) {
+  const char* ws = " \t\r\n\f\v";
+  const size_t first = final.find_first_not_of(ws), last = final.find_last_not_of(ws);
+  const std::string stripped = final.substr(first, last - first + 1), lstripped = final.substr(first);
+  const size_t at = rendered.rfind(stripped);
+  if (at == std::string::npos) {
+    return invalid_argument("continue_final_message: the final message's text is not in the rendered prompt");
+  }
+  const bool kept = rendered.compare(at, lstripped.size(), lstripped) == 0;
+  return rendered.substr(0, at + (kept ? lstripped.size() : stripped.size()));
+}
+
 }  // namespace
+
+MaybeError read_reasoning_effort(const json& value, const std::string& param, bool& enable_thinking) {
+  if (!value.is_string()) return wrong_type(param, "a string", value);
+  const std::string& e = value.get_ref<const std::string&>();
+  if (e == "none" || e == "minimal") {
+    enable_thinking = false;
+  } else if (e == "low" || e == "medium" || e == "high" || e == "xhigh" || e == "max") {
+    enable_thinking = true;
+  } else {
+    return bad_request(
+        format("'%s': unknown value `%s`; expected none, minimal, low, medium, high, xhigh or max",
+               param.c_str(), e.c_str()),
+        param, "invalid_value");
+  }
+  return std::nullopt;
+}
 
 MaybeError parse_chat_request(const json& body, const ServedModel& model, ChatRequest& out) {
   RETURN_IF_API_ERROR(check_model(body, model));
@@ -302,13 +396,12 @@ MaybeError parse_chat_request(const json& body, const ServedModel& model, ChatRe
   out.logprobs = logprobs.value_or(false);
   out.top_logprobs = static_cast<int>(top_logprobs.value_or(0));
   RETURN_IF_API_ERROR(check_response_format(body, out));
-  if (has(body, "chat_template_kwargs") && !body["chat_template_kwargs"].is_object()) {
-    return wrong_type("chat_template_kwargs", "an object", body["chat_template_kwargs"]);
-  }
+  RETURN_IF_API_ERROR(check_template_kwargs(body));
   Result<ChatOptions> options = chat_options_from_request(body);
   if (!options.ok()) return from_status(options.status(), "chat_template_kwargs");
   out.chat = *options;
-  return std::nullopt;
+  RETURN_IF_API_ERROR(check_reasoning_effort(body, out));
+  return check_continuation(body, out);
 }
 
 Result<ChatPrompt> build_chat_prompt(const ChatRequest& request) {
@@ -319,6 +412,9 @@ Result<ChatPrompt> build_chat_prompt(const ChatRequest& request) {
   const json no_tools;
   const json& tools = request.tool_choice == ToolChoice::none ? no_tools : request.tools;
   ASSIGN_OR_RETURN(prompt.text, render_chat(request.messages, tools, options));
+  if (request.continue_final_message) {
+    ASSIGN_OR_RETURN(prompt.text, cut_after_final_message(prompt.text, final_text(request.messages)));
+  }
   if (forced) {
     prompt.forced_prefix = "<tool_call>\n";
     if (request.tool_choice == ToolChoice::named)

@@ -19,8 +19,9 @@ struct ChatRequest {
   json messages;  // as given, except role "developer" reads as "system"
   json tools;     // null, or the validated tools array
   ToolChoice tool_choice = ToolChoice::automatic;
-  std::string tool_name;  // ToolChoice::named
-  ChatOptions chat;       // chat_template_kwargs (enable_thinking, ...)
+  std::string tool_name;                // ToolChoice::named
+  ChatOptions chat;                     // chat_template_kwargs (enable_thinking, ...), reasoning_effort
+  bool continue_final_message = false;  // the last (assistant) message is continued, not closed (vLLM)
   SamplingRequest sampling;
   StreamOptions stream;
   bool logprobs = false;
@@ -29,6 +30,10 @@ struct ChatRequest {
 };
 
 MaybeError parse_chat_request(const json& body, const ServedModel& model, ChatRequest& out);
+
+// reasoning_effort (OpenAI) onto the model's one reasoning switch: none / minimal -> thinking off; low /
+// medium / high / xhigh / max -> on (Qwen3.6 has no graded effort). Any other value: 400 naming `param`.
+MaybeError read_reasoning_effort(const json& value, const std::string& param, bool& enable_thinking);
 
 struct CompletionRequest {
   std::string prompt_text;          // when the prompt is a string
@@ -52,7 +57,8 @@ struct ChatPrompt {
 
 // tool_choice none: tools are left out of the prompt. required / named: the prompt is rendered with thinking
 // off and ends in `<tool_call>\n` (required) or `<tool_call>\n<function=NAME>\n` (named), so the model can
-// only continue a call (see src/server/README.md).
+// only continue a call (see src/server/README.md). continue_final_message: rendered without a generation
+// prompt and cut right after the final message's text, as transformers' apply_chat_template does.
 Result<ChatPrompt> build_chat_prompt(const ChatRequest& request);
 
 }  // namespace lily

@@ -1,6 +1,7 @@
 #include "server/chat_response.h"
 
 #include <cmath>
+#include <random>
 
 namespace lily {
 
@@ -33,6 +34,21 @@ json tool_call_json(const ToolCall& call, size_t index, bool with_index) {
 
 }  // namespace
 
+std::string new_id(const char* prefix) {
+  static thread_local std::mt19937_64 rng(std::random_device{}());
+  static const char kAlphabet[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789";
+  std::string id = prefix;
+  for (int i = 0; i < 24; ++i) id += kAlphabet[rng() % (sizeof(kAlphabet) - 1)];
+  return id;
+}
+
+OutputParser chat_output_parser(const ChatRequest& request, const ChatPrompt& prompt) {
+  OutputParser parser(prompt.starts_in_reasoning,
+                      request.tool_choice == ToolChoice::none ? json() : request.tools);
+  if (!prompt.forced_prefix.empty()) parser.push(prompt.forced_prefix);  // opens the call: yields nothing
+  return parser;
+}
+
 json usage_json(const GenerationResult& result) {
   json u;
   u["prompt_tokens"] = result.prompt_tokens;
@@ -60,9 +76,7 @@ ChatResponseBuilder::ChatResponseBuilder(const ChatRequest& request, const ChatP
       include_usage_(request.stream.include_usage),
       logprobs_(request.logprobs),
       with_top_(request.top_logprobs > 0),
-      parser_(prompt.starts_in_reasoning, request.tool_choice == ToolChoice::none ? json() : request.tools) {
-  if (!prompt.forced_prefix.empty()) accumulate(parser_.push(prompt.forced_prefix));
-}
+      parser_(chat_output_parser(request, prompt)) {}
 
 json ChatResponseBuilder::chunk(json delta, json logprobs, json finish_reason) const {
   json c;

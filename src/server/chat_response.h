@@ -30,6 +30,13 @@ struct ResponseMeta {
   std::string system_fingerprint;
 };
 
+// PREFIX + 24 random alphanumerics: response, message and item ids.
+std::string new_id(const char* prefix);
+
+// The output parser of a chat request: it starts in reasoning when the prompt does, knows the tools' schemas
+// (none with tool_choice none), and has already read a forced call prefix (which only opens a call).
+OutputParser chat_output_parser(const ChatRequest& request, const ChatPrompt& prompt);
+
 // usage object: prompt, completion, total tokens and prompt_tokens_details.cached_tokens.
 json usage_json(const GenerationResult& result);
 // A logprobs.content entry: token text, logprob, UTF-8 bytes, top_logprobs.

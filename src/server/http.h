@@ -48,6 +48,10 @@ class HttpExchange {
   void end_stream();
   // Non-blocking: true when the peer has closed or reset the connection.
   bool client_gone();
+  // client_gone() as a callback, for work that checks now and then (parse_json_body, prepare_chat).
+  std::function<bool()> client_gone_fn() {
+    return [this] { return client_gone(); };
+  }
 
   // Headers every response of this exchange carries (CORS), added before it is sent.
   void add_header(std::string name, std::string value) {

@@ -102,7 +102,7 @@ class LinearDomBuilder {
 
   bool tick() {
     if (++events_ % kEventsPerClientCheck == 0 && gone_ && gone_()) {
-      error_ = ApiError{499, "invalid_request_error", "The client closed the connection.", "", "client_gone"};
+      error_ = client_gone_error();
       return false;
     }
     return true;
@@ -153,6 +153,10 @@ class LinearDomBuilder {
 };
 
 }  // namespace
+
+ApiError client_gone_error() {
+  return ApiError{499, "invalid_request_error", "The client closed the connection.", "", "client_gone"};
+}
 
 MaybeError parse_json_body(std::string_view body, json& out, const std::function<bool()>& client_gone) {
   if (!is_valid_utf8(body)) return bad_request("The request body is not valid UTF-8.", "", "invalid_utf8");

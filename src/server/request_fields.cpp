@@ -13,14 +13,11 @@ namespace {
 constexpr size_t kMaxStopStrings = 16;
 
 const json* field(const json& obj, const char* key) {
-  auto it = obj.find(key);
-  if (it == obj.end() || it->is_null()) return nullptr;
-  return &*it;
+  return field_of(obj, key);
 }
 
 ApiError wrong_type(const std::string& param, const char* expected, const json& found) {
-  return bad_request(format("'%s': expected %s, got %s", param.c_str(), expected, json_type_name(found)),
-                     param, "invalid_type");
+  return wrong_type_error(param, expected, found);
 }
 
 std::string show_number(double v) {
@@ -29,6 +26,54 @@ std::string show_number(double v) {
 }
 
 }  // namespace
+
+const json* field_of(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+ApiError wrong_type_error(const std::string& param, const char* expected, const json& found) {
+  return bad_request(format("'%s': expected %s, got %s", param.c_str(), expected, json_type_name(found)),
+                     param, "invalid_type");
+}
+
+MaybeError read_required_string(const json& obj, const char* key, const std::string& at, std::string& out) {
+  const json* v = field_of(obj, key);
+  if (v == nullptr || !v->is_string()) {
+    return bad_request(format("'%s.%s' is required and must be a string", at.c_str(), key), at + "." + key);
+  }
+  out = v->get<std::string>();
+  return std::nullopt;
+}
+
+MaybeError for_each_object(
+    const json& body, const char* key,
+    const std::function<MaybeError(const json& element, const std::string& at)>& each) {
+  const json* v = field_of(body, key);
+  if (v == nullptr) return std::nullopt;
+  if (!v->is_array()) return wrong_type_error(key, "an array", *v);
+  for (size_t i = 0; i < v->size(); ++i) {
+    std::string at = format("%s[%zu]", key, i);
+    if (!(*v)[i].is_object()) return wrong_type_error(at, "an object", (*v)[i]);
+    RETURN_IF_API_ERROR(each((*v)[i], at));
+  }
+  return std::nullopt;
+}
+
+ApiError rename_param(ApiError e, std::initializer_list<std::pair<const char*, const char*>> renames) {
+  for (const auto& [from, to] : renames) {
+    const std::string_view f = from;
+    const std::string_view p = e.param;
+    if (!p.starts_with(f) || (p.size() > f.size() && p[f.size()] != '[' && p[f.size()] != '.')) continue;
+    e.param = std::string(to) + e.param.substr(f.size());
+    const std::string quoted = "'" + std::string(from);
+    if (size_t at = e.message.find(quoted); at != std::string::npos)
+      e.message.replace(at, quoted.size(), "'" + std::string(to));
+    break;
+  }
+  return e;
+}
 
 const char* json_type_name(const json& v) {
   switch (v.type()) {
@@ -115,26 +160,65 @@ MaybeError read_string(const json& obj, const char* key, const std::string& para
   return std::nullopt;
 }
 
-static MaybeError read_stop(const json& body, std::vector<std::string>& out) {
-  const json* v = field(body, "stop");
-  if (v == nullptr) return std::nullopt;
+static MaybeError read_stop_strings(const json& value, const std::string& name,
+                                    std::vector<std::string>& out) {
+  const json* v = &value;
   if (v->is_string()) {
-    if (v->get<std::string>().empty()) return bad_request("'stop': a stop string must not be empty", "stop");
+    if (v->get<std::string>().empty())
+      return bad_request(format("'%s': a stop string must not be empty", name.c_str()), name);
     out.push_back(v->get<std::string>());
     return std::nullopt;
   }
-  if (!v->is_array()) return wrong_type("stop", "a string or an array of strings", *v);
+  if (!v->is_array()) return wrong_type(name, "a string or an array of strings", *v);
   if (v->size() > kMaxStopStrings) {
-    return bad_request(format("'stop': at most %zu stop strings, got %zu", kMaxStopStrings, v->size()),
-                       "stop");
+    return bad_request(
+        format("'%s': at most %zu stop strings, got %zu", name.c_str(), kMaxStopStrings, v->size()), name);
   }
   for (size_t i = 0; i < v->size(); ++i) {
     const json& s = (*v)[i];
-    std::string param = format("stop[%zu]", i);
+    std::string param = format("%s[%zu]", name.c_str(), i);
     if (!s.is_string()) return wrong_type(param, "a string", s);
     if (s.get<std::string>().empty())
       return bad_request(format("'%s' must not be empty", param.c_str()), param);
     out.push_back(s.get<std::string>());
+  }
+  return std::nullopt;
+}
+
+static MaybeError read_stop(const json& body, std::vector<std::string>& out) {
+  const json* v = field(body, "stop");
+  return v == nullptr ? std::nullopt : read_stop_strings(*v, "stop", out);
+}
+
+MaybeError read_token_ids(const json& value, const std::string& param, int32_t vocab_size,
+                          std::vector<int32_t>& out) {
+  if (!value.is_array()) return wrong_type(param, "an array of token ids", value);
+  for (size_t i = 0; i < value.size(); ++i) {
+    std::optional<int64_t> id;
+    json one = {{"id", value[i]}};
+    std::string at = format("%s[%zu]", param.c_str(), i);
+    if (value[i].is_null()) return wrong_type(at, "an integer", value[i]);
+    RETURN_IF_API_ERROR(read_int(one, "id", at, 0, vocab_size - 1, id));
+    out.push_back(static_cast<int32_t>(*id));
+  }
+  return std::nullopt;
+}
+
+static MaybeError read_stop_token_ids(const json& body, int32_t vocab_size, std::vector<int32_t>& out) {
+  const json* v = field(body, "stop_token_ids");
+  return v == nullptr ? std::nullopt : read_token_ids(*v, "stop_token_ids", vocab_size, out);
+}
+
+MaybeError refuse_constrained_decoding(const json& body) {
+  for (const auto& [key, value] : body.items()) {
+    if (value.is_null()) continue;
+    if (key == "grammar" || key == "json_schema" || key == "structured_outputs" ||
+        key.starts_with("guided_")) {
+      return bad_request(format("'%s': constrained decoding is not supported by this server (generation is "
+                                "never grammar-, schema- or regex-constrained); remove the field",
+                                key.c_str()),
+                         key, "unsupported_parameter");
+    }
   }
   return std::nullopt;
 }
@@ -162,6 +246,7 @@ static MaybeError read_logit_bias(const json& body, int32_t vocab_size,
 }
 
 MaybeError read_sampling(const json& body, const ServedModel& model, SamplingRequest& out) {
+  RETURN_IF_API_ERROR(refuse_constrained_decoding(body));
   std::optional<double> temperature, top_p, min_p, presence, frequency, repetition;
   RETURN_IF_API_ERROR(read_number(body, "temperature", "temperature", {0, 2}, temperature));
   RETURN_IF_API_ERROR(read_number(body, "top_p", "top_p", {0, 1, true}, top_p));
@@ -197,6 +282,20 @@ MaybeError read_sampling(const json& body, const ServedModel& model, SamplingReq
   if (frequency) p.frequency_penalty = static_cast<float>(*frequency);
   if (seed) p.seed = static_cast<uint64_t>(*seed);
   RETURN_IF_API_ERROR(read_stop(body, p.stop));
+  std::optional<int64_t> min_tokens;
+  std::optional<bool> include_stop;
+  RETURN_IF_API_ERROR(read_int(body, "min_tokens", "min_tokens", 0, INT32_MAX, min_tokens));
+  const std::optional<int>& max = o.max_tokens;
+  if (min_tokens && max && *min_tokens > *max) {
+    return bad_request(format("'min_tokens' (%lld) must be <= the maximum number of tokens (%d)",
+                              static_cast<long long>(*min_tokens), *max),
+                       "min_tokens", "invalid_value");
+  }
+  p.min_tokens = static_cast<int>(min_tokens.value_or(0));
+  RETURN_IF_API_ERROR(
+      read_bool(body, "include_stop_str_in_output", "include_stop_str_in_output", include_stop));
+  p.include_stop_str_in_output = include_stop.value_or(false);
+  RETURN_IF_API_ERROR(read_stop_token_ids(body, model.vocab_size, out.stop_token_ids));
   RETURN_IF_API_ERROR(read_logit_bias(body, model.vocab_size, p.logit_bias));
   return std::nullopt;
 }

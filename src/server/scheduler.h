@@ -1,4 +1,4 @@
-// Request scheduling. Requests run one at a time (batch 1, the design point: shared/DESIGN.md section 5) on
+// Request scheduling. Requests run one at a time (batch 1, the design point: docs/DESIGN.md section 5) on
 // one worker thread, in arrival order, from a bounded queue. A full queue refuses new work (the server
 // answers 429). A queued job whose client left is withdrawn (or dropped when the worker reaches it) without
 // running; a running job watches its own cancel flag between tokens.

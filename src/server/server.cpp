@@ -10,6 +10,7 @@
 #include <ctime>
 #include <filesystem>
 
+#include "server/anthropic_api.h"
 #include "server/chat_page.h"
 #include "server/generation_job.h"
 #include "server/loaded_model.h"
@@ -19,10 +20,15 @@ namespace lily {
 
 namespace {
 
+bool post_endpoint(const std::string& p) {
+  return p == "/v1/chat/completions" || p == "/v1/completions" || p == "/apply-template" ||
+         p == "/v1/messages" || p == "/v1/messages/count_tokens" || p == "/v1/responses" || p == "/tokenize" ||
+         p == "/detokenize";
+}
+
 bool known_endpoint(const std::string& p) {
   return find_chat_page_asset(p) != nullptr || p == "/health" || p == "/metrics" || p == "/v1/models" ||
-         p.starts_with("/v1/models/") || p == "/v1/chat/completions" || p == "/v1/completions" ||
-         p == "/apply-template" || p == "/props";
+         p.starts_with("/v1/models/") || p == "/props" || post_endpoint(p);
 }
 
 // The `endpoint` label of lily_requests_total.
@@ -178,15 +184,26 @@ void Server::send_error(HttpExchange& ex, const ApiError& e) {
   ex.send_json(e.status, error_body(e), headers);
 }
 
+void Server::send_error(const HttpRequest& req, HttpExchange& ex, const ApiError& e) {
+  if (!is_anthropic_path(req.path) || e.status == 499) return send_error(ex, e);
+  HttpHeaders headers;
+  if (e.status == 429 || e.status == 503) headers.emplace_back("Retry-After", "1");
+  ex.send_json(e.status, anthropic_error_body(e), headers);
+}
+
+// `Authorization: Bearer KEY`, or `x-api-key: KEY` (what Anthropic's clients send).
 bool Server::authorized(const HttpRequest& req, HttpExchange& ex) {
   if (options_.api_key.empty()) return true;
   std::string auth = req.header("authorization");
+  std::string x_api_key = req.header("x-api-key");
   if (bearer_token_matches(auth, options_.api_key)) return true;
+  if (!x_api_key.empty() && bearer_token_matches("Bearer " + x_api_key, options_.api_key)) return true;
   ApiError e{401, "invalid_request_error",
-             auth.empty() ? "Missing API key: send the header `Authorization: Bearer KEY`."
-                          : "Incorrect API key provided.",
+             auth.empty() && x_api_key.empty()
+                 ? "Missing API key: send the header `Authorization: Bearer KEY` or `x-api-key: KEY`."
+                 : "Incorrect API key provided.",
              "", "invalid_api_key"};
-  send_error(ex, e);
+  send_error(req, ex, e);
   return false;
 }
 
@@ -305,7 +322,7 @@ void Server::answer_exception(const HttpRequest& req, HttpExchange& ex, const ch
                what);
   ApiError e = server_error(500, std::string("Internal server error: ") + what, "internal_error");
   ex.close_after();
-  if (!ex.responded()) return send_error(ex, e);
+  if (!ex.responded()) return send_error(req, ex, e);
   if (ex.streaming()) {
     ex.write(sse_event(error_body(e)) + sse_done());
     ex.end_stream();
@@ -316,20 +333,22 @@ void Server::route(const HttpRequest& req, HttpExchange& ex) {
   const std::string& p = req.path;
   const ChatPageAsset* page = find_chat_page_asset(p);
   const bool known = known_endpoint(p);
-  const bool post = p == "/v1/chat/completions" || p == "/v1/completions" || p == "/apply-template";
-  if (auto e = check_origin(req, origin_policy_)) return send_error(ex, *e);
+  const bool post = post_endpoint(p);
+  if (auto e = check_origin(req, origin_policy_)) return send_error(req, ex, *e);
   for (auto& [name, value] : cors_headers(req, origin_policy_)) ex.add_header(name, value);
   if (!known) {
-    return send_error(ex, ApiError{404, "invalid_request_error", "Unknown endpoint " + req.method + " " + p,
-                                   "", "not_found"});
+    return send_error(
+        req, ex, ApiError{404, "invalid_request_error", "Unknown endpoint " + req.method + " " + p, "", "not_found"});
   }
   const char* allow = post ? "POST, OPTIONS" : "GET, HEAD, OPTIONS";
   if (req.method == "OPTIONS") return answer_options(req, origin_policy_, allow, ex);
   const std::string method = req.method == "HEAD" ? "GET" : req.method;  // HEAD: GET without the body
   if (method != (post ? "POST" : "GET")) {
-    ApiError e{405, "invalid_request_error", format("%s does not accept %s", p.c_str(), req.method.c_str()),
-               "", "method_not_allowed"};
-    return ex.send_json(405, error_body(e), {{"Allow", allow}});
+    ex.add_header("Allow", allow);
+    return send_error(req, ex,
+                      ApiError{405, "invalid_request_error",
+                               format("%s does not accept %s", p.c_str(), req.method.c_str()), "",
+                               "method_not_allowed"});
   }
   if (page != nullptr) return ex.send(200, page->content_type, page->body, chat_page_headers());
   if (p == "/health") return handle_health(ex);
@@ -341,15 +360,20 @@ void Server::route(const HttpRequest& req, HttpExchange& ex) {
   if (p == "/props") return handle_props(ex);
   if (state_.load() != State::ready) {
     return send_error(
-        ex, server_error(503,
+        req, ex, server_error(503,
                          state_.load() == State::loading ? "The model is still loading; retry shortly."
                                                          : "The model failed to load: " + load_error_,
                          "model_not_ready"));
   }
   if (shutting_down_.load())
-    return send_error(ex, server_error(503, "The server is shutting down.", "shutting_down"));
+    return send_error(req, ex, server_error(503, "The server is shutting down.", "shutting_down"));
   if (p == "/v1/chat/completions") return handle_chat(req, ex);
   if (p == "/v1/completions") return handle_completions(req, ex);
+  if (p == "/v1/messages") return handle_messages(req, ex);
+  if (p == "/v1/messages/count_tokens") return handle_count_tokens(req, ex);
+  if (p == "/v1/responses") return handle_responses(req, ex);
+  if (p == "/tokenize") return handle_tokenize(req, ex);
+  if (p == "/detokenize") return handle_detokenize(req, ex);
   return handle_apply_template(req, ex);
 }
 

@@ -9,7 +9,11 @@
 //   POST /apply-template        the rendered chat prompt of a chat request (as llama.cpp's server), for
 //   debugging
 //   GET  /props                 the served model, context size and per-request limits (as llama.cpp's server)
-// With an API key, everything but /, /health and /metrics needs `Authorization: Bearer KEY`.
+//   POST /v1/messages[/count_tokens]  the Anthropic Messages API
+//   POST /v1/responses          the OpenAI Responses API (stateless)
+//   POST /tokenize, /detokenize  llama-server's tokenizer endpoints
+// With an API key, everything but /, /health and /metrics needs `Authorization: Bearer KEY` (or
+// `x-api-key: KEY`, as Anthropic's clients send it).
 #pragma once
 #include <atomic>
 #include <functional>
@@ -28,8 +32,11 @@
 #include "server/metrics.h"
 #include "server/origin_policy.h"
 #include "server/scheduler.h"
+#include "server/sse.h"
 
 namespace lily {
+
+struct ResponseMeta;  // chat_response.h
 
 struct ServerOptions {
   std::string model_dir;
@@ -75,6 +82,20 @@ class Server {
   void handle_chat(const HttpRequest& req, HttpExchange& ex);
   void handle_completions(const HttpRequest& req, HttpExchange& ex);
   void handle_apply_template(const HttpRequest& req, HttpExchange& ex);
+  // compat_handlers.cpp: the Anthropic Messages API, the OpenAI Responses API, llama-server's tokenizer.
+  void handle_messages(const HttpRequest& req, HttpExchange& ex);
+  void handle_count_tokens(const HttpRequest& req, HttpExchange& ex);
+  void handle_responses(const HttpRequest& req, HttpExchange& ex);
+  void handle_tokenize(const HttpRequest& req, HttpExchange& ex);
+  void handle_detokenize(const HttpRequest& req, HttpExchange& ex);
+  // An error in the shape of the API the path belongs to (Anthropic's for /v1/messages*, else OpenAI's).
+  void send_error(const HttpRequest& req, HttpExchange& ex, const ApiError& e);
+  // A chat-completions body (as sent, or translated from another API) -> validated request, rendered
+  // prompt and the engine request.
+  // client_gone: asked before tokenizing; true -> a 499 error, which send_error turns into abandon().
+  MaybeError prepare_chat(const json& body, ChatRequest& chat, ChatPrompt& prompt, GenerationRequest& g,
+                          const std::function<bool()>& client_gone = {});
+  ResponseMeta response_meta(const char* id_prefix) const;
   // Shared by the two generation endpoints: defaults, validation, context check, stop tokens. `param` names
   // the prompt's field in errors ("messages", "prompt").
   MaybeError make_generation_request(const std::vector<int32_t>& prompt, const SamplingRequest& sampling,
@@ -87,10 +108,12 @@ class Server {
     std::function<std::string()> start;                          // SSE bytes before the first piece
     std::function<std::string(const GenerationPiece&)> piece;    // SSE bytes (streaming) or ""
     std::function<std::string(const GenerationResult&)> finish;  // SSE tail, or the whole JSON body
+    std::function<std::string(const ApiError&)> stream_error;    // SSE bytes of an error once streaming;
+                                                                 // unset: OpenAI's error event + [DONE]
     HttpHeaders headers;                                         // extra headers of a JSON response
   };
-  // Callbacks that feed a response builder (chat or completion): its SSE chunks when streaming; else the pieces
-  // are collected and the finish renders the whole JSON body. Defined in api_handlers.cpp.
+  // Callbacks that feed a response builder (chat, completion, messages, responses): its SSE chunks when
+  // streaming; else the pieces are collected and the finish renders the whole JSON body.
   template <typename Builder>
   static StreamCallbacks builder_callbacks(Builder& builder, bool stream);
   // Queues the job and answers: streamed, or one JSON body; errors as OpenAI error JSON (or an SSE error
@@ -113,5 +136,23 @@ class Server {
   std::once_flag shutdown_once_;
   int64_t started_at_ = 0;
 };
+
+template <typename Builder>
+Server::StreamCallbacks Server::builder_callbacks(Builder& builder, bool stream) {
+  StreamCallbacks cb;
+  cb.stream = stream;
+  cb.start = [] { return std::string(); };
+  if (stream) {
+    cb.piece = [&builder](const GenerationPiece& p) { return builder.stream_piece(p); };
+    cb.finish = [&builder](const GenerationResult& r) { return builder.stream_finish(r); };
+  } else {
+    cb.piece = [&builder](const GenerationPiece& p) {
+      builder.add_piece(p);
+      return std::string();
+    };
+    cb.finish = [&builder](const GenerationResult& r) { return dump_json(builder.response(r)); };
+  }
+  return cb;
+}
 
 }  // namespace lily

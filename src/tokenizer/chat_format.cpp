@@ -1,4 +1,4 @@
-// Native port of shared/fixtures/chat-templates/qwen3.6.jinja. The code follows the template's
+// Native port of tests/fixtures/chat-templates/qwen3.6.jinja. The code follows the template's
 // order of evaluation step by step (header, last-query scan, message loop, generation prompt), so
 // that the same input raises the same error first. Template lines are quoted where they matter.
 #include "tokenizer/chat_format.h"

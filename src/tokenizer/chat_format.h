@@ -1,5 +1,5 @@
 // The Qwen3.6 chat format, rendered natively: byte-identical to the official Jinja template
-// (shared/fixtures/chat-templates/qwen3.6.jinja, shared/MODEL.md section 4) as transformers renders
+// (tests/fixtures/chat-templates/qwen3.6.jinja, docs/MODEL.md section 4) as transformers renders
 // it (apply_chat_template: trim_blocks, lstrip_blocks, tojson = json.dumps(ensure_ascii=False)).
 //
 // Input is the OpenAI chat-completions shape. Beyond the template, three things happen first, as

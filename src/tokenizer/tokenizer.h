@@ -1,5 +1,5 @@
 // The Hugging Face tokenizer.json byte-level BPE tokenizer of Qwen3 / Qwen3.5 / Qwen3.6
-// (shared/MODEL.md section 3), id-exact with the `tokenizers` library.
+// (docs/MODEL.md section 3), id-exact with the `tokenizers` library.
 //
 // encode(text), as `tokenizers` does it (Tokenizer.encode(text, add_special_tokens=False)):
 //   1. invalid UTF-8 is repaired first: each maximal invalid subpart becomes U+FFFD, exactly as

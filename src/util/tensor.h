@@ -1,5 +1,5 @@
 // DType and TensorView: a non-owning view {data, shape, dtype} so that ops can state and check shapes
-// in one line. Shapes are written in PyTorch order (outermost first), as in shared/MODEL.md.
+// in one line. Shapes are written in PyTorch order (outermost first), as in docs/MODEL.md.
 #pragma once
 #include <cstddef>
 #include <cstdint>

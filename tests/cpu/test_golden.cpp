@@ -1,6 +1,6 @@
 // Golden tests: the CPU reference engine against fixtures no one here computed by hand —
 // transformers' own Qwen3_5MoeForCausalLM (bf16 checkpoint, fp32 run) and mlx-lm's own 4-bit conversion and run
-// (tools/reference/make_golden.py, docs/GOLDEN.md). Criteria of issue 2: max |dlogit| <= 1e-3 * std(logits) at
+// (tools/reference/make_golden.py, docs/GOLDEN.md). The criteria: max |dlogit| <= 1e-3 * std(logits) at
 // every position, identical greedy tokens.
 #include <gtest/gtest.h>
 

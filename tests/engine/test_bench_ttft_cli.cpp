@@ -70,7 +70,10 @@ TEST_F(BenchTtftCli, TimesStreamedRequestsOfTheAskedLength) {
 TEST_F(BenchTtftCli, RefusesWithoutAModelAndReportsAServerThatCannotLoad) {
   EXPECT_NE(bench(""), 0);
   EXPECT_NE(slurp(dir_ / "err").find("--mode ttft needs --model DIR"), std::string::npos) << slurp(dir_ / "err");
-  EXPECT_NE(bench("--model " + (dir_ / "missing").string()), 0);
+  EXPECT_NE(bench("--model " + (dir_ / "missing").string()), 0);  // refused before any server starts
+  EXPECT_NE(slurp(dir_ / "err").find("missing: no such directory"), std::string::npos) << slurp(dir_ / "err");
+  std::filesystem::create_directories(dir_ / "not_a_model");  // exists, so the server starts and cannot load it
+  EXPECT_NE(bench("--model " + (dir_ / "not_a_model").string()), 0);
   EXPECT_NE(slurp(dir_ / "err").find("exited (code 1) before it was ready"), std::string::npos) << slurp(dir_ / "err");
   EXPECT_NE(bench("--model " + tiny_model().dir.string() + " --prompt-tokens 4"), 0);
   EXPECT_NE(slurp(dir_ / "err").find("--prompt-tokens must be >= 16"), std::string::npos) << slurp(dir_ / "err");

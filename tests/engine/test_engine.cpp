@@ -84,6 +84,53 @@ TEST(Engine, StopTokenEndsWithStopAndIsExcluded) {
   EXPECT_EQ(r.completion_tokens, static_cast<int>(k) + 1);
 }
 
+// min_tokens bans the stop tokens until that many tokens were made: the greedy run that would stop at the
+// k-th token goes on with the next best one, and stops at a stop token only from token min_tokens + 1 on.
+TEST(Engine, MinTokensSuppressesStopTokensUntilReached) {
+  auto engine = tiny_engine();
+  auto prompt = text_prompt("Counting: one, two, three,");
+  GenerationResult full = run(*engine, greedy_request(prompt, 8));
+  ASSERT_EQ(full.tokens.size(), 8u);
+  GenerationRequest req = greedy_request(prompt, 8);
+  req.stop_token_ids = {full.tokens[0]};  // greedy would stop at once
+  GenerationResult stopped = run(*engine, req);
+  EXPECT_EQ(stopped.finish_reason, "stop");
+  EXPECT_TRUE(stopped.tokens.empty());
+  req.sampling.min_tokens = 4;
+  GenerationResult r = run(*engine, req);
+  ASSERT_GE(r.tokens.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NE(r.tokens[i], full.tokens[0]) << "token " << i;
+  EXPECT_TRUE(r.finish_reason == "stop" || r.tokens.size() == 8u) << r.finish_reason;
+  // Validation: min_tokens beyond max_tokens is refused.
+  req.sampling.min_tokens = 9;
+  EXPECT_FALSE(engine->generate(req, nullptr).ok());
+}
+
+// include_stop_str_in_output keeps the matched stop string at the end of the text; the stop is reported.
+TEST(Engine, IncludeStopStringKeepsItAndReportsWhichMatched) {
+  auto engine = tiny_engine();
+  auto prompt = text_prompt("Hello, my name is");
+  const Tokenizer& tok = tiny_model().tokenizer;
+  GenerationResult full = run(*engine, greedy_request(prompt, 12));
+  const std::string all = tok.decode(full.tokens);
+  ASSERT_GT(all.size(), 6u);
+  const std::string stop = all.substr(3, 2);
+  GenerationRequest req = greedy_request(prompt, 12);
+  req.sampling.stop = {"never-there", stop};
+  req.sampling.include_stop_str_in_output = true;
+  std::string text;
+  GenerationResult r = engine
+                           ->generate(req,
+                                      [&](const GenerationPiece& p) {
+                                        text += p.text;
+                                        return true;
+                                      })
+                           .value();
+  EXPECT_EQ(r.finish_reason, "stop");
+  EXPECT_EQ(r.stop_string, stop);
+  EXPECT_EQ(text, all.substr(0, all.find(stop) + stop.size()));
+}
+
 TEST(Engine, MaxTokensAndContextLimitEndWithLength) {
   EngineOptions o;
   o.max_context = 20;

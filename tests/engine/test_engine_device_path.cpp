@@ -124,6 +124,9 @@ TEST(EngineDevicePath, SeededSamplingIsReproducibleAndLogprobsUseTheHost) {
   req.sampling.top_k = 0;
   req.sampling.presence_penalty = 0.5f;
   run(*dev.engine, req);
+  req.sampling.presence_penalty = 0;
+  req.sampling.min_tokens = 3;  // the stop-token ban runs on the host
+  run(*dev.engine, req);
   EXPECT_EQ(dev.backend->device_calls, 2);
 }
 

@@ -35,7 +35,7 @@ inline const TinyModel& tiny_model() {
     o.preset = "tiny";
     o.layout = CheckpointLayout::mlx;
     o.out_dir = dir.string();
-    o.tokenizer_dir = LILY_SHARED_DIR "/fixtures/qwen3-tokenizer";
+    o.tokenizer_dir = LILY_FIXTURES_DIR "/qwen3-tokenizer";
     Status st = synth_write(o);
     if (!st.ok()) ADD_FAILURE() << st.message();
     auto w = ModelWeights::load(dir.string());

@@ -48,7 +48,7 @@ TEST_F(GenerationConfigTest, MissingFileGivesDefaults) {
 }
 
 TEST_F(GenerationConfigTest, QwenFileWithEosList) {
-  // As shipped for the Qwen3.5/3.6 family (shared/MODEL.md 1.1).
+  // As shipped for the Qwen3.5/3.6 family (docs/MODEL.md 1.1).
   write(R"({
     "bos_token_id": 248044, "do_sample": true, "eos_token_id": [248046, 248044], "pad_token_id": 248044,
     "temperature": 1.0, "top_k": 20, "top_p": 0.95, "transformers_version": "4.57.0.dev0"

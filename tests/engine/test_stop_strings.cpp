@@ -57,6 +57,16 @@ TEST(StopMatcher, PassesTextThroughWithoutStops) {
   EXPECT_FALSE(none.stopped());
 }
 
+TEST(StopMatcher, IncludeStopKeepsTheMatchedStringAndDropsTheRest) {
+  StopMatcher m({"</answer>", "END"}, /*include_stop=*/true);
+  EXPECT_EQ(m.push("text </ans"), "text ");
+  EXPECT_EQ(m.push("wer> after"), "</answer>");
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.matched_stop(), 0u);
+  EXPECT_EQ(m.push("more"), "");
+  EXPECT_EQ(m.flush(), "");
+}
+
 TEST(StopMatcher, StopSplitOverThreePiecesIsNeverEmitted) {
   StopMatcher m({"</answer>"});
   std::vector<std::string> outputs;

@@ -1,4 +1,4 @@
-// config.json tests: the real Qwen3.6-35B-A3B file (shared/MODEL.md 1.1) in its nested `qwen3_5_moe` form and the
+// config.json tests: the real Qwen3.6-35B-A3B file (docs/MODEL.md 1.1) in its nested `qwen3_5_moe` form and the
 // flat `qwen3_5_moe_text` form parse to the same values; each kind of bad input gives an error naming the field;
 // the mlx-lm `quantization` block with per-path overrides.
 #include "model/config.h"
@@ -16,7 +16,7 @@ namespace {
 
 using nlohmann::json;
 
-// shared/MODEL.md 1.1, transcribed (layer_types written out: [linear x3, full] x10).
+// docs/MODEL.md 1.1, transcribed (layer_types written out: [linear x3, full] x10).
 const char* kRealConfig = R"({
   "architectures": ["Qwen3_5MoeForConditionalGeneration"],
   "model_type": "qwen3_5_moe",

@@ -1,4 +1,4 @@
-// MLX affine quantization (shared/MODEL.md 2.4): hand-computed groups (packing, negative scales, the edge snap),
+// MLX affine quantization (docs/MODEL.md 2.4): hand-computed groups (packing, negative scales, the edge snap),
 // a 10-line reference quantizer written from the spec, round-trip error bounds, and mlx_dot_row against the dot
 // product of the dequantized row.
 #include "model/quant.h"

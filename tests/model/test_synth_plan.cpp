@@ -1,5 +1,5 @@
 // `lily synth --preset full` plans exactly the tensors of the real checkpoints (checked on the plan, nothing is
-// written): the mlx-lm 4-bit layout of shared/MODEL.md 2.3 and the Hugging Face bf16 layout of 1.2. The expected
+// written): the mlx-lm 4-bit layout of docs/MODEL.md 2.3 and the Hugging Face bf16 layout of 1.2. The expected
 // names and shapes below are transcribed from the tables of MODEL.md, not derived from the config.
 #include <gtest/gtest.h>
 

@@ -10,7 +10,7 @@ namespace {
 const Tokenizer& tokenizer() {
   static const Tokenizer t = [] {
     Result<Tokenizer> r =
-        Tokenizer::load(std::string(LILY_SHARED_DIR) + "/fixtures/qwen3-tokenizer/tokenizer.json");
+        Tokenizer::load(std::string(LILY_FIXTURES_DIR) + "/qwen3-tokenizer/tokenizer.json");
     EXPECT_TRUE(r.ok()) << r.status().message();
     return r.value();
   }();

@@ -20,10 +20,10 @@ namespace {
 
 using json = nlohmann::json;
 
-const std::string kTokenizerPath = std::string(LILY_SHARED_DIR) + "/fixtures/qwen3-tokenizer/tokenizer.json";
+const std::string kTokenizerPath = std::string(LILY_FIXTURES_DIR) + "/qwen3-tokenizer/tokenizer.json";
 const std::string kCorpusPath = std::string(LILY_SOURCE_DIR) + "/tests/fixtures/tokenizer/corpus.jsonl";
 
-// shared/MODEL.md section 3; the same string as QWEN36_REGEX in tools/reference/tokenizer_ids.py.
+// docs/MODEL.md section 3; the same string as QWEN36_REGEX in tools/reference/tokenizer_ids.py.
 const std::string kQwen36Regex =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 

@@ -17,7 +17,7 @@ namespace {
 using json = nlohmann::json;
 
 const std::string kFixtureDir = std::string(LILY_SOURCE_DIR) + "/tests/fixtures/tokenizer/";
-const std::string kQwen3Path = std::string(LILY_SHARED_DIR) + "/fixtures/qwen3-tokenizer/tokenizer.json";
+const std::string kQwen3Path = std::string(LILY_FIXTURES_DIR) + "/qwen3-tokenizer/tokenizer.json";
 
 std::string lossy(std::string_view bytes) {
   std::string out;

@@ -3,7 +3,7 @@
 does, and writes them as fixtures for lily's native renderer (tests/tokenizer/test_chat_format.cpp).
 
 The rendering goes through `tokenizer.apply_chat_template(..., tokenize=False)` on a tokenizer built from
-shared/fixtures/qwen3-tokenizer with `chat_template` set to shared/fixtures/chat-templates/qwen3.6.jinja,
+tests/fixtures/qwen3-tokenizer with `chat_template` set to tests/fixtures/chat-templates/qwen3.6.jinja,
 so the Jinja environment (ImmutableSandboxedEnvironment, trim_blocks, lstrip_blocks, tojson =
 json.dumps(ensure_ascii=False), raise_exception) and the message normalisation are transformers' own.
 
@@ -31,9 +31,9 @@ import transformers
 from transformers import AutoTokenizer
 
 REPO = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-SHARED = os.path.normpath(os.path.join(REPO, "..", "shared"))
-TEMPLATE_PATH = os.path.join(SHARED, "fixtures", "chat-templates", "qwen3.6.jinja")
-TOKENIZER_DIR = os.path.join(SHARED, "fixtures", "qwen3-tokenizer")
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+TEMPLATE_PATH = os.path.join(FIXTURES, "chat-templates", "qwen3.6.jinja")
+TOKENIZER_DIR = os.path.join(FIXTURES, "qwen3-tokenizer")
 
 
 # ---- cases -------------------------------------------------------------------------------------

@@ -4,8 +4,8 @@
 Writes tests/fixtures/tokenizer/corpus.jsonl: one JSON object per line,
   {"kind": ..., "text": ..., "ids": [...], "ids_qwen36": [...]}            (valid UTF-8 input)
   {"kind": "invalid_utf8", "bytes_hex": ..., "text": ..., "ids": [...], ...} (invalid UTF-8 input)
-`ids` come from shared/fixtures/qwen3-tokenizer/tokenizer.json; `ids_qwen36` from the same file with its
-Split regex replaced by the Qwen3.6 regex of shared/MODEL.md section 3 (QWEN36_REGEX below; the C++
+`ids` come from tests/fixtures/qwen3-tokenizer/tokenizer.json; `ids_qwen36` from the same file with its
+Split regex replaced by the Qwen3.6 regex of docs/MODEL.md section 3 (QWEN36_REGEX below; the C++
 test applies the same substitution at load, so no second 11 MB tokenizer.json is committed).
 
 Invalid UTF-8: `tokenizers` only takes Python str, so for those cases `text` is
@@ -32,12 +32,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from tokenizers import Tokenizer  # noqa: E402  (after the env vars, which the library reads at load)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHARED = os.environ.get("LILY_SHARED_DIR", os.path.join(os.path.dirname(ROOT), "shared"))
-TOKENIZER_JSON = os.path.join(SHARED, "fixtures", "qwen3-tokenizer", "tokenizer.json")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+TOKENIZER_JSON = os.path.join(FIXTURES, "qwen3-tokenizer", "tokenizer.json")
 OUT = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "corpus.jsonl")
 SYNTHETIC_OUT = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "synthetic.json")
 
-# shared/MODEL.md section 3: the Qwen3.5/3.6 pre-tokenizer regex (adds the \p{M} mark class).
+# docs/MODEL.md section 3: the Qwen3.5/3.6 pre-tokenizer regex (adds the \p{M} mark class).
 QWEN36_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
                 r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 
