@@ -9,8 +9,11 @@
 #include <cstdlib>
 #include <string>
 #include <string_view>
+#include <vector>
 
+#include "server/anthropic_api.h"
 #include "server/chat_request.h"
+#include "server/responses_api.h"
 
 namespace {
 
@@ -39,6 +42,39 @@ MaybeError validate_apply_template(const json& body) {  // as Server::handle_app
   return validate_chat(with_model);
 }
 
+MaybeError validate_messages(const json& body) {  // as Server::handle_messages
+  json chat_body;
+  RETURN_IF_API_ERROR(lily::anthropic_to_chat_body(body, /*count_only=*/false, chat_body));
+  return validate_chat(chat_body);
+}
+
+MaybeError validate_count_tokens(const json& body) {
+  json chat_body;
+  RETURN_IF_API_ERROR(lily::anthropic_to_chat_body(body, /*count_only=*/true, chat_body));
+  return validate_chat(chat_body);
+}
+
+MaybeError validate_responses(const json& body) {  // as Server::handle_responses
+  json chat_body;
+  RETURN_IF_API_ERROR(lily::responses_to_chat_body(body, chat_body));
+  return validate_chat(chat_body);
+}
+
+MaybeError validate_tokenize(const json& body) {  // the field reads of Server::handle_tokenize
+  std::optional<std::string> content;
+  std::optional<bool> flag;
+  RETURN_IF_API_ERROR(lily::read_string(body, "content", "content", content));
+  for (const char* key : {"add_special", "with_pieces", "parse_special"})
+    RETURN_IF_API_ERROR(lily::read_bool(body, key, key, flag));
+  return std::nullopt;
+}
+
+MaybeError validate_detokenize(const json& body) {  // as Server::handle_detokenize
+  const json* tokens = lily::field_of(body, "tokens");
+  std::vector<int32_t> ids;
+  return tokens == nullptr ? std::nullopt : lily::read_token_ids(*tokens, "tokens", kModel.vocab_size, ids);
+}
+
 struct Endpoint {
   const char* path;
   MaybeError (*validate)(const json& body);
@@ -48,6 +84,11 @@ const Endpoint kEndpoints[] = {
     {"/v1/chat/completions", validate_chat},
     {"/v1/completions", validate_completion},
     {"/apply-template", validate_apply_template},
+    {"/v1/messages", validate_messages},
+    {"/v1/messages/count_tokens", validate_count_tokens},
+    {"/v1/responses", validate_responses},
+    {"/tokenize", validate_tokenize},
+    {"/detokenize", validate_detokenize},
 };
 constexpr size_t kNumEndpoints = sizeof(kEndpoints) / sizeof(kEndpoints[0]);
 

@@ -44,12 +44,18 @@ seed_http_request() {
 }
 
 seed_request_validation() {
-  # First byte: 0 chat, 1 completions, 2 apply-template (fuzz/fuzz_request_validation.cpp, kEndpoints).
+  # First byte: 0 chat, 1 completions, 2 apply-template, 3 messages, 4 count_tokens, 5 responses, 6 tokenize,
+  # 7 detokenize (fuzz/fuzz_request_validation.cpp, kEndpoints).
   printf '\0{"model":"tiny","messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi JSON"}]}],"temperature":0.7,"top_p":0.9,"top_k":20,"stop":["x"],"logit_bias":{"5":-100},"logprobs":true,"top_logprobs":2,"stream":true,"stream_options":{"include_usage":true},"response_format":{"type":"json_object"},"chat_template_kwargs":{"enable_thinking":false}}' > "$1/chat"
   printf '\0{"model":"tiny","messages":[{"role":"user","content":"w"},{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"f","arguments":"{\\"a\\":1}"}}]},{"role":"tool","tool_call_id":"c","content":"r"}],"tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object","properties":{"a":{"type":"integer"}}}}}],"tool_choice":{"type":"function","function":{"name":"f"}}}' > "$1/chat_tools"
   printf '\1{"model":"tiny","prompt":[1,2,3],"max_tokens":4,"logprobs":2,"seed":18446744073709551615,"echo":false}' > "$1/completion_ids"
   printf '\1{"model":"tiny","prompt":"once","n":1,"best_of":1,"stop":"x","max_tokens":1e400}' > "$1/completion_text"
   printf '\2{"messages":[{"role":"developer","content":"d"},{"role":"user","content":"u"}]}' > "$1/apply_template"
+  printf '\3{"model":"tiny","max_tokens":64,"system":[{"type":"text","text":"s"}],"messages":[{"role":"user","content":[{"type":"text","text":"hi"},{"type":"tool_result","tool_use_id":"t","content":"r","is_error":true}]},{"role":"assistant","content":[{"type":"thinking","thinking":"x","signature":"s"},{"type":"tool_use","id":"t","name":"f","input":{"a":1}}]}],"tools":[{"name":"f","input_schema":{"type":"object"}}],"tool_choice":{"type":"any"},"thinking":{"type":"enabled","budget_tokens":1024},"stop_sequences":["x"],"stream":true}' > "$1/messages"
+  printf '\4{"model":"tiny","messages":[{"role":"user","content":"hi"}]}' > "$1/count_tokens"
+  printf '\5{"model":"tiny","instructions":"i","input":[{"role":"user","content":[{"type":"input_text","text":"hi"}]},{"type":"function_call","call_id":"c","name":"f","arguments":"{}"},{"type":"function_call_output","call_id":"c","output":"o"}],"tools":[{"type":"function","name":"f","parameters":{"type":"object"}}],"max_output_tokens":16,"reasoning":{"effort":"low"},"text":{"format":{"type":"json_object"}},"stream":true}' > "$1/responses"
+  printf '\6{"content":"hello <|im_end|>","add_special":true,"with_pieces":true}' > "$1/tokenize"
+  printf '\7{"tokens":[1,2,151643]}' > "$1/detokenize"
   printf '%s\n' '"model"' '"messages"' '"role"' '"content"' '"user"' '"assistant"' '"tool"' '"system"' \
     '"tools"' '"tool_choice"' '"function"' '"arguments"' '"prompt"' '"max_tokens"' '"logprobs"' '"stream"' \
     '"stream_options"' '"logit_bias"' '"response_format"' '"json_object"' '"chat_template_kwargs"' '"1e400"' \
