@@ -3,7 +3,9 @@
 
 #include <csignal>
 #include <cstdio>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "cli/cli_common.h"
 #include "cli/commands.h"
@@ -17,8 +19,10 @@ namespace {
 struct ServeArgs {
   std::string model, host = "127.0.0.1", api_key, backend = "auto", name, cuda_options;
   std::string ctx_size;
-  int port = 8080, threads = 0, grace_s = 10;
-  size_t max_queue = 64, max_body_mb = 16, cache_mb = 8192;
+  int port = 8080, threads = 0, max_tokens = 32768;
+  double grace_s = 10, request_timeout_s = 0;
+  size_t max_queue = 64, max_body_mb = 16, cache_mb = 8192, max_per_client = 64;
+  std::vector<std::string> allow_origins;
   bool quiet = false;
 };
 
@@ -57,7 +61,11 @@ int run_serve(const ServeArgs& a) {
   }
   o.ctx_size = *ctx;
   o.max_queue = a.max_queue;
-  o.shutdown_grace_ms = a.grace_s * 1000;
+  o.shutdown_grace_ms = static_cast<int>(a.grace_s * 1000);
+  o.max_tokens = a.max_tokens;
+  o.request_timeout_ms = static_cast<int>(a.request_timeout_s * 1000);
+  o.allowed_origins = a.allow_origins;
+  o.http.max_connections_per_client = a.max_per_client;
   o.log_requests = !a.quiet;
   o.http.host = a.host;
   o.http.port = a.port;
@@ -86,7 +94,9 @@ void setup(CLI::App& app) {
   auto* cmd = app.add_subcommand("serve", "Serve the OpenAI-compatible API and the chat page");
   auto a = std::make_shared<ServeArgs>();
   cmd->add_option("--model", a->model, kModelHelp)->required();
-  cmd->add_option("--host", a->host, "address to listen on (default 127.0.0.1: this machine only)");
+  cmd->add_option("--host", a->host,
+                  "address to listen on (default 127.0.0.1: this machine only; on loopback, requests "
+                  "whose Host header is not a loopback name get 403)");
   cmd->add_option("--port", a->port, "TCP port (0: any free port)")->check(CLI::Range(0, 65535));
   cmd->add_option("--api-key", a->api_key, "require `Authorization: Bearer KEY` on the API");
   cmd->add_option("--backend", a->backend, "auto | cpu | cuda");
@@ -100,7 +110,24 @@ void setup(CLI::App& app) {
   cmd->add_option("--session-cache-mb", a->cache_mb, "memory budget of the session cache in MiB");
   cmd->add_option("--served-model-name", a->name, "model id in the API (default: ORG/NAME, or the directory's name)");
   cmd->add_option("--shutdown-grace", a->grace_s, "seconds in-flight work may take to finish on SIGTERM")
-      ->check(CLI::Range(0, 3600));
+      ->check(CLI::Range(0.0, 3600.0));
+  cmd->add_option("--max-tokens", a->max_tokens,
+                  "completion tokens of a request that sets no max_tokens, and the most any request "
+                  "gets (larger asks are clamped; finish_reason length); 0: up to the context (default "
+                  "32768)")
+      ->check(CLI::Range(0, 1 << 30));
+  cmd->add_option("--request-timeout", a->request_timeout_s,
+                  "seconds a generation may run (prefill and decode, queue wait excluded); then it ends "
+                  "with what it has and finish_reason length; 0: no limit")
+      ->check(CLI::Range(0.0, 1e6));
+  cmd->add_option("--allow-origin", a->allow_origins,
+                  "a browser origin (e.g. http://localhost:3000) allowed to call the API besides the "
+                  "server's own page; repeat or comma-separate; * allows any. Others get 403, no CORS")
+      ->delimiter(',');
+  cmd->add_option("--max-connections-per-client", a->max_per_client,
+                  "open connections from one address (default 64; past it the oldest idle one is "
+                  "closed, else 503)")
+      ->check(CLI::Range(1, 100000));
   cmd->add_flag("--quiet", a->quiet, "no per-request log lines");
   cmd->callback([a] { set_exit_code(run_serve(*a)); });
 }

@@ -77,7 +77,11 @@ MaybeError Server::make_generation_request(const std::vector<int32_t>& prompt,
                param.c_str()),
         "max_tokens");
   }
-  if (p.max_tokens < 0 || p.max_tokens > room) p.max_tokens = room;
+  // --max-tokens: the default of a request that sets none, and the most any request gets (clamped, not
+  // refused).
+  if (const int limit = options_.max_tokens; limit > 0 && (p.max_tokens <= 0 || p.max_tokens > limit))
+    p.max_tokens = limit;
+  if (p.max_tokens <= 0 || p.max_tokens > room) p.max_tokens = room;
   if (Status st = p.validate(L.served.vocab_size); !st.ok()) return from_status(st);
   out.prompt = prompt;
   out.sampling = std::move(p);
@@ -90,7 +94,8 @@ MaybeError Server::make_generation_request(const std::vector<int32_t>& prompt,
 }
 
 std::shared_ptr<GenerationJob> Server::make_job(GenerationRequest request) {
-  return std::make_shared<GenerationJob>(*loaded_->engine, std::move(request), metrics_);
+  return std::make_shared<GenerationJob>(*loaded_->engine, std::move(request), metrics_,
+                                         options_.request_timeout_ms);
 }
 
 void Server::run_job(const HttpRequest& req, HttpExchange& ex, const std::shared_ptr<GenerationJob>& job,
@@ -139,8 +144,8 @@ void Server::run_job(const HttpRequest& req, HttpExchange& ex, const std::shared
   ex.end_stream();
 }
 
-MaybeError Server::prepare_chat(const json& body, ChatRequest& chat, ChatPrompt& prompt,
-                                GenerationRequest& g) {
+MaybeError Server::prepare_chat(const json& body, ChatRequest& chat, ChatPrompt& prompt, GenerationRequest& g,
+                                const std::function<bool()>& client_gone) {
   const Loaded& L = *loaded_;
   RETURN_IF_API_ERROR(parse_chat_request(body, L.served, chat));
   Result<ChatPrompt> rendered = build_chat_prompt(chat);
@@ -149,6 +154,7 @@ MaybeError Server::prepare_chat(const json& body, ChatRequest& chat, ChatPrompt&
   if (chat.tool_choice == ToolChoice::none && !chat.tools.is_null() && L.tool_call_token >= 0) {
     chat.sampling.params.logit_bias[L.tool_call_token] = -100;  // no call can even begin
   }
+  if (client_gone && client_gone()) return client_gone_error();  // before tokenizing: a long prompt costs CPU
   return make_generation_request(L.tokenizer.encode(prompt.text), chat.sampling, chat.logprobs,
                                  chat.top_logprobs, chat.stream.reuse_cache, -1, "messages", g);
 }
@@ -163,8 +169,8 @@ void Server::handle_chat(const HttpRequest& req, HttpExchange& ex) {
   ChatRequest chat;
   ChatPrompt prompt;
   GenerationRequest g;
-  if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
-  if (auto e = prepare_chat(body, chat, prompt, g)) return send_error(ex, *e);
+  if (auto e = parse_json_body(req.body, body, ex.client_gone_fn())) return send_error(ex, *e);
+  if (auto e = prepare_chat(body, chat, prompt, g, ex.client_gone_fn())) return send_error(ex, *e);
   ChatResponseBuilder builder(chat, prompt, L.tokenizer, response_meta("chatcmpl-"));
   StreamCallbacks cb = builder_callbacks(builder, chat.stream.stream);
   if (cb.stream) {
@@ -184,8 +190,9 @@ void Server::handle_completions(const HttpRequest& req, HttpExchange& ex) {
   const Loaded& L = *loaded_;
   json body;
   CompletionRequest creq;
-  if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
+  if (auto e = parse_json_body(req.body, body, ex.client_gone_fn())) return send_error(ex, *e);
   if (auto e = parse_completion_request(body, L.served, creq)) return send_error(ex, *e);
+  if (ex.client_gone()) return ex.abandon();
   std::vector<int32_t> prompt = creq.prompt_is_ids ? creq.prompt_ids : L.tokenizer.encode(creq.prompt_text);
   GenerationRequest g;
   if (auto e = make_generation_request(prompt, creq.sampling, creq.logprobs >= 0, std::max(creq.logprobs, 0),
@@ -201,7 +208,7 @@ void Server::handle_apply_template(const HttpRequest& req, HttpExchange& ex) {
   const Loaded& L = *loaded_;
   json body;
   ChatRequest chat;
-  if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
+  if (auto e = parse_json_body(req.body, body, ex.client_gone_fn())) return send_error(ex, *e);
   if (!body.contains("model")) body["model"] = options_.served_model_name;
   if (auto e = parse_chat_request(body, L.served, chat)) return send_error(ex, *e);
   Result<ChatPrompt> prompt = build_chat_prompt(chat);

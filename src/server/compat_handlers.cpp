@@ -14,9 +14,9 @@ void Server::handle_messages(const HttpRequest& req, HttpExchange& ex) {
   ChatRequest chat;
   ChatPrompt prompt;
   GenerationRequest g;
-  if (auto e = parse_json_body(req.body, body)) return send_error(req, ex, *e);
+  if (auto e = parse_json_body(req.body, body, ex.client_gone_fn())) return send_error(req, ex, *e);
   if (auto e = anthropic_to_chat_body(body, /*count_only=*/false, chat_body)) return send_error(req, ex, *e);
-  if (auto e = prepare_chat(chat_body, chat, prompt, g)) return send_error(req, ex, as_messages_error(*e));
+  if (auto e = prepare_chat(chat_body, chat, prompt, g, ex.client_gone_fn())) return send_error(req, ex, as_messages_error(*e));
   AnthropicResponseBuilder builder(chat, prompt, response_meta("msg_"), static_cast<int>(g.prompt.size()));
   StreamCallbacks cb = builder_callbacks(builder, chat.stream.stream);
   if (cb.stream) {
@@ -29,7 +29,7 @@ void Server::handle_messages(const HttpRequest& req, HttpExchange& ex) {
 void Server::handle_count_tokens(const HttpRequest& req, HttpExchange& ex) {
   json body, chat_body;
   ChatRequest chat;
-  if (auto e = parse_json_body(req.body, body)) return send_error(req, ex, *e);
+  if (auto e = parse_json_body(req.body, body, ex.client_gone_fn())) return send_error(req, ex, *e);
   if (auto e = anthropic_to_chat_body(body, /*count_only=*/true, chat_body)) return send_error(req, ex, *e);
   if (auto e = parse_chat_request(chat_body, loaded_->served, chat))
     return send_error(req, ex, as_messages_error(*e));
@@ -43,9 +43,9 @@ void Server::handle_responses(const HttpRequest& req, HttpExchange& ex) {
   ChatRequest chat;
   ChatPrompt prompt;
   GenerationRequest g;
-  if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
+  if (auto e = parse_json_body(req.body, body, ex.client_gone_fn())) return send_error(ex, *e);
   if (auto e = responses_to_chat_body(body, chat_body)) return send_error(ex, *e);
-  if (auto e = prepare_chat(chat_body, chat, prompt, g)) return send_error(ex, as_responses_error(*e));
+  if (auto e = prepare_chat(chat_body, chat, prompt, g, ex.client_gone_fn())) return send_error(ex, as_responses_error(*e));
   ResponsesBuilder builder(chat, prompt, body, response_meta("resp_"));
   StreamCallbacks cb = builder_callbacks(builder, chat.stream.stream);
   if (cb.stream) {
@@ -71,7 +71,7 @@ json piece_json(std::string_view bytes) {
 // no BOS, so add_special changes nothing; special-token text is always read as the special token.
 void Server::handle_tokenize(const HttpRequest& req, HttpExchange& ex) {
   json body;
-  if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
+  if (auto e = parse_json_body(req.body, body, ex.client_gone_fn())) return send_error(ex, *e);
   std::optional<std::string> content;
   std::optional<bool> add_special, with_pieces, parse_special;
   if (auto e = read_string(body, "content", "content", content)) return send_error(ex, *e);
@@ -102,7 +102,7 @@ void Server::handle_tokenize(const HttpRequest& req, HttpExchange& ex) {
 // {"tokens": [ids]} -> {"content": text}; an id outside the vocabulary is a 400 naming it.
 void Server::handle_detokenize(const HttpRequest& req, HttpExchange& ex) {
   json body;
-  if (auto e = parse_json_body(req.body, body)) return send_error(ex, *e);
+  if (auto e = parse_json_body(req.body, body, ex.client_gone_fn())) return send_error(ex, *e);
   const json* tokens = field_of(body, "tokens");
   if (tokens == nullptr)
     return send_error(ex, bad_request("'tokens' is required", "tokens", "missing_required_parameter"));

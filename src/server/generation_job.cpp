@@ -1,21 +1,56 @@
 #include "server/generation_job.h"
 
+#include <cstdio>
+
 namespace lily {
 
 namespace {
 constexpr int kClientCheckMs = 20;  // how often a waiting connection checks that its client is still there
-}
 
-GenerationJob::GenerationJob(Engine& engine, GenerationRequest request, Metrics& metrics)
-    : engine_(engine), request_(std::move(request)), metrics_(metrics) {
+using Clock = std::chrono::steady_clock;
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+GenerationJob::GenerationJob(Engine& engine, GenerationRequest request, Metrics& metrics, int timeout_ms)
+    : engine_(engine), request_(std::move(request)), metrics_(metrics), timeout_ms_(timeout_ms) {
   request_.cancel = &cancel;
 }
 
+void GenerationJob::check_deadline() {
+  int64_t started = started_ns_.load();
+  if (timeout_ms_ <= 0 || started == 0 || timed_out_.load()) return;
+  if (now_ns() - started >= int64_t{timeout_ms_} * 1000000) {
+    timed_out_.store(true);
+    cancel.store(true);
+  }
+}
+
 void GenerationJob::run() {
-  using Clock = std::chrono::steady_clock;
+  started_ns_.store(now_ns());
   auto last = Clock::now();
   bool first = true;
-  Result<GenerationResult> result = engine_.generate(request_, [&](const GenerationPiece& piece) {
+  Result<GenerationResult> result = error(ErrorCode::internal, "the generation did not run");
+  try {
+    result = generate(last, first);
+  } catch (const std::exception& e) {  // never past the worker thread: the request gets a 500
+    std::fprintf(stderr, "lily serve: the generation failed: %s\n", e.what());
+    result = error(ErrorCode::internal, "the generation failed: %s", e.what());
+  }
+  if (result.ok() && timed_out_.load() && result->finish_reason == "cancelled")
+    result->finish_reason = "length";
+  if (result.ok()) metrics_.record_generation(*result);
+  {
+    std::lock_guard lock(mu_);
+    result_.emplace(std::move(result));
+  }
+  cv_.notify_one();
+}
+
+Result<GenerationResult> GenerationJob::generate(Clock::time_point& last, bool& first) {
+  return engine_.generate(request_, [&](const GenerationPiece& piece) {
     auto now = Clock::now();
     if (!first) metrics_.observe_token_latency(std::chrono::duration<double>(now - last).count());
     first = false;
@@ -27,12 +62,6 @@ void GenerationJob::run() {
     cv_.notify_one();
     return !cancel.load();
   });
-  if (result.ok()) metrics_.record_generation(*result);
-  {
-    std::lock_guard lock(mu_);
-    result_.emplace(std::move(result));
-  }
-  cv_.notify_one();
 }
 
 void GenerationJob::dropped() {
@@ -77,6 +106,7 @@ DriveOutcome drive(Scheduler& scheduler, const std::shared_ptr<GenerationJob>& j
   for (;;) {
     switch (job->next(piece, kClientCheckMs)) {
       case GenerationJob::Event::piece:
+        job->check_deadline();
         if (!on_piece(piece) || exchange.client_gone()) {
           job->cancel.store(true);
           return DriveOutcome::client_gone;
@@ -87,6 +117,7 @@ DriveOutcome drive(Scheduler& scheduler, const std::shared_ptr<GenerationJob>& j
       case GenerationJob::Event::dropped:
         return job->cancel.load() ? DriveOutcome::client_gone : DriveOutcome::dropped;
       case GenerationJob::Event::timeout:
+        job->check_deadline();
         if (exchange.client_gone()) {
           job->cancel.store(true);
           scheduler.withdraw(job);  // still queued: leaves without running; running: stops within a token

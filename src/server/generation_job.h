@@ -21,8 +21,9 @@ namespace lily {
 
 class GenerationJob : public Job {
  public:
-  // engine and metrics must outlive the job's run.
-  GenerationJob(Engine& engine, GenerationRequest request, Metrics& metrics);
+  // engine and metrics must outlive the job's run. timeout_ms > 0: the generation may run that long on the
+  // worker (then it ends with finish_reason "length"; see check_deadline).
+  GenerationJob(Engine& engine, GenerationRequest request, Metrics& metrics, int timeout_ms = 0);
 
   void run() override;
   void dropped() override;
@@ -32,8 +33,14 @@ class GenerationJob : public Job {
   Event next(GenerationPiece& piece, int timeout_ms);
   // Valid after Event::finished.
   const Result<GenerationResult>& result() const { return *result_; }
+  // Called by the connection thread while it waits: past the timeout since run() began, the generation is
+  // stopped (prefill or decode, within one token) and reported as finish_reason "length".
+  void check_deadline();
+  bool timed_out() const { return timed_out_.load(); }
 
  private:
+  Result<GenerationResult> generate(std::chrono::steady_clock::time_point& last, bool& first);
+
   Engine& engine_;
   GenerationRequest request_;
   Metrics& metrics_;
@@ -42,6 +49,9 @@ class GenerationJob : public Job {
   std::deque<GenerationPiece> pieces_;
   std::optional<Result<GenerationResult>> result_;
   bool dropped_ = false;
+  const int timeout_ms_;
+  std::atomic<int64_t> started_ns_{0};  // steady clock at run(); 0: not running yet
+  std::atomic<bool> timed_out_{false};
 };
 
 enum class DriveOutcome {

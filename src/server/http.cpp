@@ -10,11 +10,13 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
-#include <set>
+#include <system_error>
 #include <thread>
 
 #include "server/api_error.h"
+#include "server/http_parse.h"
 
 namespace lily {
 
@@ -54,73 +56,6 @@ int recv_some(int fd, std::string& buf, Clock::time_point deadline, bool idle,
   }
 }
 
-std::string to_lower(std::string s) {
-  std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-  return s;
-}
-
-std::string trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) s.remove_suffix(1);
-  return std::string(s);
-}
-
-bool percent_decode(std::string_view in, std::string& out) {
-  out.clear();
-  for (size_t i = 0; i < in.size(); ++i) {
-    if (in[i] != '%') {
-      out += in[i];
-      continue;
-    }
-    if (i + 2 >= in.size() || !std::isxdigit(static_cast<unsigned char>(in[i + 1])) ||
-        !std::isxdigit(static_cast<unsigned char>(in[i + 2]))) {
-      return false;
-    }
-    out += static_cast<char>(std::stoi(std::string(in.substr(i + 1, 2)), nullptr, 16));
-    i += 2;
-  }
-  return true;
-}
-
-// Parses the request line and headers (text before the blank line). Returns an error message or "".
-std::string parse_head(std::string_view head, HttpRequest& req, bool& http11) {
-  size_t eol = head.find('\n');
-  std::string line = trim(head.substr(0, eol));
-  size_t sp1 = line.find(' '), sp2 = line.rfind(' ');
-  if (sp1 == std::string::npos || sp2 == sp1) return "malformed request line";
-  req.method = line.substr(0, sp1);
-  std::string target = line.substr(sp1 + 1, sp2 - sp1 - 1);
-  std::string version = line.substr(sp2 + 1);
-  if (version != "HTTP/1.1" && version != "HTTP/1.0") return "unsupported HTTP version `" + version + "`";
-  http11 = version == "HTTP/1.1";
-  if (target.starts_with("http://") || target.starts_with("https://")) {  // absolute form
-    size_t slash = target.find('/', target.find("//") + 2);
-    target = slash == std::string::npos ? "/" : target.substr(slash);
-  }
-  if (target.empty() || target[0] != '/') return "malformed request target";
-  size_t q = target.find('?');
-  if (q != std::string::npos) req.query = target.substr(q + 1);
-  if (!percent_decode(std::string_view(target).substr(0, q), req.path)) return "malformed percent-encoding";
-  while (eol != std::string_view::npos && eol + 1 < head.size()) {
-    size_t next = head.find('\n', eol + 1);
-    std::string_view h =
-        head.substr(eol + 1, next == std::string_view::npos ? std::string_view::npos : next - eol - 1);
-    eol = next;
-    if (trim(h).empty()) continue;
-    if (h.front() == ' ' || h.front() == '\t') return "obsolete header line folding";
-    size_t colon = h.find(':');
-    if (colon == std::string_view::npos || colon == 0) return "malformed header line";
-    req.headers.emplace_back(to_lower(std::string(h.substr(0, colon))), trim(h.substr(colon + 1)));
-  }
-  return "";
-}
-
-bool parse_length(const std::string& s, size_t& out) {
-  if (s.empty() || s.size() > 18 || !std::all_of(s.begin(), s.end(), ::isdigit)) return false;
-  out = std::stoull(s);
-  return true;
-}
-
 // Reads and discards what the client is still sending (up to a limit), so it sees our error response
 // instead of a reset, then the caller closes.
 void drain(int fd) {
@@ -145,6 +80,13 @@ std::string HttpRequest::header(std::string_view lower_name) const {
   return "";
 }
 
+bool HttpRequest::has_header(std::string_view lower_name) const {
+  for (const auto& [k, v] : headers) {
+    if (k == lower_name) return true;
+  }
+  return false;
+}
+
 const char* http_status_text(int status) {
   switch (status) {
     case 100:
@@ -157,6 +99,8 @@ const char* http_status_text(int status) {
       return "400 Bad Request";
     case 401:
       return "401 Unauthorized";
+    case 403:
+      return "403 Forbidden";
     case 404:
       return "404 Not Found";
     case 405:
@@ -171,6 +115,8 @@ const char* http_status_text(int status) {
       return "415 Unsupported Media Type";
     case 429:
       return "429 Too Many Requests";
+    case 501:
+      return "501 Not Implemented";
     case 431:
       return "431 Request Header Fields Too Large";
     case 500:
@@ -210,10 +156,14 @@ std::string HttpExchange::head(int status, std::string_view content_type, const 
                                bool chunked, size_t length) {
   std::string h = "HTTP/1.1 ";
   h += http_status_text(status);
-  h += "\r\nContent-Type: ";
-  h += content_type;
-  h += chunked ? "\r\nTransfer-Encoding: chunked" : "\r\nContent-Length: " + std::to_string(length);
+  if (!content_type.empty()) h += "\r\nContent-Type: " + std::string(content_type);
+  if (chunked) {
+    h += "\r\nTransfer-Encoding: chunked";
+  } else if (status != 204) {
+    h += "\r\nContent-Length: " + std::to_string(length);
+  }
   for (const auto& [k, v] : headers) h += "\r\n" + k + ": " + v;
+  for (const auto& [k, v] : extra_headers_) h += "\r\n" + k + ": " + v;
   if (!keep_alive_) h += "\r\nConnection: close";
   h += "\r\n\r\n";
   return h;
@@ -224,8 +174,8 @@ void HttpExchange::send(int status, std::string_view content_type, std::string_v
   if (responded_) return;
   responded_ = true;
   status_ = status;
-  std::string out = head(status, content_type, headers, false, body.size());
-  out.append(body);
+  std::string out = head(status, status == 204 ? "" : content_type, headers, false, body.size());
+  if (!head_only_) out.append(body);  // HEAD: the headers GET would send, no body
   write_all(out);
 }
 
@@ -269,7 +219,9 @@ bool HttpExchange::client_gone() {
 }
 
 HttpServer::HttpServer(HttpServerOptions options, HttpHandler handler)
-    : options_(std::move(options)), handler_(std::move(handler)) {}
+    : options_(std::move(options)),
+      handler_(std::move(handler)),
+      conns_(options_.max_connections, options_.max_connections_per_client) {}
 
 HttpServer::~HttpServer() {
   if (listen_fd_ >= 0) ::close(listen_fd_);
@@ -309,38 +261,82 @@ Status HttpServer::listen() {
 
 size_t HttpServer::connections() const {
   std::lock_guard lock(mu_);
-  return open_fds_.size();
+  return conns_.size();
+}
+
+size_t HttpServer::evicted_connections() const {
+  std::lock_guard lock(mu_);
+  return conns_.evicted();
+}
+
+void HttpServer::set_idle(int fd, bool idle) {
+  std::lock_guard lock(mu_);
+  conns_.set_idle(fd, idle);
 }
 
 void HttpServer::shutdown() {
   stopping_.store(true);
 }
 
+namespace {
+
+// The client's address without the port: connections are counted per address.
+std::string peer_address(const sockaddr_storage& a) {
+  char text[INET6_ADDRSTRLEN] = "?";
+  if (a.ss_family == AF_INET6) {
+    ::inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&a)->sin6_addr, text, sizeof(text));
+  } else if (a.ss_family == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&a)->sin_addr, text, sizeof(text));
+  }
+  return text;
+}
+
+}  // namespace
+
+void HttpServer::accept_one() {
+  sockaddr_storage peer{};
+  socklen_t peer_len = sizeof(peer);
+  int fd = ::accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &peer_len, SOCK_CLOEXEC);
+  if (fd < 0) return;
+  int one = 1;
+  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  {
+    std::lock_guard lock(mu_);
+    if (!conns_.admit(fd, peer_address(peer))) {
+      HttpExchange ex(fd, false, 1000);
+      ex.send_json(503, error_body(server_error(503, "too many open connections", "too_many_connections")),
+                   {{"Retry-After", "1"}});
+      ::close(fd);
+      return;
+    }
+  }
+  auto serve = [this, fd] {
+    try {
+      serve_connection(fd);
+    } catch (const std::exception& e) {  // the handler has its own catch-all; this is the thread's last stop
+      std::fprintf(stderr, "lily serve: connection error: %s\n", e.what());
+    } catch (...) {
+      std::fprintf(stderr, "lily serve: connection error (unknown exception)\n");
+    }
+    std::lock_guard lock(mu_);
+    conns_.remove(fd);
+    ::close(fd);  // under the lock: run() never shuts down a number that was closed and reused
+    cv_.notify_all();
+  };
+  try {
+    std::thread(serve).detach();
+  } catch (const std::system_error& e) {  // no thread to be had: refuse this one, keep serving the others
+    std::fprintf(stderr, "lily serve: cannot start a connection thread: %s\n", e.what());
+    std::lock_guard lock(mu_);
+    conns_.remove(fd);
+    ::close(fd);
+  }
+}
+
 void HttpServer::run() {
   while (!stopping_.load()) {
     pollfd p{listen_fd_, POLLIN, 0};
-    if (::poll(&p, 1, kPollSliceMs) <= 0) continue;
-    int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    int one = 1;
-    ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-    {
-      std::lock_guard lock(mu_);
-      if (open_fds_.size() >= options_.max_connections) {
-        HttpExchange ex(fd, false, 1000);
-        ex.send_json(503, error_body(server_error(503, "too many open connections", "too_many_connections")));
-        ::close(fd);
-        continue;
-      }
-      open_fds_.insert(fd);
-    }
-    std::thread([this, fd] {
-      serve_connection(fd);
-      std::lock_guard lock(mu_);
-      open_fds_.erase(fd);
-      ::close(fd);  // under the lock: run() never shuts down a number that was closed and reused
-      cv_.notify_all();
-    }).detach();
+    if (::poll(&p, 1, kPollSliceMs) > 0) accept_one();
   }
   ::close(listen_fd_);
   listen_fd_ = -1;
@@ -348,9 +344,9 @@ void HttpServer::run() {
   // any read, write or poll in progress, so no connection thread outlives the server.
   std::unique_lock lock(mu_);
   if (!cv_.wait_for(lock, std::chrono::milliseconds(options_.drain_timeout_ms),
-                    [&] { return open_fds_.empty(); })) {
-    for (int fd : open_fds_) ::shutdown(fd, SHUT_RDWR);
-    cv_.wait_for(lock, std::chrono::seconds(5), [&] { return open_fds_.empty(); });
+                    [&] { return conns_.empty(); })) {
+    for (int fd : conns_.fds()) ::shutdown(fd, SHUT_RDWR);
+    cv_.wait_for(lock, std::chrono::seconds(5), [&] { return conns_.empty(); });
   }
 }
 
@@ -362,44 +358,71 @@ bool HttpServer::read_request(int fd, std::string& buf, HttpRequest& req, HttpEx
     return false;
   };
   auto deadline = Clock::now() + std::chrono::milliseconds(options_.idle_timeout_ms);
-  size_t head_end;
-  while ((head_end = buf.find("\r\n\r\n")) == std::string::npos) {
+  bool started = false;
+  HeadEnd end;
+  for (;;) {
+    size_t blank = buf.find_first_not_of("\r\n");  // empty lines before a request line are ignored (RFC 9112)
+    buf.erase(0, blank == std::string::npos ? buf.size() : blank);
+    if ((end = find_head_end(buf)).found) break;
     if (buf.size() > options_.max_header_bytes) return fail(431, "request headers too large", false);
-    bool idle = buf.empty();
-    if (!idle)
-      deadline = std::min(deadline, Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms));
-    if (recv_some(fd, buf, deadline, idle, stopping_) != 1) return false;
+    if (!buf.empty() && !started) {
+      started = true;
+      deadline = std::min(deadline, Clock::now() + std::chrono::milliseconds(options_.header_timeout_ms));
+    }
+    if (recv_some(fd, buf, deadline, buf.empty(), stopping_) != 1) {
+      if (started && Clock::now() >= deadline)
+        return fail(408, "the request head did not arrive in time", false);
+      return false;
+    }
   }
-  if (head_end > options_.max_header_bytes) return fail(431, "request headers too large", false);
+  set_idle(fd, false);
+  if (end.head_size > options_.max_header_bytes) return fail(431, "request headers too large", false);
   req.arrival = Clock::now();
   bool http11 = true;
-  std::string err = parse_head(std::string_view(buf).substr(0, head_end + 2), req, http11);
+  std::string err = parse_head(std::string_view(buf).substr(0, end.head_size), req, http11);
   if (!err.empty()) return fail(400, "bad HTTP request: " + err, false);
-  std::string connection = to_lower(req.header("connection"));
+  std::string connection = ascii_lower(req.header("connection"));
   ex = HttpExchange(fd, http11 ? connection != "close" : connection == "keep-alive", options_.io_timeout_ms);
-  if (!req.header("transfer-encoding").empty()) {
-    return fail(411, "chunked request bodies are not supported; send Content-Length", true);
-  }
-  size_t length = 0;
-  std::string cl = req.header("content-length");
-  if (!cl.empty() && !parse_length(cl, length)) return fail(400, "bad Content-Length `" + cl + "`", false);
-  if (length > options_.max_body_bytes) {
-    return fail(
-        413,
-        format("request body of %zu bytes exceeds the limit of %zu bytes", length, options_.max_body_bytes),
-        true);
-  }
-  buf.erase(0, head_end + 4);
-  if (to_lower(req.header("expect")) == "100-continue" && buf.size() < length) {
+  if (req.method == "HEAD") ex.set_head_only();
+  BodyFraming framing = body_framing(req, options_.max_body_bytes);
+  if (framing.status != 0) return fail(framing.status, framing.error, framing.drain);
+  buf.erase(0, end.body_start);
+  return read_body(fd, buf, req, framing.chunked, framing.length, ex);
+}
+
+bool HttpServer::read_body(int fd, std::string& buf, HttpRequest& req, bool chunked, size_t length,
+                           HttpExchange& ex) {
+  if (ascii_lower(req.header("expect")) == "100-continue" && (chunked || buf.size() < length)) {
     if (::send(fd, "HTTP/1.1 100 Continue\r\n\r\n", 25, MSG_NOSIGNAL) != 25) return false;
   }
   auto body_deadline = Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms);
-  while (buf.size() < length) {
+  if (!chunked) {
+    while (buf.size() < length) {
+      if (recv_some(fd, buf, body_deadline, false, stopping_) != 1) return false;
+    }
+    req.body = buf.substr(0, length);
+    buf.erase(0, length);
+    return true;
+  }
+  ChunkedDecoder decoder(options_.max_body_bytes);
+  for (;;) {
+    switch (decoder.feed(buf, req.body)) {
+      case ChunkedDecoder::State::done:
+        return true;
+      case ChunkedDecoder::State::too_large:
+        ex.close_after();
+        ex.send_json(413, error_body(bad_request(decoder.error())));
+        drain(fd);
+        return false;
+      case ChunkedDecoder::State::malformed:
+        ex.close_after();
+        ex.send_json(400, error_body(bad_request("bad HTTP request: " + decoder.error())));
+        return false;
+      case ChunkedDecoder::State::more:
+        break;
+    }
     if (recv_some(fd, buf, body_deadline, false, stopping_) != 1) return false;
   }
-  req.body = buf.substr(0, length);
-  buf.erase(0, length);
-  return true;
 }
 
 void HttpServer::serve_connection(int fd) {
@@ -409,9 +432,21 @@ void HttpServer::serve_connection(int fd) {
     HttpExchange ex(fd, false, options_.io_timeout_ms);
     if (!read_request(fd, buf, req, ex)) return;
     if (stopping_.load()) ex.close_after();
-    handler_(req, ex);
+    try {
+      handler_(req, ex);
+    } catch (const std::exception& e) {
+      // Handlers should catch their own (Server::handle does); nothing gets past this one.
+      std::fprintf(stderr, "lily serve: internal error in %s %s: %s\n", req.method.c_str(), req.path.c_str(),
+                   e.what());
+      ex.close_after();
+      if (!ex.responded())
+        ex.send_json(500, error_body(server_error(500, std::string("Internal server error: ") + e.what(),
+                                                  "internal_error")));
+      return;
+    }
     if (!ex.responded()) ex.send_json(500, error_body(server_error(500, "no response was produced")));
     if (!ex.keep_alive()) return;
+    set_idle(fd, true);
   }
 }
 

@@ -1,7 +1,8 @@
 // A small HTTP/1.1 server on POSIX sockets: what the OpenAI API needs and no more. One thread per connection,
-// keep-alive, Content-Length request bodies (with `Expect: 100-continue`), fixed-length or chunked responses
-// (SSE), and a non-blocking check that the client is still there, so a generation can stop within one token
-// of a disconnect. Limits (header and body size, connection count, timeouts) answer with OpenAI error JSON.
+// keep-alive, Content-Length or chunked request bodies (with `Expect: 100-continue`; parsing in
+// http_parse.h), HEAD, fixed-length or chunked responses (SSE), and a non-blocking check that the client is
+// still there, so a generation can stop within one token of a disconnect. Limits (header and body size,
+// connection count, timeouts) answer with OpenAI error JSON.
 //
 // Why not cpp-httplib: Debian 12's libcpp-httplib-dev is the split (compiled) build, whose declarations
 // depend on the OpenSSL/zlib/brotli defines it was built with and which needs -lcpp-httplib at link time;
@@ -12,12 +13,12 @@
 #include <condition_variable>
 #include <functional>
 #include <mutex>
-#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
+#include "server/connection_table.h"
 #include "util/status.h"
 
 namespace lily {
@@ -30,6 +31,7 @@ struct HttpRequest {
   std::string body;
   std::chrono::steady_clock::time_point arrival;          // when the request head was complete
   std::string header(std::string_view lower_name) const;  // "" when absent
+  bool has_header(std::string_view lower_name) const;
 };
 
 // One request's answer: send() once, or begin_stream(), write()..., end_stream().
@@ -46,6 +48,18 @@ class HttpExchange {
   void end_stream();
   // Non-blocking: true when the peer has closed or reset the connection.
   bool client_gone();
+  // client_gone() as a callback, for work that checks now and then (parse_json_body, prepare_chat).
+  std::function<bool()> client_gone_fn() {
+    return [this] { return client_gone(); };
+  }
+
+  // Headers every response of this exchange carries (CORS), added before it is sent.
+  void add_header(std::string name, std::string value) {
+    extra_headers_.emplace_back(std::move(name), std::move(value));
+  }
+  // HEAD: responses carry the headers GET would (Content-Length included) and no body.
+  void set_head_only() { head_only_ = true; }
+  bool streaming() const { return streaming_; }
 
   bool responded() const { return responded_; }
   int status() const { return status_; }  // of the response sent (0: none yet)
@@ -67,7 +81,8 @@ class HttpExchange {
   bool keep_alive_;
   int io_timeout_ms_;
   int status_ = 0;
-  bool responded_ = false, streaming_ = false, broken_ = false;
+  bool responded_ = false, streaming_ = false, broken_ = false, head_only_ = false;
+  HttpHeaders extra_headers_;
 };
 
 struct HttpServerOptions {
@@ -76,8 +91,12 @@ struct HttpServerOptions {
   size_t max_body_bytes = 16u << 20;
   size_t max_header_bytes = 64u << 10;
   size_t max_connections = 512;
-  int idle_timeout_ms = 60000;   // keep-alive connection with no request
-  int io_timeout_ms = 30000;     // a started request or response that stalls
+  size_t max_connections_per_client = 64;  // from one address; past either cap an idle connection is evicted
+  // A keep-alive connection with no request. The OpenAI SDKs (httpx) drop pooled connections after 5 s idle,
+  // so 10 s keeps their reuse while an idle flood frees its slots quickly.
+  int idle_timeout_ms = 10000;
+  int header_timeout_ms = 10000;  // from the first byte of a request to the end of its head
+  int io_timeout_ms = 30000;      // a request body or response that stalls
   int drain_timeout_ms = 15000;  // after shutdown(): how long busy connections may take to finish
 };
 
@@ -97,10 +116,14 @@ class HttpServer {
   // and signal-thread-safe (no allocation before the flag is set).
   void shutdown();
   size_t connections() const;
+  size_t evicted_connections() const;  // idle connections closed to make room (ConnectionTable)
 
  private:
   void serve_connection(int fd);
   bool read_request(int fd, std::string& buf, HttpRequest& req, HttpExchange& ex);
+  bool read_body(int fd, std::string& buf, HttpRequest& req, bool chunked, size_t length, HttpExchange& ex);
+  void accept_one();
+  void set_idle(int fd, bool idle);
 
   HttpServerOptions options_;
   HttpHandler handler_;
@@ -109,7 +132,7 @@ class HttpServer {
   std::atomic<bool> stopping_{false};
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::set<int> open_fds_;  // connections being served
+  ConnectionTable conns_;  // connections being served
 };
 
 // "200 OK", "413 Payload Too Large", ...

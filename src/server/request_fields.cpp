@@ -5,13 +5,11 @@
 #include <limits>
 
 #include "tokenizer/json_dump.h"
-#include "tokenizer/pretokenize_utf8.h"
 
 namespace lily {
 
 namespace {
 
-constexpr size_t kMaxJsonDepth = 64;
 constexpr size_t kMaxStopStrings = 16;
 
 const json* field(const json& obj, const char* key) {
@@ -330,31 +328,6 @@ MaybeError read_stream_options(const json& body, StreamOptions& out) {
     std::optional<bool> include_usage;
     RETURN_IF_API_ERROR(read_bool(*so, "include_usage", "stream_options.include_usage", include_usage));
     out.include_usage = include_usage.value_or(false);
-  }
-  return std::nullopt;
-}
-
-MaybeError parse_json_body(std::string_view body, json& out) {
-  if (!is_valid_utf8(body)) return bad_request("The request body is not valid UTF-8.", "", "invalid_utf8");
-  out = json::parse(body, nullptr, /*allow_exceptions=*/false);
-  if (out.is_discarded()) {
-    // Re-parse with exceptions only to get the position and reason for the message.
-    std::string why = "malformed JSON";
-    try {
-      json ignored = json::parse(body);
-      (void)ignored;
-    } catch (const json::parse_error& e) {
-      why = e.what();
-    }
-    return bad_request("We could not parse the JSON body of your request: " + why, "", "invalid_json");
-  }
-  if (!out.is_object()) {
-    return bad_request(format("The request body must be a JSON object, got %s", json_type_name(out)), "",
-                       "invalid_json");
-  }
-  if (!json_depth_within(out, kMaxJsonDepth)) {
-    return bad_request(format("The request body nests deeper than %zu levels", kMaxJsonDepth), "",
-                       "invalid_json");
   }
   return std::nullopt;
 }

@@ -90,7 +90,11 @@ struct StreamOptions {
 };
 MaybeError read_stream_options(const json& body, StreamOptions& out);
 
-// The raw body -> JSON: valid UTF-8, well-formed JSON, an object, nesting at most 64 deep.
-MaybeError parse_json_body(std::string_view body, json& out);
+// The raw body -> JSON in linear time (json_body.cpp): valid UTF-8, well-formed JSON, finite numbers, an
+// object, nesting at most 64 deep. `client_gone`, when given, is asked now and then; once it says true,
+// parsing stops with a 499 `client_gone` error (Server::send_error abandons such a request).
+MaybeError parse_json_body(std::string_view body, json& out, const std::function<bool()>& client_gone = {});
+// The 499 `client_gone` error of a request whose client has left (nothing is sent for it).
+ApiError client_gone_error();
 
 }  // namespace lily

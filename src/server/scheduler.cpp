@@ -85,6 +85,9 @@ void Scheduler::cancel_running() {
 }
 
 void Scheduler::stop(int grace_ms) {
+  // Serialized: the signal's shutdown and the end of Server::run() both stop the scheduler, and two threads
+  // joining one std::thread at once is undefined (it hung about one SIGTERM in four with a stream in flight).
+  std::lock_guard stop_lock(stop_mu_);
   close();
   auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(grace_ms);
   while (running_.load() > 0 && std::chrono::steady_clock::now() < deadline) {

@@ -40,7 +40,8 @@ class Scheduler {
   // Stops taking jobs and drops the queued ones; the running job goes on.
   void close();
   void cancel_running();
-  // close(); waits up to `grace_ms` for the running job, then cancels it; joins the worker. Idempotent.
+  // close(); waits up to `grace_ms` for the running job, then cancels it; joins the worker. Idempotent and
+  // thread-safe: a second caller waits for the first to finish.
   void stop(int grace_ms);
 
  private:
@@ -48,6 +49,7 @@ class Scheduler {
 
   const size_t max_queue_;
   mutable std::mutex mu_;
+  std::mutex stop_mu_;  // one stop() at a time
   std::condition_variable cv_;
   std::deque<std::shared_ptr<Job>> queue_;
   std::shared_ptr<Job> current_;

@@ -5,6 +5,7 @@
 #include <unistd.h>
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -19,6 +20,22 @@
 namespace lily {
 
 namespace {
+
+bool post_endpoint(const std::string& p) {
+  return p == "/v1/chat/completions" || p == "/v1/completions" || p == "/apply-template" ||
+         p == "/v1/messages" || p == "/v1/messages/count_tokens" || p == "/v1/responses" || p == "/tokenize" ||
+         p == "/detokenize";
+}
+
+bool known_endpoint(const std::string& p) {
+  return find_chat_page_asset(p) != nullptr || p == "/health" || p == "/metrics" || p == "/v1/models" ||
+         p.starts_with("/v1/models/") || p == "/props" || post_endpoint(p);
+}
+
+// The `endpoint` label of lily_requests_total.
+std::string endpoint_label(const std::string& p) {
+  return p.starts_with("/v1/models/") ? "/v1/models/{id}" : known_endpoint(p) ? p : "other";
+}
 
 // Defaults that depend on other options: the served name, and HTTP draining that outlasts the shutdown grace.
 ServerOptions resolved(ServerOptions o) {
@@ -35,6 +52,7 @@ ServerOptions resolved(ServerOptions o) {
 
 Server::Server(ServerOptions options)
     : options_(resolved(std::move(options))),
+      origin_policy_{is_loopback_bind(options_.http.host), options_.allowed_origins},
       http_(options_.http, [this](const HttpRequest& req, HttpExchange& ex) { handle(req, ex); }),
       scheduler_(std::make_unique<Scheduler>(options_.max_queue)),
       started_at_(static_cast<int64_t>(std::time(nullptr))) {}
@@ -131,6 +149,7 @@ void Server::load_model() {
 }
 
 void Server::send_error(HttpExchange& ex, const ApiError& e) {
+  if (e.status == 499) return ex.abandon();  // the client has gone (parse_json_body noticed): nothing to send
   HttpHeaders headers;
   if (e.status == 401) headers.emplace_back("WWW-Authenticate", "Bearer");
   if (e.status == 429 || e.status == 503) headers.emplace_back("Retry-After", "1");
@@ -138,7 +157,7 @@ void Server::send_error(HttpExchange& ex, const ApiError& e) {
 }
 
 void Server::send_error(const HttpRequest& req, HttpExchange& ex, const ApiError& e) {
-  if (!is_anthropic_path(req.path)) return send_error(ex, e);
+  if (!is_anthropic_path(req.path) || e.status == 499) return send_error(ex, e);
   HttpHeaders headers;
   if (e.status == 429 || e.status == 503) headers.emplace_back("Retry-After", "1");
   ex.send_json(e.status, anthropic_error_body(e), headers);
@@ -167,6 +186,9 @@ json Server::model_json() const {
   m["created"] = started_at_;
   m["owned_by"] = "lily";
   if (state_.load() == State::ready) m["max_model_len"] = loaded_->served.ctx_size;
+  m["max_tokens"] = options_.max_tokens > 0 ? json(options_.max_tokens) : json(nullptr);
+  m["request_timeout"] =
+      options_.request_timeout_ms > 0 ? json(options_.request_timeout_ms / 1000.0) : json(nullptr);
   return m;
 }
 
@@ -194,6 +216,39 @@ void Server::handle_health(HttpExchange& ex) {
   }
 }
 
+// As llama.cpp's server: what a client may ask of this server before it sends a request.
+void Server::handle_props(HttpExchange& ex) {
+  const bool ready = state_.load() == State::ready;
+  json ctx = ready ? json(loaded_->served.ctx_size) : json(nullptr);
+  json params{{"max_tokens", options_.max_tokens > 0 ? json(options_.max_tokens) : json(nullptr)}};
+  if (ready) {
+    const SamplingDefaults& d = loaded_->defaults;
+    auto decimal = [](float x) { return std::round(double{x} * 1e6) / 1e6; };  // 0.95f, not 0.949999988
+    params.update(json{{"temperature", decimal(d.temperature)},
+                       {"top_k", d.top_k},
+                       {"top_p", decimal(d.top_p)},
+                       {"min_p", decimal(d.min_p)},
+                       {"repetition_penalty", decimal(d.repetition_penalty)}});
+  }
+  const HttpServerOptions& h = options_.http;
+  json limits{{"n_ctx", ctx},
+              {"max_tokens", params["max_tokens"]},
+              {"request_timeout", model_json()["request_timeout"]},
+              {"max_queue", options_.max_queue},
+              {"max_body_bytes", h.max_body_bytes},
+              {"max_connections", h.max_connections},
+              {"max_connections_per_client", h.max_connections_per_client},
+              {"idle_timeout", h.idle_timeout_ms / 1000.0}};
+  json out{{"model", options_.served_model_name},
+           {"model_path", options_.model_dir},
+           {"ready", ready},
+           {"n_ctx", ctx},
+           {"total_slots", 1},
+           {"limits", limits},
+           {"default_generation_settings", json{{"n_ctx", ctx}, {"params", params}}}};
+  ex.send_json(200, dump_json(out));
+}
+
 void Server::handle_models(const HttpRequest& req, HttpExchange& ex) {
   if (req.path == "/v1/models") {
     ex.send_json(200, dump_json(json{{"object", "list"}, {"data", json::array({model_json()})}}));
@@ -212,29 +267,56 @@ void Server::handle_models(const HttpRequest& req, HttpExchange& ex) {
 void Server::handle(const HttpRequest& req, HttpExchange& ex) {
   using Clock = std::chrono::steady_clock;
   const std::string& p = req.path;
-  const ChatPageAsset* page = find_chat_page_asset(p);
-  const bool compat = p == "/v1/messages" || p == "/v1/messages/count_tokens" || p == "/v1/responses" ||
-                      p == "/tokenize" || p == "/detokenize";
-  const bool post = p == "/v1/chat/completions" || p == "/v1/completions" || p == "/apply-template" || compat;
-  const bool known = page != nullptr || p == "/health" || p == "/metrics" || p == "/v1/models" ||
-                     p.starts_with("/v1/models/") || post;
-  const std::string endpoint = p.starts_with("/v1/models/") ? "/v1/models/{id}" : known ? p : "other";
   const auto t0 = Clock::now();
   struct Recorder {  // records the request however the handler returns
     std::function<void()> fn;
     ~Recorder() { fn(); }
   } recorder{[&] {
-    metrics_.record_request(endpoint, ex.status());
+    metrics_.record_request(endpoint_label(p), ex.status());
     if (options_.log_requests && p != "/health" && p != "/metrics") {
       double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
       std::fprintf(stderr, "%s %s %d %.1f ms\n", req.method.c_str(), p.c_str(), ex.status(), ms);
     }
   }};
+  // No exception leaves a request: whatever a handler throws is answered 500 (or ends its stream with an
+  // error event) and logged, and the server goes on.
+  try {
+    route(req, ex);
+  } catch (const std::exception& e) {
+    answer_exception(req, ex, e.what());
+  } catch (...) {
+    answer_exception(req, ex, "an unknown exception");
+  }
+}
+
+void Server::answer_exception(const HttpRequest& req, HttpExchange& ex, const char* what) {
+  std::fprintf(stderr, "lily serve: internal error in %s %s: %s\n", req.method.c_str(), req.path.c_str(),
+               what);
+  ApiError e = server_error(500, std::string("Internal server error: ") + what, "internal_error");
+  ex.close_after();
+  if (!ex.responded()) return send_error(req, ex, e);
+  if (ex.streaming()) {
+    ex.write(sse_event(error_body(e)) + sse_done());
+    ex.end_stream();
+  }
+}
+
+void Server::route(const HttpRequest& req, HttpExchange& ex) {
+  const std::string& p = req.path;
+  const ChatPageAsset* page = find_chat_page_asset(p);
+  const bool known = known_endpoint(p);
+  const bool post = post_endpoint(p);
+  if (auto e = check_origin(req, origin_policy_)) return send_error(req, ex, *e);
+  for (auto& [name, value] : cors_headers(req, origin_policy_)) ex.add_header(name, value);
   if (!known) {
     return send_error(
         req, ex, ApiError{404, "invalid_request_error", "Unknown endpoint " + req.method + " " + p, "", "not_found"});
   }
-  if (req.method != (post ? "POST" : "GET")) {
+  const char* allow = post ? "POST, OPTIONS" : "GET, HEAD, OPTIONS";
+  if (req.method == "OPTIONS") return answer_options(req, origin_policy_, allow, ex);
+  const std::string method = req.method == "HEAD" ? "GET" : req.method;  // HEAD: GET without the body
+  if (method != (post ? "POST" : "GET")) {
+    ex.add_header("Allow", allow);
     return send_error(req, ex,
                       ApiError{405, "invalid_request_error",
                                format("%s does not accept %s", p.c_str(), req.method.c_str()), "",
@@ -247,6 +329,7 @@ void Server::handle(const HttpRequest& req, HttpExchange& ex) {
   }
   if (!authorized(req, ex)) return;
   if (p.starts_with("/v1/models")) return handle_models(req, ex);
+  if (p == "/props") return handle_props(ex);
   if (state_.load() != State::ready) {
     return send_error(
         req, ex, server_error(503,

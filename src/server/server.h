@@ -8,6 +8,7 @@
 //   POST /v1/completions        raw text completion of a string or token ids
 //   POST /apply-template        the rendered chat prompt of a chat request (as llama.cpp's server), for
 //   debugging
+//   GET  /props                 the served model, context size and per-request limits (as llama.cpp's server)
 //   POST /v1/messages[/count_tokens]  the Anthropic Messages API
 //   POST /v1/responses          the OpenAI Responses API (stateless)
 //   POST /tokenize, /detokenize  llama-server's tokenizer endpoints
@@ -20,6 +21,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "engine/backend_factory.h"
 #include "engine/engine.h"
@@ -28,6 +30,7 @@
 #include "server/chat_request.h"
 #include "server/http.h"
 #include "server/metrics.h"
+#include "server/origin_policy.h"
 #include "server/scheduler.h"
 #include "server/sse.h"
 
@@ -43,6 +46,11 @@ struct ServerOptions {
   int64_t ctx_size = 0;           // 0: the backend's default; BackendOptions::kContextAuto: the largest that fits
   size_t max_queue = 64;          // requests waiting behind the running one; more get 429
   int shutdown_grace_ms = 10000;  // SIGTERM: in-flight work may finish within this, then is cancelled
+  // Per-request limits (src/server/README.md, "Limits"): the completion tokens of a request that sets none,
+  // and the most any request gets (larger asks are clamped); 0: up to the context.
+  int max_tokens = 32768;
+  int request_timeout_ms = 0;  // > 0: a generation running longer ends with finish_reason "length"
+  std::vector<std::string> allowed_origins;  // --allow-origin: browser origins besides the server's own
   bool log_requests = true;
   HttpServerOptions http;
   EngineOptions engine;
@@ -63,7 +71,10 @@ class Server {
   struct Loaded;  // engine, tokenizer, defaults: set once by the loader
 
   void load_model();
-  void handle(const HttpRequest& req, HttpExchange& ex);
+  void handle(const HttpRequest& req, HttpExchange& ex);  // the catch-all around route()
+  void route(const HttpRequest& req, HttpExchange& ex);
+  void answer_exception(const HttpRequest& req, HttpExchange& ex, const char* what);
+  void handle_props(HttpExchange& ex);
   bool authorized(const HttpRequest& req, HttpExchange& ex);
   void send_error(HttpExchange& ex, const ApiError& e);
   void handle_health(HttpExchange& ex);
@@ -81,7 +92,9 @@ class Server {
   void send_error(const HttpRequest& req, HttpExchange& ex, const ApiError& e);
   // A chat-completions body (as sent, or translated from another API) -> validated request, rendered
   // prompt and the engine request.
-  MaybeError prepare_chat(const json& body, ChatRequest& chat, ChatPrompt& prompt, GenerationRequest& g);
+  // client_gone: asked before tokenizing; true -> a 499 error, which send_error turns into abandon().
+  MaybeError prepare_chat(const json& body, ChatRequest& chat, ChatPrompt& prompt, GenerationRequest& g,
+                          const std::function<bool()>& client_gone = {});
   ResponseMeta response_meta(const char* id_prefix) const;
   // Shared by the two generation endpoints: defaults, validation, context check, stop tokens. `param` names
   // the prompt's field in errors ("messages", "prompt").
@@ -111,6 +124,7 @@ class Server {
   LiveGauges live_gauges() const;
 
   ServerOptions options_;
+  OriginPolicy origin_policy_;
   HttpServer http_;
   Metrics metrics_;
   std::unique_ptr<Scheduler> scheduler_;

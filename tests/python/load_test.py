@@ -135,7 +135,7 @@ class LoadTest:
     def open_stream(self, i):
         body = json.dumps(dict(spec(i), stream=True)).encode()
         sock = socket.create_connection(("127.0.0.1", self.s.port), timeout=60)
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: %d\r\n\r\n" % len(body) + body)
         return sock
 

@@ -298,7 +298,7 @@ class Contract:
         body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": content}], "stream": True,
                            "max_tokens": max_tokens}).encode()
         sock = socket.create_connection(("127.0.0.1", self.s.port), timeout=60)
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer " + KEY.encode() +
                      b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
         return sock
 

@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -121,6 +122,33 @@ TEST(Scheduler, StopLetsTheRunningJobFinishWithinGrace) {
   EXPECT_FALSE(job->cancel.load());  // finished on its own, not cancelled
   std::lock_guard lock(log.mu);
   EXPECT_EQ(log.ran, std::vector<int>{0});
+}
+
+// SIGTERM's shutdown (stop with the grace) and the end of Server::run() (stop(0)) stop the scheduler from two
+// threads at once. Before stop() was serialized both joined the worker: undefined, and about one SIGTERM in
+// four with a stream in flight never exited (or aborted on EINVAL from the second join).
+TEST(Scheduler, ConcurrentStopsBothReturn) {
+  for (int round = 0; round < 50; ++round) {
+    Log log;
+    std::atomic<bool> gate{false};
+    auto s = std::make_unique<Scheduler>(10);
+    ASSERT_EQ(s->submit(std::make_shared<TestJob>(log, 0, &gate)), Scheduler::Submit::accepted);
+    wait_for([&] { return s->running() == 1; });
+    std::atomic<int> returned{0};
+    std::thread graceful([&] {
+      s->stop(/*grace_ms=*/round % 5);
+      ++returned;
+    });
+    std::thread immediate([&] {
+      s->stop(0);
+      ++returned;
+    });
+    graceful.join();
+    immediate.join();
+    EXPECT_EQ(returned.load(), 2);
+    std::lock_guard lock(log.mu);
+    EXPECT_EQ(log.ran, std::vector<int>{0}) << "round " << round;
+  }
 }
 
 }  // namespace
