@@ -3,18 +3,15 @@
 #include <gtest/gtest.h>
 
 #include "server/chat_request.h"
+#include "chat_test_util.h"
 #include "tokenizer/pretokenize_utf8.h"
 
 namespace lily {
 namespace {
 
-const ServedModel kModel{"tiny", 151936, 2048};
+const ServedModel& kModel = test::kChatModel;
 
-json chat(json extra = json::object()) {
-  json body = {{"model", "tiny"}, {"messages", {{{"role", "user"}, {"content", "Hello"}}}}};
-  for (auto& [k, v] : extra.items()) body[k] = v;
-  return body;
-}
+json chat(json extra = json::object()) { return test::chat_body(extra); }
 
 MaybeError parse(const json& body, ChatRequest* out = nullptr) {
   ChatRequest r;
