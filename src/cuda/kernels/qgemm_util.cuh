@@ -56,7 +56,7 @@ __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
 // The block's output rows row0 .. row0 + rows - 1 and its MATS weight matrices. Grouped mode (p.tile_count set):
 // tile-list entry blockIdx.x (expert, first row, rows); the expert's matrices of the stacked p.w, or p.ws for the
 // tile-list expert p.shared_expert; false for a block past the list's length (block-uniform: the block exits).
-// Dense: rows BM blockIdx.x .. of p.M, matrices p.w. Args: the kernel's arguments (TileArgs, WgArgs).
+// Dense: rows BM blockIdx.x .. of p.M, matrices p.w. Args: the kernel's arguments (TileArgs).
 template <int BM, int MATS, class Args>
 __device__ __forceinline__ bool block_rows(const Args& p, int& row0, int& rows, QMatrix (&w)[MATS]) {
   if (p.tile_count) {

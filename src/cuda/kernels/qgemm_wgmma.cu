@@ -60,22 +60,8 @@ using namespace wgmma_util;
 constexpr int kWgGroup = 64;      // K step = one quantisation group = one 128-byte swizzled row of fp16
 constexpr int kSmemMax = 232448;  // 227 KB: the largest dynamic shared memory of a block on sm_90
 
-struct WgArgs {
-  QMatrix w[2];  // MATS matrices [N, K] (stacked [E, N, K] in grouped mode)
-  const __half* a = nullptr;
-  int M = 0, N = 0, K = 0;  // M: rows of the dense GEMM (unused in grouped mode)
-  GemmOut out = GemmOut::f32;
-  void* c = nullptr;
-  int ldc = 0;
-  // grouped mode (tile_count != nullptr)
-  const int* tile_count = nullptr;
-  const int* tile_expert = nullptr;
-  const int* tile_row0 = nullptr;
-  const int* tile_rows = nullptr;
-  const int* gather = nullptr;  // A row of output row r is gather[r] (nullptr: r)
-  QMatrix ws[2];                // the matrices of tile-list expert `shared_expert`
-  int shared_expert = -1;
-};
+// The mma.sync tiles' arguments (qgemm_util.cuh); k_splits stays 1: the wgmma GEMM does not split K.
+using WgArgs = TileArgs;
 
 // Deepest A / packed ring that fits next to KB fp16 W tiles (8 at most).
 constexpr int ring_fit(int BM, int BN, int BITS, int KB) {

@@ -346,8 +346,7 @@ __device__ void gdn_heads(const Op& op, const Instr& in, float* scratch, float* 
     consumer_sync();
     const float q_inv = norm_s[0] * (1.0f / sqrtf(static_cast<float>(D))), k_inv = norm_s[1];
     const float kq = norm_s[2] * q_inv * k_inv;
-    consumer_sync();  // every thread has read norm_s before the scaling below
-    if (tid < D) {
+    if (tid < D) {  // q_s, k_s are not read again before the barrier below (the norms were taken before the last)
       q_s[tid] *= q_inv;
       k_s[tid] *= k_inv;
     }
