@@ -12,12 +12,28 @@ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 
 }  // namespace
 
-// A page holds 32 rows of 2048 columns or 16 of 4096 (36 KB with scales and biases); its rows are shared by the
-// consumer warps, 4 or 2 rows each (step.cu).
-int gemv_row_quantum(int cols) { return cols == 2048 ? 4 : 2; }
+// A page holds 32 rows of 2048 4-bit columns or 16 of 4096 or of 2048 8-bit ones (36 KB with scales and biases);
+// its rows are shared by the consumer warps, 2 or 1 rows each (step.cu).
+int gemv_row_quantum(int cols, int bits) { return bits == 8 ? 1 : cols == 2048 ? 4 : 2; }
+
+namespace {
+
+int row_quantum(const Op& op) {
+  switch (op.code) {
+    case Opcode::gdn_head: return 1;
+    case Opcode::moe_in: return kMoeInRowsPerPage;
+    case Opcode::moe_out: return kMoeOutRowsPerPage;
+    default: return gemv_row_quantum(op.m.cols, op.m.bits);
+  }
+}
+
+}  // namespace
 
 size_t instr_weight_bytes(const Op& op, const Instr& in) {
-  if (op.code == Opcode::gdn_head) return static_cast<size_t>(in.row_end - in.row_begin) * kGdnDim * kGdnDim * 4;
+  const size_t rows = static_cast<size_t>(in.row_end - in.row_begin);
+  if (op.code == Opcode::gdn_head) return rows * kGdnDim * kGdnDim * 4;
+  if (op.code == Opcode::moe_in) return rows * 2 * (op.moe.gate.bytes() / op.moe.gate.rows);
+  if (op.code == Opcode::moe_out) return rows * (op.moe.top_k + 1) * (op.moe.down.bytes() / op.moe.down.rows);
   QMatrix slice = op.m;
   slice.rows = in.row_end - in.row_begin;
   return slice.bytes();
@@ -25,11 +41,12 @@ size_t instr_weight_bytes(const Op& op, const Instr& in) {
 
 Result<int> Program::add_gemv(const QMatrix& m, const float* in, float* out, std::vector<int> waits,
                               const float* norm_w, float eps, const float* residual) {
-  if (m.bits != 4 || (m.cols != 2048 && m.cols != 4096))
-    return invalid_argument("megakernel gemv: %d-bit [%d, %d] (takes 4-bit, 2048 or 4096 columns)", m.bits, m.rows,
-                            m.cols);
-  if (m.rows <= 0 || m.rows % gemv_row_quantum(m.cols) != 0)
-    return invalid_argument("megakernel gemv: %d rows is not a multiple of %d", m.rows, gemv_row_quantum(m.cols));
+  if (!((m.bits == 4 && (m.cols == 2048 || m.cols == 4096)) || (m.bits == 8 && m.cols == 2048)))
+    return invalid_argument("megakernel gemv: %d-bit [%d, %d] (takes 4-bit with 2048 or 4096 columns, 8-bit with 2048)",
+                            m.bits, m.rows, m.cols);
+  if (m.rows <= 0 || m.rows % gemv_row_quantum(m.cols, m.bits) != 0)
+    return invalid_argument("megakernel gemv: %d rows is not a multiple of %d", m.rows,
+                            gemv_row_quantum(m.cols, m.bits));
   if (!m.w || !m.scales || !m.biases || !in || !out)
     return invalid_argument("megakernel gemv: null matrix, input or output");
   if (!aligned16(m.w) || !aligned16(m.scales) || !aligned16(m.biases) || !aligned16(in))
@@ -38,7 +55,8 @@ Result<int> Program::add_gemv(const QMatrix& m, const float* in, float* out, std
     return invalid_argument("megakernel gemv: waits on %zu ops (at most %d)", waits.size(), kMaxWaits);
   Op op;
   op.code = Opcode::gemv_q4;
-  op.flags = static_cast<uint16_t>((norm_w ? kRmsNorm : 0) | (residual ? kResidual : 0) | (int8_x_ ? kInt8X : 0));
+  const bool int8 = int8_x_ && m.bits == 4;  // 8-bit weights (the router) keep fp32 x
+  op.flags = static_cast<uint16_t>((norm_w ? kRmsNorm : 0) | (residual ? kResidual : 0) | (int8 ? kInt8X : 0));
   op.m = m, op.in = in, op.norm_w = norm_w, op.eps = eps, op.residual = residual, op.out = out;
   const int id = static_cast<int>(ops_.size());
   for (size_t i = 0; i < waits.size(); ++i) {
@@ -69,6 +87,53 @@ Result<int> Program::add_gdn_heads(const GdnArgs& g, float* out, int in_proj, fl
   return id;
 }
 
+Result<int> Program::add_moe(const QMatrix& router, MoeArgs moe, float* h, const float* norm_w, float* logits,
+                             float* act, int h_op, float eps) {
+  const int H = router.cols, I = moe.inter, E = moe.n_experts;
+  if (router.bits != 8 || router.rows != E + 1)
+    return invalid_argument("megakernel moe: the router must be 8-bit [E + 1 = %d, H], got %d-bit [%d, %d]", E + 1,
+                            router.bits, router.rows, router.cols);
+  if (H != 2048 || I != 512 || E <= 0 || E > 256 || moe.top_k <= 0 || moe.top_k > 8)
+    return invalid_argument("megakernel moe: H %d, I %d, %d experts, top %d (takes H 2048, I 512, <= 256, <= 8)", H, I,
+                            E, moe.top_k);
+  const QMatrix* in_mats[] = {&moe.gate, &moe.up, &moe.s_gate, &moe.s_up};
+  for (const QMatrix* m : in_mats) {
+    if (m->bits != 4 || m->rows != I || m->cols != H || !aligned16(m->w) || !aligned16(m->scales) || !aligned16(m->biases))
+      return invalid_argument("megakernel moe: gate / up matrices must be 4-bit [%d, %d] per expert, 16-byte aligned", I, H);
+  }
+  for (const QMatrix* m : {&moe.down, &moe.s_down}) {
+    if (m->bits != 4 || m->rows != H || m->cols != I || !aligned16(m->w) || !aligned16(m->scales) || !aligned16(m->biases))
+      return invalid_argument("megakernel moe: down matrices must be 4-bit [%d, %d] per expert, 16-byte aligned", H, I);
+  }
+  if (!h || !norm_w || !logits || !act || !aligned16(act)) return invalid_argument("megakernel moe: a null operand");
+  std::vector<int> h_wait;
+  if (h_op >= 0) h_wait.push_back(h_op);
+  ASSIGN_OR_RETURN(const int router_op, add_gemv(router, h, logits, h_wait, norm_w, eps));
+  moe.logits = logits;
+  moe.router_op = router_op;
+  const int id = static_cast<int>(ops_.size());
+  Op in;
+  in.code = Opcode::moe_in;
+  in.flags = static_cast<uint16_t>(kRmsNorm | (int8_x_ ? kInt8X : 0));
+  in.m = moe.gate;  // the x prologue reads its columns
+  in.m.rows = (moe.top_k + 1) * I;  // the schedule cuts (slot, row) pairs
+  in.moe = moe;
+  in.in = h, in.norm_w = norm_w, in.eps = eps, in.out = act;
+  in.wait[0] = h_op, in.wait[1] = router_op;
+  in.signal = id;
+  ops_.push_back(in);
+  Op out;
+  out.code = Opcode::moe_out;
+  out.m = moe.down;
+  out.moe = moe;
+  out.in = act, out.residual = h, out.out = h;
+  out.flags = kResidual;
+  out.wait[0] = id, out.wait[1] = router_op;  // h itself is ordered through moe_in's wait on h_op
+  out.signal = id + 1;
+  ops_.push_back(out);
+  return id + 1;
+}
+
 Status Program::schedule(int n_blocks) {
   if (n_blocks <= 0) return invalid_argument("megakernel schedule: %d blocks", n_blocks);
   if (ops_.empty()) return invalid_argument("megakernel schedule: no ops");
@@ -77,7 +142,7 @@ Status Program::schedule(int n_blocks) {
   int rotate = 0;
   for (size_t o = 0; o < ops_.size(); ++o) {
     const Op& op = ops_[o];
-    const int quantum = op.code == Opcode::gdn_head ? 1 : gemv_row_quantum(op.m.cols);
+    const int quantum = row_quantum(op);
     const int quanta = op.m.rows / quantum;
     const int slices = std::min(quanta, n_blocks);
     // Slice s gets quanta/slices quanta, the first quanta%slices one more; slice s goes to block
@@ -94,6 +159,7 @@ Status Program::schedule(int n_blocks) {
   }
   for (Op& op : ops_) {
     for (int i = 0; i < kMaxWaits; ++i) op.wait_count[i] = op.wait[i] >= 0 ? signals_[op.wait[i]] : 0;
+    if (op.moe.router_op >= 0) op.moe.router_signals = signals_[op.moe.router_op];
   }
   instrs_.clear();
   list_begin_.assign(1, 0);

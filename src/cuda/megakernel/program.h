@@ -20,8 +20,10 @@
 namespace lily::cuda::mk {
 
 enum class Opcode : uint16_t {
-  gemv_q4 = 1,   // y[rows] = W x (+ residual), W 4-bit [rows, cols], x = in or RMSNorm(in) * norm_w
+  gemv_q4 = 1,   // y[rows] = W x (+ residual), W 4- or 8-bit [rows, cols], x = in or RMSNorm(in) * norm_w
   gdn_head = 2,  // the Gated DeltaNet step of value heads [row_begin, row_end) (eqs 14-19, docs/MODEL.md)
+  moe_in = 3,    // act[s][i] = silu(G_s x)[i] (U_s x)[i] for the shared expert (s = 0) and the routed ones (eq 24)
+  moe_out = 4,   // out[r] = residual[r] + sum_s w_s (D_s act[s])[r] (eqs 24-25)
 };
 
 // The Gated DeltaNet step's operands (Opcode::gdn_head): d_k = d_v = 128, conv kernel 4. The state of a head,
@@ -39,6 +41,19 @@ struct GdnArgs {
   int n_k = 16, n_v = 32;
 };
 
+// The MoE block's operands (Opcode::moe_in / moe_out). Slot 0 is the shared expert, slots 1..top_k the routed
+// experts in rank order. The selection (eq 22) is taken from the router's logits by every block that needs it, with
+// the chain's code (moe.cuh warp_route_top_k: the same experts, ties to the lower index): by the loader warp, which
+// only then knows which expert's weights to fetch, and by moe_out's consumers for the routing weights.
+struct MoeArgs {
+  QMatrix gate, up, down;        // stacked [E, I, H], [E, I, H], [E, H, I], 4-bit
+  QMatrix s_gate, s_up, s_down;  // the shared expert's [I, H], [I, H], [H, I]
+  const float* logits = nullptr;  // [E + 1]: the router's logits, then the shared expert gate's logit
+  int router_op = -1;             // the op that writes them
+  uint32_t router_signals = 0;    // its instructions (set by the schedule)
+  int n_experts = 0, top_k = 8, inter = 512;
+};
+
 enum OpFlags : uint16_t {
   kRmsNorm = 1,   // x = in / RMS(in) * norm_w (eqs 1-2, multiplier form)
   kResidual = 2,  // y = residual + W x (residual may alias y)
@@ -53,6 +68,7 @@ struct Op {
   uint16_t flags = 0;
   QMatrix m;                      // gemv_q4
   GdnArgs gdn;                    // gdn_head; out = the gated-normed o [n_v * d_v]
+  MoeArgs moe;                    // moe_in (in: h, out: act [(top_k + 1) * I]), moe_out (in: act, residual: h)
   const float* in = nullptr;      // [cols]
   const float* norm_w = nullptr;  // [cols] (kRmsNorm)
   float eps = 1e-6f;
@@ -87,7 +103,11 @@ struct ProgramView {
 constexpr int kTraceMarks = 7;
 
 // The rows one instruction covers are a multiple of this for a gemv of `cols` (a warp's rows in a page).
-int gemv_row_quantum(int cols);
+int gemv_row_quantum(int cols, int bits = 4);
+// moe_in's rows are (slot, row) pairs, 16 to a page (gate and up rows: 36 KB); moe_out's rows are 8 to a page
+// (the 9 slots' down rows).
+constexpr int kMoeInRowsPerPage = 16;
+constexpr int kMoeOutRowsPerPage = 8;
 constexpr int kGdnDim = 128;  // d_k = d_v of the gdn_head op
 
 // The host side: ops added in step order, then a schedule for n_blocks SMs, uploaded once.
@@ -116,6 +136,13 @@ class Program {
   // A timeline (DeviceProgram::trace) summed per op: the mean wait, x and page time of its instructions, and
   // when the op's last instruction finished and the next op's first input wait returned.
   std::string summarize_trace(const std::vector<unsigned long long>& marks) const;
+
+  // Adds the MoE block (eqs 20-25) on the residual stream h [H] in place: the router (8-bit [E + 1, H], the router's
+  // rows then the shared expert gate's row, RMSNorm(h) * norm_w as input) writing `logits` [E + 1], moe_in writing
+  // `act` [(top_k + 1) * I] and moe_out adding the experts' outputs to h. `h_op` is the op that wrote h this step
+  // (-1: none). Returns moe_out's op id (the next reader of h waits for it).
+  Result<int> add_moe(const QMatrix& router, MoeArgs moe, float* h, const float* norm_w, float* logits, float* act,
+                      int h_op, float eps = 1e-6f);
 
   // Adds the Gated DeltaNet step of every value head (one instruction a head), reading the in-projection op
   // `in_proj` (its whole output; -1: none, for op tests), writing eq 19's x (the out-projection's input) to out [n_v * 128].

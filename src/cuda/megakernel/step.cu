@@ -1,6 +1,7 @@
 // The persistent decode kernel (step.cuh): a loader lane streams pages of weights ahead, eight consumer warps
 // wait for their inputs through counters and compute from shared memory.
 #include "cuda/kernels/gdn.cuh"
+#include "cuda/kernels/moe.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 #include "cuda/megakernel/step.cuh"
 
@@ -14,7 +15,7 @@ namespace lily::cuda::mk {
 
 namespace {
 
-constexpr int kXFloats = xpad_floats(4096);
+constexpr int kXFloats = xpad_floats(9 * 512);  // the widest x: moe_out's act, 9 slots of 512
 constexpr int kMaxVecs = 4096 / kVecElems4;  // 32-element vectors of x
 // pages | x (fp32, padded) | block sums | x as int8 (32 B a vector) | its scale | its sum | mbarriers
 constexpr size_t kSmemBytes =
@@ -27,7 +28,7 @@ constexpr int kConsumerThreads = 32 * kConsumerWarps;
 // Page layout (both widths): 32 KB of packed weights, then 2 KB of scales, then 2 KB of biases.
 constexpr int kScalesAt = 32768;
 constexpr int kBiasesAt = 34816;
-__device__ constexpr int rows_per_page(int cols) { return cols == 2048 ? 32 : 16; }
+__device__ constexpr int rows_per_page(int cols, int bits) { return bits == 4 && cols == 2048 ? 32 : 16; }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -90,38 +91,113 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
-// The loader lane: every page of every instruction of the block, in order, as soon as the ring has room.
-__device__ void run_loader(const ProgramView& pv, int begin, int end, const Ring& ring) {
+// The experts a MoE op's router chose this step (moe.cuh warp_route_top_k, as every block takes it), in rank order;
+// computed by the whole loader warp once per router.
+struct LoaderRoute {
+  int router_op = -1;
+  int ids[8];
+};
+
+__device__ void loader_route(const ProgramView& pv, const MoeArgs& moe, unsigned long long epoch, LoaderRoute& r) {
+  if (r.router_op == moe.router_op) return;
+  if ((threadIdx.x & 31) == 0) {
+    const unsigned long long target = (epoch + 1) * moe.router_signals;
+    while (ld_acquire(pv.counters + moe.router_op) < target) __nanosleep(32);
+  }
+  __syncwarp();
+  const RouteChoice c = warp_route_top_k<8>(moe.logits, moe.n_experts, moe.top_k);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) r.ids[i] = __shfl_sync(0xffffffffu, c.idx, i);
+  r.router_op = moe.router_op;
+}
+
+// Rows [row, row + n) of m: weights to page + w_at, scales and biases to page + kScalesAt / kBiasesAt + sb_at.
+__device__ __forceinline__ void copy_rows(const QMatrix& m, int row, int n, char* page, uint32_t w_at, uint32_t sb_at,
+                                          uint64_t* bar) {
+  const size_t w_row = m.words_per_row() * 4, sb_row = m.groups_per_row() * 2;
+  const uint32_t w_bytes = static_cast<uint32_t>(n * w_row), sb_bytes = static_cast<uint32_t>(n * sb_row);
+  bulk_copy(page + w_at, reinterpret_cast<const char*>(m.w) + row * w_row, w_bytes, bar);
+  bulk_copy(page + kScalesAt + sb_at, reinterpret_cast<const char*>(m.scales) + row * sb_row, sb_bytes, bar);
+  bulk_copy(page + kBiasesAt + sb_at, reinterpret_cast<const char*>(m.biases) + row * sb_row, sb_bytes, bar);
+}
+__device__ __forceinline__ uint32_t rows_bytes(const QMatrix& m, int n) {
+  return static_cast<uint32_t>(n * (m.words_per_row() * 4 + m.groups_per_row() * 4));
+}
+
+// The loader warp: every page of every instruction of the block, in order, as soon as the ring has room. Lane 0
+// issues the copies; the whole warp takes a MoE selection. It waits for no dependency but the router of a MoE op
+// whose pages hold routed experts' weights.
+__device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring) {
+  const bool leader = (threadIdx.x & 31) == 0;
   uint32_t k = 0;
+  LoaderRoute route;
+  // The next page of the ring once the consumers have released it.
+  auto next_page = [&](int& p) {
+    p = static_cast<int>(k % kPages);
+    mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);
+    return ring.pages + p * kPageBytes;
+  };
   for (int i = begin; i < end; ++i) {
     const Instr in = pv.instrs[i];
-    if (pv.ops[in.op].code == Opcode::gdn_head) {  // each head's state: rows 0-63, then 64-127 (32 KB each)
-      const float* S = pv.ops[in.op].gdn.S;
+    const Op& op = pv.ops[in.op];
+    if (op.code == Opcode::gdn_head) {  // each head's state: rows 0-63, then 64-127 (32 KB each)
+      const float* S = op.gdn.S;
       for (int h = in.row_begin; h < in.row_end; ++h) {
         for (int half = 0; half < 2; ++half, ++k) {
-          const int p = static_cast<int>(k % kPages);
-          mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);
+          int p;
+          char* page = next_page(p);
           constexpr uint32_t kHalfBytes = kGdnDim * kGdnDim * 2;
-          mbar_expect_tx(&ring.full[p], kHalfBytes);
-          bulk_copy(ring.pages + p * kPageBytes,
-                    S + (static_cast<size_t>(h) * kGdnDim + half * (kGdnDim / 2)) * kGdnDim, kHalfBytes, &ring.full[p]);
+          if (leader) {
+            mbar_expect_tx(&ring.full[p], kHalfBytes);
+            bulk_copy(page, S + (static_cast<size_t>(h) * kGdnDim + half * (kGdnDim / 2)) * kGdnDim, kHalfBytes,
+                      &ring.full[p]);
+          }
         }
       }
-      continue;
-    }
-    const QMatrix m = pv.ops[in.op].m;
-    const int rpp = rows_per_page(m.cols);
-    for (int r0 = in.row_begin; r0 < in.row_end; r0 += rpp, ++k) {
-      const int p = static_cast<int>(k % kPages);
-      const uint32_t n = static_cast<uint32_t>(min(rpp, in.row_end - r0));
-      mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);
-      char* page = ring.pages + p * kPageBytes;
-      const uint32_t w_bytes = n * m.cols / 2, sb_bytes = n * m.cols / 32;
-      mbar_expect_tx(&ring.full[p], w_bytes + 2 * sb_bytes);
-      const size_t row_w = static_cast<size_t>(r0) * m.cols / 2, row_sb = static_cast<size_t>(r0) * m.cols / 32;
-      bulk_copy(page, reinterpret_cast<const char*>(m.w) + row_w, w_bytes, &ring.full[p]);
-      bulk_copy(page + kScalesAt, reinterpret_cast<const char*>(m.scales) + row_sb, sb_bytes, &ring.full[p]);
-      bulk_copy(page + kBiasesAt, reinterpret_cast<const char*>(m.biases) + row_sb, sb_bytes, &ring.full[p]);
+    } else if (op.code == Opcode::moe_in) {  // 16 (slot, row) pairs a page: gate rows at 0, up rows at 16 KB
+      const MoeArgs& moe = op.moe;
+      for (int r0 = in.row_begin; r0 < in.row_end; r0 += kMoeInRowsPerPage, ++k) {
+        const int slot = r0 / moe.inter, row = r0 % moe.inter, n = min(kMoeInRowsPerPage, in.row_end - r0);
+        QMatrix g = moe.s_gate, u = moe.s_up;
+        if (slot > 0) {
+          loader_route(pv, moe, epoch, route);
+          g = moe.gate.expert(route.ids[slot - 1]), u = moe.up.expert(route.ids[slot - 1]);
+        }
+        int p;
+        char* page = next_page(p);
+        if (leader) {
+          mbar_expect_tx(&ring.full[p], 2 * rows_bytes(g, n));
+          copy_rows(g, row, n, page, 0, 0, &ring.full[p]);
+          copy_rows(u, row, n, page, kMoeInRowsPerPage * 1024, kMoeInRowsPerPage * 64, &ring.full[p]);
+        }
+      }
+    } else if (op.code == Opcode::moe_out) {  // 8 rows a page of every slot's down matrix: slot s at 2 KB * s
+      const MoeArgs& moe = op.moe;
+      loader_route(pv, moe, epoch, route);
+      for (int r0 = in.row_begin; r0 < in.row_end; r0 += kMoeOutRowsPerPage, ++k) {
+        const int n = min(kMoeOutRowsPerPage, in.row_end - r0);
+        int p;
+        char* page = next_page(p);
+        if (leader) {
+          mbar_expect_tx(&ring.full[p], (moe.top_k + 1) * rows_bytes(moe.s_down, n));
+          for (int s = 0; s <= moe.top_k; ++s) {
+            const QMatrix d = s == 0 ? moe.s_down : moe.down.expert(route.ids[s - 1]);
+            copy_rows(d, r0, n, page, s * kMoeOutRowsPerPage * 256, s * kMoeOutRowsPerPage * 16, &ring.full[p]);
+          }
+        }
+      }
+    } else {
+      const QMatrix m = op.m;
+      const int rpp = rows_per_page(m.cols, m.bits);
+      for (int r0 = in.row_begin; r0 < in.row_end; r0 += rpp, ++k) {
+        const int n = min(rpp, in.row_end - r0);
+        int p;
+        char* page = next_page(p);
+        if (leader) {
+          mbar_expect_tx(&ring.full[p], rows_bytes(m, n));
+          copy_rows(m, r0, n, page, 0, 0, &ring.full[p]);
+        }
+      }
     }
   }
 }
@@ -182,9 +258,9 @@ __device__ __forceinline__ int dot_q4_i8(uint4 w, uint4 xa, uint4 xb) {
 
 // x_s (padded) = in, or in / RMS(in) * norm_w. Activations are read through the L2 (__ldcg): other SMs wrote them
 // in this step, and this SM's L1 may hold last step's lines.
-__device__ void load_x(const Op& op, float* x_s, float* red_s, const XInt8& xi) {
-  constexpr int kPerThread = 4;  // float4s: 4096 columns at most
-  const int cols = op.m.cols, n4 = cols / 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+__device__ void load_x(const Op& op, int cols, float* x_s, float* red_s, const XInt8& xi) {
+  constexpr int kPerThread = kXFloats / 4 / kConsumerThreads + 1;  // float4s: moe_out's 4608 floats at most
+  const int n4 = cols / 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float4* in4 = reinterpret_cast<const float4*>(op.in);
   float4 v[kPerThread];
   float ss = 0.0f;
@@ -226,17 +302,24 @@ __device__ void load_x(const Op& op, float* x_s, float* red_s, const XInt8& xi) 
   consumer_sync();
 }
 
-// The pages of one gemv instruction: warp w takes rows 4w..4w+3 (2048 columns) or 2w..2w+1 (4096) of each page;
-// lane j reads the 16-byte vectors v * 32 + j of those rows, so its slices of x are loaded once per page.
-template <int COLS, bool INT8>
+// The pages of one gemv instruction: warp w takes rows 2w, 2w + 1 (4-bit, 2048 columns) or row w (4096 columns,
+// or 8-bit) of each page; lane j reads the 16-byte vectors v * 32 + j of those rows, so its slices of x are loaded
+// once per page. GATE_UP (moe_in): warp w takes the page's gate row w and up row w (page rows w and 16 + w) and
+// writes silu(gate) * up for its (slot, row) pair.
+template <int COLS, int BITS, bool INT8, bool GATE_UP>
 __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, const XInt8& xi, const Ring& ring,
                            uint32_t& k, unsigned long long* wait_ns) {
-  constexpr int kRpp = rows_per_page(COLS);
+  static_assert(!(INT8 && BITS == 8) && !(GATE_UP && (COLS != 2048 || BITS != 4)), "the combinations step.cu runs");
+  constexpr int kRpp = rows_per_page(COLS, BITS);
   constexpr int kRpw = kRpp / kConsumerWarps;
-  constexpr int kVecsPerRow = COLS / kVecElems4;
+  constexpr int kVecElems = BITS == 4 ? kVecElems4 : kVecElems8;
+  constexpr int kVecsPerRow = COLS / kVecElems;
   constexpr int kV = kVecsPerRow / 32;
   constexpr int kLanesPerRow = 32 / kRpw;  // after the reduce-scatter: lane j holds row j / kLanesPerRow
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = warp * kRpw;
+  constexpr int kGroupsPerRow = COLS / 64, kVecsPerGroup = 64 / kVecElems;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = GATE_UP ? warp : warp * kRpw;
+  // The page row of this warp's r-th row.
+  auto page_row = [&](int r) { return GATE_UP ? warp + r * kMoeInRowsPerPage : row0 + r; };
   // int8: this lane's vectors of x stay in registers for all the instruction's pages.
   uint4 xq[INT8 ? kV : 1][2];
   float x_scale[INT8 ? kV : 1], x_sums[INT8 ? kV : 1];
@@ -248,11 +331,12 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
       x_scale[v] = xi.scale[vec], x_sums[v] = xi.sum[vec];
     }
   }
-  for (int r0 = in.row_begin; r0 < in.row_end; r0 += kRpp, ++k) {
-    const int p = static_cast<int>(k % kPages), n = min(kRpp, in.row_end - r0);
+  constexpr int kStep = GATE_UP ? kMoeInRowsPerPage : kRpp;
+  for (int r0 = in.row_begin; r0 < in.row_end; r0 += kStep, ++k) {
+    const int p = static_cast<int>(k % kPages), n = min(kStep, in.row_end - r0);
     const bool active = row0 < n;  // n is a multiple of kRpw (slices are whole quanta)
-    const bool writes = active && lane % kLanesPerRow == 0;
-    const int row = r0 + row0 + lane / kLanesPerRow;
+    const bool writes = active && (GATE_UP ? lane == 0 : lane % kLanesPerRow == 0);
+    const int row = GATE_UP ? r0 + warp : r0 + row0 + lane / kLanesPerRow;
     // The residual is loaded before the page wait: its L2 round trip overlaps the wait and the dot products.
     const float residual = writes && (op.flags & kResidual) ? __ldcg(op.residual + row) : 0.0f;
     const unsigned long long t_wait = wait_ns ? globaltimer() : 0;
@@ -271,18 +355,34 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
         if constexpr (INT8) {
 #pragma unroll
           for (int r = 0; r < kRpw; ++r) {
-            const uint4 w = *reinterpret_cast<const uint4*>(page + ((row0 + r) * kVecsPerRow + vec) * 16);
-            const int g = (row0 + r) * (COLS / 64) + vec / 2;
+            const uint4 w = *reinterpret_cast<const uint4*>(page + (page_row(r) * kVecsPerRow + vec) * 16);
+            const int g = page_row(r) * kGroupsPerRow + vec / kVecsPerGroup;
             const float qx = x_scale[v] * static_cast<float>(dot_q4_i8(w, xq[v][0], xq[v][1]));
             part[r] += fmaf(bf16_bits_to_float(s_s[g]), qx, bf16_bits_to_float(b_s[g]) * x_sums[v]);
+          }
+        } else if constexpr (BITS == 8) {
+          const float4* xv = reinterpret_cast<const float4*>(x_s + xpad(vec * kVecElems8));
+          float x[16];
+          float x_sum = 0.0f;
+#pragma unroll
+          for (int t = 0; t < 4; ++t) {
+            const float4 q = xv[t];
+            x[4 * t] = q.x, x[4 * t + 1] = q.y, x[4 * t + 2] = q.z, x[4 * t + 3] = q.w;
+            x_sum += (q.x + q.y) + (q.z + q.w);
+          }
+#pragma unroll
+          for (int r = 0; r < kRpw; ++r) {
+            const uint4 w = *reinterpret_cast<const uint4*>(page + (page_row(r) * kVecsPerRow + vec) * 16);
+            const int g = page_row(r) * kGroupsPerRow + vec / kVecsPerGroup;
+            part[r] += fmaf(bf16_bits_to_float(s_s[g]), dot_q8_vec(w, x), bf16_bits_to_float(b_s[g]) * x_sum);
           }
         } else {
           float x[32];
           const float x_sum = load_x_vec(x_s, vec, x);
 #pragma unroll
           for (int r = 0; r < kRpw; ++r) {
-            const uint4 w = *reinterpret_cast<const uint4*>(page + ((row0 + r) * kVecsPerRow + vec) * 16);
-            const int g = (row0 + r) * (COLS / 64) + vec / 2;
+            const uint4 w = *reinterpret_cast<const uint4*>(page + (page_row(r) * kVecsPerRow + vec) * 16);
+            const int g = page_row(r) * kGroupsPerRow + vec / kVecsPerGroup;
             part[r] += q4_group_term(dot_q4_vec(w, x), x_sum, s_s[g], b_s[g]);
           }
         }
@@ -292,7 +392,50 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
     if (lane == 0) mbar_arrive(&ring.empty[p]);  // the page is free once every lane has read it
     if (active) {
       group_reduce_scatter<kRpw, 32>(part, lane);
-      if (writes) op.out[row] = part[0] + residual;
+      if constexpr (GATE_UP) {
+        const float up = __shfl_sync(0xffffffffu, part[0], 16);  // lane 16 holds the up row's dot
+        if (writes) op.out[row] = siluf_(part[0]) * up;
+      } else if (writes) {
+        op.out[row] = part[0] + residual;
+      }
+    }
+  }
+}
+
+// The pages of one moe_out instruction (8 rows a page, every slot's down rows; x_s = act [(top_k + 1) * 512],
+// w_s = the slots' weights): warp w < 8 takes row w; lane j vector j % 16 of slots j / 16, j / 16 + 2, ...
+// (512 columns: 16 vectors a row), weighted and summed in a fixed order.
+__device__ void moe_out_pages(const Op& op, const Instr& in, const float* x_s, const float* w_s, const Ring& ring,
+                              uint32_t& k, unsigned long long* wait_ns) {
+  constexpr int kVecs = 512 / kVecElems4;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, v = lane % kVecs;
+  const int slots = op.moe.top_k + 1;
+  for (int r0 = in.row_begin; r0 < in.row_end; r0 += kMoeOutRowsPerPage, ++k) {
+    const int p = static_cast<int>(k % kPages), n = min(kMoeOutRowsPerPage, in.row_end - r0);
+    const bool active = warp < n;
+    const float residual = active && lane == 0 ? __ldcg(op.residual + r0 + warp) : 0.0f;
+    const unsigned long long t_wait = wait_ns ? globaltimer() : 0;
+    mbar_wait(&ring.full[p], (k / kPages) & 1);
+    if (wait_ns) *wait_ns += globaltimer() - t_wait;
+    const char* page = ring.pages + p * kPageBytes;
+    float acc = 0.0f;
+    if (active) {
+      const unsigned short* s_s = reinterpret_cast<const unsigned short*>(page + kScalesAt);
+      const unsigned short* b_s = reinterpret_cast<const unsigned short*>(page + kBiasesAt);
+      for (int s = lane / kVecs; s < slots; s += 32 / kVecs) {
+        const int row = s * kMoeOutRowsPerPage + warp;  // page row of slot s
+        const uint4 w = *reinterpret_cast<const uint4*>(page + (row * kVecs + v) * 16);
+        float x[32];
+        const float x_sum = load_x_vec(x_s, s * kVecs + v, x);
+        const int g = row * 8 + v / 2;
+        acc = fmaf(w_s[s], q4_group_term(dot_q4_vec(w, x), x_sum, s_s[g], b_s[g]), acc);
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&ring.empty[p]);
+    if (active) {
+      acc = warp_sum(acc);
+      if (lane == 0) op.out[r0 + warp] = residual + acc;
     }
   }
 }
@@ -410,20 +553,41 @@ __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigne
       if (marks) marks[5] = globaltimer(), marks[6] = 0;
       continue;
     }
-    load_x(op, x_s, red_s, xi);
-    if (marks) marks[2] = globaltimer();
-    const bool int8 = op.flags & kInt8X;
     unsigned long long page_wait = 0;
-    if (op.m.cols == 2048) {
-      if (int8) {
-        gemv_pages<2048, true>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
-      } else {
-        gemv_pages<2048, false>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
+    unsigned long long* wait_ns = marks ? &page_wait : nullptr;
+    const bool int8 = op.flags & kInt8X;
+    if (op.code == Opcode::moe_out) {
+      const MoeArgs& moe = op.moe;
+      if (threadIdx.x < 32) {  // the slots' weights: the shared expert's sigmoid gate, the routed renormalised p
+        const RouteChoice c = warp_route_top_k<8>(moe.logits, moe.n_experts, moe.top_k);
+        if (threadIdx.x < moe.top_k) red_s[1 + threadIdx.x] = c.weight;
+        if (threadIdx.x == 0) red_s[0] = sigmoidf_(__ldcg(moe.logits + moe.n_experts));
       }
-    } else if (int8) {
-      gemv_pages<4096, true>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
+      load_x(op, (moe.top_k + 1) * moe.inter, x_s, red_s + 16, xi);
+      if (marks) marks[2] = globaltimer();
+      moe_out_pages(op, in, x_s, red_s, ring, k, wait_ns);
     } else {
-      gemv_pages<4096, false>(op, in, x_s, xi, ring, k, marks ? &page_wait : nullptr);
+      load_x(op, op.m.cols, x_s, red_s, xi);
+      if (marks) marks[2] = globaltimer();
+      if (op.code == Opcode::moe_in) {
+        if (int8) {
+          gemv_pages<2048, 4, true, true>(op, in, x_s, xi, ring, k, wait_ns);
+        } else {
+          gemv_pages<2048, 4, false, true>(op, in, x_s, xi, ring, k, wait_ns);
+        }
+      } else if (op.m.bits == 8) {
+        gemv_pages<2048, 8, false, false>(op, in, x_s, xi, ring, k, wait_ns);
+      } else if (op.m.cols == 2048) {
+        if (int8) {
+          gemv_pages<2048, 4, true, false>(op, in, x_s, xi, ring, k, wait_ns);
+        } else {
+          gemv_pages<2048, 4, false, false>(op, in, x_s, xi, ring, k, wait_ns);
+        }
+      } else if (int8) {
+        gemv_pages<4096, 4, true, false>(op, in, x_s, xi, ring, k, wait_ns);
+      } else {
+        gemv_pages<4096, 4, false, false>(op, in, x_s, xi, ring, k, wait_ns);
+      }
     }
     if (marks) marks[3] = globaltimer();
     consumer_sync();  // every store of the instruction issued (and x_s free for the next one)
@@ -460,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   __syncthreads();
   const int warp = threadIdx.x >> 5;
   if (warp == kConsumerWarps) {
-    if ((threadIdx.x & 31) == 0) run_loader(pv, begin, end, ring);
+    run_loader(pv, begin, end, epoch, ring);
     return;
   }
   run_consumers(pv, begin, end, epoch, ring, x_s, red_s, xi);
