@@ -169,6 +169,51 @@ Result<double> time_first_token(int port, const std::string& model, const std::s
   return first;
 }
 
+// A streamed greedy answer of at most `tokens` tokens (no min_tokens: that keeps the stop tokens banned step by step,
+// which only the host sampler does, so the request would not take the device decode loop that plain requests take):
+// the client's decode rate between its first and last content chunk.
+struct StreamedDecode {
+  int tokens = 0;
+  double first_ms = 0, last_ms = 0;
+  double tok_per_s() const { return tokens > 1 && last_ms > first_ms ? (tokens - 1) / ((last_ms - first_ms) / 1e3) : 0; }
+};
+
+Result<StreamedDecode> time_streamed_decode(int port, const std::string& model, const std::string& text, int tokens) {
+  json b = json::parse(chat_body(model, text, tokens, true));
+  b["stream_options"] = {{"include_usage", true}};
+  HttpCall call(port);
+  const auto t0 = Clock::now();
+  RETURN_IF_ERROR(call.send("POST", "/v1/chat/completions", b.dump()));
+  StreamedDecode d;
+  std::string pending, error_body;
+  ASSIGN_OR_RETURN(int status, call.read([&](std::string_view body) {
+    pending.append(body);
+    size_t eol;
+    while ((eol = pending.find('\n')) != std::string::npos) {
+      const std::string line = pending.substr(0, eol);
+      pending.erase(0, eol + 1);
+      if (line.rfind("data: {", 0) != 0) continue;
+      const json ev = json::parse(line.substr(6), nullptr, false);
+      if (ev.is_discarded()) continue;
+      if (ev.contains("usage") && ev["usage"].is_object()) d.tokens = ev["usage"].value("completion_tokens", 0);
+      if (!ev.contains("choices") || ev["choices"].empty()) continue;
+      const json& delta = ev["choices"][0].value("delta", json::object());
+      auto has = [&](const char* k) { return delta.contains(k) && delta[k].is_string() && !delta[k].get<std::string>().empty(); };
+      if (has("content") || has("reasoning_content")) {
+        d.last_ms = ms_since(t0);
+        if (d.first_ms == 0) d.first_ms = d.last_ms;
+      }
+    }
+    error_body.append(body.substr(0, std::min<size_t>(body.size(), 300)));
+    return true;
+  }));
+  if (status != 200) return error(ErrorCode::internal, "the server answered %d: %s", status, error_body.c_str());
+  if (d.tokens < 2 || d.tokens > tokens)
+    return error(ErrorCode::internal, "the stream carried %d tokens (%d asked for; at least 2 are timed)", d.tokens,
+                 tokens);
+  return d;
+}
+
 // The server's own sums from GET /metrics: time to first token (arrival -> first generated token, queue
 // included) and the engine's prefill time (prefill start -> first token), each summed over its requests, once
 // the server has ended all `chat_requests` chat completions sent so far and is idle (the client stops reading at
@@ -294,6 +339,14 @@ Status run_ttft_bench(const TtftOptions& o, json& out) {
   out = {{"prompt_tokens", prompt_tokens}, {"ttft_ms_median", median}, {"ttft_ms_min", sorted.front()},
          {"ttft_ms_max", sorted.back()}, {"ttft_ms", ms}, {"server_ttft_ms_mean", server_ms},
          {"engine_prefill_ms_mean", engine_ms}, {"backend", o.backend}, {"model", o.model}};
+  if (o.decode_tokens > 0) {
+    ASSIGN_OR_RETURN(StreamedDecode d, time_streamed_decode(o.port, served, prompt_text(words, o.reps + 2), o.decode_tokens));
+    std::printf("decode through the server after the ~%d-token prompt: %d tokens streamed at %.1f tok/s (first "
+                "content chunk at %.1f ms, last at %.1f ms)\n", prompt_tokens, d.tokens, d.tok_per_s(), d.first_ms,
+                d.last_ms);
+    out["decode_tokens"] = d.tokens;
+    out["decode_tok_per_s"] = d.tok_per_s();
+  }
   return ok_status();
 }
 

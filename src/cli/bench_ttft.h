@@ -20,8 +20,11 @@ struct TtftOptions {
   int ctx_size = 8192;
   int threads = 0;              // CPU backend threads (0: the server's default)
   std::string cuda_options;     // the server's --cuda-options (empty: none)
+  int decode_tokens = 0;        // > 0: also stream one answer of this many tokens after a prompt_tokens prompt
 };
 
+// With decode_tokens, the streamed decode rate a client sees: one greedy request of at most that many tokens timed
+// from its first content chunk to its last, (tokens - 1) / that time (it may stop early at a stop token).
 // Runs the measurement; `out` gets the prompt's token count, every request's ms and their median/min/max.
 Status run_ttft_bench(const TtftOptions& o, nlohmann::json& out);
 

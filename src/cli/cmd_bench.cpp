@@ -314,6 +314,9 @@ void setup(CLI::App& app) {
                   "--model, any backend)");
   cmd->add_option("--prompt-tokens", a->ttft.prompt_tokens, "ttft: prompt length in tokens (chat template included)");
   cmd->add_option("--port", a->ttft.port, "ttft: the server's port");
+  cmd->add_option("--decode-tokens", a->ttft.decode_tokens,
+                  "ttft: then stream one answer of this many tokens and report the decode rate the client sees")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--backend", a->ttft.backend, "ttft: the server's backend (auto | cpu | cuda)");
   cmd->add_option("--ctx-size", a->ttft.ctx_size, "ttft: the server's context length");
   cmd->add_option("--threads", a->ttft.threads, "ttft: the server's CPU threads (0: all)");

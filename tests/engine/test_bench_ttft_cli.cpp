@@ -67,6 +67,21 @@ TEST_F(BenchTtftCli, TimesStreamedRequestsOfTheAskedLength) {
   EXPECT_NE(slurp(dir_ / "out").find("server side (its /metrics"), std::string::npos);
 }
 
+// --decode-tokens: one more streamed answer of at most that many tokens, its rate between the first and the last
+// content chunk.
+TEST_F(BenchTtftCli, ReportsTheStreamedDecodeRate) {
+  const fs::path json_path = dir_ / "ttft.json";
+  ASSERT_EQ(bench("--model " + tiny_model().dir.string() + " --prompt-tokens 64 --reps 1 --decode-tokens 24 --json " +
+                  json_path.string()),
+            0)
+      << slurp(dir_ / "err");
+  const auto j = nlohmann::json::parse(slurp(json_path));
+  EXPECT_GE(j["decode_tokens"].get<int>(), 2);
+  EXPECT_LE(j["decode_tokens"].get<int>(), 24);
+  EXPECT_GT(j["decode_tok_per_s"].get<double>(), 0.0);
+  EXPECT_NE(slurp(dir_ / "out").find("decode through the server"), std::string::npos);
+}
+
 TEST_F(BenchTtftCli, RefusesWithoutAModelAndReportsAServerThatCannotLoad) {
   EXPECT_NE(bench(""), 0);
   EXPECT_NE(slurp(dir_ / "err").find("--mode ttft needs --model DIR"), std::string::npos) << slurp(dir_ / "err");

@@ -28,6 +28,7 @@ constexpr int kConsumerThreads = 32 * kConsumerWarps;
 // Page layout (both widths): 32 KB of packed weights, then 2 KB of scales, then 2 KB of biases.
 constexpr int kScalesAt = 32768;
 constexpr int kBiasesAt = 34816;
+constexpr int kMoeOutWeightsAt = 9 * kMoeOutRowsPerPage * 256;  // after moe_out's 9 slots of 8 down rows
 __device__ constexpr int rows_per_page(int cols, int bits) { return bits == 4 && cols == 2048 ? 32 : 16; }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -91,14 +92,17 @@ __device__ __forceinline__ unsigned long long globaltimer() {
   return t;
 }
 
-// The experts a MoE op's router chose this step (moe.cuh warp_route_top_k, as every block takes it), in rank order;
-// computed by the whole loader warp once per router.
+// The selection of the router the loader last took (moe.cuh warp_route_top_k, as every block takes it): the experts
+// in rank order and the slots' weights (slot 0: the shared expert's sigmoid gate, slot r + 1: the renormalised p of
+// rank r), which moe_out's pages carry to the consumers.
 struct LoaderRoute {
   int router_op = -1;
   int ids[8];
+  float w[9];
 };
 
-__device__ void loader_route(const ProgramView& pv, const MoeArgs& moe, unsigned long long epoch, LoaderRoute& r) {
+// Waits for the router of `moe` (lane 0 polls) and takes its selection (the whole warp), unless already taken.
+__device__ void take_route(const ProgramView& pv, const MoeArgs& moe, unsigned long long epoch, LoaderRoute& r) {
   if (r.router_op == moe.router_op) return;
   if ((threadIdx.x & 31) == 0) {
     const unsigned long long target = (epoch + 1) * moe.router_signals;
@@ -107,7 +111,11 @@ __device__ void loader_route(const ProgramView& pv, const MoeArgs& moe, unsigned
   __syncwarp();
   const RouteChoice c = warp_route_top_k<8>(moe.logits, moe.n_experts, moe.top_k);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) r.ids[i] = __shfl_sync(0xffffffffu, c.idx, i);
+  for (int i = 0; i < 8; ++i) {
+    r.ids[i] = __shfl_sync(0xffffffffu, c.idx, i);
+    r.w[i + 1] = __shfl_sync(0xffffffffu, c.weight, i);
+  }
+  r.w[0] = sigmoidf_(__ldcg(moe.logits + moe.n_experts));
   r.router_op = moe.router_op;
 }
 
@@ -124,79 +132,74 @@ __device__ __forceinline__ uint32_t rows_bytes(const QMatrix& m, int n) {
   return static_cast<uint32_t>(n * (m.words_per_row() * 4 + m.groups_per_row() * 4));
 }
 
-// The loader warp: every page of every instruction of the block, in order, as soon as the ring has room. Lane 0
-// issues the copies; the whole warp takes a MoE selection. It waits for no dependency but the router of a MoE op
-// whose pages hold routed experts' weights.
+// The ring slot of page k once the consumers have released it (lane 0).
+__device__ __forceinline__ char* free_page(const Ring& ring, uint32_t k, uint64_t*& full) {
+  const int p = static_cast<int>(k % kPages);
+  mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);
+  full = &ring.full[p];
+  return ring.pages + p * kPageBytes;
+}
+
+// The loader warp: every page of every instruction of the block, in order, as soon as its ring slot is free; lane 0
+// issues the copies. It waits for no dependency but the router of a MoE op whose pages hold routed experts' weights
+// (the whole warp then takes the selection); the shared expert's pages go first. (Issuing later instructions' pages
+// while a router runs was measured slower: their copies queue ahead of the routed pages, PERF_NOTES.)
 __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring) {
   const bool leader = (threadIdx.x & 31) == 0;
   uint32_t k = 0;
   LoaderRoute route;
-  // The next page of the ring once the consumers have released it.
-  auto next_page = [&](int& p) {
-    p = static_cast<int>(k % kPages);
-    mbar_wait(&ring.empty[p], ((k / kPages) & 1) ^ 1);
-    return ring.pages + p * kPageBytes;
-  };
   for (int i = begin; i < end; ++i) {
     const Instr in = pv.instrs[i];
-    const Op& op = pv.ops[in.op];
-    if (op.code == Opcode::gdn_head) {  // each head's state: rows 0-63, then 64-127 (32 KB each)
-      const float* S = op.gdn.S;
+    const Opcode code = pv.ops[in.op].code;
+    uint64_t* full;
+    if (code == Opcode::gdn_head) {  // each head's state: rows 0-63, then 64-127 (32 KB each)
+      const float* S = pv.ops[in.op].gdn.S;
       for (int h = in.row_begin; h < in.row_end; ++h) {
         for (int half = 0; half < 2; ++half, ++k) {
-          int p;
-          char* page = next_page(p);
+          if (!leader) continue;
+          char* page = free_page(ring, k, full);
           constexpr uint32_t kHalfBytes = kGdnDim * kGdnDim * 2;
-          if (leader) {
-            mbar_expect_tx(&ring.full[p], kHalfBytes);
-            bulk_copy(page, S + (static_cast<size_t>(h) * kGdnDim + half * (kGdnDim / 2)) * kGdnDim, kHalfBytes,
-                      &ring.full[p]);
-          }
+          mbar_expect_tx(full, kHalfBytes);
+          bulk_copy(page, S + (static_cast<size_t>(h) * kGdnDim + half * (kGdnDim / 2)) * kGdnDim, kHalfBytes, full);
         }
       }
-    } else if (op.code == Opcode::moe_in) {  // 16 (slot, row) pairs a page: gate rows at 0, up rows at 16 KB
-      const MoeArgs& moe = op.moe;
+    } else if (code == Opcode::moe_in) {  // 16 (slot, row) pairs a page: gate rows at 0, up rows at 16 KB
+      const MoeArgs moe = pv.ops[in.op].moe;
       for (int r0 = in.row_begin; r0 < in.row_end; r0 += kMoeInRowsPerPage, ++k) {
         const int slot = r0 / moe.inter, row = r0 % moe.inter, n = min(kMoeInRowsPerPage, in.row_end - r0);
-        QMatrix g = moe.s_gate, u = moe.s_up;
-        if (slot > 0) {
-          loader_route(pv, moe, epoch, route);
-          g = moe.gate.expert(route.ids[slot - 1]), u = moe.up.expert(route.ids[slot - 1]);
-        }
-        int p;
-        char* page = next_page(p);
-        if (leader) {
-          mbar_expect_tx(&ring.full[p], 2 * rows_bytes(g, n));
-          copy_rows(g, row, n, page, 0, 0, &ring.full[p]);
-          copy_rows(u, row, n, page, kMoeInRowsPerPage * 1024, kMoeInRowsPerPage * 64, &ring.full[p]);
-        }
+        if (slot > 0) take_route(pv, moe, epoch, route);
+        if (!leader) continue;
+        const QMatrix g = slot == 0 ? moe.s_gate : moe.gate.expert(route.ids[slot - 1]);
+        const QMatrix u = slot == 0 ? moe.s_up : moe.up.expert(route.ids[slot - 1]);
+        char* page = free_page(ring, k, full);
+        mbar_expect_tx(full, 2 * rows_bytes(g, n));
+        copy_rows(g, row, n, page, 0, 0, full);
+        copy_rows(u, row, n, page, kMoeInRowsPerPage * 1024, kMoeInRowsPerPage * 64, full);
       }
-    } else if (op.code == Opcode::moe_out) {  // 8 rows a page of every slot's down matrix: slot s at 2 KB * s
-      const MoeArgs& moe = op.moe;
-      loader_route(pv, moe, epoch, route);
+    } else if (code == Opcode::moe_out) {  // 8 rows of every slot's down matrix (slot s at 2 KB * s), the weights
+      const MoeArgs moe = pv.ops[in.op].moe;
+      take_route(pv, moe, epoch, route);
       for (int r0 = in.row_begin; r0 < in.row_end; r0 += kMoeOutRowsPerPage, ++k) {
+        if (!leader) continue;
         const int n = min(kMoeOutRowsPerPage, in.row_end - r0);
-        int p;
-        char* page = next_page(p);
-        if (leader) {
-          mbar_expect_tx(&ring.full[p], (moe.top_k + 1) * rows_bytes(moe.s_down, n));
-          for (int s = 0; s <= moe.top_k; ++s) {
-            const QMatrix d = s == 0 ? moe.s_down : moe.down.expert(route.ids[s - 1]);
-            copy_rows(d, r0, n, page, s * kMoeOutRowsPerPage * 256, s * kMoeOutRowsPerPage * 16, &ring.full[p]);
-          }
+        char* page = free_page(ring, k, full);
+        float* w = reinterpret_cast<float*>(page + kMoeOutWeightsAt);
+        for (int s = 0; s <= moe.top_k; ++s) w[s] = route.w[s];
+        mbar_expect_tx(full, (moe.top_k + 1) * rows_bytes(moe.s_down, n));
+        for (int s = 0; s <= moe.top_k; ++s) {
+          const QMatrix d = s == 0 ? moe.s_down : moe.down.expert(route.ids[s - 1]);
+          copy_rows(d, r0, n, page, s * kMoeOutRowsPerPage * 256, s * kMoeOutRowsPerPage * 16, full);
         }
       }
     } else {
-      const QMatrix m = op.m;
+      const QMatrix m = pv.ops[in.op].m;
       const int rpp = rows_per_page(m.cols, m.bits);
       for (int r0 = in.row_begin; r0 < in.row_end; r0 += rpp, ++k) {
+        if (!leader) continue;
         const int n = min(rpp, in.row_end - r0);
-        int p;
-        char* page = next_page(p);
-        if (leader) {
-          mbar_expect_tx(&ring.full[p], rows_bytes(m, n));
-          copy_rows(m, r0, n, page, 0, 0, &ring.full[p]);
-        }
+        char* page = free_page(ring, k, full);
+        mbar_expect_tx(full, rows_bytes(m, n));
+        copy_rows(m, r0, n, page, 0, 0, full);
       }
     }
   }
@@ -405,8 +408,8 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
 // The pages of one moe_out instruction (8 rows a page, every slot's down rows; x_s = act [(top_k + 1) * 512],
 // w_s = the slots' weights): warp w < 8 takes row w; lane j vector j % 16 of slots j / 16, j / 16 + 2, ...
 // (512 columns: 16 vectors a row), weighted and summed in a fixed order.
-__device__ void moe_out_pages(const Op& op, const Instr& in, const float* x_s, const float* w_s, const Ring& ring,
-                              uint32_t& k, unsigned long long* wait_ns) {
+__device__ void moe_out_pages(const Op& op, const Instr& in, const float* x_s, const Ring& ring, uint32_t& k,
+                              unsigned long long* wait_ns) {
   constexpr int kVecs = 512 / kVecElems4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, v = lane % kVecs;
   const int slots = op.moe.top_k + 1;
@@ -418,6 +421,7 @@ __device__ void moe_out_pages(const Op& op, const Instr& in, const float* x_s, c
     mbar_wait(&ring.full[p], (k / kPages) & 1);
     if (wait_ns) *wait_ns += globaltimer() - t_wait;
     const char* page = ring.pages + p * kPageBytes;
+    const float* w_s = reinterpret_cast<const float*>(page + kMoeOutWeightsAt);  // written by the loader
     float acc = 0.0f;
     if (active) {
       const unsigned short* s_s = reinterpret_cast<const unsigned short*>(page + kScalesAt);
@@ -557,15 +561,9 @@ __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigne
     unsigned long long* wait_ns = marks ? &page_wait : nullptr;
     const bool int8 = op.flags & kInt8X;
     if (op.code == Opcode::moe_out) {
-      const MoeArgs& moe = op.moe;
-      if (threadIdx.x < 32) {  // the slots' weights: the shared expert's sigmoid gate, the routed renormalised p
-        const RouteChoice c = warp_route_top_k<8>(moe.logits, moe.n_experts, moe.top_k);
-        if (threadIdx.x < moe.top_k) red_s[1 + threadIdx.x] = c.weight;
-        if (threadIdx.x == 0) red_s[0] = sigmoidf_(__ldcg(moe.logits + moe.n_experts));
-      }
-      load_x(op, (moe.top_k + 1) * moe.inter, x_s, red_s + 16, xi);
+      load_x(op, (op.moe.top_k + 1) * op.moe.inter, x_s, red_s, xi);
       if (marks) marks[2] = globaltimer();
-      moe_out_pages(op, in, x_s, red_s, ring, k, wait_ns);
+      moe_out_pages(op, in, x_s, ring, k, wait_ns);
     } else {
       load_x(op, op.m.cols, x_s, red_s, xi);
       if (marks) marks[2] = globaltimer();

@@ -3,6 +3,9 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdio>
+#include <string>
+
 #include "../kernels/cuda_test_util.h"
 #include "cuda/megakernel/step.cuh"
 
@@ -36,5 +39,19 @@ struct Carver {
     return m;
   }
 };
+
+// Runs one step with the instruction timeline on and prints the first `ops` ops of its summary.
+inline void print_timeline(const Program& p, DeviceProgram& d, int ops) {
+  if (!d.enable_trace().ok() || d.launch(nullptr) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+    std::printf("timeline: the traced step failed\n");
+    return;
+  }
+  auto marks = d.trace();
+  if (!marks.ok()) return;
+  const std::string t = p.summarize_trace(*marks);
+  size_t cut = 0;
+  for (int line = 0; line <= ops && cut != std::string::npos; ++line) cut = t.find('\n', cut + 1);
+  std::printf("%s", t.substr(0, cut == std::string::npos ? cut : cut + 1).c_str());
+}
 
 }  // namespace lily::cuda::mk::test_util

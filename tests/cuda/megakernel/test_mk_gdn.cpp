@@ -7,6 +7,7 @@
 #include <memory>
 #include <vector>
 
+#include "mk_moe_util.h"
 #include "mk_test_util.h"
 #include "cuda/kernels/gdn.cuh"
 #include "cuda/kernels/gemv.cuh"
@@ -171,6 +172,11 @@ struct GdnLayers {
     h.upload(h0);
     for (auto& s : st) s->reset();
   }
+  // With `moe` (one per layer), each layer ends with its MoE block, as the model's do.
+  std::vector<const test_util::BenchMoe*> moe;
+  DeviceBuffer<float> act{9 * 512};
+  test_util::BenchMoe::Scratch moe_scratch;
+
   Result<Program> program(int n_blocks, bool int8) {
     Program p;
     p.set_int8_activations(int8);
@@ -182,6 +188,9 @@ struct GdnLayers {
       ASSIGN_OR_RETURN(const int in, p.add_gemv(w_in[l], h.get(), s.d_proj.get(), waits, norm_in.get()));
       ASSIGN_OR_RETURN(const int heads, p.add_gdn_heads(s.args(), s.d_out.get(), in));
       ASSIGN_OR_RETURN(prev, p.add_gemv(w_out[l], s.d_out.get(), h.get(), {heads}, nullptr, 1e-6f, h.get()));
+      if (!moe.empty()) {
+        ASSIGN_OR_RETURN(prev, moe[l]->add_to(p, h.get(), norm_in.get(), act.get(), prev));
+      }
     }
     RETURN_IF_ERROR(p.schedule(n_blocks));
     return p;
@@ -197,6 +206,7 @@ struct GdnLayers {
       CUDA_TRY(gdn_step(g, stream));
       GemvParams out{w_out[l], s.d_out.get(), GemvPrologue::none, nullptr, nullptr, 0, 1e-6f, h.get(), h.get()};
       CUDA_TRY(gemv(out, stream));
+      if (!moe.empty()) CUDA_TRY(moe[l]->chain(h.get(), norm_in.get(), moe_scratch, stream));
     }
     return cudaSuccess;
   }
@@ -247,16 +257,36 @@ TEST(MkGdnBench, ThirtyLayers) {
     const DeviceProgram& dp = **d;
     test::print_bandwidth(int8 ? "gdn layers, megakernel, int8 x" : "gdn layers, megakernel, fp32 x",
                           test::graph_time_us([&](int, cudaStream_t s) { return dp.launch(s); }, 10), bytes);
-    ASSERT_TRUE((*d)->enable_trace().ok());
-    ASSERT_CUDA(dp.launch(nullptr));
-    ASSERT_CUDA(cudaDeviceSynchronize());
-    auto marks = (*d)->trace();
-    ASSERT_TRUE(marks.ok());
-    const std::string t = prog->summarize_trace(*marks);
-    size_t cut = 0;
-    for (int line = 0; line < 7 && cut != std::string::npos; ++line) cut = t.find('\n', cut + 1);
-    std::printf("%s", t.substr(0, cut + 1).c_str());
+    test_util::print_timeline(*prog, **d, 6);
   }
+}
+
+// Stages (b) + (c): 30 Gated DeltaNet layers, each with its MoE block (694 MB + 30 x 16.5 MB = 1,189 MB, floor
+// 278 us): the routing-dependent fetches with the rest of the layer around them.
+TEST(MkLayerBench, ThirtyGdnLayersWithMoe) {
+  SKIP_WITHOUT_STEP();
+  const DeviceBuffer<uint16_t> pool = test::bench_pool(size_t{600} << 20, 10);
+  const DeviceBuffer<uint16_t> moe_pool = test::bench_pool(size_t{6} << 30, 12);
+  Carver carve{pool};
+  GdnLayers layers(30, carve, 8301);
+  std::vector<std::unique_ptr<test_util::BenchMoe>> moe;
+  double bytes = 0;
+  for (int l = 0; l < 30; ++l) {
+    moe.push_back(std::make_unique<test_util::BenchMoe>(moe_pool, l));
+    layers.moe.push_back(moe.back().get());
+    bytes += static_cast<double>(layers.w_in[l].bytes() + layers.w_out[l].bytes()) + 2.0 * kNv * kD * kD * 4 +
+             moe.back()->bytes();
+  }
+  std::printf("\n");
+  test::print_bandwidth("gdn + moe layers, chain (180 launches)",
+                        test::graph_time_us([&](int, cudaStream_t s) { return layers.chain(s); }, 10), bytes);
+  auto prog = layers.program(device_sms(), true);
+  ASSERT_TRUE(prog.ok()) << prog.status().message();
+  auto d = DeviceProgram::upload(*prog);
+  ASSERT_TRUE(d.ok());
+  test::print_bandwidth("gdn + moe layers, megakernel, int8 x",
+                        test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10), bytes);
+  test_util::print_timeline(*prog, **d, 12);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include "mk_moe_util.h"
 #include "mk_test_util.h"
 #include "cuda/kernels/moe.cuh"
 #include "cuda/megakernel/step.cuh"
@@ -250,53 +251,16 @@ TEST(MkMoe, TwoLayersTwoStepsMatchTheChain) {
 // ~155 us), weights cold (the stacks are carved from a 6 GB pool; each layer routes on its own logits).
 TEST(MkMoeBench, FortyLayers) {
   SKIP_WITHOUT_STEP();
-  constexpr int E = 256, kLayers = 40;
   const DeviceBuffer<uint16_t> pool = test::bench_pool(size_t{6} << 30, 12);
-  struct Layer {
-    QMatrix router, gate, up, down, s_gate, s_up, s_down;
-    DeviceBuffer<float> logits{E + 1};
-  };
-  std::vector<std::unique_ptr<Layer>> layers;
-  for (int l = 0; l < kLayers; ++l) {
-    auto L = std::make_unique<Layer>();
-    L->router = test::bench_qmatrix(pool, E + 1, kH, 8, 100 + l);
-    L->gate = test::bench_qmatrix(pool, E * kI, kH, 4, 3 * l), L->up = test::bench_qmatrix(pool, E * kI, kH, 4, 3 * l + 1);
-    L->down = test::bench_qmatrix(pool, E * kH, kI, 4, 3 * l + 2);
-    L->gate.rows = L->up.rows = kI, L->down.rows = kH;
-    L->s_gate = test::bench_qmatrix(pool, kI, kH, 4, 500 + 3 * l), L->s_up = test::bench_qmatrix(pool, kI, kH, 4, 501 + 3 * l);
-    L->s_down = test::bench_qmatrix(pool, kH, kI, 4, 502 + 3 * l);
-    layers.push_back(std::move(L));
-  }
+  std::vector<std::unique_ptr<test_util::BenchMoe>> layers;
+  for (int l = 0; l < 40; ++l) layers.push_back(std::make_unique<test_util::BenchMoe>(pool, l));
   DeviceBuffer<float> h(test::random_vector(kH, 13)), norm_w(test::random_vector(kH, 14, 0.1f, 1.0f));
-  DeviceBuffer<float> x(kH), w(kTopK), sg(1), act((kTopK + 1) * kI);
-  DeviceBuffer<int> idx(kTopK);
-  DeviceBuffer<unsigned> counter(1);
-  ASSERT_CUDA(counter.zero());
+  DeviceBuffer<float> act((kTopK + 1) * kI);
+  test_util::BenchMoe::Scratch scratch;
   double bytes = 0;
-  for (const auto& L : layers)
-    bytes += static_cast<double>(L->router.bytes()) + (kTopK + 1) * (2.0 * L->gate.bytes() + L->down.bytes());
-  auto chain = [&](int, cudaStream_t s) {  // the decode graph's mode: the expert kernels select
-    for (const auto& L : layers) {
-      MoeRouteParams rp;
-      QMatrix rows = L->router, sgate = L->router;
-      rows.rows = E, sgate.rows = 1;
-      sgate.w += static_cast<size_t>(E) * sgate.words_per_row();
-      sgate.scales += static_cast<size_t>(E) * sgate.groups_per_row();
-      sgate.biases += static_cast<size_t>(E) * sgate.groups_per_row();
-      rp.router = rows, rp.shared_gate = sgate, rp.h = h.get(), rp.norm_w = norm_w.get(), rp.top_k = kTopK;
-      rp.x = x.get(), rp.logits = L->logits.get(), rp.counter = counter.get(), rp.shared_gate_value = sg.get();
-      rp.select_top_k = false;
-      MoeExpertInParams ip;
-      ip.gate = L->gate, ip.up = L->up, ip.shared_gate = L->s_gate, ip.shared_up = L->s_up, ip.x = x.get();
-      ip.topk_idx = idx.get(), ip.top_k = kTopK, ip.act = act.get(), ip.router_logits = L->logits.get();
-      ip.n_experts = E, ip.topk_idx_out = idx.get(), ip.topk_w_out = w.get();
-      MoeExpertOutParams op;
-      op.down = L->down, op.shared_down = L->s_down, op.act = act.get(), op.topk_idx = idx.get(), op.topk_w = w.get();
-      op.shared_gate_value = sg.get(), op.top_k = kTopK, op.h = h.get();
-      CUDA_TRY(moe_route(rp, s));
-      CUDA_TRY(moe_expert_in(ip, s));
-      CUDA_TRY(moe_expert_out(op, s));
-    }
+  for (const auto& L : layers) bytes += L->bytes();
+  auto chain = [&](int, cudaStream_t s) {
+    for (const auto& L : layers) CUDA_TRY(L->chain(h.get(), norm_w.get(), scratch, s));
     return cudaSuccess;
   };
   std::printf("\n");
@@ -306,28 +270,16 @@ TEST(MkMoeBench, FortyLayers) {
     p.set_int8_activations(int8);
     int h_op = -1;
     for (const auto& L : layers) {
-      MoeArgs a;
-      a.gate = L->gate, a.up = L->up, a.down = L->down, a.s_gate = L->s_gate, a.s_up = L->s_up, a.s_down = L->s_down;
-      a.n_experts = E, a.top_k = kTopK, a.inter = kI;
-      auto id = p.add_moe(L->router, a, h.get(), norm_w.get(), L->logits.get(), act.get(), h_op);
+      auto id = L->add_to(p, h.get(), norm_w.get(), act.get(), h_op);
       ASSERT_TRUE(id.ok()) << id.status().message();
       h_op = *id;
     }
     ASSERT_TRUE(p.schedule(device_sms()).ok());
     auto d = DeviceProgram::upload(p);
     ASSERT_TRUE(d.ok());
-    const DeviceProgram& dp = **d;
     test::print_bandwidth(int8 ? "40 moe blocks, megakernel, int8 x" : "40 moe blocks, megakernel, fp32 x",
-                          test::graph_time_us([&](int, cudaStream_t s) { return dp.launch(s); }, 10), bytes);
-    ASSERT_TRUE((*d)->enable_trace().ok());
-    ASSERT_CUDA(dp.launch(nullptr));
-    ASSERT_CUDA(cudaDeviceSynchronize());
-    auto marks = (*d)->trace();
-    ASSERT_TRUE(marks.ok());
-    const std::string t = p.summarize_trace(*marks);
-    size_t cut = 0;
-    for (int line = 0; line < 10 && cut != std::string::npos; ++line) cut = t.find('\n', cut + 1);
-    std::printf("%s", t.substr(0, cut + 1).c_str());
+                          test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10), bytes);
+    test_util::print_timeline(p, **d, 9);
   }
 }
 
