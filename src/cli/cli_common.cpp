@@ -4,6 +4,7 @@
 
 #include "engine/backend_factory.h"
 #include "engine/model_loader.h"
+#include "engine/speculative.h"
 #include "hub/hf_cache.h"
 
 namespace lily::cli {
@@ -27,6 +28,8 @@ void add_engine_options(CLI::App* cmd, EngineArgs& args) {
       ->check(CLI::NonNegativeNumber);
   cmd->add_option("--ctx-size", args.ctx_size, kCtxSizeHelp);
   cmd->add_option("--cuda-options", args.cuda_options, kCudaOptionsHelp);
+  cmd->add_option("--speculative", args.speculative, kSpeculativeHelp);
+  cmd->add_option("--mtp-from", args.mtp_from, kMtpFromHelp)->transform(model_location());
 }
 
 Result<int64_t> parse_ctx_size(const std::string& s) {
@@ -46,6 +49,8 @@ Result<LoadedEngine> load_engine(const EngineArgs& args) {
   o.backend.n_threads = args.threads;
   ASSIGN_OR_RETURN(o.backend.max_context, parse_ctx_size(args.ctx_size));
   o.backend.cuda_options = args.cuda_options;
+  ASSIGN_OR_RETURN(o.engine.speculative_tokens, parse_speculative(args.speculative));
+  o.mtp_from = args.mtp_from;
   ASSIGN_OR_RETURN(LoadedModel m, load_model(o));
   LoadedEngine out;
   out.engine = std::move(m.engine);

@@ -17,9 +17,11 @@ struct EngineArgs {
   int threads = 0;           // CPU backend; 0: all cores
   std::string ctx_size;      // --ctx-size: tokens a sequence may hold, or "auto" (parse_ctx_size); empty: default
   std::string cuda_options;  // CUDA backend options (BackendOptions::cuda_options)
+  std::string speculative;   // --speculative mtp:K (engine/speculative.h parse_speculative); empty: off
+  std::string mtp_from;      // --mtp-from DIR: the MTP head from another checkpoint of the model
 };
 
-// --model (required), --backend, --threads, --ctx-size, --cuda-options.
+// --model (required), --backend, --threads, --ctx-size, --cuda-options, --speculative, --mtp-from.
 void add_engine_options(CLI::App* cmd, EngineArgs& args);
 
 // Every --model option's transform: a directory stays as it is (it wins when it exists); ORG/NAME[@REVISION]
@@ -35,6 +37,14 @@ inline constexpr const char* kCudaOptionsHelp = "CUDA backend options, key=value
 inline constexpr const char* kCtxSizeHelp =
     "tokens a sequence may hold, or auto: the largest that fits (CUDA: the GPU's free memory after the weights; "
     "CPU: the model's maximum). Default: 32768 on CUDA, the model's maximum on the CPU";
+
+inline constexpr const char* kSpeculativeHelp =
+    "mtp:K (K = 1..3): speculative decoding, K tokens drafted per step by the checkpoint's multi-token-prediction "
+    "head and verified in one forward (greedy output unchanged, sampled output equally distributed); off by "
+    "default. CPU backend only for now";
+inline constexpr const char* kMtpFromHelp =
+    "take the MTP head from this checkpoint of the same model (e.g. the Hugging Face one; mlx-lm conversions have "
+    "none)";
 
 // --ctx-size: a positive count, or "auto" (BackendOptions::kContextAuto); empty: 0 (the backend's default).
 Result<int64_t> parse_ctx_size(const std::string& s);

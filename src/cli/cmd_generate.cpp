@@ -62,6 +62,39 @@ static Status run_ids(const std::string& ids_text, int max_tokens, const EngineA
   return ok_status();
 }
 
+// " speculative mtp:K: D drafted, A accepted (x%) over S steps" when the run used speculative decoding.
+static std::string speculative_summary(const Engine& engine, const GenerationResult& r) {
+  const int k = engine.options().speculative_tokens;
+  if (k == 0) return "";
+  const double rate = r.drafted_tokens ? 100.0 * r.accepted_tokens / r.drafted_tokens : 0.0;
+  return format(", speculative mtp:%d: %lld drafted, %lld accepted (%.1f%%) over %lld steps", k,
+                (long long)r.drafted_tokens, (long long)r.accepted_tokens, rate, (long long)r.speculative_steps);
+}
+
+// --prompt-ids with --speculative: the same greedy ids (the final stop token included), through the engine's
+// speculative loop.
+static Status run_ids_speculative(const std::string& ids_text, int max_tokens, const EngineArgs& args) {
+  ASSIGN_OR_RETURN(std::vector<int32_t> ids, parse_ids(ids_text));
+  ASSIGN_OR_RETURN(LoadedEngine loaded, load_engine(args));
+  Engine& engine = *loaded.engine;
+  GenerationRequest request;
+  request.prompt = ids;
+  request.sampling.temperature = 0;
+  request.sampling.max_tokens = max_tokens;
+  const auto& eos = engine.config().eos_token_ids;
+  request.stop_token_ids.assign(eos.begin(), eos.end());
+  request.reuse_cache = false;
+  ASSIGN_OR_RETURN(GenerationResult r, engine.generate(request, nullptr));
+  std::vector<int32_t> out = r.tokens;
+  if (r.stop_token >= 0) out.push_back(r.stop_token);
+  for (size_t i = 0; i < out.size(); ++i) std::printf("%s%d", i ? "," : "", out[i]);
+  std::printf("\n");
+  const double decode_tps = r.completion_tokens > 1 ? (r.completion_tokens - 1) / (r.decode_ms / 1e3) : 0.0;
+  std::fprintf(stderr, "backend %s: prefill %d tokens, decode %d tokens %.1f tok/s%s\n", engine.backend().name(),
+               r.prompt_tokens, r.completion_tokens, decode_tps, speculative_summary(engine, r).c_str());
+  return ok_status();
+}
+
 struct GenerateArgs {
   EngineArgs engine;
   SamplingArgs sampling;
@@ -97,9 +130,10 @@ static Status run_text(const GenerateArgs& a) {
   const double decode_tps = r.completion_tokens > 1 ? (r.completion_tokens - 1) / (r.decode_ms / 1e3) : 0.0;
   std::fprintf(stderr,
                "backend %s: prompt %d tokens (prefill %.1f tok/s, first token after %.0f ms), %d generated "
-               "(%.1f tok/s), finish %s\n",
+               "(%.1f tok/s), finish %s%s\n",
                engine.backend().name(), r.prompt_tokens, r.prompt_tokens / (r.prefill_ms / 1e3),
-               r.time_to_first_token_ms, r.completion_tokens, decode_tps, r.finish_reason.c_str());
+               r.time_to_first_token_ms, r.completion_tokens, decode_tps, r.finish_reason.c_str(),
+               speculative_summary(engine, r).c_str());
   return ok_status();
 }
 
@@ -120,9 +154,10 @@ static void setup(CLI::App& app) {
     Status st;
     if (!a->prompt_ids.empty()) {
       int max_tokens = *a->sampling.max_tokens_opt ? a->sampling.max_tokens : 16;
-      st = max_tokens < 1
-               ? invalid_argument("--max-tokens must be >= 1 with --prompt-ids")
-               : run_ids(a->prompt_ids, max_tokens, a->engine);
+      if (max_tokens < 1) st = invalid_argument("--max-tokens must be >= 1 with --prompt-ids");
+      else if (!a->engine.speculative.empty() || !a->engine.mtp_from.empty())
+        st = run_ids_speculative(a->prompt_ids, max_tokens, a->engine);
+      else st = run_ids(a->prompt_ids, max_tokens, a->engine);
     } else {
       st = run_text(*a);
     }

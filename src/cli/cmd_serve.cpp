@@ -9,6 +9,7 @@
 
 #include "cli/cli_common.h"
 #include "cli/commands.h"
+#include "engine/speculative.h"
 #include "hub/hf_cache.h"
 #include "server/server.h"
 
@@ -18,7 +19,7 @@ namespace {
 
 struct ServeArgs {
   std::string model, host = "127.0.0.1", api_key, backend = "auto", name, cuda_options;
-  std::string ctx_size;
+  std::string ctx_size, speculative, mtp_from;
   int port = 8080, threads = 0, max_tokens = 32768;
   double grace_s = 10, request_timeout_s = 0;
   size_t max_queue = 64, max_body_mb = 16, cache_mb = 8192, max_per_client = 64;
@@ -60,6 +61,20 @@ int run_serve(const ServeArgs& a) {
     return 2;
   }
   o.ctx_size = *ctx;
+  Result<int> k = parse_speculative(a.speculative);
+  if (!k.ok()) {
+    std::fprintf(stderr, "lily serve: %s\n", k.status().message().c_str());
+    return 2;
+  }
+  o.engine.speculative_tokens = *k;
+  if (!a.mtp_from.empty()) {
+    Result<ModelLocation> head = resolve_model(a.mtp_from);
+    if (!head.ok()) {
+      std::fprintf(stderr, "lily serve: --mtp-from: %s\n", head.status().message().c_str());
+      return 2;
+    }
+    o.mtp_from = head->path;
+  }
   o.max_queue = a.max_queue;
   o.shutdown_grace_ms = static_cast<int>(a.grace_s * 1000);
   o.max_tokens = a.max_tokens;
@@ -103,6 +118,8 @@ void setup(CLI::App& app) {
   cmd->add_option("--threads", a->threads, "CPU backend threads (0: all)")->check(CLI::Range(0, 1024));
   cmd->add_option("--ctx-size", a->ctx_size, kCtxSizeHelp);
   cmd->add_option("--cuda-options", a->cuda_options, kCudaOptionsHelp);
+  cmd->add_option("--speculative", a->speculative, kSpeculativeHelp);
+  cmd->add_option("--mtp-from", a->mtp_from, kMtpFromHelp);
   cmd->add_option("--max-queue", a->max_queue, "requests that may wait behind the running one (then 429)")
       ->check(CLI::Range(1, 100000));
   cmd->add_option("--max-body-mb", a->max_body_mb, "largest request body in MiB (then 413)")

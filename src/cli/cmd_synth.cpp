@@ -12,7 +12,7 @@ static void setup(CLI::App& app) {
     std::string preset = "tiny", layout = "mlx", out;
     uint64_t seed = 0;
     std::string tokenizer = LILY_DEFAULT_TOKENIZER_DIR;
-    bool no_tokenizer = false;
+    bool no_tokenizer = false, no_mtp = false;
   };
   auto args = std::make_shared<Args>();
   cmd->add_option("--preset", args->preset, "tiny | small | full | full4 (full width, 4 layers)")->check(CLI::IsMember({"tiny", "small", "full", "full4"}));
@@ -21,6 +21,7 @@ static void setup(CLI::App& app) {
   cmd->add_option("--seed", args->seed, "random seed");
   cmd->add_option("--tokenizer", args->tokenizer, "directory holding tokenizer.json to copy");
   cmd->add_flag("--no-tokenizer", args->no_tokenizer, "write no tokenizer files");
+  cmd->add_flag("--no-mtp", args->no_mtp, "write no multi-token-prediction head (as mlx-lm conversions have none)");
   cmd->callback([args] {
     SynthOptions o;
     o.preset = args->preset;
@@ -28,6 +29,7 @@ static void setup(CLI::App& app) {
     o.out_dir = args->out;
     o.seed = args->seed;
     o.tokenizer_dir = args->no_tokenizer ? "" : args->tokenizer;
+    o.mtp = !args->no_mtp;
     Status st = synth_write(o);
     if (!st.ok()) {
       std::fprintf(stderr, "lily synth: %s\n", st.message().c_str());

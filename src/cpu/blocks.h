@@ -36,8 +36,10 @@ struct LayerState {
 
 void attention_block(const Context& ctx, const AttentionWeights& w, const float* a, int64_t T, int64_t pos0,
                      LayerState& st, float* out);
+// `after` (optional) gets the conv and recurrent state after each of the T rows (speculative verification:
+// a rejected draft restores the state after the last kept row without recomputing).
 void delta_net_block(const Context& ctx, const DeltaNetWeights& w, const float* a, int64_t T, LayerState& st,
-                     float* out);
+                     float* out, std::vector<LayerState>* after = nullptr);
 void moe_block(const Context& ctx, const MoeWeights& w, const float* b, int64_t T, float* out);
 
 // Eq 22: indices of the k largest probabilities (ties: lower index first) and their renormalised weights.

@@ -12,24 +12,55 @@ class CpuCheckpoint final : public Checkpoint {
  public:
   int64_t n = 0;
   std::vector<std::vector<float>> conv, S;  // per layer (empty for attention layers)
+  // The MTP head's part (when enabled): its KV length and the hidden rows and tokens it has not read yet.
+  int64_t mtp_n = 0;
+  std::vector<float> mtp_hidden;
+  std::vector<int32_t> mtp_tokens;
   int64_t n_tokens() const override { return n; }
   size_t bytes() const override {
-    size_t b = 0;
+    size_t b = (mtp_hidden.size() + mtp_tokens.size()) * sizeof(float);
     for (size_t i = 0; i < conv.size(); ++i) b += (conv[i].size() + S[i].size()) * sizeof(float);
     return b;
   }
 };
+
+// The MTP head's state of one sequence (docs/MODEL.md eq 26). Its KV entry at position i is computed from the
+// token at i+1 and the main model's hidden state at i, so the head runs one position behind the main model:
+// the hidden rows of positions n..n+P-1 wait in `pending_hidden` until the token after each is known.
+struct MtpState {
+  cpu::LayerState kv;                 // entries for positions 0..n-1
+  int64_t n = 0;
+  std::vector<float> pending_hidden;  // [P, H]: the main model's final-norm output at positions n..n+P-1
+  std::vector<int32_t> pending_tokens;  // the tokens at positions n+1..n+P-1 (P-1 of them)
+  std::vector<float> chain_hidden;    // [H]: the head's output of the last draft step (empty: none)
+};
+
+void truncate_kv(cpu::LayerState& l, int64_t n, int64_t kv_row) {
+  l.k.resize(static_cast<size_t>(n * kv_row));
+  l.v.resize(static_cast<size_t>(n * kv_row));
+}
 
 class CpuSequence final : public SequenceState {
  public:
   int64_t n = 0;
   std::vector<cpu::LayerState> layers;
   int64_t kv_row = 0;  // floats per token per layer (n_kv_heads * head_dim)
+  int64_t hidden = 0;
+  bool mtp_on = false;
+  MtpState mtp;
+  // Between forward_verify and accept_verified: where the verified rows start, how many, and per Gated
+  // DeltaNet layer the state after each row.
+  int64_t verify_base = -1, verify_rows = 0;
+  std::vector<std::vector<cpu::LayerState>> verify_after;
 
   int64_t n_tokens() const override { return n; }
   size_t bytes() const override {
     size_t b = 0;
     for (const auto& l : layers) b += (l.k.size() + l.v.size() + l.conv.size() + l.S.size()) * sizeof(float);
+    b += (mtp.kv.k.size() + mtp.kv.v.size() + mtp.pending_hidden.size() + mtp.pending_tokens.size() +
+          mtp.chain_hidden.size()) * sizeof(float);
+    for (const auto& rows : verify_after)
+      for (const auto& r : rows) b += (r.conv.size() + r.S.size()) * sizeof(float);
     return b;
   }
   std::unique_ptr<Checkpoint> checkpoint() const override {
@@ -39,25 +70,57 @@ class CpuSequence final : public SequenceState {
       cp->conv.push_back(l.conv);
       cp->S.push_back(l.S);
     }
+    if (mtp_on) {
+      cp->mtp_n = std::min(mtp.n, n);  // draft entries (positions >= n) are not part of the sequence
+      if (mtp.n <= n) {
+        cp->mtp_hidden = mtp.pending_hidden;
+        cp->mtp_tokens = mtp.pending_tokens;
+      }
+    }
     return cp;
   }
   Status restore(const Checkpoint& base) override {
     auto* cp = dynamic_cast<const CpuCheckpoint*>(&base);
     if (!cp || cp->conv.size() != layers.size()) return invalid_argument("checkpoint is not from this backend/model");
     if (cp->n > n) return invalid_argument("checkpoint at %lld is past the sequence end %lld", (long long)cp->n, (long long)n);
+    if (mtp_on && cp->mtp_n > mtp.n)
+      return invalid_argument("checkpoint's MTP head state (%lld positions) is past the sequence's (%lld)",
+                              (long long)cp->mtp_n, (long long)mtp.n);
     n = cp->n;
     for (size_t i = 0; i < layers.size(); ++i) {
       layers[i].conv = cp->conv[i];
       layers[i].S = cp->S[i];
-      if (!layers[i].k.empty()) {
-        layers[i].k.resize(static_cast<size_t>(n * kv_row));
-        layers[i].v.resize(static_cast<size_t>(n * kv_row));
-      }
+      if (!layers[i].k.empty()) truncate_kv(layers[i], n, kv_row);
     }
+    if (mtp_on) {
+      truncate_kv(mtp.kv, cp->mtp_n, kv_row);
+      mtp.n = cp->mtp_n;
+      mtp.pending_hidden = cp->mtp_hidden;
+      mtp.pending_tokens = cp->mtp_tokens;
+      mtp.chain_hidden.clear();
+    }
+    verify_base = -1, verify_rows = 0;
+    verify_after.clear();
     return ok_status();
   }
   std::unique_ptr<SequenceState> clone() const override { return std::make_unique<CpuSequence>(*this); }
+
+  // Draft steps wrote KV entries at positions >= n from the head's own hidden states: a main forward drops them.
+  void drop_drafts() {
+    if (mtp.n > n) {
+      truncate_kv(mtp.kv, n, kv_row);
+      mtp.n = n;
+    }
+    mtp.chain_hidden.clear();
+  }
 };
+
+Status check_tokens(std::span<const int32_t> tokens, int64_t V) {
+  if (tokens.empty()) return invalid_argument("forward: no tokens");
+  for (int32_t id : tokens)
+    if (id < 0 || id >= V) return invalid_argument("token id %d is outside the vocabulary [0, %lld)", id, (long long)V);
+  return ok_status();
+}
 
 }  // namespace
 
@@ -69,44 +132,175 @@ std::unique_ptr<SequenceState> CpuBackend::new_sequence() {
   auto s = std::make_unique<CpuSequence>();
   s->layers.resize(weights_->layers.size());
   s->kv_row = static_cast<int64_t>(config().num_key_value_heads) * config().head_dim;
+  s->hidden = config().hidden_size;
+  s->mtp_on = mtp_on_;
   return s;
 }
 
+Status CpuBackend::enable_mtp() {
+  if (!weights_->mtp)
+    return error(ErrorCode::not_found,
+                 "%s has no multi-token-prediction head (no mtp.* tensors), which --speculative mtp:K drafts with; "
+                 "an mlx-lm conversion drops it: convert the Hugging Face checkpoint with `lily quantize`, which "
+                 "keeps it, or load the head from the Hugging Face checkpoint with --mtp-from DIR",
+                 weights_->dir.c_str());
+  mtp_on_ = true;
+  return ok_status();
+}
+
 // Eqs 4-6: embed, then per layer h' = h + Mixer(ZN(h)), h = h' + MoE(ZN(h')), then final norm and lm_head.
-Status CpuBackend::forward(SequenceState& base, std::span<const int32_t> tokens, LogitsRows rows,
-                           std::vector<float>* logits) {
+// With the MTP head enabled the final-norm output of every row is kept for it (eq 26); `verify` keeps the
+// recurrent state after each row and leaves the head's pending rows for accept_verified to cut.
+Status CpuBackend::run(SequenceState& base, std::span<const int32_t> tokens, bool verify, LogitsRows rows,
+                       std::vector<float>* logits) {
   auto* seq = dynamic_cast<CpuSequence*>(&base);
   if (!seq) return invalid_argument("sequence state is not from the CPU backend");
   const ModelConfig& c = config();
   const int64_t T = static_cast<int64_t>(tokens.size()), H = c.hidden_size, V = c.vocab_size;
-  if (T == 0) return invalid_argument("forward: no tokens");
-  for (int32_t id : tokens)
-    if (id < 0 || id >= V) return invalid_argument("token id %d is outside the vocabulary [0, %lld)", id, (long long)V);
+  RETURN_IF_ERROR(check_tokens(tokens, V));
+  if (seq->verify_base >= 0)
+    return invalid_argument("forward after forward_verify: accept_verified must say which rows to keep first");
   if (seq->n + T > c.max_position_embeddings)
     return error(ErrorCode::out_of_range, "%lld tokens exceed the context of %d", (long long)(seq->n + T),
                  c.max_position_embeddings);
+  if (seq->mtp_on) seq->drop_drafts();
 
   const ModelWeights& w = *weights_;
   std::vector<float> h(T * H), x(T * H), y(T * H);
+  if (verify) seq->verify_after.assign(w.layers.size(), {});
   cpu::embed(w.embed_tokens, tokens.data(), T, h.data());
   for (size_t l = 0; l < w.layers.size(); ++l) {
     const LayerWeights& lw = w.layers[l];
     cpu::Context ctx{*pool_, c, options_.trace, static_cast<int>(l)};
     cpu::rms_norm(h.data(), lw.input_norm.data(), T, H, c.rms_norm_eps, x.data());
-    if (lw.type == LayerType::full_attention) cpu::attention_block(ctx, lw.attn, x.data(), T, seq->n, seq->layers[l], y.data());
-    else cpu::delta_net_block(ctx, lw.gdn, x.data(), T, seq->layers[l], y.data());
+    if (lw.type == LayerType::full_attention)
+      cpu::attention_block(ctx, lw.attn, x.data(), T, seq->n, seq->layers[l], y.data());
+    else
+      cpu::delta_net_block(ctx, lw.gdn, x.data(), T, seq->layers[l], y.data(),
+                           verify ? &seq->verify_after[l] : nullptr);
     for (int64_t i = 0; i < T * H; ++i) h[i] += y[i];
     cpu::rms_norm(h.data(), lw.post_attention_norm.data(), T, H, c.rms_norm_eps, x.data());
     cpu::moe_block(ctx, lw.moe, x.data(), T, y.data());
     for (int64_t i = 0; i < T * H; ++i) h[i] += y[i];
     ctx.dump("hidden", h.data(), {T, H});
   }
+  const int64_t n0 = seq->n;
   seq->n += T;
+  if (verify) seq->verify_base = n0, seq->verify_rows = T;
+  const int64_t first = seq->mtp_on || rows == LogitsRows::all ? 0 : rows == LogitsRows::last ? T - 1 : T;
+  cpu::rms_norm(h.data() + first * H, w.final_norm.data(), T - first, H, c.rms_norm_eps, x.data() + first * H);
+  if (seq->mtp_on) {
+    MtpState& m = seq->mtp;
+    const bool had_pending = !m.pending_hidden.empty();
+    m.pending_hidden.insert(m.pending_hidden.end(), x.begin(), x.end());
+    m.pending_tokens.insert(m.pending_tokens.end(), tokens.begin() + (had_pending ? 0 : 1), tokens.end());
+    if (!verify) {
+      // Every pending row but the last has its next token now: the head reads them (its KV stays complete).
+      const int64_t ready = static_cast<int64_t>(m.pending_hidden.size()) / H - 1;
+      if (ready > 0) {
+        RETURN_IF_ERROR(mtp_run(*seq, std::span<const int32_t>(m.pending_tokens).first(static_cast<size_t>(ready)),
+                                m.pending_hidden.data(), nullptr));
+        m.pending_hidden.erase(m.pending_hidden.begin(), m.pending_hidden.begin() + ready * H);
+        m.pending_tokens.erase(m.pending_tokens.begin(), m.pending_tokens.begin() + ready);
+      }
+      m.chain_hidden.clear();
+    }
+  }
   if (rows == LogitsRows::none) return ok_status();
-  const int64_t first = rows == LogitsRows::last ? T - 1 : 0, n_rows = T - first;
-  cpu::rms_norm(h.data() + first * H, w.final_norm.data(), n_rows, H, c.rms_norm_eps, x.data());
+  const int64_t from = rows == LogitsRows::last ? T - 1 : 0, n_rows = T - from;
   logits->resize(static_cast<size_t>(n_rows * V));
-  cpu::matmul(*pool_, w.lm_head, x.data(), n_rows, logits->data());
+  cpu::matmul(*pool_, w.lm_head, x.data() + from * H, n_rows, logits->data());
+  return ok_status();
+}
+
+Status CpuBackend::forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
+                           std::vector<float>* logits) {
+  return run(seq, tokens, /*verify=*/false, rows, logits);
+}
+
+Status CpuBackend::forward_verify(SequenceState& seq, std::span<const int32_t> tokens, std::vector<float>* logits) {
+  return run(seq, tokens, /*verify=*/true, LogitsRows::all, logits);
+}
+
+Status CpuBackend::accept_verified(SequenceState& base, int64_t n_keep) {
+  auto* seq = dynamic_cast<CpuSequence*>(&base);
+  if (!seq) return invalid_argument("sequence state is not from the CPU backend");
+  if (seq->verify_base < 0) return invalid_argument("accept_verified without a forward_verify before it");
+  if (n_keep < 1 || n_keep > seq->verify_rows)
+    return invalid_argument("accept_verified: %lld rows kept of %lld verified", (long long)n_keep,
+                            (long long)seq->verify_rows);
+  seq->n = seq->verify_base + n_keep;
+  for (size_t l = 0; l < seq->layers.size(); ++l) {
+    cpu::LayerState& st = seq->layers[l];
+    if (weights_->layers[l].type == LayerType::full_attention) {
+      truncate_kv(st, seq->n, seq->kv_row);
+    } else {
+      cpu::LayerState& kept = seq->verify_after[l][static_cast<size_t>(n_keep - 1)];
+      st.conv = std::move(kept.conv);
+      st.S = std::move(kept.S);
+    }
+  }
+  if (seq->mtp_on) {  // the pending rows of the rejected positions go too
+    MtpState& m = seq->mtp;
+    const int64_t P = seq->n - m.n;
+    m.pending_hidden.resize(static_cast<size_t>(P * seq->hidden));
+    m.pending_tokens.resize(static_cast<size_t>(P - 1));
+  }
+  seq->verify_base = -1, seq->verify_rows = 0;
+  seq->verify_after.clear();
+  return ok_status();
+}
+
+Status CpuBackend::mtp_draft(SequenceState& base, int32_t token, std::vector<float>* logits) {
+  auto* seq = dynamic_cast<CpuSequence*>(&base);
+  if (!seq) return invalid_argument("sequence state is not from the CPU backend");
+  if (!seq->mtp_on) return invalid_argument("mtp_draft: the MTP head is not enabled (enable_mtp)");
+  if (seq->verify_base >= 0) return invalid_argument("mtp_draft between forward_verify and accept_verified");
+  RETURN_IF_ERROR(check_tokens(std::span<const int32_t>(&token, 1), config().vocab_size));
+  MtpState& m = seq->mtp;
+  if (!m.pending_hidden.empty()) {  // the main model's rows (the last one pairs with `token`)
+    std::vector<int32_t> ids = std::move(m.pending_tokens);
+    ids.push_back(token);
+    std::vector<float> hidden = std::move(m.pending_hidden);
+    m.pending_tokens.clear(), m.pending_hidden.clear();
+    return mtp_run(*seq, ids, hidden.data(), logits);
+  }
+  if (m.chain_hidden.empty())
+    return invalid_argument("mtp_draft: the sequence has no hidden state to draft from (forward a token first)");
+  std::vector<float> hidden = m.chain_hidden;  // the head's previous output
+  return mtp_run(*seq, std::span<const int32_t>(&token, 1), hidden.data(), logits);
+}
+
+// Eq 26 over R rows at the head's next positions: x = W_fc [ZN(E[tok]); ZN(hidden)], one full-attention MoE
+// decoder layer with the head's KV, ZN(mtp.norm); the last row's output is kept for a chained step and its
+// logits written when asked.
+Status CpuBackend::mtp_run(SequenceState& base, std::span<const int32_t> tokens, const float* hidden,
+                           std::vector<float>* logits) {
+  auto& seq = static_cast<CpuSequence&>(base);
+  const ModelConfig& c = config();
+  const MtpWeights& m = *weights_->mtp;
+  const int64_t R = static_cast<int64_t>(tokens.size()), H = c.hidden_size;
+  std::vector<float> e(R * H), cat(R * 2 * H), h(R * H), x(R * H), y(R * H);
+  cpu::embed(weights_->embed_tokens, tokens.data(), R, e.data());
+  for (int64_t r = 0; r < R; ++r) {
+    cpu::rms_norm(&e[r * H], m.pre_fc_norm_embedding.data(), 1, H, c.rms_norm_eps, &cat[r * 2 * H]);
+    cpu::rms_norm(hidden + r * H, m.pre_fc_norm_hidden.data(), 1, H, c.rms_norm_eps, &cat[r * 2 * H + H]);
+  }
+  cpu::matmul(*pool_, m.fc, cat.data(), R, h.data());
+  cpu::Context ctx{*pool_, c, options_.trace, c.num_hidden_layers};
+  const LayerWeights& lw = m.layer;
+  cpu::rms_norm(h.data(), lw.input_norm.data(), R, H, c.rms_norm_eps, x.data());
+  cpu::attention_block(ctx, lw.attn, x.data(), R, seq.mtp.n, seq.mtp.kv, y.data());
+  for (int64_t i = 0; i < R * H; ++i) h[i] += y[i];
+  cpu::rms_norm(h.data(), lw.post_attention_norm.data(), R, H, c.rms_norm_eps, x.data());
+  cpu::moe_block(ctx, lw.moe, x.data(), R, y.data());
+  for (int64_t i = 0; i < R * H; ++i) h[i] += y[i];
+  cpu::rms_norm(h.data() + (R - 1) * H, m.norm.data(), 1, H, c.rms_norm_eps, x.data());
+  seq.mtp.n += R;
+  seq.mtp.chain_hidden.assign(x.begin(), x.begin() + H);
+  if (!logits) return ok_status();
+  logits->resize(static_cast<size_t>(c.vocab_size));
+  cpu::matmul(*pool_, weights_->lm_head, x.data(), 1, logits->data());
   return ok_status();
 }
 

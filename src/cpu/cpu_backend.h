@@ -20,8 +20,18 @@ class CpuBackend final : public Backend {
   std::unique_ptr<SequenceState> new_sequence() override;
   Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
                  std::vector<float>* logits) override;
+  bool has_mtp() const override { return weights_->mtp.has_value(); }
+  Status enable_mtp() override;
+  Status mtp_draft(SequenceState& seq, int32_t token, std::vector<float>* logits) override;
+  Status forward_verify(SequenceState& seq, std::span<const int32_t> tokens, std::vector<float>* logits) override;
+  Status accept_verified(SequenceState& seq, int64_t n_keep) override;
 
  private:
+  Status run(SequenceState& seq, std::span<const int32_t> tokens, bool verify, LogitsRows rows,
+             std::vector<float>* logits);
+  Status mtp_run(SequenceState& seq, std::span<const int32_t> tokens, const float* hidden,
+                 std::vector<float>* logits);
+  bool mtp_on_ = false;
   std::shared_ptr<const ModelWeights> weights_;
   CpuBackendOptions options_;
   std::unique_ptr<ThreadPool> pool_;

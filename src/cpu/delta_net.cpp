@@ -20,7 +20,7 @@ void l2_normalize(float* x, int64_t n, float extra_scale) {
 
 // Eq 14: cc_t[ch] = silu(sum_k Wc[ch, k] * c_{t-K+1+k}[ch]); history = the K-1 previous pre-conv rows.
 void causal_conv(const float* Wc, int64_t C, int64_t K, const float* c, int64_t T, std::vector<float>& conv_state,
-                 float* cc) {
+                 float* cc, std::vector<LayerState>* after) {
   // window = [K-1 carried rows | T new rows]
   std::vector<float> window((K - 1 + T) * C);
   std::copy(conv_state.begin(), conv_state.end(), window.begin());
@@ -31,19 +31,26 @@ void causal_conv(const float* Wc, int64_t C, int64_t K, const float* c, int64_t 
       for (int64_t k = 0; k < K; ++k) acc += Wc[ch * K + k] * window[(t + k) * C + ch];
       cc[t * C + ch] = silu(acc);
     }
+  if (after)
+    for (int64_t t = 0; t < T; ++t)  // after row t: the pre-conv rows t-K+2..t, i.e. window rows t+1..t+K-1
+      (*after)[t].conv.assign(window.begin() + (t + 1) * C, window.begin() + (t + K) * C);
   std::copy(window.end() - (K - 1) * C, window.end(), conv_state.begin());
 }
 
 }  // namespace
 
 void delta_net_block(const Context& ctx, const DeltaNetWeights& w, const float* a, int64_t T, LayerState& st,
-                     float* out) {
+                     float* out, std::vector<LayerState>* after) {
   const ModelConfig& c = ctx.cfg;
   const int64_t C = c.linear_conv_dim(), K = c.linear_conv_kernel_dim, nk = c.linear_num_key_heads,
                 nv = c.linear_num_value_heads, dk = c.linear_key_head_dim, dv = c.linear_value_head_dim;
   const int64_t key_dim = nk * dk, value_dim = nv * dv, heads_per_k = nv / nk;
   if (st.conv.empty()) st.conv.assign((K - 1) * C, 0.0f);
   if (st.S.empty()) st.S.assign(nv * dk * dv, 0.0f);
+  if (after) {
+    after->resize(static_cast<size_t>(T));
+    for (auto& r : *after) r.S.resize(st.S.size());
+  }
 
   std::vector<float> qkv(T * C), z(T * value_dim), bl(T * nv), al(T * nv);
   matmul(ctx.pool, w.in_proj_qkv, a, T, qkv.data());  // eq 13
@@ -51,7 +58,7 @@ void delta_net_block(const Context& ctx, const DeltaNetWeights& w, const float* 
   matmul(ctx.pool, w.in_proj_b, a, T, bl.data());
   matmul(ctx.pool, w.in_proj_a, a, T, al.data());
   std::vector<float> cc(T * C);
-  causal_conv(w.conv1d.data(), C, K, qkv.data(), T, st.conv, cc.data());  // eq 14
+  causal_conv(w.conv1d.data(), C, K, qkv.data(), T, st.conv, cc.data(), after);  // eq 14
   ctx.dump("gdn.conv_out", cc.data(), {T, C});
 
   // Eq 15-17 per token: split, normalise, gates.
@@ -93,6 +100,7 @@ void delta_net_block(const Context& ctx, const DeltaNetWeights& w, const float* 
         float* oh = &o[t * value_dim + h * dv];
         for (int64_t i = 0; i < dk; ++i)
           for (int64_t j = 0; j < dv; ++j) S[i * dv + j] += k[i] * e[j];
+        if (after) std::copy(S, S + dk * dv, (*after)[t].S.begin() + h * dk * dv);
         for (int64_t j = 0; j < dv; ++j) {
           float acc = 0;
           for (int64_t i = 0; i < dk; ++i) acc += S[i * dv + j] * q[i];

@@ -4,15 +4,12 @@
 
 namespace lily::cpu {
 
+// Every row gets the same arithmetic whatever T (the weight row dequantized, then one ordered dot), so a
+// forward of 1+K verification rows gives bit for bit the logits K+1 single-token decodes would: speculative
+// decoding's greedy output is then the plain loop's, token for token.
 void matmul(ThreadPool& pool, const Linear& W, const float* x, int64_t T, float* y) {
   const int64_t in = W.in, out = W.out;
-  if (T == 1) {
-    pool.parallel_for(out, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t o = begin; o < end; ++o) y[o] = W.dot_row(o, x);
-    });
-    return;
-  }
-  pool.parallel_for(out, 4, [&](int64_t begin, int64_t end) {
+  pool.parallel_for(out, T == 1 ? 16 : 4, [&](int64_t begin, int64_t end) {
     std::vector<float> row(static_cast<size_t>(in));
     for (int64_t o = begin; o < end; ++o) {
       W.dequant_row(o, row.data());

@@ -77,6 +77,35 @@ class Backend {
     return cp;
   }
 
+  // Speculative decoding with the checkpoint's multi-token-prediction head (docs/MODEL.md eq 26; the loop is
+  // engine/speculative.h). Backends without it return ErrorCode::unsupported from all four.
+  //
+  // enable_mtp(): from now on every sequence also carries the head's state (its attention layer's KV cache and
+  // the main model's hidden rows it has not consumed yet); fails when the checkpoint has no head. Called once,
+  // before any sequence exists.
+  virtual bool has_mtp() const { return false; }
+  virtual Status enable_mtp() { return error(ErrorCode::unsupported, "%s backend has no MTP head", name()); }
+  // One draft step: the head reads `token` (the token after the sequence's last position, or the previous
+  // draft) with the hidden state it pairs with (the main model's at the last consumed position, or the head's
+  // own output of the previous step) and writes the logits [vocab_size] of the token after it. Drafts never
+  // change what forward() computes: the next forward or forward_verify drops their KV entries.
+  virtual Status mtp_draft(SequenceState& seq, int32_t token, std::vector<float>* logits) {
+    (void)seq, (void)token, (void)logits;
+    return error(ErrorCode::unsupported, "%s backend has no MTP head", name());
+  }
+  // Verification: consumes `tokens` (the last sampled token, then the drafts) like forward(), writes the logits
+  // of every row [rows, vocab_size], and keeps the recurrent state after each row, so that accept_verified(seq,
+  // n) can keep the first n rows (1 <= n <= rows) without recomputing anything: the KV cache is cut back and
+  // the recurrent state is the kept copy of row n-1. Until accept_verified the sequence holds all the rows.
+  virtual Status forward_verify(SequenceState& seq, std::span<const int32_t> tokens, std::vector<float>* logits) {
+    (void)seq, (void)tokens, (void)logits;
+    return error(ErrorCode::unsupported, "%s backend has no speculative verification", name());
+  }
+  virtual Status accept_verified(SequenceState& seq, int64_t n_keep) {
+    (void)seq, (void)n_keep;
+    return error(ErrorCode::unsupported, "%s backend has no speculative verification", name());
+  }
+
   // The device-side decode loop: consumes `first`, samples the next token on the device, feeds it back, and so
   // on; on_token(id) is called for each new token and returns false to stop. The last token emitted is not
   // consumed (as with forward + host sampling). Backends without it return ErrorCode::unsupported.

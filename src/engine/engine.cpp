@@ -10,6 +10,7 @@
 #include <cmath>
 
 #include "engine/session_cache.h"
+#include "engine/speculative.h"
 #include "engine/stop_strings.h"
 #include "util/check.h"
 
@@ -47,7 +48,10 @@ class TokenSink {
     if (emitted_.empty()) first_token_at_ = Clock::now();
     emitted_.push_back(id);
     const auto& stops = request_.stop_token_ids;
-    if (std::find(stops.begin(), stops.end(), id) != stops.end()) return end("stop");
+    if (std::find(stops.begin(), stops.end(), id) != stops.end()) {
+      result_.stop_token = id;
+      return end("stop");
+    }
     result_.tokens.push_back(id);
     const bool stops_armed = static_cast<int64_t>(emitted_.size()) >= request_.sampling.min_tokens;
     std::string text = decoder_.push(id);
@@ -104,6 +108,7 @@ struct Engine::Impl {
   EngineOptions options;
   SessionCache cache;
   int32_t im_start_id;
+  std::atomic<uint64_t> spec_steps{0}, spec_drafted{0}, spec_accepted{0};
 
   Impl(std::unique_ptr<Backend> b, Tokenizer t, EngineOptions o)
       : backend(std::move(b)),
@@ -126,7 +131,8 @@ struct Engine::Impl {
   Status prefill(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t anchor,
                  bool checkpoints, const GenerationRequest& request);
   Status decode_on_host(SequenceState& state, const GenerationRequest& request, TokenSink& sink);
-  Status decode(SequenceState& state, const GenerationRequest& request, TokenSink& sink, int64_t budget);
+  Status decode(SequenceState& state, const GenerationRequest& request, TokenSink& sink, int64_t budget,
+                GenerationResult& result);
 };
 
 Status Engine::Impl::validate(const GenerationRequest& request) const {
@@ -214,8 +220,26 @@ Status Engine::Impl::decode_on_host(SequenceState& state, const GenerationReques
 }
 
 Status Engine::Impl::decode(SequenceState& state, const GenerationRequest& request, TokenSink& sink,
-                            int64_t budget) {
+                            int64_t budget, GenerationResult& result) {
   const SamplingParams& p = request.sampling;
+  if (options.speculative_tokens > 0) {
+    SpeculativeRequest sr{request.prompt, &p, request.stop_token_ids, budget, options.speculative_tokens};
+    SpeculativeCounts counts;
+    Status st = speculative_decode(
+        *backend, state, sr,
+        [&](int32_t id, float logprob, std::vector<TokenLogprob> top) { return sink.accept(id, logprob, std::move(top)); },
+        counts);
+    result.speculative_steps = counts.steps, result.drafted_tokens = counts.drafted;
+    result.accepted_tokens = counts.accepted;
+    spec_steps += static_cast<uint64_t>(counts.steps);
+    spec_drafted += static_cast<uint64_t>(counts.drafted);
+    spec_accepted += static_cast<uint64_t>(counts.accepted);
+    if (st.code() == ErrorCode::out_of_range && !sink.emitted().empty()) {
+      sink.end("length");  // the backend's KV capacity is full
+      return ok_status();
+    }
+    return st;
+  }
   if (device_can_sample(*backend, p)) {
     DeviceSampling ds{p.temperature, p.top_k, p.top_p, p.min_p, Sampler(p).seed()};
     const int max_new = static_cast<int>(std::min<int64_t>(budget, INT_MAX));
@@ -272,7 +296,7 @@ Result<GenerationResult> Engine::generate(const GenerationRequest& request, cons
   if (cancelled(request))
     sink.end("cancelled");  // before the first token (prefill stops early then)
   else
-    RETURN_IF_ERROR(m.decode(*seq->state, request, sink, budget));
+    RETURN_IF_ERROR(m.decode(*seq->state, request, sink, budget, result));
   sink.finish();
 
   const auto t_end = Clock::now();
@@ -303,6 +327,9 @@ EngineStats Engine::stats() const {
   out.cache_hits = s.hits, out.cache_misses = s.misses, out.cache_evictions = s.evictions;
   out.cache_bytes = s.bytes, out.cache_entries = s.entries;
   out.cache_budget_bytes = impl_->cache.budget_bytes();
+  out.speculative_steps = impl_->spec_steps.load();
+  out.drafted_tokens = impl_->spec_drafted.load();
+  out.accepted_tokens = impl_->spec_accepted.load();
   return out;
 }
 

@@ -3,6 +3,7 @@
 // the caller (CLI or the server's scheduler) serialises calls. The backend may be CPU or CUDA: when a request
 // needs nothing the device sampler lacks (penalties, logit_bias, logprobs), decoding uses
 // Backend::generate_on_device; otherwise logits come to the host and Sampler (engine/sampler.h) picks the token.
+// With EngineOptions::speculative_tokens every request decodes through engine/speculative.h instead.
 #pragma once
 #include <atomic>
 #include <functional>
@@ -26,6 +27,9 @@ struct EngineOptions {
                                             // preferred_prefill_tokens()
   // Tokens a sequence may hold; 0: what the backend holds (Backend::max_context).
   int64_t max_context = 0;
+  // > 0: every request decodes speculatively with K = this many drafts per step from the checkpoint's MTP head
+  // (engine/speculative.h); the backend must have had enable_mtp() called (load_model does).
+  int speculative_tokens = 0;
 };
 
 struct GenerationRequest {
@@ -49,17 +53,22 @@ struct GenerationResult {
   std::vector<int32_t> tokens;              // generated ids (stop token excluded)
   std::string finish_reason;                // "stop" | "length" | "cancelled"
   std::string stop_string;                  // the sampling.stop string that ended it, if one did
+  int32_t stop_token = -1;                  // the stop token that ended it, if one did
   // completion_tokens counts every sampled token, a final stop token included (as vLLM reports usage);
   // cached_tokens: prompt tokens not prefilled (resumed from the session cache).
   int prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
   // prefill_ms: from the start of prefill to the first sampled token (the whole prompt, its last token's
   // forward included); decode_ms: from there to the end; time_to_first_token_ms also covers the cache lookup.
   double prefill_ms = 0, decode_ms = 0, time_to_first_token_ms = 0;
+  // Speculative decoding: verification forwards, draft tokens verified, and those kept.
+  int64_t speculative_steps = 0, drafted_tokens = 0, accepted_tokens = 0;
 };
 
 struct EngineStats {
   uint64_t cache_hits = 0, cache_misses = 0, cache_evictions = 0;  // requests with reuse_cache only
   size_t cache_bytes = 0, cache_entries = 0, cache_budget_bytes = 0;
+  // Speculative decoding since start (all requests): verification forwards, draft tokens verified and kept.
+  uint64_t speculative_steps = 0, drafted_tokens = 0, accepted_tokens = 0;
 };
 
 class Engine {

@@ -27,6 +27,16 @@ Result<LoadedModel> load_model(const ModelLoadOptions& o, const std::function<vo
   const std::filesystem::path dir(o.model_dir);
   tell("mapping weights from " + o.model_dir);
   ASSIGN_OR_RETURN(ModelWeights w, ModelWeights::load(o.model_dir));
+  if (!o.mtp_from.empty()) {
+    tell("mapping the MTP head from " + o.mtp_from);
+    RETURN_IF_ERROR(w.attach_mtp(o.mtp_from));
+  }
+  if (o.engine.speculative_tokens > 0 && !w.mtp)
+    return error(ErrorCode::not_found,
+                 "--speculative mtp:%d: %s has no multi-token-prediction head (no mtp.* tensors). mlx-lm drops it "
+                 "when converting; `lily quantize` keeps it, or give the Hugging Face checkpoint's directory with "
+                 "--mtp-from DIR",
+                 o.engine.speculative_tokens, o.model_dir.c_str());
   auto weights = std::make_shared<const ModelWeights>(std::move(w));
   const ModelConfig& config = weights->config;
   if (o.backend.max_context > config.max_position_embeddings)
@@ -36,6 +46,15 @@ Result<LoadedModel> load_model(const ModelLoadOptions& o, const std::function<vo
     return invalid_argument("--ctx-size %lld: a positive number of tokens, or auto", (long long)o.backend.max_context);
   tell("creating the backend");
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(weights, o.backend));
+  if (o.engine.speculative_tokens > 0) {
+    Status st = backend->enable_mtp();
+    if (st.code() == ErrorCode::unsupported)
+      return error(ErrorCode::unsupported,
+                   "--speculative mtp:%d: the %s backend does not implement speculative decoding yet (the CPU "
+                   "backend does: --backend cpu); run without --speculative",
+                   o.engine.speculative_tokens, backend->name());
+    RETURN_IF_ERROR(st);
+  }
   tell("loading the tokenizer");
   const std::string tokenizer_path = (dir / "tokenizer.json").string();
   std::error_code ec;

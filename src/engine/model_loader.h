@@ -19,6 +19,9 @@ struct ModelLoadOptions {
   std::string model_dir;
   BackendOptions backend;  // max_context: the --ctx-size (0: the backend's default; kContextAuto: the largest)
   EngineOptions engine;    // max_context is set to what the backend holds
+  // The multi-token-prediction head from another checkpoint of the model (ModelWeights::attach_mtp), for a
+  // directory without one (mlx-lm conversions drop it); empty: the model directory's own, if any.
+  std::string mtp_from;
 };
 
 struct LoadedModel {
@@ -37,6 +40,9 @@ struct LoadedModel {
 std::vector<int32_t> stop_token_ids(const ModelConfig& config, const SamplingDefaults& defaults,
                                     const Tokenizer& tokenizer);
 
+// With engine.speculative_tokens > 0 the checkpoint (or mtp_from) must have the MTP head and the backend must
+// implement speculative verification (the CPU backend does; the CUDA backend does not yet): otherwise loading
+// fails with an error that says which, rather than running without speculation.
 // `stage` (optional) is told each step before it starts ("mapping weights", "creating the backend", ...).
 Result<LoadedModel> load_model(const ModelLoadOptions& options,
                                const std::function<void(const std::string&)>& stage = {});

@@ -245,7 +245,8 @@ int32_t Sampler::walk(double u, bool whole_vocabulary) const {
   return last_positive;
 }
 
-int32_t Sampler::draw(std::span<const float> logits, float max_logit) {
+// Steps 6-9: z_, w_ and, when a filter is on, candidates_ (the kept ids, ascending); false: every id is kept.
+bool Sampler::filter(std::span<const float> logits, float max_logit) {
   const size_t vocab = logits.size();
   const float temperature = params_.temperature;
   z_.resize(vocab);
@@ -258,8 +259,7 @@ int32_t Sampler::draw(std::span<const float> logits, float max_logit) {
   const bool top_p_on = params_.top_p < 1.0f;
   const bool min_p_on = params_.min_p > 0.0f;
   const float min_p = params_.min_p;
-  const double u = rng_.next_uniform();
-  if (!top_k_on && !top_p_on && !min_p_on) return walk(u, /*whole_vocabulary=*/true);
+  if (!top_k_on && !top_p_on && !min_p_on) return false;
 
   if (top_k_on) {
     select_top_n(z_, static_cast<size_t>(params_.top_k), candidates_);
@@ -274,25 +274,75 @@ int32_t Sampler::draw(std::span<const float> logits, float max_logit) {
     }
   }
   if (min_p_on) std::erase_if(candidates_, [&](const Candidate& c) { return w_[c.second] < min_p; });
-  return walk(u, /*whole_vocabulary=*/false);
+  return true;
+}
+
+int32_t Sampler::draw(std::span<const float> logits, float max_logit) {
+  const bool filtered = filter(logits, max_logit);
+  const double u = rng_.next_uniform();
+  return walk(u, /*whole_vocabulary=*/!filtered);
+}
+
+float Sampler::max_and_check(std::span<const float> logits, int32_t* argmax) {
+  float max_logit = -std::numeric_limits<float>::infinity();
+  int32_t best = -1;  // first maximum: ties -> lowest id
+  for (size_t i = 0; i < logits.size(); ++i) {
+    CHECK(!std::isnan(logits[i]), "logit %zu is NaN", i);
+    if (logits[i] > max_logit) {
+      max_logit = logits[i];
+      best = static_cast<int32_t>(i);
+    }
+  }
+  CHECK(best >= 0 && std::isfinite(max_logit), "no finite logit to sample from (max %g)",
+        static_cast<double>(max_logit));
+  if (argmax) *argmax = best;
+  return max_logit;
+}
+
+void Sampler::distribution(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt,
+                           std::vector<float>& probs) {
+  CHECK(!logits.empty(), "empty logits");
+  CHECK(n_prompt <= history.size(), "n_prompt %zu > history size %zu", n_prompt, history.size());
+  apply_bias_and_penalties(logits, history, n_prompt);
+  int32_t argmax = -1;
+  const float max_logit = max_and_check(logits, &argmax);
+  probs.assign(logits.size(), 0.0f);
+  if (params_.temperature == 0.0f) {
+    probs[static_cast<size_t>(argmax)] = 1.0f;
+    return;
+  }
+  const bool filtered = filter(logits, max_logit);
+  double total = 0.0;
+  if (filtered) {
+    for (const auto& [z, id] : candidates_) total += w_[id];
+    for (const auto& [z, id] : candidates_) probs[static_cast<size_t>(id)] = static_cast<float>(w_[id] / total);
+  } else {
+    for (float w : w_) total += w;
+    for (size_t i = 0; i < w_.size(); ++i) probs[i] = static_cast<float>(w_[i] / total);
+  }
+}
+
+SampleResult Sampler::logprobs(std::span<const float> logits, int32_t id) {
+  const float max_logit = max_and_check(logits, nullptr);
+  double sum = 0.0;
+  for (float l : logits) sum += std::exp(l - max_logit);  // float exp, double sum
+  const double log_normaliser = static_cast<double>(max_logit) + std::log(sum);
+  auto logprob_of = [&](int32_t i) { return static_cast<float>(logits[i] - log_normaliser); };
+  SampleResult result{id, logprob_of(id), {}};
+  if (params_.top_logprobs > 0) {
+    select_top_n(logits, static_cast<size_t>(params_.top_logprobs), candidates_);
+    result.top.reserve(candidates_.size());
+    for (const auto& [value, i] : candidates_) result.top.push_back({i, logprob_of(i)});
+  }
+  return result;
 }
 
 SampleResult Sampler::sample(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt) {
   CHECK(!logits.empty(), "empty logits");
   CHECK(n_prompt <= history.size(), "n_prompt %zu > history size %zu", n_prompt, history.size());
   apply_bias_and_penalties(logits, history, n_prompt);
-
-  float max_logit = -std::numeric_limits<float>::infinity();
-  int32_t argmax = -1;  // first maximum: ties -> lowest id
-  for (size_t i = 0; i < logits.size(); ++i) {
-    CHECK(!std::isnan(logits[i]), "logit %zu is NaN", i);
-    if (logits[i] > max_logit) {
-      max_logit = logits[i];
-      argmax = static_cast<int32_t>(i);
-    }
-  }
-  CHECK(argmax >= 0 && std::isfinite(max_logit), "no finite logit to sample from (max %g)",
-        static_cast<double>(max_logit));
+  int32_t argmax = -1;
+  const float max_logit = max_and_check(logits, &argmax);
   double sum = 0.0;
   for (float l : logits) sum += std::exp(l - max_logit);  // float exp, double sum
   const double log_normaliser = static_cast<double>(max_logit) + std::log(sum);

@@ -114,10 +114,20 @@ class Sampler {
   // history[n_prompt:] are the generated ones counted by presence/frequency (n_prompt = 0: all of them).
   SampleResult sample(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt = 0);
 
+  // For speculative decoding (engine/speculative.h), which draws its own numbers: steps 1-3 in place, then the
+  // distribution step 10 would draw from (steps 6-9, normalised; zero outside the kept set) in `probs`;
+  // temperature 0: one-hot at the argmax. No random draw is consumed.
+  void distribution(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt,
+                    std::vector<float>& probs);
+  // Step 4 for a token chosen elsewhere, from logits distribution() has already processed.
+  SampleResult logprobs(std::span<const float> logits, int32_t id);
+
   const SamplingParams& params() const { return params_; }
   uint64_t seed() const { return seed_; }
 
  private:
+  float max_and_check(std::span<const float> logits, int32_t* argmax);
+  bool filter(std::span<const float> logits, float max_logit);
   void apply_bias_and_penalties(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt);
   int32_t draw(std::span<const float> logits, float max_logit);
   void keep_nucleus_of_ranked(double top_p);

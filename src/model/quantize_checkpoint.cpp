@@ -46,6 +46,37 @@ class Planner {
     out.push_back({{module + ".biases", DType::bf16, shape(in / kQuantGroup)}, OutTensor::quant_biases, src, bits});
   }
 
+  // One decoder layer's matrices under the output prefix p (a main layer, or the head's `mtp.layers.0.`).
+  void layer(const std::string& p, const LayerWeights& lw) {
+    const int64_t H = cfg_.hidden_size, E = cfg_.num_experts, I = cfg_.moe_intermediate_size;
+    auto lin = [&](const std::string& n, const Linear& l) { quantized(p + n, l, 0, l.out, l.in); };
+    if (lw.type == LayerType::full_attention) {
+      lin("self_attn.q_proj", lw.attn.q_proj);
+      lin("self_attn.k_proj", lw.attn.k_proj);
+      lin("self_attn.v_proj", lw.attn.v_proj);
+      lin("self_attn.o_proj", lw.attn.o_proj);
+    } else {
+      lin("linear_attn.in_proj_qkv", lw.gdn.in_proj_qkv);
+      lin("linear_attn.in_proj_z", lw.gdn.in_proj_z);
+      lin("linear_attn.in_proj_b", lw.gdn.in_proj_b);
+      lin("linear_attn.in_proj_a", lw.gdn.in_proj_a);
+      lin("linear_attn.out_proj", lw.gdn.out_proj);
+    }
+    lin("mlp.gate", lw.moe.router);
+    // Experts as one stacked [E*out, in] source: expert e's rows are contiguous in its own slice.
+    auto stacked = [&](const std::vector<Linear>& ex, const char* name, int64_t o, int64_t in) {
+      quantized(p + "mlp.switch_mlp." + name, ex[0], E, o, in);  // rows come from `ex`
+      experts_[out.size() - 3] = experts_[out.size() - 2] = experts_[out.size() - 1] = &ex;
+    };
+    stacked(lw.moe.expert_gate, "gate_proj", I, H);
+    stacked(lw.moe.expert_up, "up_proj", I, H);
+    stacked(lw.moe.expert_down, "down_proj", H, I);
+    lin("mlp.shared_expert.gate_proj", lw.moe.shared_gate);
+    lin("mlp.shared_expert.up_proj", lw.moe.shared_up);
+    lin("mlp.shared_expert.down_proj", lw.moe.shared_down);
+    lin("mlp.shared_expert_gate", lw.moe.shared_expert_gate);
+  }
+
   Status plan(const TensorStore& store, const ModelWeights& w) {
     out_cfg = cfg_;
     out_cfg.model_type = "qwen3_5_moe";
@@ -56,39 +87,16 @@ class Planner {
       out_cfg.quantization.overrides[p + "gate"] = {8, 64};
       out_cfg.quantization.overrides[p + "shared_expert_gate"] = {8, 64};
     }
-    const int64_t H = cfg_.hidden_size, E = cfg_.num_experts, I = cfg_.moe_intermediate_size;
+    const int64_t H = cfg_.hidden_size;
     quantized(mlx_name("embed_tokens"), w.embed_tokens, 0, cfg_.vocab_size, H);
-    for (int i = 0; i < cfg_.num_hidden_layers; ++i) {
-      const LayerWeights& lw = w.layers[i];
-      std::string p = "layers." + std::to_string(i) + ".";
-      auto lin = [&](const std::string& n, const Linear& l) { quantized(mlx_name(p + n), l, 0, l.out, l.in); };
-      if (lw.type == LayerType::full_attention) {
-        lin("self_attn.q_proj", lw.attn.q_proj);
-        lin("self_attn.k_proj", lw.attn.k_proj);
-        lin("self_attn.v_proj", lw.attn.v_proj);
-        lin("self_attn.o_proj", lw.attn.o_proj);
-      } else {
-        lin("linear_attn.in_proj_qkv", lw.gdn.in_proj_qkv);
-        lin("linear_attn.in_proj_z", lw.gdn.in_proj_z);
-        lin("linear_attn.in_proj_b", lw.gdn.in_proj_b);
-        lin("linear_attn.in_proj_a", lw.gdn.in_proj_a);
-        lin("linear_attn.out_proj", lw.gdn.out_proj);
-      }
-      lin("mlp.gate", lw.moe.router);
-      // Experts as one stacked [E*out, in] source: expert e's rows are contiguous in its own slice.
-      auto stacked = [&](const std::vector<Linear>& ex, const char* name, int64_t o, int64_t in) {
-        quantized(mlx_name(p + "mlp.switch_mlp." + name), ex[0], E, o, in);  // rows come from `ex`
-        experts_[out.size() - 3] = experts_[out.size() - 2] = experts_[out.size() - 1] = &ex;
-      };
-      stacked(lw.moe.expert_gate, "gate_proj", I, H);
-      stacked(lw.moe.expert_up, "up_proj", I, H);
-      stacked(lw.moe.expert_down, "down_proj", H, I);
-      lin("mlp.shared_expert.gate_proj", lw.moe.shared_gate);
-      lin("mlp.shared_expert.up_proj", lw.moe.shared_up);
-      lin("mlp.shared_expert.down_proj", lw.moe.shared_down);
-      lin("mlp.shared_expert_gate", lw.moe.shared_expert_gate);
-    }
+    for (int i = 0; i < cfg_.num_hidden_layers; ++i) layer(mlx_name("layers." + std::to_string(i) + "."), w.layers[i]);
     quantized("language_model.lm_head", w.lm_head, 0, cfg_.vocab_size, H);
+    if (w.mtp) {  // mlx-lm drops the head; lily keeps it under its own names (docs/MODEL.md 2.1)
+      out_cfg.quantization.overrides["mtp.layers.0.mlp.gate"] = {8, 64};
+      out_cfg.quantization.overrides["mtp.layers.0.mlp.shared_expert_gate"] = {8, 64};
+      quantized("mtp.fc", w.mtp->fc, 0, H, 2 * H);
+      layer("mtp.layers.0.", w.mtp->layer);
+    }
     // Everything unquantized, renamed (conv1d [C,1,K] -> [C,K,1]; zero-centred norms +1).
     for (const auto& [name, t] : store.tensors()) {
       std::string text;
@@ -98,6 +106,11 @@ class Planner {
           break;
         }
       const bool conv = text.find("conv1d") != std::string::npos;
+      if (name.rfind("mtp.", 0) == 0 && t.shape.n == 1) {  // every vector of the head is a zero-centred norm
+        if (!w.mtp) continue;
+        out.push_back({{name, DType::bf16, t.shape}, OutTensor::norm_plus_one, {}, 0, &t});
+        continue;
+      }
       if (text.empty() || (t.shape.n != 1 && !conv)) continue;
       OutTensor o{{mlx_name(text), t.dtype, t.shape}, OutTensor::copy, {}, 0, &t};
       if (conv) o.spec.shape = {t.shape[0], t.shape[2], 1};

@@ -28,6 +28,7 @@ Result<ModelConfig> synth_config(const std::string& preset, CheckpointLayout lay
   c.partial_rotary_factor = 0.25f;
   c.rope_theta = 1e7;
   c.eos_token_ids = {151645, 151643};  // <|im_end|>, <|endoftext|> of the tokenizer fixture
+  c.mtp_num_hidden_layers = 1;         // every preset writes the multi-token-prediction head (eq 26)
   if (preset == "tiny") {
     set_layers(4);
     c.hidden_size = 128;
@@ -54,7 +55,6 @@ Result<ModelConfig> synth_config(const std::string& preset, CheckpointLayout lay
     c.num_experts = 256, c.num_experts_per_tok = 8, c.moe_intermediate_size = 512, c.shared_expert_intermediate_size = 512;
     c.vocab_size = 248320;
     c.max_position_embeddings = 262144;
-    c.mtp_num_hidden_layers = 1;
   } else {
     return invalid_argument("unknown preset `%s` (tiny, small, full, full4)", preset.c_str());
   }
@@ -66,6 +66,8 @@ Result<ModelConfig> synth_config(const std::string& preset, CheckpointLayout lay
       c.quantization.overrides[p + "gate"] = {8, 64};
       c.quantization.overrides[p + "shared_expert_gate"] = {8, 64};
     }
+    c.quantization.overrides["mtp.layers.0.mlp.gate"] = {8, 64};
+    c.quantization.overrides["mtp.layers.0.mlp.shared_expert_gate"] = {8, 64};
   }
   return c;
 }
@@ -134,57 +136,69 @@ struct Planner {
     vec(name, n, layout == CheckpointLayout::hf ? 0.0f : 1.0f, 0.05f);
   }
 
-  void plan() {
+  // One decoder layer at prefix p (a main layer, or the MTP head's `mtp.layers.0.`).
+  void layer(const std::string& p, LayerType type) {
     const bool hf = layout == CheckpointLayout::hf;
-    const std::string text = hf ? "model.language_model." : "language_model.model.";
-    const int64_t H = c.hidden_size, V = c.vocab_size, E = c.num_experts, I = c.moe_intermediate_size,
+    const int64_t H = c.hidden_size, E = c.num_experts, I = c.moe_intermediate_size,
                   Is = c.shared_expert_intermediate_size, L = c.num_hidden_layers;
     const float in_std = 1.0f / std::sqrt(static_cast<float>(H));
     const float resid = 1.0f / std::sqrt(2.0f * L);  // output projections: keep the residual stream O(1)
-    linear(text + "embed_tokens", 0, V, H, 1.0f);
-    for (int64_t i = 0; i < L; ++i) {
-      std::string p = text + "layers." + std::to_string(i) + ".";
-      znorm(p + "input_layernorm.weight", H);
-      znorm(p + "post_attention_layernorm.weight", H);
-      if (c.layer_types[i] == LayerType::full_attention) {
-        const int64_t D = c.head_dim, nq = c.num_attention_heads, nkv = c.num_key_value_heads;
-        linear(p + "self_attn.q_proj", 0, nq * D * 2, H, in_std);
-        linear(p + "self_attn.k_proj", 0, nkv * D, H, in_std);
-        linear(p + "self_attn.v_proj", 0, nkv * D, H, in_std);
-        linear(p + "self_attn.o_proj", 0, H, nq * D, resid / std::sqrt(static_cast<float>(nq * D)) * 2);
-        znorm(p + "self_attn.q_norm.weight", D);
-        znorm(p + "self_attn.k_norm.weight", D);
-      } else {
-        const int64_t C = c.linear_conv_dim(), Vd = c.linear_value_dim(), nv = c.linear_num_value_heads,
-                      K = c.linear_conv_kernel_dim;
-        std::string la = p + "linear_attn.";
-        linear(la + "in_proj_qkv", 0, C, H, in_std);
-        linear(la + "in_proj_z", 0, Vd, H, in_std);
-        linear(la + "in_proj_b", 0, nv, H, in_std);
-        linear(la + "in_proj_a", 0, nv, H, in_std);
-        out.push_back({{la + "conv1d.weight", DType::bf16, hf ? Shape{C, 1, K} : Shape{C, K, 1}}, SynthKind::gaussian, 0, 0.5f, 0, 0});
-        vec(la + "dt_bias", nv, 0.0f, 0.5f);
-        vec(la + "A_log", nv, 0, 0, SynthKind::a_log, DType::f32);
-        vec(la + "norm.weight", c.linear_value_head_dim, 1.0f, 0.05f);
-        linear(la + "out_proj", 0, H, Vd, resid / std::sqrt(static_cast<float>(Vd)) * 4);
-      }
-      std::string mlp = p + "mlp.";
-      linear(mlp + "gate", 0, E, H, 2.0f * in_std);  // router logits std ~2: decisive routing
-      if (hf) {
-        dense(mlp + "experts.gate_up_proj", {E, 2 * I, H}, in_std);
-        dense(mlp + "experts.down_proj", {E, H, I}, resid * 2 / std::sqrt(static_cast<float>(I)));
-      } else {
-        linear(mlp + "switch_mlp.gate_proj", E, I, H, in_std);
-        linear(mlp + "switch_mlp.up_proj", E, I, H, in_std);
-        linear(mlp + "switch_mlp.down_proj", E, H, I, resid * 2 / std::sqrt(static_cast<float>(I)));
-      }
-      linear(mlp + "shared_expert.gate_proj", 0, Is, H, in_std);
-      linear(mlp + "shared_expert.up_proj", 0, Is, H, in_std);
-      linear(mlp + "shared_expert.down_proj", 0, H, Is, resid * 2 / std::sqrt(static_cast<float>(Is)));
-      linear(mlp + "shared_expert_gate", 0, 1, H, in_std);
+    znorm(p + "input_layernorm.weight", H);
+    znorm(p + "post_attention_layernorm.weight", H);
+    if (type == LayerType::full_attention) {
+      const int64_t D = c.head_dim, nq = c.num_attention_heads, nkv = c.num_key_value_heads;
+      linear(p + "self_attn.q_proj", 0, nq * D * 2, H, in_std);
+      linear(p + "self_attn.k_proj", 0, nkv * D, H, in_std);
+      linear(p + "self_attn.v_proj", 0, nkv * D, H, in_std);
+      linear(p + "self_attn.o_proj", 0, H, nq * D, resid / std::sqrt(static_cast<float>(nq * D)) * 2);
+      znorm(p + "self_attn.q_norm.weight", D);
+      znorm(p + "self_attn.k_norm.weight", D);
+    } else {
+      const int64_t C = c.linear_conv_dim(), Vd = c.linear_value_dim(), nv = c.linear_num_value_heads,
+                    K = c.linear_conv_kernel_dim;
+      std::string la = p + "linear_attn.";
+      linear(la + "in_proj_qkv", 0, C, H, in_std);
+      linear(la + "in_proj_z", 0, Vd, H, in_std);
+      linear(la + "in_proj_b", 0, nv, H, in_std);
+      linear(la + "in_proj_a", 0, nv, H, in_std);
+      out.push_back({{la + "conv1d.weight", DType::bf16, hf ? Shape{C, 1, K} : Shape{C, K, 1}}, SynthKind::gaussian, 0, 0.5f, 0, 0});
+      vec(la + "dt_bias", nv, 0.0f, 0.5f);
+      vec(la + "A_log", nv, 0, 0, SynthKind::a_log, DType::f32);
+      vec(la + "norm.weight", c.linear_value_head_dim, 1.0f, 0.05f);
+      linear(la + "out_proj", 0, H, Vd, resid / std::sqrt(static_cast<float>(Vd)) * 4);
     }
+    std::string mlp = p + "mlp.";
+    linear(mlp + "gate", 0, E, H, 2.0f * in_std);  // router logits std ~2: decisive routing
+    if (hf) {
+      dense(mlp + "experts.gate_up_proj", {E, 2 * I, H}, in_std);
+      dense(mlp + "experts.down_proj", {E, H, I}, resid * 2 / std::sqrt(static_cast<float>(I)));
+    } else {
+      linear(mlp + "switch_mlp.gate_proj", E, I, H, in_std);
+      linear(mlp + "switch_mlp.up_proj", E, I, H, in_std);
+      linear(mlp + "switch_mlp.down_proj", E, H, I, resid * 2 / std::sqrt(static_cast<float>(I)));
+    }
+    linear(mlp + "shared_expert.gate_proj", 0, Is, H, in_std);
+    linear(mlp + "shared_expert.up_proj", 0, Is, H, in_std);
+    linear(mlp + "shared_expert.down_proj", 0, H, Is, resid * 2 / std::sqrt(static_cast<float>(Is)));
+    linear(mlp + "shared_expert_gate", 0, 1, H, in_std);
+  }
+
+  void plan() {
+    const bool hf = layout == CheckpointLayout::hf;
+    const std::string text = hf ? "model.language_model." : "language_model.model.";
+    const int64_t H = c.hidden_size, V = c.vocab_size, L = c.num_hidden_layers;
+    const float in_std = 1.0f / std::sqrt(static_cast<float>(H));
+    linear(text + "embed_tokens", 0, V, H, 1.0f);
+    for (int64_t i = 0; i < L; ++i) layer(text + "layers." + std::to_string(i) + ".", c.layer_types[i]);
     znorm(text + "norm.weight", H);
     linear(hf ? "lm_head" : "language_model.lm_head", 0, V, H, 3.0f * in_std);
+    if (c.mtp_num_hidden_layers > 0) {  // eq 26, `mtp.*` in both layouts (mlx: quantized, norms with +1)
+      linear("mtp.fc", 0, H, 2 * H, 1.0f / std::sqrt(2.0f * H));
+      znorm("mtp.pre_fc_norm_embedding.weight", H);
+      znorm("mtp.pre_fc_norm_hidden.weight", H);
+      znorm("mtp.norm.weight", H);
+      layer("mtp.layers.0.", LayerType::full_attention);
+    }
   }
 };
 
@@ -263,6 +277,11 @@ static Status copy_tokenizer(const std::string& from, const std::string& to) {
 
 Status synth_write(const SynthOptions& o) {
   ASSIGN_OR_RETURN(ModelConfig config, synth_config(o.preset, o.layout));
+  if (!o.mtp) {
+    config.mtp_num_hidden_layers = 0;
+    config.quantization.overrides.erase("mtp.layers.0.mlp.gate");
+    config.quantization.overrides.erase("mtp.layers.0.mlp.shared_expert_gate");
+  }
   std::vector<SynthTensor> plan = synth_plan(config, o.layout);
   std::vector<TensorSpec> specs;
   for (const auto& t : plan) specs.push_back(t.spec);

@@ -13,6 +13,7 @@
 namespace lily {
 
 // Presets: tiny (fast CPU tests), small (end-to-end GPU checks), full (the exact Qwen3.6-35B-A3B geometry).
+// Each has the multi-token-prediction head (mtp_num_hidden_layers 1; SynthOptions::mtp = false drops it).
 Result<ModelConfig> synth_config(const std::string& preset, CheckpointLayout layout);
 
 // How one synthetic tensor is generated.
@@ -42,6 +43,7 @@ struct SynthOptions {
   uint64_t seed = 0;
   std::string tokenizer_dir;  // holds tokenizer.json (+ tokenizer_config.json); empty: write no tokenizer
   size_t shard_bytes = 5ull << 30;
+  bool mtp = true;  // write the multi-token-prediction head (`mtp.*`, config mtp_num_hidden_layers 1)
 };
 
 Status synth_write(const SynthOptions& options);

@@ -298,7 +298,7 @@ Result<ModelWeights> ModelWeights::bind(const ModelConfig& config, std::shared_p
     m.layers.resize(static_cast<size_t>(config.num_hidden_layers));
     for (int i = 0; i < config.num_hidden_layers; ++i)
       RETURN_IF_ERROR(b.layer(pre.text + "layers." + std::to_string(i) + ".", config.layer_types[i], m.layers[i]));
-    if (m.layout == CheckpointLayout::hf && store->find("mtp.fc.weight")) {
+    if (store->find("mtp.fc.weight") || store->find("mtp.fc.scales")) {
       m.mtp.emplace();
       RETURN_IF_ERROR(b.mtp(*m.mtp));
     }
@@ -307,6 +307,33 @@ Result<ModelWeights> ModelWeights::bind(const ModelConfig& config, std::shared_p
   Status st = bind_all();
   if (!st.ok()) return st.with_context(format("%s (%s layout)", dir.c_str(), layout_name(m.layout)));
   return m;
+}
+
+Status ModelWeights::attach_mtp(const std::string& mtp_dir) {
+  if (mtp) return invalid_argument("%s has an MTP head of its own; --mtp-from %s is not needed", dir.c_str(), mtp_dir.c_str());
+  ASSIGN_OR_RETURN(ModelConfig c, ModelConfig::load(mtp_dir));
+  const ModelConfig& o = config;
+  if (c.hidden_size != o.hidden_size || c.vocab_size != o.vocab_size || c.num_experts != o.num_experts ||
+      c.moe_intermediate_size != o.moe_intermediate_size ||
+      c.shared_expert_intermediate_size != o.shared_expert_intermediate_size ||
+      c.num_attention_heads != o.num_attention_heads || c.num_key_value_heads != o.num_key_value_heads ||
+      c.head_dim != o.head_dim)
+    return invalid_argument("--mtp-from %s: its geometry (hidden %d, vocab %d, %d experts) is not the model's "
+                            "(hidden %d, vocab %d, %d experts)", mtp_dir.c_str(), c.hidden_size, c.vocab_size,
+                            c.num_experts, o.hidden_size, o.vocab_size, o.num_experts);
+  ASSIGN_OR_RETURN(TensorStore opened, TensorStore::open_dir(mtp_dir));
+  auto store = std::make_shared<TensorStore>(std::move(opened));
+  if (!store->find("mtp.fc.weight"))
+    return error(ErrorCode::not_found, "--mtp-from %s: no mtp.* tensors there (expected mtp.fc.weight)", mtp_dir.c_str());
+  const bool has_switch = store->find("mtp.layers.0.mlp.switch_mlp.gate_proj.weight") != nullptr;
+  const CheckpointLayout layout = (c.quantization.enabled || has_switch) ? CheckpointLayout::mlx : CheckpointLayout::hf;
+  MtpWeights head;
+  Binder b(c, *store, layout, *this);
+  Status st = b.mtp(head);
+  if (!st.ok()) return st.with_context(format("--mtp-from %s (%s layout)", mtp_dir.c_str(), layout_name(layout)));
+  mtp = std::move(head);
+  mtp_store = std::move(store);
+  return ok_status();
 }
 
 Result<ModelWeights> ModelWeights::load(const std::string& dir) {

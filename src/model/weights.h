@@ -59,7 +59,7 @@ struct LayerWeights {
   MoeWeights moe;
 };
 
-struct MtpWeights {  // eq 26 (optional speculative head; HF layout only)
+struct MtpWeights {  // eq 26 (optional speculative head; `mtp.*` in either layout)
   Linear fc;
   std::vector<float> pre_fc_norm_embedding, pre_fc_norm_hidden, norm;
   LayerWeights layer;
@@ -77,8 +77,12 @@ struct ModelWeights {
   size_t n_tensors = 0;       // tensors bound
   size_t tensor_bytes = 0;    // bytes of the bound tensors
   std::shared_ptr<TensorStore> store;  // owns the mappings
+  std::shared_ptr<TensorStore> mtp_store;  // the head's, when it came from another directory (attach_mtp)
 
   static Result<ModelWeights> load(const std::string& dir);
+  // Binds the MTP head from another checkpoint of the same model (e.g. the Hugging Face bf16 one beside an
+  // mlx-lm 4-bit directory, which has none): its config must have the same geometry.
+  Status attach_mtp(const std::string& mtp_dir);
   static Result<ModelWeights> bind(const ModelConfig& config, std::shared_ptr<TensorStore> store,
                                    const std::string& dir);
 };

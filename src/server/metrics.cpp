@@ -128,6 +128,16 @@ std::string Metrics::render(const LiveGauges& live) const {
   gauge("lily_session_cache_budget_bytes", "The session cache's memory budget.",
         static_cast<double>(live.cache.cache_budget_bytes));
   gauge("lily_session_cache_entries", "Cached sessions.", static_cast<double>(live.cache.cache_entries));
+  counter("lily_speculative_steps_total", "Speculative verification forwards (--speculative mtp:K).",
+          static_cast<double>(live.cache.speculative_steps));
+  counter("lily_speculative_drafted_tokens_total", "Tokens drafted by the MTP head and verified.",
+          static_cast<double>(live.cache.drafted_tokens));
+  counter("lily_speculative_accepted_tokens_total", "Drafted tokens the model accepted.",
+          static_cast<double>(live.cache.accepted_tokens));
+  gauge("lily_speculative_acceptance_rate", "Accepted / drafted tokens since start (0 before any draft).",
+        live.cache.drafted_tokens ? static_cast<double>(live.cache.accepted_tokens) /
+                                        static_cast<double>(live.cache.drafted_tokens)
+                                  : 0.0);
   return out;
 }
 

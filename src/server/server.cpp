@@ -129,6 +129,7 @@ void Server::load_model() {
   o.backend = options_.backend;
   o.backend.max_context = options_.ctx_size;  // 0: the backend's default; kContextAuto: the largest that fits
   o.engine = options_.engine;
+  o.mtp_from = options_.mtp_from;
   Result<LoadedModel> m = ::lily::load_model(o, [&](const std::string& what) { progress.stage(what); });
   if (!m.ok()) return fail(m.status());
   const int ctx = static_cast<int>(std::min<int64_t>(m->ctx_size, INT32_MAX));

@@ -53,7 +53,8 @@ struct ServerOptions {
   std::vector<std::string> allowed_origins;  // --allow-origin: browser origins besides the server's own
   bool log_requests = true;
   HttpServerOptions http;
-  EngineOptions engine;
+  EngineOptions engine;   // speculative_tokens: --speculative mtp:K
+  std::string mtp_from;   // --mtp-from DIR (ModelLoadOptions::mtp_from)
 };
 
 class Server {

@@ -1,0 +1,207 @@
+// The speculative decode loop and its acceptance rule (see speculative.h).
+#include "engine/speculative.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+
+#include "util/check.h"
+
+namespace lily {
+
+Result<int> parse_speculative(const std::string& value) {
+  if (value.empty() || value == "off") return 0;
+  const std::string prefix = "mtp:";
+  if (value.rfind(prefix, 0) == 0 && value.size() > prefix.size()) {
+    const std::string k = value.substr(prefix.size());
+    char* end = nullptr;
+    const long n = std::strtol(k.c_str(), &end, 10);
+    if (*end == '\0' && k.find_first_not_of("0123456789") == std::string::npos && n >= 1 &&
+        n <= kMaxSpeculativeTokens)
+      return static_cast<int>(n);
+  }
+  return invalid_argument("--speculative `%s`: expected mtp:K, K from 1 to %d (tokens drafted per step by the "
+                          "checkpoint's multi-token-prediction head), or off",
+                          value.c_str(), kMaxSpeculativeTokens);
+}
+
+int32_t draw_from(std::span<const float> probs, double u) {
+  double total = 0.0;
+  for (float p : probs) total += p;
+  const double target = u * total;
+  double sum = 0.0;
+  int32_t last_positive = -1;
+  for (size_t i = 0; i < probs.size(); ++i) {
+    if (probs[i] <= 0.0f) continue;
+    last_positive = static_cast<int32_t>(i);
+    sum += probs[i];
+    if (sum > target) return last_positive;
+  }
+  CHECK(last_positive >= 0, "draw_from: no token has a positive probability");
+  return last_positive;
+}
+
+DraftVerdict accept_or_resample(std::span<const float> p, std::span<const float> q, int32_t draft, double u_accept,
+                                double u_resample) {
+  CHECK(p.size() == q.size() && draft >= 0 && static_cast<size_t>(draft) < p.size(), "draft %d over %zu/%zu",
+        draft, p.size(), q.size());
+  const double px = p[static_cast<size_t>(draft)], qx = q[static_cast<size_t>(draft)];
+  if (qx > 0.0 && u_accept * qx < px) return {true, draft};
+  std::vector<float> residual(p.size());
+  bool any = false;
+  for (size_t i = 0; i < p.size(); ++i) {
+    residual[i] = std::max(0.0f, p[i] - q[i]);
+    any |= residual[i] > 0.0f;
+  }
+  return {false, draw_from(any ? std::span<const float>(residual) : p, u_resample)};
+}
+
+namespace {
+
+// The draws of one request: a SplitMix64 stream of its own, so the plain sampler's stream is not disturbed.
+constexpr uint64_t kSpeculativeStream = 0x5be0cd19137e2179ull;
+
+int32_t argmax_of(std::span<const float> v) {
+  return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
+}
+
+class Loop {
+ public:
+  Loop(Backend& backend, SequenceState& state, const SpeculativeRequest& r, const EmitFn& emit,
+       SpeculativeCounts& counts)
+      : backend_(backend),
+        state_(state),
+        r_(r),
+        emit_(emit),
+        counts_(counts),
+        target_(*r.sampling),
+        draft_(*r.sampling),
+        rng_(target_.seed() ^ kSpeculativeStream),
+        greedy_(r.sampling->temperature == 0.0f),
+        history_(r.prompt.begin(), r.prompt.end()),
+        V_(backend.config().vocab_size) {}
+
+  Status run() {
+    // The first token comes from the last prompt token's row, as in the plain loop; its forward also hands the
+    // head the hidden state it drafts from.
+    std::vector<float> logits;
+    const int32_t last = r_.prompt.back();
+    RETURN_IF_ERROR(backend_.forward(state_, std::span<const int32_t>(&last, 1), LogitsRows::last, &logits));
+    ban_stops_if_early(logits, 0);
+    SampleResult first = target_.sample(logits, history_, r_.prompt.size());
+    if (!push(first.id, first.logprob, std::move(first.top))) return ok_status();
+    while (true) {
+      const int k = static_cast<int>(std::min<int64_t>(r_.draft_tokens, r_.budget - emitted_ - 1));
+      bool go_on = false;
+      RETURN_IF_ERROR(k > 0 ? step(k, go_on) : plain_step(go_on));
+      if (!go_on) return ok_status();
+    }
+  }
+
+ private:
+  // Stop tokens are banned until min_tokens tokens were emitted (the plain loop's rule), `ahead` rows later.
+  void ban_stops_if_early(std::span<float> row, int64_t ahead) {
+    if (emitted_ + ahead < r_.sampling->min_tokens)
+      for (int32_t id : r_.stop_token_ids) row[static_cast<size_t>(id)] = -INFINITY;
+  }
+
+  bool push(int32_t id, float logprob, std::vector<TokenLogprob> top) {
+    history_.push_back(id);
+    ++emitted_;
+    return emit_(id, logprob, std::move(top));
+  }
+
+  // The budget leaves no room for a draft: one token the plain way.
+  Status plain_step(bool& go_on) {
+    std::vector<float> logits;
+    const int32_t t = history_.back();
+    RETURN_IF_ERROR(backend_.forward(state_, std::span<const int32_t>(&t, 1), LogitsRows::last, &logits));
+    ban_stops_if_early(logits, 0);
+    SampleResult s = target_.sample(logits, history_, r_.prompt.size());
+    go_on = push(s.id, s.logprob, std::move(s.top));
+    return ok_status();
+  }
+
+  Status step(int k, bool& go_on) {
+    // Draft k tokens, each from the head's logits after the previous one.
+    std::vector<int32_t> rows{history_.back()};
+    std::vector<std::vector<float>> q(greedy_ ? 0 : static_cast<size_t>(k));
+    std::vector<float> dl;
+    for (int i = 0; i < k; ++i) {
+      RETURN_IF_ERROR(backend_.mtp_draft(state_, rows.back(), &dl));
+      int32_t d;
+      if (greedy_) {
+        d = argmax_of(dl);
+      } else {
+        std::vector<int32_t> h = history_;
+        h.insert(h.end(), rows.begin() + 1, rows.end());
+        ban_stops_if_early(dl, i + 1);
+        draft_.distribution(dl, h, r_.prompt.size(), q[static_cast<size_t>(i)]);
+        d = draw_from(q[static_cast<size_t>(i)], rng_.next_uniform());
+      }
+      rows.push_back(d);
+    }
+    // Verify them in one forward, then keep rows while the drafts are accepted.
+    std::vector<float> all;
+    RETURN_IF_ERROR(backend_.forward_verify(state_, rows, &all));
+    counts_.steps++;
+    counts_.drafted += k;
+    int64_t kept_rows = 0;
+    go_on = true;
+    std::vector<float> p;
+    for (int i = 0; i <= k && go_on; ++i) {
+      std::span<float> row(all.data() + static_cast<size_t>(i) * V_, static_cast<size_t>(V_));
+      ban_stops_if_early(row, 0);
+      int32_t token;
+      bool accepted = false;
+      SampleResult lp{-1, 0.0f, {}};
+      if (greedy_) {
+        lp = target_.sample(row, history_, r_.prompt.size());
+        token = lp.id;
+        accepted = i < k && token == rows[static_cast<size_t>(i) + 1];
+      } else {
+        target_.distribution(row, history_, r_.prompt.size(), p);
+        const double u_accept = rng_.next_uniform(), u_resample = rng_.next_uniform();
+        if (i < k) {
+          DraftVerdict v = accept_or_resample(p, q[static_cast<size_t>(i)], rows[static_cast<size_t>(i) + 1],
+                                              u_accept, u_resample);
+          token = v.token, accepted = v.accepted;
+        } else {
+          token = draw_from(p, u_accept);  // the bonus row
+        }
+        if (r_.sampling->logprobs) lp = target_.logprobs(row, token);
+      }
+      counts_.accepted += accepted;
+      ++kept_rows;
+      go_on = push(token, lp.logprob, std::move(lp.top));
+      if (!accepted) break;
+    }
+    // The state keeps the row before each emitted token: the sampled token and the emitted drafts but the last.
+    return backend_.accept_verified(state_, kept_rows);
+  }
+
+  Backend& backend_;
+  SequenceState& state_;
+  const SpeculativeRequest& r_;
+  const EmitFn& emit_;
+  SpeculativeCounts& counts_;
+  Sampler target_, draft_;
+  SplitMix64 rng_;
+  const bool greedy_;
+  std::vector<int32_t> history_;
+  const int64_t V_;
+  int64_t emitted_ = 0;
+};
+
+}  // namespace
+
+Status speculative_decode(Backend& backend, SequenceState& state, const SpeculativeRequest& request,
+                          const EmitFn& emit, SpeculativeCounts& counts) {
+  if (request.draft_tokens < 1 || request.draft_tokens > kMaxSpeculativeTokens)
+    return invalid_argument("speculative decoding: %d draft tokens (1..%d)", request.draft_tokens,
+                            kMaxSpeculativeTokens);
+  if (request.prompt.empty() || request.budget < 1) return invalid_argument("speculative decoding: nothing to do");
+  return Loop(backend, state, request, emit, counts).run();
+}
+
+}  // namespace lily
