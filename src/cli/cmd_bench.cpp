@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/bench_ttft.h"
+#include "cli/bench_verify.h"
 #include "cli/cli_common.h"
 #include "cli/commands.h"
 #include "model/synth.h"
@@ -33,6 +34,8 @@ struct BenchArgs {
   int prefill_chunk = 4096;
   std::string variants;  // "key=value,...;key=value,...": one whole run per variant, the model loaded once
   TtftOptions ttft;      // --mode ttft
+  VerifyBenchOptions verify;  // --mode verify (rows; the rest from the shared flags)
+  bool contexts_given = false;
 };
 
 #ifdef LILY_HAVE_CUDA
@@ -292,8 +295,18 @@ Status run_bench(const BenchArgs& a) {
 Status run_bench(const BenchArgs&) { return error(ErrorCode::unsupported, "lily was built without CUDA"); }
 #endif
 
-// --mode ttft runs on any backend (the server's); the others need the CUDA build.
+// --mode ttft and verify run on any backend; the others need the CUDA build.
 Status bench_main(BenchArgs a) {
+  if (a.mode == "verify") {
+    VerifyBenchOptions& v = a.verify;
+    v.model = a.model, v.synthetic = a.synthetic, v.backend = a.ttft.backend, v.threads = a.ttft.threads;
+    v.cuda_options = a.ttft.cuda_options, v.reps = a.reps;
+    if (a.contexts_given) v.contexts = a.contexts;
+    nlohmann::json out;
+    RETURN_IF_ERROR(run_verify_bench(v, out));
+    if (!a.json_path.empty()) std::ofstream(a.json_path) << out.dump(2);
+    return ok_status();
+  }
   if (a.mode != "ttft") return run_bench(a);
   a.ttft.model = a.model;
   a.ttft.reps = a.reps;
@@ -311,19 +324,23 @@ void setup(CLI::App& app) {
   cmd->add_option("--synthetic", a->synthetic, "synthetic preset when no --model: full | full4 | small | tiny");
   cmd->add_option("--mode", a->mode,
                   "decode | prefill | all (the GPU benchmark) | ttft (time to first token through `lily serve` on "
-                  "--model, any backend)");
+                  "--model, any backend) | verify (speculative verification of --rows rows vs a decode step, and "
+                  "an MTP draft step, at --contexts (default 256), any backend)");
+  cmd->add_option("--rows", a->verify.rows, "verify: rows per verification forward (1+K)")->delimiter(',');
   cmd->add_option("--prompt-tokens", a->ttft.prompt_tokens, "ttft: prompt length in tokens (chat template included)");
   cmd->add_option("--port", a->ttft.port, "ttft: the server's port");
   cmd->add_option("--decode-tokens", a->ttft.decode_tokens,
                   "ttft: then stream one answer of this many tokens and report the decode rate the client sees")
       ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--backend", a->ttft.backend, "ttft: the server's backend (auto | cpu | cuda)");
+  cmd->add_option("--backend", a->ttft.backend, "ttft: the server's backend; verify: the backend (auto | cpu | cuda)");
   cmd->add_option("--ctx-size", a->ttft.ctx_size, "ttft: the server's context length");
-  cmd->add_option("--threads", a->ttft.threads, "ttft: the server's CPU threads (0: all)");
+  cmd->add_option("--threads", a->ttft.threads, "ttft, verify: CPU threads (0: all)");
   cmd->add_option("--cuda-options", a->ttft.cuda_options,
                   "CUDA backend options key=value,... (the --variants keys): the base of every variant; ttft: the "
                   "server's --cuda-options");
-  cmd->add_option("--contexts", a->contexts, "decode context lengths")->delimiter(',');
+  cmd->add_option("--contexts", a->contexts, "decode context lengths")
+      ->delimiter(',')
+      ->each([a](const std::string&) { a->contexts_given = true; });
   cmd->add_option("--lengths", a->lengths, "prefill prompt lengths")->delimiter(',');
   cmd->add_option("--reps", a->reps, "timed repetitions per length (median, min, max reported)");
   cmd->add_option("--prefill-chunk", a->prefill_chunk, "rows per prefill chunk");

@@ -2,23 +2,32 @@
 
 #include <vector>
 
+#include "model/quant.h"
+
 namespace lily::cpu {
 
-// Every row gets the same arithmetic whatever T (the weight row dequantized, then one ordered dot), so a
-// forward of 1+K verification rows gives bit for bit the logits K+1 single-token decodes would: speculative
-// decoding's greedy output is then the plain loop's, token for token.
+// Every row gets the same arithmetic whatever T (Linear::dot_row's; for quantized weights and several rows, the
+// codes are unpacked once and mlx_dot_codes repeats mlx_dot_row's operations), so a forward of 1+K
+// verification rows gives bit for bit the logits K+1 single-token decodes would: speculative decoding's greedy
+// output is then the plain loop's, token for token. (Bitwise equality assumes no FMA contraction, as on x86-64
+// without -march flags.)
 void matmul(ThreadPool& pool, const Linear& W, const float* x, int64_t T, float* y) {
   const int64_t in = W.in, out = W.out;
-  pool.parallel_for(out, T == 1 ? 16 : 4, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(static_cast<size_t>(in));
+  if (T == 1 || !W.quantized()) {
+    pool.parallel_for(out, T == 1 ? 16 : 4, [&](int64_t begin, int64_t end) {
+      for (int64_t o = begin; o < end; ++o)
+        for (int64_t t = 0; t < T; ++t) y[t * out + o] = W.dot_row(o, x + t * in);
+    });
+    return;
+  }
+  const int64_t words = packed_words(in, W.bits), groups = in / kQuantGroup;
+  pool.parallel_for(out, 4, [&](int64_t begin, int64_t end) {
+    std::vector<float> codes(static_cast<size_t>(in));
     for (int64_t o = begin; o < end; ++o) {
-      W.dequant_row(o, row.data());
-      for (int64_t t = 0; t < T; ++t) {
-        const float* xt = x + t * in;
-        float acc = 0;
-        for (int64_t i = 0; i < in; ++i) acc += row[i] * xt[i];
-        y[t * out + o] = acc;
-      }
+      mlx_unpack_codes(static_cast<const uint32_t*>(W.w) + o * words, in, W.bits, codes.data());
+      for (int64_t t = 0; t < T; ++t)
+        y[t * out + o] = mlx_dot_codes(codes.data(), W.scales + o * groups, W.biases + o * groups, in, W.bits,
+                                       x + t * in);
     }
   });
 }

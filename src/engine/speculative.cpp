@@ -125,21 +125,17 @@ class Loop {
   Status step(int k, bool& go_on) {
     // Draft k tokens, each from the head's logits after the previous one.
     std::vector<int32_t> rows{history_.back()};
-    std::vector<std::vector<float>> q(greedy_ ? 0 : static_cast<size_t>(k));
+    // The drafts see the request's transforms too (bias, penalties, min_tokens; greedy: the argmax after them).
+    std::vector<std::vector<float>> q(static_cast<size_t>(k));
     std::vector<float> dl;
     for (int i = 0; i < k; ++i) {
       RETURN_IF_ERROR(backend_.mtp_draft(state_, rows.back(), &dl));
-      int32_t d;
-      if (greedy_) {
-        d = argmax_of(dl);
-      } else {
-        std::vector<int32_t> h = history_;
-        h.insert(h.end(), rows.begin() + 1, rows.end());
-        ban_stops_if_early(dl, i + 1);
-        draft_.distribution(dl, h, r_.prompt.size(), q[static_cast<size_t>(i)]);
-        d = draw_from(q[static_cast<size_t>(i)], rng_.next_uniform());
-      }
-      rows.push_back(d);
+      std::vector<int32_t> h = history_;
+      h.insert(h.end(), rows.begin() + 1, rows.end());
+      ban_stops_if_early(dl, i + 1);
+      auto& qi = q[static_cast<size_t>(i)];
+      draft_.distribution(dl, h, r_.prompt.size(), qi);
+      rows.push_back(greedy_ ? argmax_of(qi) : draw_from(qi, rng_.next_uniform()));
     }
     // Verify them in one forward, then keep rows while the drafts are accepted.
     std::vector<float> all;

@@ -84,7 +84,41 @@ inline float group_qdot(const uint32_t* words, const float* x) {
   return sum;
 }
 
+// group_qdot on unpacked codes: the same partial sums in the same order.
+template <int kBits>
+inline float group_codes_dot(const float* codes, const float* x) {
+  constexpr int kPerWord = 32 / kBits;
+  float acc[kPerWord] = {};
+  for (int w = 0; w < kQuantGroup / kPerWord; ++w)
+    for (int k = 0; k < kPerWord; ++k) acc[k] += codes[w * kPerWord + k] * x[w * kPerWord + k];
+  float sum = 0;
+  for (int k = 0; k < kPerWord; ++k) sum += acc[k];
+  return sum;
+}
+
 }  // namespace
+
+void mlx_unpack_codes(const uint32_t* wq_row, int64_t cols, int bits, float* codes) {
+  const int per_word = 32 / bits;
+  const uint32_t mask = (1u << bits) - 1;
+  for (int64_t j = 0; j < cols; ++j)
+    codes[j] = static_cast<float>((load_unaligned<uint32_t>(wq_row, j / per_word) >> ((j % per_word) * bits)) & mask);
+}
+
+float mlx_dot_codes(const float* codes, const uint16_t* scales_row, const uint16_t* biases_row, int64_t cols,
+                    int bits, const float* x) {
+  float acc = 0;
+  for (int64_t g = 0; g < cols / kQuantGroup; ++g) {
+    const float* cg = codes + g * kQuantGroup;
+    const float* xg = x + g * kQuantGroup;
+    float qx = bits == 4 ? group_codes_dot<4>(cg, xg) : group_codes_dot<8>(cg, xg);
+    float sx = 0;
+    for (int j = 0; j < kQuantGroup; ++j) sx += xg[j];
+    acc += bf16_to_float(load_unaligned<uint16_t>(scales_row, g)) * qx +
+           bf16_to_float(load_unaligned<uint16_t>(biases_row, g)) * sx;
+  }
+  return acc;
+}
 
 float mlx_dot_row(const uint32_t* wq_row, const uint16_t* scales_row, const uint16_t* biases_row, int64_t cols,
                   int bits, const float* x) {

@@ -23,4 +23,10 @@ void mlx_dequantize_row(const uint32_t* wq_row, const uint16_t* scales_row, cons
 float mlx_dot_row(const uint32_t* wq_row, const uint16_t* scales_row, const uint16_t* biases_row, int64_t cols,
                   int bits, const float* x);
 
+// For a row dotted with many vectors: its codes as floats (exact), unpacked once, and mlx_dot_row's arithmetic
+// over them, operation for operation, so the result is mlx_dot_row's bit for bit.
+void mlx_unpack_codes(const uint32_t* wq_row, int64_t cols, int bits, float* codes);
+float mlx_dot_codes(const float* codes, const uint16_t* scales_row, const uint16_t* biases_row, int64_t cols,
+                    int bits, const float* x);
+
 }  // namespace lily

@@ -148,6 +148,17 @@ TEST(QuantizeCheckpoint, TinyHfToMlx) {
     }
   }
   expect_vectors_near(q->final_norm, hf->final_norm, 1.0f / 256, "final norm");
+  // The MTP head is kept (mlx-lm drops it): quantized matrices, norms with +1.
+  ASSERT_TRUE(hf->mtp.has_value());
+  ASSERT_TRUE(q->mtp.has_value()) << "quantize must keep mtp.*";
+  expect_within_quant_error(q->mtp->fc, hf->mtp->fc, "mtp.fc");
+  expect_within_quant_error(q->mtp->layer.attn.q_proj, hf->mtp->layer.attn.q_proj, "mtp.layers.0.self_attn.q_proj");
+  expect_within_quant_error(q->mtp->layer.moe.expert_down[3], hf->mtp->layer.moe.expert_down[3], "mtp expert 3 down");
+  EXPECT_EQ(q->mtp->layer.moe.router.bits, 8);
+  expect_vectors_near(q->mtp->pre_fc_norm_embedding, hf->mtp->pre_fc_norm_embedding, 1.0f / 256, "mtp.pre_fc_norm_embedding");
+  expect_vectors_near(q->mtp->pre_fc_norm_hidden, hf->mtp->pre_fc_norm_hidden, 1.0f / 256, "mtp.pre_fc_norm_hidden");
+  expect_vectors_near(q->mtp->norm, hf->mtp->norm, 1.0f / 256, "mtp.norm");
+  expect_vectors_near(q->mtp->layer.attn.k_norm, hf->mtp->layer.attn.k_norm, 1.0f / 256, "mtp k_norm");
   float mean_norm = 0;
   for (float v : q->final_norm) mean_norm += v / static_cast<float>(q->final_norm.size());
   EXPECT_NEAR(mean_norm, 1.0f, 0.05f) << "zero-centred norms carry +1 in the mlx file";

@@ -138,7 +138,11 @@ TEST(SynthPlan, FullPresetMlxLayoutIsModelMd23) {
   ASSERT_EQ(config->num_hidden_layers, 40);
   for (int L = 0; L < 40; ++L)
     EXPECT_EQ(config->layer_types[L], full_attention(L) ? LayerType::full_attention : LayerType::linear_attention);
-  auto plan = synth_plan(*config, CheckpointLayout::mlx);
+  std::vector<SynthTensor> plan, head;
+  for (const auto& t : synth_plan(*config, CheckpointLayout::mlx))
+    (t.spec.name.rfind("mtp.", 0) == 0 ? head : plan).push_back(t);
+  // The MTP head: fc and 12 more matrices as quantized triples, 7 norms.
+  EXPECT_EQ(head.size(), 13u * 3 + 7);
   WantMap want = mlx_table();
   EXPECT_EQ(plan.size(), want.size());
   EXPECT_EQ(plan.size(), 30u * 45 + 10u * 40 + 7);  // per layer: 8 quantized triples + mixer; globals 2 triples + norm
@@ -153,7 +157,8 @@ TEST(SynthPlan, FullPresetMlxLayoutIsModelMd23) {
   EXPECT_TRUE(q.enabled);
   EXPECT_EQ(q.base.bits, 4);
   EXPECT_EQ(q.base.group_size, 64);
-  EXPECT_EQ(q.overrides.size(), 80u);
+  EXPECT_EQ(q.overrides.size(), 82u);  // and the MTP layer's router and shared-expert gate
+  EXPECT_EQ(q.for_path("mtp.layers.0.mlp.gate").bits, 8);
   for (int L = 0; L < 40; ++L) {
     const std::string p = "language_model.model.layers." + std::to_string(L) + ".mlp.";
     EXPECT_EQ(q.for_path(p + "gate").bits, 8) << L;

@@ -106,14 +106,17 @@ void expect_loads(const TempDir& dir, CheckpointLayout layout, size_t n_tensors)
   ASSERT_EQ(w->layers.size(), 4u);
   EXPECT_EQ(w->layers[3].type, LayerType::full_attention);
   EXPECT_EQ(w->layers[0].moe.expert_gate.size(), 16u);
-  EXPECT_FALSE(w->mtp.has_value());
+  ASSERT_TRUE(w->mtp.has_value()) << "synth writes the MTP head";
+  EXPECT_EQ(w->mtp->layer.type, LayerType::full_attention);
+  EXPECT_EQ(w->mtp->fc.in, 2 * w->config.hidden_size);
+  EXPECT_EQ(w->mtp->layer.moe.expert_gate.size(), 16u);
 }
 
 TEST(WeightsBinding, HfLayout) {
   TempDir dir("hf");
   ASSERT_NO_FATAL_FAILURE(synth(dir, CheckpointLayout::hf));
-  // tiny: 3 Gated DeltaNet layers x 18 + 1 attention layer x 15 + 3 globals (MODEL.md 1.2 counting).
-  ASSERT_NO_FATAL_FAILURE(expect_loads(dir, CheckpointLayout::hf, 3 * 18 + 15 + 3));
+  // tiny: 3 Gated DeltaNet layers x 18 + 1 attention layer x 15 + 3 globals + 19 MTP (MODEL.md 1.2 counting).
+  ASSERT_NO_FATAL_FAILURE(expect_loads(dir, CheckpointLayout::hf, 3 * 18 + 15 + 3 + 19));
   const std::string p = "model.language_model.layers.";
   expect_bind_error(dir, {Edit::drop, p + "1.linear_attn.in_proj_qkv.weight", {}}, {"missing", "[512, 128]"});
   expect_bind_error(dir, {Edit::drop, p + "3.self_attn.q_norm.weight", {}}, {"missing", "[64]"});
@@ -134,7 +137,7 @@ TEST(WeightsBinding, MlxLayout) {
   TempDir dir("mlx");
   ASSERT_NO_FATAL_FAILURE(synth(dir, CheckpointLayout::mlx));
   // tiny: 3 x 45 + 1 x 40 + 7 (MODEL.md 2.3: quantized triples plus the unquantized tensors).
-  ASSERT_NO_FATAL_FAILURE(expect_loads(dir, CheckpointLayout::mlx, 3 * 45 + 40 + 7));
+  ASSERT_NO_FATAL_FAILURE(expect_loads(dir, CheckpointLayout::mlx, 3 * 45 + 40 + 7 + 46));
   const std::string p = "language_model.model.layers.";
   expect_bind_error(dir, {Edit::drop, p + "0.mlp.switch_mlp.down_proj.biases", {}}, {"missing", "[16, 128, 1]"});
   expect_bind_error(dir, {Edit::drop, p + "3.self_attn.q_proj.weight", {}}, {"missing"});

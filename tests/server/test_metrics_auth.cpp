@@ -43,6 +43,7 @@ TEST(Metrics, RendersEveryFamily) {
   g.model_ready = true;
   g.cache.cache_hits = 5;
   g.cache.cache_bytes = 1234;
+  g.cache.speculative_steps = 10, g.cache.drafted_tokens = 20, g.cache.accepted_tokens = 5;
   std::string text = m.render(g);
   EXPECT_TRUE(has_line(text, "lily_requests_total{endpoint=\"/v1/chat/completions\",status=\"200\"} 2"))
       << text;
@@ -58,6 +59,10 @@ TEST(Metrics, RendersEveryFamily) {
   EXPECT_TRUE(has_line(text, "lily_requests_running 1"));
   EXPECT_TRUE(has_line(text, "lily_session_cache_hits_total 5"));
   EXPECT_TRUE(has_line(text, "lily_session_cache_bytes 1234"));
+  EXPECT_TRUE(has_line(text, "lily_speculative_steps_total 10"));
+  EXPECT_TRUE(has_line(text, "lily_speculative_drafted_tokens_total 20"));
+  EXPECT_TRUE(has_line(text, "lily_speculative_accepted_tokens_total 5"));
+  EXPECT_TRUE(has_line(text, "lily_speculative_acceptance_rate 0.25"));
   EXPECT_TRUE(has_line(text, "# TYPE lily_time_to_first_token_seconds histogram"));
   // Every sample line belongs to a family declared with # TYPE.
   size_t pos = 0;
