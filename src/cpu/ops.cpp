@@ -6,14 +6,14 @@
 
 namespace lily::cpu {
 
-// Every row gets the same arithmetic whatever T (Linear::dot_row's; for quantized weights and several rows, the
+// Every row gets the same arithmetic whatever T (Linear::dot_row's; for quantized weights and many rows, the
 // codes are unpacked once and mlx_dot_codes repeats mlx_dot_row's operations), so a forward of 1+K
 // verification rows gives bit for bit the logits K+1 single-token decodes would: speculative decoding's greedy
 // output is then the plain loop's, token for token. (Bitwise equality assumes no FMA contraction, as on x86-64
 // without -march flags.)
 void matmul(ThreadPool& pool, const Linear& W, const float* x, int64_t T, float* y) {
   const int64_t in = W.in, out = W.out;
-  if (T == 1 || !W.quantized()) {
+  if (T < 8 || !W.quantized()) {  // a few rows (decode, verification): unpacking on the fly is cheaper
     pool.parallel_for(out, T == 1 ? 16 : 4, [&](int64_t begin, int64_t end) {
       for (int64_t o = begin; o < end; ++o)
         for (int64_t t = 0; t < T; ++t) y[t * out + o] = W.dot_row(o, x + t * in);

@@ -101,8 +101,10 @@ inline float group_codes_dot(const float* codes, const float* x) {
 void mlx_unpack_codes(const uint32_t* wq_row, int64_t cols, int bits, float* codes) {
   const int per_word = 32 / bits;
   const uint32_t mask = (1u << bits) - 1;
-  for (int64_t j = 0; j < cols; ++j)
-    codes[j] = static_cast<float>((load_unaligned<uint32_t>(wq_row, j / per_word) >> ((j % per_word) * bits)) & mask);
+  for (int64_t w = 0; w < cols / per_word; ++w) {
+    const uint32_t word = load_unaligned<uint32_t>(wq_row, w);
+    for (int k = 0; k < per_word; ++k) codes[w * per_word + k] = static_cast<float>((word >> (k * bits)) & mask);
+  }
 }
 
 float mlx_dot_codes(const float* codes, const uint16_t* scales_row, const uint16_t* biases_row, int64_t cols,
