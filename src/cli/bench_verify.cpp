@@ -45,16 +45,27 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(weights, bo));
   const bool drafts = backend->has_mtp();
   if (drafts) RETURN_IF_ERROR(backend->enable_mtp());
+  // A backend without forward_verify yet (CUDA) is timed on a plain forward of the same rows with every row's
+  // logits: what verification costs before the per-row state copies, through that backend's multi-row path.
+  std::vector<float> probe;
+  auto probe_seq = backend->new_sequence();
+  const int32_t probe_tokens[2] = {1, 2};
+  Status verify_st = backend->forward_verify(*probe_seq, probe_tokens, &probe);
+  if (!verify_st.ok() && verify_st.code() != ErrorCode::unsupported) return verify_st;
+  const bool verify = verify_st.ok();
   const int32_t V = backend->config().vocab_size;
-  std::printf("%s backend, %s; one call = one forward (median of %d)%s\n", backend->name(),
+  std::printf("%s backend, %s; one call = one forward (median of %d)%s%s\n", backend->name(),
               o.model.empty() ? ("synthetic " + o.synthetic).c_str() : o.model.c_str(), o.reps,
-              drafts ? "" : "; the checkpoint has no MTP head: no draft timing");
+              drafts ? "" : "; no MTP draft timing (no head, or the backend has none)",
+              verify ? "" : "; no forward_verify on this backend: `forward N` rows with all logits instead");
   std::printf("%8s %12s %10s %10s\n", "context", "call", "ms", "x decode");
   out = {{"backend", backend->name()}, {"model", o.model.empty() ? "synthetic " + o.synthetic : o.model},
          {"reps", o.reps}, {"results", nlohmann::json::array()}};
   std::vector<float> logits;
   for (int64_t ctx : o.contexts) {
-    if (ctx < 1 || ctx + 2 * o.reps * (2 + static_cast<int64_t>(o.rows.size())) > backend->max_context())
+    int64_t timed = 2 * o.reps;
+    for (int r : o.rows) timed += static_cast<int64_t>(o.reps) * (verify ? 1 : r);
+    if (ctx < 1 || ctx + timed > backend->max_context())
       return invalid_argument("--contexts %lld: from 1 to what the backend holds, less the timed tokens", (long long)ctx);
     auto seq = backend->new_sequence();
     std::vector<int32_t> prompt(static_cast<size_t>(ctx));
@@ -79,10 +90,11 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
     for (int r : o.rows) {
       std::vector<int32_t> rows(static_cast<size_t>(r), tok);
       ASSIGN_OR_RETURN(std::vector<double> ms, time_calls(o.reps, [&]() -> Status {
+        if (!verify) return backend->forward(*seq, rows, LogitsRows::all, &logits);
         RETURN_IF_ERROR(backend->forward_verify(*seq, rows, &logits));
         return backend->accept_verified(*seq, 1);
       }));
-      record("verify " + std::to_string(r), ms, base);
+      record((verify ? "verify " : "forward ") + std::to_string(r), ms, base);
     }
     if (drafts) {
       ASSIGN_OR_RETURN(std::vector<double> ms, time_calls(o.reps, [&] { return backend->mtp_draft(*seq, tok, &logits); }));

@@ -370,6 +370,15 @@ TEST(SpeculativeCli, GenerateTakesTheFlagAndRefusesBadValues) {
     EXPECT_NE(slurp(e).find(std::string("speculative ") + k + ": "), std::string::npos) << slurp(e);
     EXPECT_NE(slurp(e).find("accepted"), std::string::npos) << slurp(e);
   }
+  // The verification cost table on the same model (a tiny context, one call each).
+  const fs::path table = out / "verify_table";
+  ASSERT_EQ(std::system((bin + " bench --mode verify --model " + tiny_model().dir.string() +
+                         " --backend cpu --threads 2 --contexts 16 --rows 1,3 --reps 1 > " + table.string() + " 2>&1")
+                            .c_str()),
+            0)
+      << slurp(table);
+  for (const char* row : {"decode", "verify 1", "verify 3", "mtp draft"})
+    EXPECT_NE(slurp(table).find(row), std::string::npos) << row << " in\n" << slurp(table);
   for (const char* bad : {"mtp:0", "mtp:9", "medusa"}) {
     const fs::path e = out / "bad.err";
     ASSERT_NE(std::system((gen + " --speculative " + bad + " > /dev/null 2> " + e.string()).c_str()), 0) << bad;
