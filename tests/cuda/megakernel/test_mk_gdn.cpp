@@ -261,6 +261,49 @@ TEST(MkGdnBench, ThirtyLayers) {
   }
 }
 
+// Two Gated DeltaNet layers with their MoE blocks over two steps against the kernel chain, and the same bits on any
+// grid.
+TEST(MkLayers, GdnLayersWithMoeMatchTheChain) {
+  SKIP_WITHOUT_STEP();
+  const DeviceBuffer<uint16_t> pool = test::bench_pool(size_t{64} << 20, 21);
+  const DeviceBuffer<uint16_t> moe_pool = test::bench_pool(size_t{1} << 30, 22);
+  Carver carve{pool};
+  GdnLayers layers(2, carve, 8401);
+  std::vector<std::unique_ptr<test_util::BenchMoe>> moe;
+  for (int l = 0; l < 2; ++l) {
+    moe.push_back(std::make_unique<test_util::BenchMoe>(moe_pool, l));
+    layers.moe.push_back(moe.back().get());
+  }
+  constexpr int kSteps = 2;
+  layers.reset();
+  for (int s = 0; s < kSteps; ++s) ASSERT_CUDA(layers.chain(nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> chain = layers.h.download();
+  auto run = [&](int n_blocks) -> std::vector<float> {
+    auto prog = layers.program(n_blocks, false);
+    EXPECT_TRUE(prog.ok()) << prog.status().message();
+    if (!prog.ok()) return {};
+    auto d = DeviceProgram::upload(*prog);
+    EXPECT_TRUE(d.ok());
+    if (!d.ok()) return {};
+    layers.reset();
+    for (int s = 0; s < kSteps; ++s) EXPECT_EQ((*d)->launch(nullptr), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return layers.h.download();
+  };
+  const std::vector<float> got = run(device_sms());
+  ASSERT_EQ(got.size(), chain.size());
+  double dh = 0, hmax = 0;
+  for (size_t i = 0; i < chain.size(); ++i) {
+    dh = std::max(dh, std::fabs(double(got[i]) - chain[i]));
+    hmax = std::max(hmax, std::fabs(double(chain[i])));
+  }
+  std::printf("gdn + moe layers x %d steps vs the chain: %.3g of max |h| %.3g\n", kSteps, dh / hmax, hmax);
+  EXPECT_TRUE(std::isfinite(hmax));
+  EXPECT_LE(dh, 1e-4 * hmax);
+  for (int n_blocks : {1, 7}) EXPECT_EQ(run(n_blocks), got) << n_blocks << " blocks";
+}
+
 // Stages (b) + (c): 30 Gated DeltaNet layers, each with its MoE block (694 MB + 30 x 16.5 MB = 1,189 MB, floor
 // 278 us): the routing-dependent fetches with the rest of the layer around them.
 TEST(MkLayerBench, ThirtyGdnLayersWithMoe) {
