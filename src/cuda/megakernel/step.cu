@@ -372,20 +372,11 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
             part[r] += fmaf(bf16_bits_to_float(s_s[g]), qx, bf16_bits_to_float(b_s[g]) * x_sums[v]);
           }
         } else if constexpr (BITS == 8) {
-          const float4* xv = reinterpret_cast<const float4*>(x_s + xpad(vec * kVecElems8));
-          float x[16];
-          float x_sum = 0.0f;
 #pragma unroll
-          for (int t = 0; t < 4; ++t) {
-            const float4 q = xv[t];
-            x[4 * t] = q.x, x[4 * t + 1] = q.y, x[4 * t + 2] = q.z, x[4 * t + 3] = q.w;
-            x_sum += (q.x + q.y) + (q.z + q.w);
-          }
-#pragma unroll
-          for (int r = 0; r < kRpw; ++r) {
+          for (int r = 0; r < kRpw; ++r) {  // the router's dot product (moe.cuh)
             const uint4 w = *reinterpret_cast<const uint4*>(page + (page_row(r) * kVecsPerRow + vec) * 16);
             const int g = page_row(r) * kGroupsPerRow + vec / kVecsPerGroup;
-            part[r] += fmaf(bf16_bits_to_float(s_s[g]), dot_q8_vec(w, x), bf16_bits_to_float(b_s[g]) * x_sum);
+            part[r] += router_vec(w, s_s[g], b_s[g], x_s, vec);
           }
         } else {
           float x[32];

@@ -262,19 +262,34 @@ TEST(MkGdnBench, ThirtyLayers) {
   }
 }
 
+// n Gated DeltaNet layers, each with its MoE block, their weights carved from benchmark pools.
+struct GdnMoeLayers {
+  DeviceBuffer<uint16_t> pool, moe_pool;
+  Carver carve;
+  GdnLayers layers;
+  std::vector<std::unique_ptr<test_util::BenchMoe>> moe;
+  GdnMoeLayers(int n, size_t pool_bytes, size_t moe_pool_bytes, uint32_t seed)
+      : pool(test::bench_pool(pool_bytes, seed)), moe_pool(test::bench_pool(moe_pool_bytes, seed + 1)), carve{pool},
+        layers(n, carve, seed + 2) {
+    for (int l = 0; l < n; ++l) {
+      moe.push_back(std::make_unique<test_util::BenchMoe>(moe_pool, l));
+      layers.moe.push_back(moe.back().get());
+    }
+  }
+  double bytes() const {
+    double b = 0;
+    for (int l = 0; l < layers.n; ++l)
+      b += static_cast<double>(layers.w_in[l].bytes() + layers.w_out[l].bytes()) + 2.0 * kNv * kD * kD * 4 + moe[l]->bytes();
+    return b;
+  }
+};
+
 // Two Gated DeltaNet layers with their MoE blocks over two steps against the kernel chain, and the same bits on any
 // grid.
 TEST(MkLayers, GdnLayersWithMoeMatchTheChain) {
   SKIP_WITHOUT_STEP();
-  const DeviceBuffer<uint16_t> pool = test::bench_pool(size_t{64} << 20, 21);
-  const DeviceBuffer<uint16_t> moe_pool = test::bench_pool(size_t{1} << 30, 22);
-  Carver carve{pool};
-  GdnLayers layers(2, carve, 8401);
-  std::vector<std::unique_ptr<test_util::BenchMoe>> moe;
-  for (int l = 0; l < 2; ++l) {
-    moe.push_back(std::make_unique<test_util::BenchMoe>(moe_pool, l));
-    layers.moe.push_back(moe.back().get());
-  }
+  GdnMoeLayers with_moe(2, size_t{64} << 20, size_t{1} << 30, 21);
+  GdnLayers& layers = with_moe.layers;
   constexpr int kSteps = 2;
   layers.reset();
   for (int s = 0; s < kSteps; ++s) ASSERT_CUDA(layers.chain(nullptr));
@@ -309,18 +324,9 @@ TEST(MkLayers, GdnLayersWithMoeMatchTheChain) {
 // 278 us): the routing-dependent fetches with the rest of the layer around them.
 TEST(MkLayerBench, ThirtyGdnLayersWithMoe) {
   SKIP_WITHOUT_STEP();
-  const DeviceBuffer<uint16_t> pool = test::bench_pool(size_t{600} << 20, 10);
-  const DeviceBuffer<uint16_t> moe_pool = test::bench_pool(size_t{6} << 30, 12);
-  Carver carve{pool};
-  GdnLayers layers(30, carve, 8301);
-  std::vector<std::unique_ptr<test_util::BenchMoe>> moe;
-  double bytes = 0;
-  for (int l = 0; l < 30; ++l) {
-    moe.push_back(std::make_unique<test_util::BenchMoe>(moe_pool, l));
-    layers.moe.push_back(moe.back().get());
-    bytes += static_cast<double>(layers.w_in[l].bytes() + layers.w_out[l].bytes()) + 2.0 * kNv * kD * kD * 4 +
-             moe.back()->bytes();
-  }
+  GdnMoeLayers with_moe(30, size_t{600} << 20, size_t{6} << 30, 10);
+  GdnLayers& layers = with_moe.layers;
+  const double bytes = with_moe.bytes();
   std::printf("\n");
   test::print_bandwidth("gdn + moe layers, chain (180 launches)",
                         test::graph_time_us([&](int, cudaStream_t s) { return layers.chain(s); }, 10), bytes);
