@@ -77,24 +77,26 @@ void Scheduler::worker_loop() {
     }
     for (auto& job : admitted) job->start();
     step();
-    // Finished jobs leave their slots (finish() outside the lock: it hands the result to the client).
+    // Finished jobs leave their slots before finish() hands their results to the clients, so a client that
+    // has its answer sees the slot free; finish() runs outside the lock.
     std::vector<std::shared_ptr<Job>> finished;
     {
       std::lock_guard lock(mu_);
+      size_t n_prefilling = 0;
       for (auto it = active_.begin(); it != active_.end();) {
         if (it->job->done()) {
           finished.push_back(std::move(it->job));
           it = active_.erase(it);
+          --running_;
         } else {
+          n_prefilling += it->job->prefilling() ? 1 : 0;
           ++it;
         }
       }
+      prefilling_.store(n_prefilling);
+      decoding_.store(active_.size() - n_prefilling);
     }
-    for (auto& job : finished) {
-      job->finish();
-      --running_;
-    }
-    if (active_.empty()) prefilling_.store(0), decoding_.store(0);  // only the worker changes active_
+    for (auto& job : finished) job->finish();
   }
 }
 
