@@ -8,7 +8,6 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
-#include <optional>
 
 #include "engine/session_cache.h"
 #include "engine/stop_strings.h"

@@ -1,8 +1,8 @@
 """Continuous batching in `lily serve --parallel N` (the real binary, the tiny model, the CPU backend): requests
 streamed at once get exactly the tokens and logprobs they get alone (greedy and seeded), concurrent streams all
 start before any ends, a short request behind a long stream is answered while the long one goes on, a stream
-cancelled midway leaves the others untouched, a full queue still answers 429, and bad --parallel values are
-refused. Prints the time to first token of four concurrent streams with --parallel 1 and 4.
+cancelled midway leaves the others untouched, --request-timeout ends each batched stream, a full queue still
+answers 429, and bad --parallel values are refused. Prints the time to first token of four concurrent streams with --parallel 1 and 4.
 Run: LILY_BIN=build/lily python3 tests/python/test_parallel.py [TEST_NAME...]"""
 import http.client
 import json
@@ -215,6 +215,20 @@ def full_queue_is_429_and_props_report_parallel(model):
         s.kill()
 
 
+def request_timeout_ends_each_batched_stream(model):
+    s = LilyServer(model, "--parallel", "3", "--request-timeout", "1.5", "--quiet").start()
+    try:
+        streams = [Stream(s.port, body(i, 2000)).start() for i in range(3)]
+        for x in streams:
+            x.join(60)
+        for x in streams:
+            took = x.t_end - x.t_start
+            assert x.status == 200 and x.finish == "length" and 0 < len(x.tokens) < 2000, (x.status, x.finish)
+            assert 1.4 < took < 10, took
+    finally:
+        s.kill()
+
+
 def bad_parallel_values_are_refused(model):
     for value in ("0", "17", "x", "-1"):
         p = subprocess.run([LILY_BIN, "serve", "--model", model, "--port", "0", "--parallel", value],
@@ -230,6 +244,7 @@ TESTS = {
     "short_request_behind_a_long_stream": short_request_behind_a_long_stream,
     "cancelled_stream_leaves_the_others": cancelled_stream_leaves_the_others,
     "full_queue_is_429_and_props_report_parallel": full_queue_is_429_and_props_report_parallel,
+    "request_timeout_ends_each_batched_stream": request_timeout_ends_each_batched_stream,
     "bad_parallel_values_are_refused": bad_parallel_values_are_refused,
 }
 
