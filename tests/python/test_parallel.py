@@ -2,7 +2,7 @@
 streamed at once get exactly the tokens and logprobs they get alone (greedy and seeded), concurrent streams all
 start before any ends, a short request behind a long stream is answered while the long one goes on, a stream
 cancelled midway leaves the others untouched, --request-timeout ends each batched stream, a full queue still
-answers 429, and bad --parallel values are refused. Prints the time to first token of four concurrent streams with --parallel 1 and 4.
+answers 429, and bad --parallel values are refused. LILY_BACKEND=cuda runs it on the GPU (tests/python/lily_harness.py). Prints the time to first token of four concurrent streams with --parallel 1 and 4.
 Run: LILY_BIN=build/lily python3 tests/python/test_parallel.py [TEST_NAME...]"""
 import http.client
 import json
@@ -37,7 +37,7 @@ class Stream:
 
     def __init__(self, port, b, stop_after=None):
         self.port, self.body, self.stop_after = port, b, stop_after
-        self.tokens, self.finish, self.status = [], None, None
+        self.tokens, self.texts, self.finish, self.status = [], [], None, None
         self.t_start = self.t_first = self.t_end = None
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -65,10 +65,12 @@ class Stream:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 choice = json.loads(line[6:])["choices"][0]
-                lp = choice.get("logprobs")
-                if lp:
+                if choice["text"]:
+                    self.texts.append(choice["text"])
                     if self.t_first is None:
                         self.t_first = time.monotonic()
+                lp = choice.get("logprobs")
+                if lp:
                     self.tokens += list(zip(lp["tokens"], lp["token_logprobs"]))
                 if choice.get("finish_reason"):
                     self.finish = choice["finish_reason"]
@@ -82,11 +84,15 @@ class Stream:
         return self.t_first - self.t_start
 
 
-def alone_then_together(model, seeded):
+def alone_then_together(model, seeded, logprobs=True):
     with_server = LilyServer(model, "--parallel", "4", "--quiet").start()
     try:
         budgets = [4, 9, 14, 6, 11, 2, 8]
         bodies = [body(i, n, seed=(50 + i) if seeded else None) for i, n in enumerate(budgets)]
+        if not logprobs:  # what a device sampler may serve (top_k <= 64, no logprobs): compare the text
+            for b in bodies:
+                b.pop("logprobs")
+                b["top_k"] = 40
         alone = [Stream(with_server.port, b).start().join() for b in bodies]
         together = [Stream(with_server.port, b) for b in bodies]
         for s in together:
@@ -95,12 +101,14 @@ def alone_then_together(model, seeded):
             s.join()
         for i, (a, t) in enumerate(zip(alone, together)):
             assert a.status == t.status == 200, (a.status, t.status)
-            assert len(a.tokens) == budgets[i] and a.finish == "length", (i, len(a.tokens), a.finish)
+            assert a.finish == "length" and a.texts, (i, a.finish)
+            assert not logprobs or len(a.tokens) == budgets[i], (i, len(a.tokens))
             assert t.tokens == a.tokens, "request %d: together %r, alone %r" % (i, t.tokens, a.tokens)
+            assert t.texts == a.texts, "request %d: together %r, alone %r" % (i, t.texts, a.texts)
             assert t.finish == a.finish, (i, t.finish, a.finish)
         if seeded:  # it did sample: another seed gives other tokens
-            other = Stream(with_server.port, body(2, 14, seed=999)).start().join()
-            assert other.tokens != alone[2].tokens
+            other = Stream(with_server.port, dict(bodies[2], seed=999)).start().join()
+            assert other.texts != alone[2].texts
         m = with_server.metrics()
         assert m['lily_slots{state="idle"}'] == 4 and m["lily_requests_running"] == 0, m
     finally:
@@ -113,6 +121,10 @@ def greedy_streams_together_equal_alone(model):
 
 def seeded_streams_together_equal_alone(model):
     alone_then_together(model, seeded=True)
+
+
+def device_sampleable_streams_together_equal_alone(model):
+    alone_then_together(model, seeded=True, logprobs=False)
 
 
 def four_streams(port, max_tokens=30):
@@ -240,6 +252,7 @@ def bad_parallel_values_are_refused(model):
 TESTS = {
     "greedy_streams_together_equal_alone": greedy_streams_together_equal_alone,
     "seeded_streams_together_equal_alone": seeded_streams_together_equal_alone,
+    "device_sampleable_streams_together_equal_alone": device_sampleable_streams_together_equal_alone,
     "concurrent_streams_all_start_before_any_ends": concurrent_streams_all_start_before_any_ends,
     "short_request_behind_a_long_stream": short_request_behind_a_long_stream,
     "cancelled_stream_leaves_the_others": cancelled_stream_leaves_the_others,
