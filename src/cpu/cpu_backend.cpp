@@ -118,12 +118,14 @@ Status CpuBackend::forward_batch(std::span<SequenceState* const> seqs, std::span
     return invalid_argument("forward_batch: %zu sequences, %zu tokens", seqs.size(), tokens.size());
   for (size_t i = 0; i < seqs.size(); ++i) {
     auto* seq = dynamic_cast<CpuSequence*>(seqs[i]);
-    if (!seq) return invalid_argument("forward_batch row %zu: the sequence state is not from the CPU backend", i);
-    if (std::find(seqs.begin(), seqs.begin() + static_cast<std::ptrdiff_t>(i), seqs[i]) != seqs.begin() + static_cast<std::ptrdiff_t>(i))
+    if (!seq)
+      return invalid_argument("forward_batch row %zu: the sequence state is not from the CPU backend", i);
+    if (std::find(seqs.begin(), seqs.begin() + static_cast<std::ptrdiff_t>(i), seqs[i]) !=
+        seqs.begin() + static_cast<std::ptrdiff_t>(i))
       return invalid_argument("forward_batch row %zu: the sequence is already in the batch", i);
     if (tokens[i] < 0 || tokens[i] >= c.vocab_size)
-      return invalid_argument("forward_batch row %zu: token id %d is outside the vocabulary [0, %d)", i, tokens[i],
-                              c.vocab_size);
+      return invalid_argument("forward_batch row %zu: token id %d is outside the vocabulary [0, %d)", i,
+                              tokens[i], c.vocab_size);
     if (seq->n + 1 > c.max_position_embeddings)
       return error(ErrorCode::out_of_range, "forward_batch row %zu: %lld tokens exceed the context of %d", i,
                    (long long)(seq->n + 1), c.max_position_embeddings);

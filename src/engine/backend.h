@@ -61,8 +61,8 @@ class Backend {
   virtual Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
                          std::vector<float>* logits) = 0;
   // One decode token for each of several sequences in one call: seqs[i] consumes tokens[i] (distinct
-  // sequences) and row i of `logits` ([n, vocab_size]) is its next-token logits. Each row's arithmetic must be
-  // independent of the other rows, so a request's tokens do not depend on what decodes beside it (the
+  // sequences) and row i of `logits` ([n, vocab_size]) is its next-token logits. Each row's arithmetic must
+  // be independent of the other rows, so a request's tokens do not depend on what decodes beside it (the
   // server's continuous batching). By default a loop over forward(); on an error the rows before the failing
   // one have consumed their token.
   virtual Status forward_batch(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,

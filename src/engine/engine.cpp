@@ -1,7 +1,7 @@
 // Engine::generate and its steps: acquire a sequence from the session cache (resumed inside the longest
-// shared prefix), prefill the rest of the prompt in calls split at the checkpoint positions, then decode on the
-// device or with the host sampler (alone, or one token per step beside other requests), streaming UTF-8-safe
-// text with stop strings applied; the sequence goes back to the cache.
+// shared prefix), prefill the rest of the prompt in calls split at the checkpoint positions, then decode on
+// the device or with the host sampler (alone, or one token per step beside other requests), streaming
+// UTF-8-safe text with stop strings applied; the sequence goes back to the cache.
 #include "engine/engine.h"
 
 #include <algorithm>
@@ -234,8 +234,9 @@ Status Engine::Impl::prefill_piece(CachedSequence& seq, std::span<const int32_t>
   if (anchor > pos && anchor < next) {
     // The anchor's checkpoint from inside the piece (one call, whether or not it is kept: the same numerics
     // with and without the cache).
-    ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> cp,
-                     backend->forward_with_checkpoint(*seq.state, part, anchor - pos, LogitsRows::none, nullptr));
+    ASSIGN_OR_RETURN(
+        std::unique_ptr<Checkpoint> cp,
+        backend->forward_with_checkpoint(*seq.state, part, anchor - pos, LogitsRows::none, nullptr));
     if (cp && cp->n_tokens() != anchor)
       return error(ErrorCode::internal, "%s backend: the checkpoint for %lld is at %lld (piece from %lld)",
                    backend->name(), (long long)anchor, (long long)cp->n_tokens(), (long long)pos);
@@ -244,7 +245,8 @@ Status Engine::Impl::prefill_piece(CachedSequence& seq, std::span<const int32_t>
     RETURN_IF_ERROR(backend->forward(*seq.state, part, LogitsRows::none, nullptr));
   }
   seq.tokens.insert(seq.tokens.end(), part.begin(), part.end());
-  if (checkpoints && (next == anchor || next % interval == 0 || next == to) && !seq.checkpoints.contains(next)) {
+  if (checkpoints && (next == anchor || next % interval == 0 || next == to) &&
+      !seq.checkpoints.contains(next)) {
     std::unique_ptr<Checkpoint> cp = seq.state->checkpoint();
     if (cp) seq.checkpoints[next] = std::move(cp);  // none when the device is out of memory: just fewer
   }
@@ -255,7 +257,8 @@ Status Engine::Impl::prefill_piece(CachedSequence& seq, std::span<const int32_t>
 void Engine::Impl::decode_on_host(Generation::State& g, const std::function<bool()>& yield) {
   std::vector<float> logits;
   while (true) {
-    Status st = backend->forward(*g.seq->state, std::span<const int32_t>(&g.next, 1), LogitsRows::last, &logits);
+    Status st =
+        backend->forward(*g.seq->state, std::span<const int32_t>(&g.next, 1), LogitsRows::last, &logits);
     if (st.code() == ErrorCode::out_of_range && !g.sink.emitted().empty()) return g.end("length");  // KV full
     if (!st.ok()) return g.fail(std::move(st));
     g.sample(logits);
@@ -334,7 +337,8 @@ void Engine::run_alone(Generation& generation, const std::function<bool()>& yiel
                                               [&](int32_t id) { return g.take(id) && !yield(); });
     if (st.ok()) return;
     // A KV capacity below the model's context is refused up front: the host loop then runs up to the limit.
-    if (st.code() != ErrorCode::out_of_range || g.sink.emitted().size() != before) return g.fail(std::move(st));
+    if (st.code() != ErrorCode::out_of_range || g.sink.emitted().size() != before)
+      return g.fail(std::move(st));
     g.on_device = false;
   }
   m.decode_on_host(g, yield);
@@ -354,10 +358,11 @@ void Engine::decode_step(std::span<Generation* const> generations) {
       continue;
     }
     if (g.on_device) {
-      Status st = m.backend->generate_on_device(*g.seq->state, g.next, g.device_sampling(), 1, [&](int32_t id) {
-        g.take(id);
-        return false;
-      });
+      Status st =
+          m.backend->generate_on_device(*g.seq->state, g.next, g.device_sampling(), 1, [&](int32_t id) {
+            g.take(id);
+            return false;
+          });
       if (st.ok()) continue;
       if (st.code() != ErrorCode::out_of_range) {
         g.fail(std::move(st));
@@ -378,8 +383,10 @@ void Engine::decode_step(std::span<Generation* const> generations) {
   Status st = m.backend->forward_batch(states, tokens, &logits);
   if (!st.ok()) {
     for (Generation::State* g : host) {
-      if (st.code() == ErrorCode::out_of_range && !g->sink.emitted().empty()) g->end("length");
-      else g->fail(st);
+      if (st.code() == ErrorCode::out_of_range && !g->sink.emitted().empty())
+        g->end("length");
+      else
+        g->fail(st);
     }
     return;
   }

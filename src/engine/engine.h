@@ -1,10 +1,10 @@
 // Engine: the generation loop over one backend, with the session cache that lets the next turn of a
-// conversation prefill only its new tokens (docs/DESIGN.md section 2). generate() runs one request to the end;
-// the step calls (begin, prefill_step, decode_step, run_alone, finish) let the server's scheduler keep several
-// requests going at once. Calls are serialised by the caller (the CLI, or the scheduler's one thread). The
-// backend may be CPU or CUDA: when a request needs nothing the device sampler lacks (penalties, logit_bias,
-// logprobs), decoding uses Backend::generate_on_device; otherwise logits come to the host and Sampler
-// (engine/sampler.h) picks the token.
+// conversation prefill only its new tokens (docs/DESIGN.md section 2). generate() runs one request to the
+// end; the step calls (begin, prefill_step, decode_step, run_alone, finish) let the server's scheduler keep
+// several requests going at once. Calls are serialised by the caller (the CLI, or the scheduler's one
+// thread). The backend may be CPU or CUDA: when a request needs nothing the device sampler lacks (penalties,
+// logit_bias, logprobs), decoding uses Backend::generate_on_device; otherwise logits come to the host and
+// Sampler (engine/sampler.h) picks the token.
 #pragma once
 #include <atomic>
 #include <functional>
@@ -96,8 +96,8 @@ class Engine {
                                     const std::function<bool(const GenerationPiece&)>& on_piece);
 
   // Step by step (the server's continuous batching, src/server/scheduler.h). begin() validates the request
-  // and leases its sequence from the session cache; prefill_step() consumes one piece of the prompt (the pieces
-  // generate() makes, so the numerics are the same); decode_step() makes one token for each of several
+  // and leases its sequence from the session cache; prefill_step() consumes one piece of the prompt (the
+  // pieces generate() makes, so the numerics are the same); decode_step() makes one token for each of several
   // prefilled generations, the host-sampled ones in one Backend::forward_batch call; run_alone() decodes one
   // on the single-request path (the device loop where the request allows it) until it ends or yield(),
   // asked between tokens, returns true; finish() hands the sequence back to the cache and returns the

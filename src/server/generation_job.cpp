@@ -35,8 +35,10 @@ void GenerationJob::start() {
   guarded([&] {
     Result<std::unique_ptr<Generation>> g =
         engine_.begin(request_, [this](const GenerationPiece& piece) { return on_piece(piece); });
-    if (g.ok()) generation_ = std::move(*g);
-    else failure_ = g.status();
+    if (g.ok())
+      generation_ = std::move(*g);
+    else
+      failure_ = g.status();
   });
 }
 
@@ -62,7 +64,8 @@ void GenerationJob::decode_together(std::span<Job* const> jobs) {
   for (Job* j : jobs) {
     auto* g = dynamic_cast<GenerationJob*>(j);
     CHECK(g != nullptr && g->generation_, "decode_together: a job that is not a decodable generation");
-    CHECK(mine.empty() || &g->engine_ == &mine.front()->engine_, "decode_together: generations of two engines");
+    CHECK(mine.empty() || &g->engine_ == &mine.front()->engine_,
+          "decode_together: generations of two engines");
     mine.push_back(g);
     generations.push_back(g->generation_.get());
   }
@@ -113,7 +116,8 @@ void GenerationJob::fail(const std::string& what) {
 
 bool GenerationJob::on_piece(const GenerationPiece& piece) {
   auto now = Clock::now();
-  if (!first_piece_) metrics_.observe_token_latency(std::chrono::duration<double>(now - last_piece_at_).count());
+  if (!first_piece_)
+    metrics_.observe_token_latency(std::chrono::duration<double>(now - last_piece_at_).count());
   first_piece_ = false;
   last_piece_at_ = now;
   {

@@ -57,8 +57,8 @@ class GenerationJob : public Job {
   Engine& engine_;
   GenerationRequest request_;
   Metrics& metrics_;
-  std::unique_ptr<Generation> generation_;    // between start() and finish()
-  std::optional<Status> failure_;             // start() or a step failed: finish() reports it
+  std::unique_ptr<Generation> generation_;  // between start() and finish()
+  std::optional<Status> failure_;           // start() or a step failed: finish() reports it
   std::chrono::steady_clock::time_point last_piece_at_;
   bool first_piece_ = true;
   std::mutex mu_;

@@ -115,7 +115,8 @@ std::string Metrics::render(const LiveGauges& live) const {
   header(out, "lily_time_per_output_token_seconds", "histogram", "Gap between consecutive generated tokens.");
   token_latency_.render(out, "lily_time_per_output_token_seconds");
   gauge("lily_queue_depth", "Requests waiting for a slot.", static_cast<double>(live.queue_depth));
-  gauge("lily_requests_running", "Requests in a slot (at most --parallel).", static_cast<double>(live.running));
+  gauge("lily_requests_running", "Requests in a slot (at most --parallel).",
+        static_cast<double>(live.running));
   header(out, "lily_slots", "gauge", "Request slots (--parallel) by state.");
   const size_t busy = std::min(live.parallel, live.slots_prefilling + live.slots_decoding);
   out += format("lily_slots{state=\"prefilling\"} %zu\n", live.slots_prefilling);

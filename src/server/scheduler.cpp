@@ -117,7 +117,8 @@ void Scheduler::step() {
   }
   prefilling_.store(n_prefilling);
   decoding_.store(decoding.size());
-  if (piece == nullptr && decoding.size() == 1) return decoding[0]->run_alone([this] { return slot_wanted(); });
+  if (piece == nullptr && decoding.size() == 1)
+    return decoding[0]->run_alone([this] { return slot_wanted(); });
   if (piece != nullptr) {
     piece->last_piece = steps_;
     piece->job->prefill();

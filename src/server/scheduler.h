@@ -3,11 +3,11 @@
 // refuses new work (the server answers 429). One thread runs steps: it admits queued jobs into free slots,
 // gives one prefilling job one bounded piece of its prompt (round-robin: the job that waited longest for a
 // piece), then makes one token for every decoding job in one batched call, so running streams keep
-// streaming while a new prompt is read. A job that is the only one active, with no queued job that a free slot
-// could take, runs on the single-request path (Job::run_alone: on the CUDA backend the device-side loop) and
-// is asked between tokens to make way as soon as such a job arrives; with --parallel 1 that is every job, as
-// before batching. A queued job whose client left is withdrawn (or dropped when reached) without running; an
-// active job watches its own cancel flag between tokens.
+// streaming while a new prompt is read. A job that is the only one active, with no queued job that a free
+// slot could take, runs on the single-request path (Job::run_alone: on the CUDA backend the device-side loop)
+// and is asked between tokens to make way as soon as such a job arrives; with --parallel 1 that is every job,
+// as before batching. A queued job whose client left is withdrawn (or dropped when reached) without running;
+// an active job watches its own cancel flag between tokens.
 #pragma once
 #include <atomic>
 #include <condition_variable>

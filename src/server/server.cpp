@@ -54,7 +54,8 @@ Server::Server(ServerOptions options)
     : options_(resolved(std::move(options))),
       origin_policy_{is_loopback_bind(options_.http.host), options_.allowed_origins},
       http_(options_.http, [this](const HttpRequest& req, HttpExchange& ex) { handle(req, ex); }),
-      scheduler_(std::make_unique<Scheduler>(options_.max_queue, options_.parallel, GenerationJob::decode_together)),
+      scheduler_(
+          std::make_unique<Scheduler>(options_.max_queue, options_.parallel, GenerationJob::decode_together)),
       started_at_(static_cast<int64_t>(std::time(nullptr))) {}
 
 Server::~Server() {

@@ -90,8 +90,10 @@ std::vector<Outcome> together(Engine& engine, const std::vector<GenerationReques
     std::vector<Generation*> decoding;
     for (size_t i = 0; i < requests.size(); ++i) {
       if (!gens[i] || finished[i] || gens[i]->done()) continue;
-      if (gens[i]->prefilling()) prefilling.push_back(i);
-      else decoding.push_back(gens[i].get());
+      if (gens[i]->prefilling())
+        prefilling.push_back(i);
+      else
+        decoding.push_back(gens[i].get());
     }
     if (!prefilling.empty()) engine.prefill_step(*gens[prefilling[turn++ % prefilling.size()]]);
     if (!decoding.empty()) engine.decode_step(decoding);
@@ -183,9 +185,10 @@ TEST(EngineBatch, CancellingOneLeavesTheOthersAlone) {
   for (const auto& r : reqs) expected.push_back(alone(*reference, r));
   std::atomic<bool> cancel{false};
   reqs[2].cancel = &cancel;
-  std::vector<Outcome> got = together(*engine, reqs, {0, 0, 0, 0, 0}, [&](const std::vector<Outcome>& so_far) {
-    if (so_far[2].logprobs.size() == 3) cancel.store(true);
-  });
+  std::vector<Outcome> got =
+      together(*engine, reqs, {0, 0, 0, 0, 0}, [&](const std::vector<Outcome>& so_far) {
+        if (so_far[2].logprobs.size() == 3) cancel.store(true);
+      });
   EXPECT_EQ(got[2].result.finish_reason, "cancelled");
   EXPECT_LT(got[2].result.tokens.size(), expected[2].result.tokens.size());
   EXPECT_EQ(got[2].result.tokens.size(), 3u);  // cancelled before its next step
@@ -246,7 +249,8 @@ TEST(CpuForwardBatch, RowsEqualLoneForwardsAndBadInputConsumesNothing) {
   ASSERT_TRUE(backend->forward_batch(rows, tokens, &logits).ok());
   ASSERT_EQ(logits.size(), 3 * V);
   for (size_t i = 0; i < 3; ++i) {
-    ASSERT_TRUE(backend->forward(*lone[i], std::span<const int32_t>(&tokens[i], 1), LogitsRows::last, &one).ok());
+    ASSERT_TRUE(
+        backend->forward(*lone[i], std::span<const int32_t>(&tokens[i], 1), LogitsRows::last, &one).ok());
     EXPECT_EQ(std::vector<float>(logits.begin() + i * V, logits.begin() + (i + 1) * V), one) << "row " << i;
   }
   const int64_t n0 = seqs[0]->n_tokens();
@@ -256,8 +260,10 @@ TEST(CpuForwardBatch, RowsEqualLoneForwardsAndBadInputConsumesNothing) {
   EXPECT_NE(st.message().find("row 1"), std::string::npos) << st.message();
   EXPECT_EQ(seqs[0]->n_tokens(), n0);  // checked before any row ran
   std::vector<SequenceState*> twice = {seqs[0].get(), seqs[0].get()};
-  EXPECT_EQ(backend->forward_batch(twice, std::vector<int32_t>{1, 2}, &logits).code(), ErrorCode::invalid_argument);
-  EXPECT_EQ(backend->forward_batch(rows, std::vector<int32_t>{1}, &logits).code(), ErrorCode::invalid_argument);
+  EXPECT_EQ(backend->forward_batch(twice, std::vector<int32_t>{1, 2}, &logits).code(),
+            ErrorCode::invalid_argument);
+  EXPECT_EQ(backend->forward_batch(rows, std::vector<int32_t>{1}, &logits).code(),
+            ErrorCode::invalid_argument);
   EXPECT_EQ(seqs[0]->n_tokens(), n0);
 }
 

@@ -1,7 +1,7 @@
 // The step scheduler: admission in arrival order into at most `parallel` slots, a bounded queue, prefill
-// pieces handed out round-robin between batched decode steps, a lone job on the single-request path that makes
-// way when another arrives, withdrawn and cancelled jobs that never run, and stop() dropping what is queued
-// while the active jobs finish or are cancelled.
+// pieces handed out round-robin between batched decode steps, a lone job on the single-request path that
+// makes way when another arrives, withdrawn and cancelled jobs that never run, and stop() dropping what is
+// queued while the active jobs finish or are cancelled.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -44,7 +44,12 @@ class StepJob : public Job {
  public:
   StepJob(Log& log, std::string name, int pieces, int tokens, std::atomic<bool>* gate = nullptr,
           int token_ms = 0)
-      : log_(log), name_(std::move(name)), pieces_(pieces), tokens_(tokens), gate_(gate), token_ms_(token_ms) {}
+      : log_(log),
+        name_(std::move(name)),
+        pieces_(pieces),
+        tokens_(tokens),
+        gate_(gate),
+        token_ms_(token_ms) {}
   void start() override {
     log_.add(name_ + " start");
     const int now = ++log_.active;
@@ -56,8 +61,10 @@ class StepJob : public Job {
   bool prefilling() const override { return pieces_ > 0 && !ended_; }
   void prefill() override {
     log_.add(name_ + " prefill");
-    if (cancel.load()) ended_ = true;
-    else --pieces_;
+    if (cancel.load())
+      ended_ = true;
+    else
+      --pieces_;
   }
   void run_alone(const std::function<bool()>& yield) override {
     log_.add(name_ + " alone");
@@ -125,7 +132,8 @@ TEST(Scheduler, OneSlotRunsOneJobAtATimeInArrivalOrder) {
   std::vector<std::string> events = log.snapshot(), expected;
   for (int i = 0; i < 20; ++i) {
     const std::string n = std::to_string(i);
-    expected.insert(expected.end(), {n + " start", n + " prefill", n + " prefill", n + " alone", n + " finish"});
+    expected.insert(expected.end(),
+                    {n + " start", n + " prefill", n + " prefill", n + " alone", n + " finish"});
   }
   EXPECT_EQ(events, expected);  // with one slot, never a batch: the single-request path only
 }
@@ -158,10 +166,9 @@ TEST(Scheduler, PrefillPiecesTakeTurnsBetweenDecodeSteps) {
   gate.store(true);
   wait_for([&] { return finishes(log.snapshot()).size() == 4; });
   const std::vector<std::string> expected = {
-      "G start", "G alone", "G finish", "A start", "B start", "C start",
-      "B prefill", "batch A", "C prefill", "batch A", "B prefill", "batch A",
-      "C prefill", "batch A", "B prefill", "batch A", "C prefill", "batch A B",
-      "batch A B C", "B finish", "batch A C", "C finish", "A alone", "A finish"};
+      "G start",   "G alone",   "G finish",    "A start",  "B start",   "C start",  "B prefill", "batch A",
+      "C prefill", "batch A",   "B prefill",   "batch A",  "C prefill", "batch A",  "B prefill", "batch A",
+      "C prefill", "batch A B", "batch A B C", "B finish", "batch A C", "C finish", "A alone",   "A finish"};
   EXPECT_EQ(log.snapshot(), expected);
 }
 
@@ -180,7 +187,7 @@ TEST(Scheduler, LoneJobMakesWayForANewcomer) {
   std::vector<std::string> events = log.snapshot();
   auto at = [&](const std::string& e) { return std::find(events.begin(), events.end(), e) - events.begin(); };
   EXPECT_LT(at("long alone"), at("short start"));
-  EXPECT_LT(at("short prefill"), at("batch long"));   // the long one decodes beside the short one's prompt
+  EXPECT_LT(at("short prefill"), at("batch long"));  // the long one decodes beside the short one's prompt
   EXPECT_LT(at("batch long short"), at("short finish"));
   longer->cancel.store(true);
   wait_for([&] { return log.has("long finish"); });
@@ -204,7 +211,8 @@ TEST(Scheduler, BoundedQueueWithdrawAndCancel) {
   b->cancel.store(true);              // cancelled while queued: dropped when reached
   gate.store(true);
   wait_for([&] { return s.dropped_count() == 2 && s.running() == 0 && s.queue_depth() == 0; });
-  EXPECT_EQ(log.snapshot(), (std::vector<std::string>{"0 start", "0 alone", "1 dropped", "0 finish", "2 dropped"}));
+  EXPECT_EQ(log.snapshot(),
+            (std::vector<std::string>{"0 start", "0 alone", "1 dropped", "0 finish", "2 dropped"}));
 }
 
 TEST(Scheduler, SlotCountsFollowTheJobs) {
