@@ -138,31 +138,50 @@ std::string chat_body(const std::string& model, const std::string& text, int max
   return b.dump();
 }
 
+// The JSON events of an SSE stream as its bytes arrive: on_event(ev) for each `data: {...}` line, false to stop.
+class SseEvents {
+ public:
+  template <class OnEvent>
+  bool feed(std::string_view bytes, OnEvent&& on_event) {
+    pending_.append(bytes);
+    size_t eol;
+    while ((eol = pending_.find('\n')) != std::string::npos) {
+      const std::string line = pending_.substr(0, eol);
+      pending_.erase(0, eol + 1);
+      if (line.rfind("data: {", 0) != 0) continue;
+      const json ev = json::parse(line.substr(6), nullptr, false);
+      if (!ev.is_discarded() && !on_event(ev)) return false;
+    }
+    return true;
+  }
+
+ private:
+  std::string pending_;
+};
+
+// Whether a chat completion chunk carries generated text (content or reasoning_content).
+bool carries_text(const json& ev) {
+  if (!ev.contains("choices") || ev["choices"].empty()) return false;
+  const json& d = ev["choices"][0].value("delta", json::object());
+  auto has = [&](const char* k) { return d.contains(k) && d[k].is_string() && !d[k].get<std::string>().empty(); };
+  return has("content") || has("reasoning_content");
+}
+
 // Milliseconds from sending a streamed request to the first chunk with content or reasoning_content.
 Result<double> time_first_token(int port, const std::string& model, const std::string& text) {
   HttpCall call(port);
   const auto t0 = Clock::now();
   RETURN_IF_ERROR(call.send("POST", "/v1/chat/completions", chat_body(model, text, 8, true)));
   double first = -1;
-  std::string pending, error_body;
+  std::string error_body;
+  SseEvents events;
   ASSIGN_OR_RETURN(int status, call.read([&](std::string_view b) {
-    pending.append(b);
-    size_t eol;
-    while ((eol = pending.find('\n')) != std::string::npos) {
-      const std::string line = pending.substr(0, eol);
-      pending.erase(0, eol + 1);
-      if (line.rfind("data: {", 0) != 0) continue;
-      const json ev = json::parse(line.substr(6), nullptr, false);
-      if (ev.is_discarded() || !ev.contains("choices") || ev["choices"].empty()) continue;
-      const json& d = ev["choices"][0].value("delta", json::object());
-      auto has = [&](const char* k) { return d.contains(k) && d[k].is_string() && !d[k].get<std::string>().empty(); };
-      if (has("content") || has("reasoning_content")) {
-        first = ms_since(t0);
-        return false;
-      }
-    }
     error_body.append(b.substr(0, std::min<size_t>(b.size(), 300)));
-    return true;
+    return events.feed(b, [&](const json& ev) {
+      if (!carries_text(ev)) return true;
+      first = ms_since(t0);
+      return false;
+    });
   }));
   if (status != 200) return error(ErrorCode::internal, "the server answered %d: %s", status, error_body.c_str());
   if (first < 0) return error(ErrorCode::internal, "the stream ended without a content chunk");
@@ -185,27 +204,18 @@ Result<StreamedDecode> time_streamed_decode(int port, const std::string& model, 
   const auto t0 = Clock::now();
   RETURN_IF_ERROR(call.send("POST", "/v1/chat/completions", b.dump()));
   StreamedDecode d;
-  std::string pending, error_body;
+  std::string error_body;
+  SseEvents events;
   ASSIGN_OR_RETURN(int status, call.read([&](std::string_view body) {
-    pending.append(body);
-    size_t eol;
-    while ((eol = pending.find('\n')) != std::string::npos) {
-      const std::string line = pending.substr(0, eol);
-      pending.erase(0, eol + 1);
-      if (line.rfind("data: {", 0) != 0) continue;
-      const json ev = json::parse(line.substr(6), nullptr, false);
-      if (ev.is_discarded()) continue;
+    error_body.append(body.substr(0, std::min<size_t>(body.size(), 300)));
+    return events.feed(body, [&](const json& ev) {
       if (ev.contains("usage") && ev["usage"].is_object()) d.tokens = ev["usage"].value("completion_tokens", 0);
-      if (!ev.contains("choices") || ev["choices"].empty()) continue;
-      const json& delta = ev["choices"][0].value("delta", json::object());
-      auto has = [&](const char* k) { return delta.contains(k) && delta[k].is_string() && !delta[k].get<std::string>().empty(); };
-      if (has("content") || has("reasoning_content")) {
+      if (carries_text(ev)) {
         d.last_ms = ms_since(t0);
         if (d.first_ms == 0) d.first_ms = d.last_ms;
       }
-    }
-    error_body.append(body.substr(0, std::min<size_t>(body.size(), 300)));
-    return true;
+      return true;
+    });
   }));
   if (status != 200) return error(ErrorCode::internal, "the server answered %d: %s", status, error_body.c_str());
   if (d.tokens < 2 || d.tokens > tokens)

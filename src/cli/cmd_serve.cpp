@@ -20,7 +20,7 @@ namespace {
 struct ServeArgs {
   std::string model, host = "127.0.0.1", api_key, backend = "auto", name, cuda_options;
   std::string ctx_size, speculative, mtp_from;
-  int port = 8080, threads = 0, max_tokens = 32768;
+  int port = 8080, threads = 0, max_tokens = 32768, parallel = 4;
   double grace_s = 10, request_timeout_s = 0;
   size_t max_queue = 64, max_body_mb = 16, cache_mb = 8192, max_per_client = 64;
   std::vector<std::string> allow_origins;
@@ -76,6 +76,7 @@ int run_serve(const ServeArgs& a) {
     o.mtp_from = head->path;
   }
   o.max_queue = a.max_queue;
+  o.parallel = a.parallel;
   o.shutdown_grace_ms = static_cast<int>(a.grace_s * 1000);
   o.max_tokens = a.max_tokens;
   o.request_timeout_ms = static_cast<int>(a.request_timeout_s * 1000);
@@ -118,9 +119,12 @@ void setup(CLI::App& app) {
   cmd->add_option("--threads", a->threads, "CPU backend threads (0: all)")->check(CLI::Range(0, 1024));
   cmd->add_option("--ctx-size", a->ctx_size, kCtxSizeHelp);
   cmd->add_option("--cuda-options", a->cuda_options, kCudaOptionsHelp);
+  cmd->add_option("--parallel", a->parallel,
+                  "requests generated at once (slots, 1 to 16; default 4); more wait in the queue")
+      ->check(CLI::Range(1, Scheduler::kMaxParallel));
   cmd->add_option("--speculative", a->speculative, kSpeculativeHelp);
   cmd->add_option("--mtp-from", a->mtp_from, kMtpFromHelp);
-  cmd->add_option("--max-queue", a->max_queue, "requests that may wait behind the running one (then 429)")
+  cmd->add_option("--max-queue", a->max_queue, "requests that may wait for a slot (then 429)")
       ->check(CLI::Range(1, 100000));
   cmd->add_option("--max-body-mb", a->max_body_mb, "largest request body in MiB (then 413)")
       ->check(CLI::Range(1, 1024));

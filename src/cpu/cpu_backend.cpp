@@ -1,5 +1,6 @@
 #include "cpu/cpu_backend.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "cpu/ops.h"
@@ -301,6 +302,37 @@ Status CpuBackend::mtp_run(SequenceState& base, std::span<const int32_t> tokens,
   if (!logits) return ok_status();
   logits->resize(static_cast<size_t>(c.vocab_size));
   cpu::matmul(*pool_, weights_->lm_head, x.data(), 1, logits->data());
+  return ok_status();
+}
+
+Status CpuBackend::forward_batch(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
+                                 std::vector<float>* logits) {
+  const ModelConfig& c = config();
+  if (seqs.size() != tokens.size())
+    return invalid_argument("forward_batch: %zu sequences, %zu tokens", seqs.size(), tokens.size());
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    auto* seq = dynamic_cast<CpuSequence*>(seqs[i]);
+    if (!seq)
+      return invalid_argument("forward_batch row %zu: the sequence state is not from the CPU backend", i);
+    if (std::find(seqs.begin(), seqs.begin() + static_cast<std::ptrdiff_t>(i), seqs[i]) !=
+        seqs.begin() + static_cast<std::ptrdiff_t>(i))
+      return invalid_argument("forward_batch row %zu: the sequence is already in the batch", i);
+    if (seq->verify_base >= 0)
+      return invalid_argument("forward_batch row %zu: the sequence waits for accept_verified", i);
+    if (tokens[i] < 0 || tokens[i] >= c.vocab_size)
+      return invalid_argument("forward_batch row %zu: token id %d is outside the vocabulary [0, %d)", i,
+                              tokens[i], c.vocab_size);
+    if (seq->n + 1 > c.max_position_embeddings)
+      return error(ErrorCode::out_of_range, "forward_batch row %zu: %lld tokens exceed the context of %d", i,
+                   (long long)(seq->n + 1), c.max_position_embeddings);
+  }
+  const size_t V = static_cast<size_t>(c.vocab_size);
+  logits->resize(seqs.size() * V);
+  std::vector<float> row;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    RETURN_IF_ERROR(forward(*seqs[i], tokens.subspan(i, 1), LogitsRows::last, &row));
+    std::copy(row.begin(), row.end(), logits->begin() + static_cast<std::ptrdiff_t>(i * V));
+  }
   return ok_status();
 }
 

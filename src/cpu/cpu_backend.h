@@ -20,6 +20,11 @@ class CpuBackend final : public Backend {
   std::unique_ptr<SequenceState> new_sequence() override;
   Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
                  std::vector<float>* logits) override;
+  // Every row is checked (its sequence, token and context) before any consumes its token, so bad input leaves
+  // all of them as they were; then each row runs its own forward (a row's arithmetic is exactly that of a
+  // lone decode step, whatever decodes beside it).
+  Status forward_batch(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
+                       std::vector<float>* logits) override;
   bool has_mtp() const override { return weights_->mtp.has_value(); }
   Status enable_mtp() override;
   Status mtp_draft(SequenceState& seq, int32_t token, std::vector<float>* logits) override;

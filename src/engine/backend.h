@@ -2,6 +2,8 @@
 // model's coarse operations; a backend owns its weights' device copies, its scratch memory and the per-sequence
 // state (KV cache of the attention layers, conv and recurrent state of the Gated DeltaNet layers).
 #pragma once
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -58,6 +60,24 @@ class Backend {
   // Consumes `tokens` at positions n_tokens().. of `seq`. Writes logits [rows, vocab_size] for the rows asked.
   virtual Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
                          std::vector<float>* logits) = 0;
+  // One decode token for each of several sequences in one call: seqs[i] consumes tokens[i] (distinct
+  // sequences) and row i of `logits` ([n, vocab_size]) is its next-token logits. Each row's arithmetic must
+  // be independent of the other rows, so a request's tokens do not depend on what decodes beside it (the
+  // server's continuous batching). By default a loop over forward(); on an error the rows before the failing
+  // one have consumed their token.
+  virtual Status forward_batch(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
+                               std::vector<float>* logits) {
+    if (seqs.size() != tokens.size())
+      return invalid_argument("forward_batch: %zu sequences, %zu tokens", seqs.size(), tokens.size());
+    const size_t V = static_cast<size_t>(config().vocab_size);
+    logits->resize(seqs.size() * V);
+    std::vector<float> row;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      RETURN_IF_ERROR(forward(*seqs[i], tokens.subspan(i, 1), LogitsRows::last, &row));
+      std::copy(row.begin(), row.end(), logits->begin() + static_cast<std::ptrdiff_t>(i * V));
+    }
+    return ok_status();
+  }
   // Prompt tokens this backend takes best in one forward call: the engine's default prefill piece (the CUDA
   // backend's prefill chunk; the CPU backend's activations scale with it).
   virtual int preferred_prefill_tokens() const { return 512; }

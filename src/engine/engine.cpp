@@ -1,7 +1,7 @@
-// Engine::generate: acquire a sequence from the session cache (resumed inside the longest shared prefix),
-// prefill the rest of the prompt in calls split at the checkpoint positions, then decode on the device or
-// with the host sampler, streaming UTF-8-safe text with stop strings applied; the sequence goes back to the
-// cache.
+// Engine::generate and its steps: acquire a sequence from the session cache (resumed inside the longest
+// shared prefix), prefill the rest of the prompt in calls split at the checkpoint positions, then decode on
+// the device or with the host sampler (alone, or one token per step beside other requests), streaming
+// UTF-8-safe text with stop strings applied; the sequence goes back to the cache.
 #include "engine/engine.h"
 
 #include <algorithm>
@@ -102,6 +102,75 @@ bool device_can_sample(const Backend& backend, const SamplingParams& p) {
 
 }  // namespace
 
+// The per-request decode state, the same for the lone and the batched path: one sampler (its RNG seeded per
+// request), the token history its penalties read, the next token to consume, and the sink.
+struct Generation::State {
+  State(const Tokenizer& tokenizer, const GenerationRequest& r, PieceFn piece_fn, int64_t token_budget)
+      : request(r),
+        on_piece(std::move(piece_fn)),
+        budget(token_budget),
+        sampler(request.sampling),
+        speculative_rng(speculative_seed(sampler.seed())),
+        history(request.prompt),
+        next(request.prompt.back()),
+        sink(tokenizer, request, on_piece, result, budget) {}
+
+  bool ended() const { return !failure.ok() || finished; }
+  void fail(Status st) {
+    failure = std::move(st);
+    if (failure.ok()) failure = error(ErrorCode::internal, "a step failed without a reason");
+  }
+  void end(const char* reason) {
+    sink.end(reason);
+    finished = true;
+  }
+  // A sampled id into the history and the sink; false once generation ends.
+  bool take(int32_t id, float logprob = 0, std::vector<TokenLogprob> top = {}) {
+    history.push_back(id);
+    next = id;
+    if (!sink.accept(id, logprob, std::move(top))) finished = true;
+    return !finished;
+  }
+  // One host-sampled token from this request's row of logits: the min_tokens ban of the stop tokens, then the
+  // sampler.
+  void sample(std::span<float> logits) {
+    if (static_cast<int64_t>(sink.emitted().size()) < request.sampling.min_tokens) {
+      for (int32_t id : request.stop_token_ids) logits[static_cast<size_t>(id)] = -INFINITY;
+    }
+    SampleResult r = sampler.sample(logits, history, request.prompt.size());
+    take(r.id, r.logprob, std::move(r.top));
+  }
+  DeviceSampling device_sampling() const {
+    const SamplingParams& p = request.sampling;
+    return DeviceSampling{p.temperature, p.top_k, p.top_p, p.min_p, sampler.seed()};
+  }
+  int64_t left() const { return budget - static_cast<int64_t>(sink.emitted().size()); }
+
+  GenerationRequest request;
+  PieceFn on_piece;
+  GenerationResult result;
+  std::unique_ptr<CachedSequence> seq;
+  int64_t to = 0, anchor = 0, budget = 0;  // prefill up to `to` (the last prompt token decodes)
+  Clock::time_point t_start, t_prefill;
+  Sampler sampler;
+  SplitMix64 speculative_rng;    // the speculative loop's draws (engine/speculative.h), kept across calls
+  std::vector<int32_t> history;  // prompt + sampled ids
+  int32_t next;                  // the token the next decode step consumes
+  bool on_device = false;        // sampled by Backend::generate_on_device
+  bool finished = false;         // the sink has a finish reason
+  Status failure;
+  TokenSink sink;
+};
+
+Generation::Generation(std::unique_ptr<State> state) : s_(std::move(state)) {}
+Generation::~Generation() = default;
+bool Generation::prefilling() const {
+  return !s_->ended() && static_cast<int64_t>(s_->seq->tokens.size()) < s_->to;
+}
+bool Generation::done() const {
+  return s_->ended();
+}
+
 struct Engine::Impl {
   std::unique_ptr<Backend> backend;
   Tokenizer tokenizer;
@@ -128,11 +197,10 @@ struct Engine::Impl {
   }
   Status validate(const GenerationRequest& request) const;
   int64_t anchor_of(std::span<const int32_t> prompt) const;
-  Status prefill(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t anchor,
-                 bool checkpoints, const GenerationRequest& request);
-  Status decode_on_host(SequenceState& state, const GenerationRequest& request, TokenSink& sink);
-  Status decode(SequenceState& state, const GenerationRequest& request, TokenSink& sink, int64_t budget,
-                GenerationResult& result);
+  Status prefill_piece(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t anchor,
+                       bool checkpoints);
+  void decode_on_host(Generation::State& g, const std::function<bool()>& yield);
+  void decode_speculative(Generation::State& g, const std::function<bool()>& yield);
 };
 
 Status Engine::Impl::validate(const GenerationRequest& request) const {
@@ -160,95 +228,72 @@ int64_t Engine::Impl::anchor_of(std::span<const int32_t> prompt) const {
   return end;
 }
 
-// Consumes prompt[seq.tokens.size():to] in forward calls split at multiples of checkpoint_interval and every
-// prefill_chunk tokens, the piece holding the anchor through forward_with_checkpoint (the same calls whether or
-// not the cache is used, so reuse changes nothing numerically); checkpoints at the anchor, the grid and `to`.
-// Stops early (consistently) when cancelled.
-Status Engine::Impl::prefill(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to, int64_t anchor,
-                             bool checkpoints, const GenerationRequest& request) {
+// Consumes the next piece of prompt[seq.tokens.size():to] in one forward call. Pieces end at multiples of
+// checkpoint_interval and every prefill_chunk tokens, the piece holding the anchor goes through
+// forward_with_checkpoint (the same calls whether or not the cache is used, and whether or not other requests
+// run between the pieces, so neither changes anything numerically); checkpoints at the anchor, the grid and
+// `to`.
+Status Engine::Impl::prefill_piece(CachedSequence& seq, std::span<const int32_t> prompt, int64_t to,
+                                   int64_t anchor, bool checkpoints) {
   const int64_t interval = options.checkpoint_interval;
-  int64_t pos = static_cast<int64_t>(seq.tokens.size());
-  while (pos < to) {
-    if (cancelled(request)) return ok_status();
-    const int64_t next = std::min({to, pos + options.prefill_chunk, (pos / interval + 1) * interval});
-    auto part = prompt.subspan(static_cast<size_t>(pos), static_cast<size_t>(next - pos));
-    if (anchor > pos && anchor < next) {
-      // The anchor's checkpoint from inside the piece (one call, whether or not it is kept: the same numerics
-      // with and without the cache).
-      ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> cp,
-                       backend->forward_with_checkpoint(*seq.state, part, anchor - pos, LogitsRows::none, nullptr));
-      if (cp && cp->n_tokens() != anchor)
-        return error(ErrorCode::internal, "%s backend: the checkpoint for %lld is at %lld (piece from %lld)",
-                     backend->name(), (long long)anchor, (long long)cp->n_tokens(), (long long)pos);
-      if (checkpoints && cp && !seq.checkpoints.contains(anchor)) seq.checkpoints[anchor] = std::move(cp);
-    } else {
-      RETURN_IF_ERROR(backend->forward(*seq.state, part, LogitsRows::none, nullptr));
-    }
-    seq.tokens.insert(seq.tokens.end(), part.begin(), part.end());
-    pos = next;
-    if (checkpoints && (pos == anchor || pos % interval == 0 || pos == to) &&
-        !seq.checkpoints.contains(pos)) {
-      std::unique_ptr<Checkpoint> cp = seq.state->checkpoint();
-      if (cp) seq.checkpoints[pos] = std::move(cp);  // none when the device is out of memory: just fewer
-    }
+  const int64_t pos = static_cast<int64_t>(seq.tokens.size());
+  const int64_t next = std::min({to, pos + options.prefill_chunk, (pos / interval + 1) * interval});
+  auto part = prompt.subspan(static_cast<size_t>(pos), static_cast<size_t>(next - pos));
+  if (anchor > pos && anchor < next) {
+    // The anchor's checkpoint from inside the piece (one call, whether or not it is kept: the same numerics
+    // with and without the cache).
+    ASSIGN_OR_RETURN(
+        std::unique_ptr<Checkpoint> cp,
+        backend->forward_with_checkpoint(*seq.state, part, anchor - pos, LogitsRows::none, nullptr));
+    if (cp && cp->n_tokens() != anchor)
+      return error(ErrorCode::internal, "%s backend: the checkpoint for %lld is at %lld (piece from %lld)",
+                   backend->name(), (long long)anchor, (long long)cp->n_tokens(), (long long)pos);
+    if (checkpoints && cp && !seq.checkpoints.contains(anchor)) seq.checkpoints[anchor] = std::move(cp);
+  } else {
+    RETURN_IF_ERROR(backend->forward(*seq.state, part, LogitsRows::none, nullptr));
+  }
+  seq.tokens.insert(seq.tokens.end(), part.begin(), part.end());
+  if (checkpoints && (next == anchor || next % interval == 0 || next == to) &&
+      !seq.checkpoints.contains(next)) {
+    std::unique_ptr<Checkpoint> cp = seq.state->checkpoint();
+    if (cp) seq.checkpoints[next] = std::move(cp);  // none when the device is out of memory: just fewer
   }
   return ok_status();
 }
 
-// Logits of the last prompt token, then sample -> emit -> forward the sampled token, until the sink says
-// stop.
-Status Engine::Impl::decode_on_host(SequenceState& state, const GenerationRequest& request, TokenSink& sink) {
-  Sampler sampler(request.sampling);
-  std::vector<int32_t> history = request.prompt;
+// Forward the next token, sample on the host, emit, until the sink says stop or yield() asks for the thread.
+void Engine::Impl::decode_on_host(Generation::State& g, const std::function<bool()>& yield) {
   std::vector<float> logits;
-  int32_t next = request.prompt.back();
   while (true) {
-    Status st = backend->forward(state, std::span<const int32_t>(&next, 1), LogitsRows::last, &logits);
-    if (st.code() == ErrorCode::out_of_range && !sink.emitted().empty()) {
-      sink.end("length");  // the backend's KV capacity is full
-      return ok_status();
-    }
-    RETURN_IF_ERROR(st);
-    if (static_cast<int64_t>(sink.emitted().size()) < request.sampling.min_tokens) {
-      for (int32_t id : request.stop_token_ids) logits[static_cast<size_t>(id)] = -INFINITY;  // min_tokens
-    }
-    SampleResult r = sampler.sample(logits, history, request.prompt.size());
-    history.push_back(r.id);
-    next = r.id;
-    if (!sink.accept(r.id, r.logprob, std::move(r.top))) return ok_status();
+    Status st =
+        backend->forward(*g.seq->state, std::span<const int32_t>(&g.next, 1), LogitsRows::last, &logits);
+    if (st.code() == ErrorCode::out_of_range && !g.sink.emitted().empty()) return g.end("length");  // KV full
+    if (!st.ok()) return g.fail(std::move(st));
+    g.sample(logits);
+    if (g.finished || yield()) return;
   }
 }
 
-Status Engine::Impl::decode(SequenceState& state, const GenerationRequest& request, TokenSink& sink,
-                            int64_t budget, GenerationResult& result) {
-  const SamplingParams& p = request.sampling;
-  if (options.speculative_tokens > 0) {
-    SpeculativeRequest sr{request.prompt, &p, request.stop_token_ids, budget, options.speculative_tokens};
-    SpeculativeCounts counts;
-    Status st = speculative_decode(
-        *backend, state, sr,
-        [&](int32_t id, float logprob, std::vector<TokenLogprob> top) { return sink.accept(id, logprob, std::move(top)); },
-        counts);
-    result.speculative_steps = counts.steps, result.drafted_tokens = counts.drafted;
-    result.accepted_tokens = counts.accepted;
-    spec_steps += static_cast<uint64_t>(counts.steps);
-    spec_drafted += static_cast<uint64_t>(counts.drafted);
-    spec_accepted += static_cast<uint64_t>(counts.accepted);
-    if (st.code() == ErrorCode::out_of_range && !sink.emitted().empty()) {
-      sink.end("length");  // the backend's KV capacity is full
-      return ok_status();
-    }
-    return st;
-  }
-  if (device_can_sample(*backend, p)) {
-    DeviceSampling ds{p.temperature, p.top_k, p.top_p, p.min_p, Sampler(p).seed()};
-    const int max_new = static_cast<int>(std::min<int64_t>(budget, INT_MAX));
-    Status st = backend->generate_on_device(state, request.prompt.back(), ds, max_new,
-                                            [&](int32_t id) { return sink.accept(id); });
-    // A KV capacity below the model's context is refused up front: the host loop then runs up to the limit.
-    if (st.ok() || st.code() != ErrorCode::out_of_range || !sink.emitted().empty()) return st;
-  }
-  return decode_on_host(state, request, sink);
+// engine/speculative.h's loop until the sink says stop or yield() asks for the thread (a later call resumes from
+// the history, with the request's sampler and speculative RNG).
+void Engine::Impl::decode_speculative(Generation::State& g, const std::function<bool()>& yield) {
+  SpeculativeRequest r{&g.history, g.request.prompt.size(), g.request.stop_token_ids,
+                       static_cast<int64_t>(g.sink.emitted().size()), g.left(), options.speculative_tokens};
+  SpeculativeCounts counts;
+  Status st = speculative_decode(
+      *backend, *g.seq->state, g.sampler, g.speculative_rng, r,
+      [&](int32_t id, float logprob, std::vector<TokenLogprob> top) {
+        return g.take(id, logprob, std::move(top)) && !yield();
+      },
+      counts);
+  g.result.speculative_steps += counts.steps;
+  g.result.drafted_tokens += counts.drafted;
+  g.result.accepted_tokens += counts.accepted;
+  spec_steps += static_cast<uint64_t>(counts.steps);
+  spec_drafted += static_cast<uint64_t>(counts.drafted);
+  spec_accepted += static_cast<uint64_t>(counts.accepted);
+  if (st.code() == ErrorCode::out_of_range && !g.sink.emitted().empty()) return g.end("length");  // KV full
+  if (!st.ok()) g.fail(std::move(st));
 }
 
 Engine::Engine(std::unique_ptr<Backend> backend, Tokenizer tokenizer, EngineOptions options)
@@ -269,52 +314,143 @@ const EngineOptions& Engine::options() const {
 }
 
 Result<GenerationResult> Engine::generate(const GenerationRequest& request, const PieceFn& on_piece) {
+  ASSIGN_OR_RETURN(std::unique_ptr<Generation> g, begin(request, on_piece));
+  while (g->prefilling()) prefill_step(*g);
+  if (!g->done()) run_alone(*g, [] { return false; });
+  return finish(std::move(g));
+}
+
+Result<std::unique_ptr<Generation>> Engine::begin(const GenerationRequest& request, PieceFn on_piece) {
   Impl& m = *impl_;
   const auto t_start = Clock::now();
   RETURN_IF_ERROR(m.validate(request));
   const std::span<const int32_t> prompt = request.prompt;
-  const int64_t n_prompt = static_cast<int64_t>(prompt.size()), to = n_prompt - 1;  // the last token decodes
-
-  std::unique_ptr<CachedSequence> seq;
-  if (request.reuse_cache) {
-    ASSIGN_OR_RETURN(SessionCache::Lease lease, m.cache.acquire(*m.backend, prompt, to));
-    seq = std::move(lease.seq);
-  } else {
-    seq = std::make_unique<CachedSequence>();
-    ASSIGN_OR_RETURN(seq->state, m.cache.new_state(*m.backend));
-  }
-  GenerationResult result;
-  result.prompt_tokens = static_cast<int>(n_prompt);
-  result.cached_tokens = static_cast<int>(seq->tokens.size());
-
-  const int64_t anchor = m.anchor_of(prompt);  // the next turn resumes from its checkpoint
-  const auto t_prefill = Clock::now();
-  RETURN_IF_ERROR(m.prefill(*seq, prompt, to, anchor, request.reuse_cache, request));
+  const int64_t n_prompt = static_cast<int64_t>(prompt.size());
   const int64_t max_tokens = request.sampling.max_tokens > 0 ? request.sampling.max_tokens : INT64_MAX;
   const int64_t budget = std::min(max_tokens, m.max_context() - n_prompt + 1);
-  TokenSink sink(m.tokenizer, request, on_piece, result, budget);
-  if (cancelled(request))
-    sink.end("cancelled");  // before the first token (prefill stops early then)
-  else
-    RETURN_IF_ERROR(m.decode(*seq->state, request, sink, budget, result));
-  sink.finish();
-
-  const auto t_end = Clock::now();
-  const bool any = !sink.emitted().empty();
-  result.completion_tokens = static_cast<int>(sink.emitted().size());
-  result.prefill_ms = ms_between(t_prefill, any ? sink.first_token_at() : t_end);
-  result.decode_ms = any ? ms_between(sink.first_token_at(), t_end) : 0;
-  result.time_to_first_token_ms = any ? ms_between(t_start, sink.first_token_at()) : 0;
-
+  auto s = std::make_unique<Generation::State>(m.tokenizer, request, std::move(on_piece), budget);
+  s->t_start = t_start;
+  s->to = n_prompt - 1;  // the last prompt token is the first decode step's input
   if (request.reuse_cache) {
+    ASSIGN_OR_RETURN(SessionCache::Lease lease, m.cache.acquire(*m.backend, prompt, s->to));
+    s->seq = std::move(lease.seq);
+  } else {
+    s->seq = std::make_unique<CachedSequence>();
+    ASSIGN_OR_RETURN(s->seq->state, m.cache.new_state(*m.backend));
+  }
+  s->result.prompt_tokens = static_cast<int>(n_prompt);
+  s->result.cached_tokens = static_cast<int>(s->seq->tokens.size());
+  s->anchor = m.anchor_of(prompt);  // the next turn resumes from its checkpoint
+  s->on_device = m.options.speculative_tokens == 0 && device_can_sample(*m.backend, request.sampling);
+  s->t_prefill = Clock::now();
+  return std::unique_ptr<Generation>(new Generation(std::move(s)));
+}
+
+// Cancellation is looked at before each piece and before the first token (prefill stops early then).
+void Engine::prefill_step(Generation& generation) {
+  Generation::State& g = *generation.s_;
+  CHECK(generation.prefilling(), "prefill_step of a generation that is not prefilling");
+  if (cancelled(g.request)) return g.end("cancelled");
+  Status st = impl_->prefill_piece(*g.seq, g.request.prompt, g.to, g.anchor, g.request.reuse_cache);
+  if (!st.ok()) g.fail(std::move(st));
+}
+
+void Engine::run_alone(Generation& generation, const std::function<bool()>& yield) {
+  Impl& m = *impl_;
+  Generation::State& g = *generation.s_;
+  CHECK(!generation.prefilling() && !generation.done(), "run_alone of a generation that cannot decode");
+  if (cancelled(g.request)) return g.end("cancelled");
+  if (m.options.speculative_tokens > 0) return m.decode_speculative(g, yield);
+  if (g.on_device) {
+    const size_t before = g.sink.emitted().size();
+    const int max_new = static_cast<int>(std::min<int64_t>(g.left(), INT_MAX));
+    Status st = m.backend->generate_on_device(*g.seq->state, g.next, g.device_sampling(), max_new,
+                                              [&](int32_t id) { return g.take(id) && !yield(); });
+    if (st.ok()) return;
+    // A KV capacity below the model's context is refused up front: the host loop then runs up to the limit.
+    if (st.code() != ErrorCode::out_of_range || g.sink.emitted().size() != before)
+      return g.fail(std::move(st));
+    g.on_device = false;
+  }
+  m.decode_on_host(g, yield);
+}
+
+// The device-sampled generations step one at a time (generate_on_device of one token: the device's draw is
+// keyed by the position, so the tokens are those of its uninterrupted loop); the host-sampled ones share one
+// forward_batch call, whose failure ends all of them.
+void Engine::decode_step(std::span<Generation* const> generations) {
+  Impl& m = *impl_;
+  std::vector<Generation::State*> host;
+  for (Generation* generation : generations) {
+    Generation::State& g = *generation->s_;
+    CHECK(!generation->prefilling() && !generation->done(), "decode_step of a generation that cannot decode");
+    if (cancelled(g.request)) {
+      g.end("cancelled");
+      continue;
+    }
+    if (g.on_device) {
+      Status st =
+          m.backend->generate_on_device(*g.seq->state, g.next, g.device_sampling(), 1, [&](int32_t id) {
+            g.take(id);
+            return false;
+          });
+      if (st.ok()) continue;
+      if (st.code() != ErrorCode::out_of_range) {
+        g.fail(std::move(st));
+        continue;
+      }
+      g.on_device = false;  // as in run_alone: the host loop runs up to the backend's limit
+    }
+    host.push_back(&g);
+  }
+  if (host.empty()) return;
+  std::vector<SequenceState*> states;
+  std::vector<int32_t> tokens;
+  for (Generation::State* g : host) {
+    states.push_back(g->seq->state.get());
+    tokens.push_back(g->next);
+  }
+  std::vector<float> logits;
+  Status st = m.backend->forward_batch(states, tokens, &logits);
+  if (!st.ok()) {
+    for (Generation::State* g : host) {
+      if (st.code() == ErrorCode::out_of_range && !g->sink.emitted().empty())
+        g->end("length");
+      else
+        g->fail(st);
+    }
+    return;
+  }
+  const size_t V = static_cast<size_t>(m.backend->config().vocab_size);
+  for (size_t i = 0; i < host.size(); ++i) host[i]->sample(std::span<float>(logits.data() + i * V, V));
+}
+
+Result<GenerationResult> Engine::finish(std::unique_ptr<Generation> generation) {
+  Impl& m = *impl_;
+  Generation::State& g = *generation->s_;
+  CHECK(generation->done(), "finish of a generation that has not ended");
+  if (!g.failure.ok()) return g.failure;
+  g.sink.finish();
+  GenerationResult result = std::move(g.result);
+  const std::vector<int32_t>& emitted = g.sink.emitted();
+  const auto t_end = Clock::now();
+  const bool any = !emitted.empty();
+  result.completion_tokens = static_cast<int>(emitted.size());
+  result.prefill_ms = ms_between(g.t_prefill, any ? g.sink.first_token_at() : t_end);
+  result.decode_ms = any ? ms_between(g.sink.first_token_at(), t_end) : 0;
+  result.time_to_first_token_ms = any ? ms_between(g.t_start, g.sink.first_token_at()) : 0;
+
+  if (g.request.reuse_cache) {
     // The state has consumed the prompt and every sampled token but the last.
+    std::unique_ptr<CachedSequence> seq = std::move(g.seq);
+    const std::vector<int32_t>& prompt = g.request.prompt;
     const auto n = static_cast<size_t>(seq->state->n_tokens());
-    CHECK(n >= seq->tokens.size() && n <= prompt.size() + sink.emitted().size(), "state at %zu", n);
+    CHECK(n >= seq->tokens.size() && n <= prompt.size() + emitted.size(), "state at %zu", n);
     for (size_t i = seq->tokens.size(); i < n; ++i)
-      seq->tokens.push_back(i < prompt.size() ? prompt[i] : sink.emitted()[i - prompt.size()]);
-    seq->anchor = std::min(anchor, to);
-    if (anchor < to) seq->mark(anchor);
-    seq->mark(to);
+      seq->tokens.push_back(i < prompt.size() ? prompt[i] : emitted[i - prompt.size()]);
+    seq->anchor = std::min(g.anchor, g.to);
+    if (g.anchor < g.to) seq->mark(g.anchor);
+    seq->mark(g.to);
     seq->prune_checkpoints(m.options.checkpoint_interval);
     m.cache.release(std::move(seq));
   }

@@ -1,13 +1,16 @@
 // Engine: the generation loop over one backend, with the session cache that lets the next turn of a
-// conversation prefill only its new tokens (docs/DESIGN.md section 2). Batch 1: one request runs at a time;
-// the caller (CLI or the server's scheduler) serialises calls. The backend may be CPU or CUDA: when a request
-// needs nothing the device sampler lacks (penalties, logit_bias, logprobs), decoding uses
-// Backend::generate_on_device; otherwise logits come to the host and Sampler (engine/sampler.h) picks the token.
-// With EngineOptions::speculative_tokens every request decodes through engine/speculative.h instead.
+// conversation prefill only its new tokens (docs/DESIGN.md section 2). generate() runs one request to the
+// end; the step calls (begin, prefill_step, decode_step, run_alone, finish) let the server's scheduler keep
+// several requests going at once. Calls are serialised by the caller (the CLI, or the scheduler's one
+// thread). The backend may be CPU or CUDA: when a request needs nothing the device sampler lacks (penalties,
+// logit_bias, logprobs), decoding uses Backend::generate_on_device; otherwise logits come to the host and
+// Sampler (engine/sampler.h) picks the token.
+// With EngineOptions::speculative_tokens a request that decodes alone goes through engine/speculative.h.
 #pragma once
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -71,6 +74,24 @@ struct EngineStats {
   uint64_t speculative_steps = 0, drafted_tokens = 0, accepted_tokens = 0;
 };
 
+// One request between Engine::begin and Engine::finish: its leased sequence and its decode state (sampler and
+// RNG, token history, text decoder, stop strings, budget), owned by the request and never shared, so its
+// tokens are the same whether it decodes alone or beside others.
+class Generation {
+ public:
+  ~Generation();
+  Generation(const Generation&) = delete;
+  Generation& operator=(const Generation&) = delete;
+  bool prefilling() const;  // prompt tokens are left to consume (and it has not ended)
+  bool done() const;        // ended (a finish reason or an error): finish() is next
+
+ private:
+  friend class Engine;
+  struct State;
+  explicit Generation(std::unique_ptr<State> state);
+  std::unique_ptr<State> s_;
+};
+
 class Engine {
  public:
   Engine(std::unique_ptr<Backend> backend, Tokenizer tokenizer, EngineOptions options = {});
@@ -82,6 +103,22 @@ class Engine {
   // Runs one request to completion. on_piece returns false to stop early (finish_reason "cancelled").
   Result<GenerationResult> generate(const GenerationRequest& request,
                                     const std::function<bool(const GenerationPiece&)>& on_piece);
+
+  // Step by step (the server's continuous batching, src/server/scheduler.h). begin() validates the request
+  // and leases its sequence from the session cache; prefill_step() consumes one piece of the prompt (the
+  // pieces generate() makes, so the numerics are the same); decode_step() makes one token for each of several
+  // prefilled generations, the host-sampled ones in one Backend::forward_batch call; run_alone() decodes one
+  // on the single-request path (the device loop where the request allows it) until it ends or yield(),
+  // asked between tokens, returns true; finish() hands the sequence back to the cache and returns the
+  // result, or the error that ended a step (such a sequence is dropped). generate() is begin, prefill_step
+  // until prefilled, run_alone, finish.
+  Result<std::unique_ptr<Generation>> begin(const GenerationRequest& request,
+                                            std::function<bool(const GenerationPiece&)> on_piece);
+  void prefill_step(Generation& generation);
+  void decode_step(std::span<Generation* const> generations);
+  void run_alone(Generation& generation, const std::function<bool()>& yield);
+  Result<GenerationResult> finish(std::unique_ptr<Generation> generation);
+
   EngineStats stats() const;  // safe to call from another thread while generate() runs
   void clear_cache();
 

@@ -56,10 +56,11 @@ DraftVerdict accept_or_resample(std::span<const float> p, std::span<const float>
   return {false, draw_from(any ? std::span<const float>(residual) : p, u_resample)};
 }
 
-namespace {
+uint64_t speculative_seed(uint64_t sampler_seed) {
+  return sampler_seed ^ 0x5be0cd19137e2179ull;  // a stream of its own: the sampler's draws are not disturbed
+}
 
-// The draws of one request: a SplitMix64 stream of its own, so the plain sampler's stream is not disturbed.
-constexpr uint64_t kSpeculativeStream = 0x5be0cd19137e2179ull;
+namespace {
 
 int32_t argmax_of(std::span<const float> v) {
   return static_cast<int32_t>(std::max_element(v.begin(), v.end()) - v.begin());
@@ -67,57 +68,54 @@ int32_t argmax_of(std::span<const float> v) {
 
 class Loop {
  public:
-  Loop(Backend& backend, SequenceState& state, const SpeculativeRequest& r, const EmitFn& emit,
-       SpeculativeCounts& counts)
+  Loop(Backend& backend, SequenceState& state, Sampler& target, SplitMix64& rng, const SpeculativeRequest& r,
+       const EmitFn& emit, SpeculativeCounts& counts)
       : backend_(backend),
         state_(state),
         r_(r),
         emit_(emit),
         counts_(counts),
-        target_(*r.sampling),
-        draft_(*r.sampling),
-        rng_(target_.seed() ^ kSpeculativeStream),
-        greedy_(r.sampling->temperature == 0.0f),
-        history_(r.prompt.begin(), r.prompt.end()),
+        target_(target),
+        draft_(target.params()),
+        rng_(rng),
+        greedy_(target.params().temperature == 0.0f),
+        history_(*r.history),
         V_(backend.config().vocab_size) {}
 
+  // A plain step first: the head drafts from the hidden state of the token it consumes.
   Status run() {
-    // The first token comes from the last prompt token's row, as in the plain loop; its forward also hands the
-    // head the hidden state it drafts from.
-    std::vector<float> logits;
-    const int32_t last = r_.prompt.back();
-    RETURN_IF_ERROR(backend_.forward(state_, std::span<const int32_t>(&last, 1), LogitsRows::last, &logits));
-    ban_stops_if_early(logits, 0);
-    SampleResult first = target_.sample(logits, history_, r_.prompt.size());
-    if (!push(first.id, first.logprob, std::move(first.top))) return ok_status();
-    while (true) {
+    bool go_on = false;
+    RETURN_IF_ERROR(plain_step(go_on));
+    while (go_on) {
       const int k = static_cast<int>(std::min<int64_t>(r_.draft_tokens, r_.budget - emitted_ - 1));
-      bool go_on = false;
       RETURN_IF_ERROR(k > 0 ? step(k, go_on) : plain_step(go_on));
-      if (!go_on) return ok_status();
     }
+    return ok_status();
   }
 
  private:
   // Stop tokens are banned until min_tokens tokens were emitted (the plain loop's rule), `ahead` rows later.
   void ban_stops_if_early(std::span<float> row, int64_t ahead) {
-    if (emitted_ + ahead < r_.sampling->min_tokens)
+    if (r_.emitted + emitted_ + ahead < target_.params().min_tokens)
       for (int32_t id : r_.stop_token_ids) row[static_cast<size_t>(id)] = -INFINITY;
   }
 
+  // emit_ appends the token to history_.
   bool push(int32_t id, float logprob, std::vector<TokenLogprob> top) {
-    history_.push_back(id);
     ++emitted_;
-    return emit_(id, logprob, std::move(top));
+    const size_t before = history_.size();
+    const bool go_on = emit_(id, logprob, std::move(top));
+    CHECK(history_.size() == before + 1 && history_.back() == id, "emit must append the token to the history");
+    return go_on;
   }
 
-  // The budget leaves no room for a draft: one token the plain way.
+  // One token the plain way (the first of a call, or when the budget leaves no room for a draft).
   Status plain_step(bool& go_on) {
     std::vector<float> logits;
     const int32_t t = history_.back();
     RETURN_IF_ERROR(backend_.forward(state_, std::span<const int32_t>(&t, 1), LogitsRows::last, &logits));
     ban_stops_if_early(logits, 0);
-    SampleResult s = target_.sample(logits, history_, r_.prompt.size());
+    SampleResult s = target_.sample(logits, history_, r_.n_prompt);
     go_on = push(s.id, s.logprob, std::move(s.top));
     return ok_status();
   }
@@ -134,7 +132,7 @@ class Loop {
       h.insert(h.end(), rows.begin() + 1, rows.end());
       ban_stops_if_early(dl, i + 1);
       auto& qi = q[static_cast<size_t>(i)];
-      draft_.distribution(dl, h, r_.prompt.size(), qi);
+      draft_.distribution(dl, h, r_.n_prompt, qi);
       rows.push_back(greedy_ ? argmax_of(qi) : draw_from(qi, rng_.next_uniform()));
     }
     // Verify them in one forward, then keep rows while the drafts are accepted.
@@ -152,11 +150,11 @@ class Loop {
       bool accepted = false;
       SampleResult lp{-1, 0.0f, {}};
       if (greedy_) {
-        lp = target_.sample(row, history_, r_.prompt.size());
+        lp = target_.sample(row, history_, r_.n_prompt);
         token = lp.id;
         accepted = i < k && token == rows[static_cast<size_t>(i) + 1];
       } else {
-        target_.distribution(row, history_, r_.prompt.size(), p);
+        target_.distribution(row, history_, r_.n_prompt, p);
         const double u_accept = rng_.next_uniform(), u_resample = rng_.next_uniform();
         if (i < k) {
           DraftVerdict v = accept_or_resample(p, q[static_cast<size_t>(i)], rows[static_cast<size_t>(i) + 1],
@@ -165,7 +163,7 @@ class Loop {
         } else {
           token = draw_from(p, u_accept);  // the bonus row
         }
-        if (r_.sampling->logprobs) lp = target_.logprobs(row, token);
+        if (target_.params().logprobs) lp = target_.logprobs(row, token);
       }
       counts_.accepted += accepted;
       ++kept_rows;
@@ -181,23 +179,25 @@ class Loop {
   const SpeculativeRequest& r_;
   const EmitFn& emit_;
   SpeculativeCounts& counts_;
-  Sampler target_, draft_;
-  SplitMix64 rng_;
+  Sampler& target_;
+  Sampler draft_;
+  SplitMix64& rng_;
   const bool greedy_;
-  std::vector<int32_t> history_;
+  const std::vector<int32_t>& history_;
   const int64_t V_;
   int64_t emitted_ = 0;
 };
 
 }  // namespace
 
-Status speculative_decode(Backend& backend, SequenceState& state, const SpeculativeRequest& request,
-                          const EmitFn& emit, SpeculativeCounts& counts) {
+Status speculative_decode(Backend& backend, SequenceState& state, Sampler& target, SplitMix64& rng,
+                          const SpeculativeRequest& request, const EmitFn& emit, SpeculativeCounts& counts) {
   if (request.draft_tokens < 1 || request.draft_tokens > kMaxSpeculativeTokens)
     return invalid_argument("speculative decoding: %d draft tokens (1..%d)", request.draft_tokens,
                             kMaxSpeculativeTokens);
-  if (request.prompt.empty() || request.budget < 1) return invalid_argument("speculative decoding: nothing to do");
-  return Loop(backend, state, request, emit, counts).run();
+  if (!request.history || request.n_prompt == 0 || request.history->size() < request.n_prompt || request.budget < 1)
+    return invalid_argument("speculative decoding: nothing to do");
+  return Loop(backend, state, target, rng, request, emit, counts).run();
 }
 
 }  // namespace lily

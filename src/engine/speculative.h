@@ -15,8 +15,9 @@
 // Everything a request can ask for works as in the plain host loop: penalties and logit_bias (each row sees the
 // history up to it), min_tokens, logprobs (step 4 of sampler.h at the emitted token), stop tokens and strings,
 // max_tokens, cancellation (the caller's emit callback), the context limit (K shrinks near the budget).
-// This component is self-contained: Engine::generate calls it for a request when the engine was built with
-// EngineOptions::speculative_tokens > 0.
+// This component is self-contained: Engine::run_alone (a request decoding alone: generate(), or the server's
+// scheduler with one request in flight) calls it when the engine was built with EngineOptions::speculative_tokens
+// > 0; batched decode steps (several requests at once) decode without speculation.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -56,19 +57,26 @@ struct SpeculativeCounts {
   int64_t accepted = 0;  // draft tokens kept
 };
 
-// What the loop needs from its caller: the request's sampling and stop ids, the prompt (its last token not
-// yet consumed by `state`), the token budget, and emit(id, logprob, top) for each token, which returns false
-// once generation must end. On return the state has consumed the prompt and every emitted token but the last.
+// What the loop needs from its caller. `history` is the prompt and the tokens emitted so far; its last token is
+// the one `state` has not consumed yet (the last prompt token before the first decode step), and emit(id,
+// logprob, top) appends each new token to it and returns false once generation must end (or the caller wants
+// the thread back: the loop can be called again later with the grown history). On return the state has
+// consumed the history but its last token. The target sampler and the loop's RNG belong to the request, so a
+// generation interrupted and resumed draws the same numbers as an uninterrupted one.
 struct SpeculativeRequest {
-  std::span<const int32_t> prompt;
-  const SamplingParams* sampling = nullptr;
+  const std::vector<int32_t>* history = nullptr;
+  size_t n_prompt = 0;
   std::span<const int32_t> stop_token_ids;
-  int64_t budget = 0;
-  int draft_tokens = 1;  // K
+  int64_t emitted = 0;  // tokens emitted before this call (min_tokens counts them)
+  int64_t budget = 0;   // tokens this call may still emit
+  int draft_tokens = 1; // K
 };
 using EmitFn = std::function<bool(int32_t id, float logprob, std::vector<TokenLogprob> top)>;
 
-Status speculative_decode(Backend& backend, SequenceState& state, const SpeculativeRequest& request,
-                          const EmitFn& emit, SpeculativeCounts& counts);
+// The seed of the loop's own stream of draws for a request whose sampler has `sampler_seed`.
+uint64_t speculative_seed(uint64_t sampler_seed);
+
+Status speculative_decode(Backend& backend, SequenceState& state, Sampler& target, SplitMix64& rng,
+                          const SpeculativeRequest& request, const EmitFn& emit, SpeculativeCounts& counts);
 
 }  // namespace lily

@@ -2,6 +2,8 @@
 
 #include <cstdio>
 
+#include "util/check.h"
+
 namespace lily {
 
 namespace {
@@ -28,17 +30,66 @@ void GenerationJob::check_deadline() {
   }
 }
 
-void GenerationJob::run() {
+void GenerationJob::start() {
   started_ns_.store(now_ns());
-  auto last = Clock::now();
-  bool first = true;
-  Result<GenerationResult> result = error(ErrorCode::internal, "the generation did not run");
-  try {
-    result = generate(last, first);
-  } catch (const std::exception& e) {  // never past the worker thread: the request gets a 500
-    std::fprintf(stderr, "lily serve: the generation failed: %s\n", e.what());
-    result = error(ErrorCode::internal, "the generation failed: %s", e.what());
+  guarded([&] {
+    Result<std::unique_ptr<Generation>> g =
+        engine_.begin(request_, [this](const GenerationPiece& piece) { return on_piece(piece); });
+    if (g.ok())
+      generation_ = std::move(*g);
+    else
+      failure_ = g.status();
+  });
+}
+
+bool GenerationJob::prefilling() const {
+  return generation_ && generation_->prefilling();
+}
+
+void GenerationJob::prefill() {
+  guarded([&] { engine_.prefill_step(*generation_); });
+}
+
+void GenerationJob::run_alone(const std::function<bool()>& yield) {
+  guarded([&] { engine_.run_alone(*generation_, yield); });
+}
+
+bool GenerationJob::done() const {
+  return !generation_ || generation_->done();
+}
+
+void GenerationJob::decode_together(std::span<Job* const> jobs) {
+  std::vector<GenerationJob*> mine;
+  std::vector<Generation*> generations;
+  for (Job* j : jobs) {
+    auto* g = dynamic_cast<GenerationJob*>(j);
+    CHECK(g != nullptr && g->generation_, "decode_together: a job that is not a decodable generation");
+    CHECK(mine.empty() || &g->engine_ == &mine.front()->engine_,
+          "decode_together: generations of two engines");
+    mine.push_back(g);
+    generations.push_back(g->generation_.get());
   }
+  if (mine.empty()) return;
+  try {
+    mine.front()->engine_.decode_step(generations);
+  } catch (const std::exception& e) {  // never past the scheduler's thread: each request gets a 500
+    for (GenerationJob* g : mine) g->fail(e.what());
+  }
+}
+
+void GenerationJob::finish() {
+  Result<GenerationResult> result = error(ErrorCode::internal, "the generation did not run");
+  if (failure_) {
+    result = *failure_;
+  } else {
+    try {
+      result = engine_.finish(std::move(generation_));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "lily serve: the generation failed: %s\n", e.what());
+      result = error(ErrorCode::internal, "the generation failed: %s", e.what());
+    }
+  }
+  generation_.reset();
   if (result.ok() && timed_out_.load() && result->finish_reason == "cancelled")
     result->finish_reason = "length";
   if (result.ok()) metrics_.record_generation(*result);
@@ -49,19 +100,32 @@ void GenerationJob::run() {
   cv_.notify_one();
 }
 
-Result<GenerationResult> GenerationJob::generate(Clock::time_point& last, bool& first) {
-  return engine_.generate(request_, [&](const GenerationPiece& piece) {
-    auto now = Clock::now();
-    if (!first) metrics_.observe_token_latency(std::chrono::duration<double>(now - last).count());
-    first = false;
-    last = now;
-    {
-      std::lock_guard lock(mu_);
-      pieces_.push_back(piece);
-    }
-    cv_.notify_one();
-    return !cancel.load();
-  });
+void GenerationJob::guarded(const std::function<void()>& step) {
+  try {
+    step();
+  } catch (const std::exception& e) {  // never past the scheduler's thread: the request gets a 500
+    fail(e.what());
+  }
+}
+
+void GenerationJob::fail(const std::string& what) {
+  std::fprintf(stderr, "lily serve: the generation failed: %s\n", what.c_str());
+  failure_ = error(ErrorCode::internal, "the generation failed: %s", what.c_str());
+  generation_.reset();
+}
+
+bool GenerationJob::on_piece(const GenerationPiece& piece) {
+  auto now = Clock::now();
+  if (!first_piece_)
+    metrics_.observe_token_latency(std::chrono::duration<double>(now - last_piece_at_).count());
+  first_piece_ = false;
+  last_piece_at_ = now;
+  {
+    std::lock_guard lock(mu_);
+    pieces_.push_back(piece);
+  }
+  cv_.notify_one();
+  return !cancel.load();
 }
 
 void GenerationJob::dropped() {

@@ -1,5 +1,6 @@
 #include "server/metrics.h"
 
+#include <algorithm>
 #include <cinttypes>
 
 #include "util/status.h"
@@ -113,9 +114,14 @@ std::string Metrics::render(const LiveGauges& live) const {
   ttft_.render(out, "lily_time_to_first_token_seconds");
   header(out, "lily_time_per_output_token_seconds", "histogram", "Gap between consecutive generated tokens.");
   token_latency_.render(out, "lily_time_per_output_token_seconds");
-  gauge("lily_queue_depth", "Requests waiting for the worker.", static_cast<double>(live.queue_depth));
-  gauge("lily_requests_running", "Requests being generated (batch 1: 0 or 1).",
+  gauge("lily_queue_depth", "Requests waiting for a slot.", static_cast<double>(live.queue_depth));
+  gauge("lily_requests_running", "Requests in a slot (at most --parallel).",
         static_cast<double>(live.running));
+  header(out, "lily_slots", "gauge", "Request slots (--parallel) by state.");
+  const size_t busy = std::min(live.parallel, live.slots_prefilling + live.slots_decoding);
+  out += format("lily_slots{state=\"prefilling\"} %zu\n", live.slots_prefilling);
+  out += format("lily_slots{state=\"decoding\"} %zu\n", live.slots_decoding);
+  out += format("lily_slots{state=\"idle\"} %zu\n", live.parallel - busy);
   gauge("lily_model_ready", "1 once the model is loaded.", live.model_ready ? 1 : 0);
   counter("lily_session_cache_hits_total", "Requests that reused a cached prefix.",
           static_cast<double>(live.cache.cache_hits));

@@ -31,6 +31,8 @@ class Histogram {
 struct LiveGauges {  // read at scrape time
   size_t queue_depth = 0;
   size_t running = 0;
+  size_t parallel = 0;                              // slots (--parallel)
+  size_t slots_prefilling = 0, slots_decoding = 0;  // the rest are idle
   size_t dropped = 0;  // queued requests whose client left (the scheduler's count)
   bool model_ready = false;
   EngineStats cache;

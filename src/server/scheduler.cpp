@@ -3,9 +3,13 @@
 #include <algorithm>
 #include <chrono>
 
+#include "util/check.h"
+
 namespace lily {
 
-Scheduler::Scheduler(size_t max_queue) : max_queue_(max_queue) {
+Scheduler::Scheduler(size_t max_queue, int parallel, DecodeBatch decode_batch)
+    : max_queue_(max_queue), parallel_(parallel), decode_batch_(std::move(decode_batch)) {
+  CHECK(parallel_ >= 1 && parallel_ <= kMaxParallel, "parallel %d outside [1, %d]", parallel_, kMaxParallel);
   worker_ = std::thread([this] { worker_loop(); });
 }
 
@@ -39,30 +43,87 @@ size_t Scheduler::queue_depth() const {
   return queue_.size();
 }
 
+SlotCounts Scheduler::slots() const {
+  return SlotCounts{prefilling_.load(), decoding_.load()};
+}
+
+bool Scheduler::slot_wanted() const {
+  std::lock_guard lock(mu_);
+  return !queue_.empty() && active_.size() < static_cast<size_t>(parallel_);
+}
+
 void Scheduler::worker_loop() {
   for (;;) {
-    std::shared_ptr<Job> job;
+    std::vector<std::shared_ptr<Job>> admitted, left;
     {
       std::unique_lock lock(mu_);
-      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and nothing left
-      job = std::move(queue_.front());
-      queue_.pop_front();
-      if (!job->cancel.load()) {
-        current_ = job;
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !active_.empty(); });
+      if (queue_.empty() && active_.empty()) return;  // stopping, and nothing left
+      while (active_.size() < static_cast<size_t>(parallel_) && !queue_.empty()) {
+        std::shared_ptr<Job> job = std::move(queue_.front());
+        queue_.pop_front();
+        if (job->cancel.load()) {
+          left.push_back(std::move(job));
+          continue;
+        }
+        active_.push_back(Slot{job});
+        admitted.push_back(std::move(job));
         ++running_;
       }
     }
-    if (job->cancel.load()) {
+    for (auto& job : left) {
       ++dropped_;
       job->dropped();
-      continue;
     }
-    job->run();
-    std::lock_guard lock(mu_);
-    current_.reset();
-    --running_;
+    for (auto& job : admitted) job->start();
+    step();
+    // Finished jobs leave their slots before finish() hands their results to the clients, so a client that
+    // has its answer sees the slot free; finish() runs outside the lock.
+    std::vector<std::shared_ptr<Job>> finished;
+    {
+      std::lock_guard lock(mu_);
+      size_t n_prefilling = 0;
+      for (auto it = active_.begin(); it != active_.end();) {
+        if (it->job->done()) {
+          finished.push_back(std::move(it->job));
+          it = active_.erase(it);
+          --running_;
+        } else {
+          n_prefilling += it->job->prefilling() ? 1 : 0;
+          ++it;
+        }
+      }
+      prefilling_.store(n_prefilling);
+      decoding_.store(active_.size() - n_prefilling);
+    }
+    for (auto& job : finished) job->finish();
   }
+}
+
+// Only the worker changes active_, so it reads it here without the lock.
+void Scheduler::step() {
+  ++steps_;
+  std::vector<Job*> decoding;
+  Slot* piece = nullptr;  // the prefilling job that waited longest for a piece
+  size_t n_prefilling = 0;
+  for (Slot& s : active_) {
+    if (s.job->done()) continue;
+    if (s.job->prefilling()) {
+      ++n_prefilling;
+      if (piece == nullptr || s.last_piece < piece->last_piece) piece = &s;
+    } else {
+      decoding.push_back(s.job.get());
+    }
+  }
+  prefilling_.store(n_prefilling);
+  decoding_.store(decoding.size());
+  if (piece == nullptr && decoding.size() == 1)
+    return decoding[0]->run_alone([this] { return slot_wanted(); });
+  if (piece != nullptr) {
+    piece->last_piece = steps_;
+    piece->job->prefill();
+  }
+  if (!decoding.empty()) decode_batch_(decoding);
 }
 
 void Scheduler::close() {
@@ -81,7 +142,7 @@ void Scheduler::close() {
 
 void Scheduler::cancel_running() {
   std::lock_guard lock(mu_);
-  if (current_) current_->cancel.store(true);
+  for (Slot& s : active_) s.job->cancel.store(true);
 }
 
 void Scheduler::stop(int grace_ms) {

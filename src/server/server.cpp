@@ -54,7 +54,8 @@ Server::Server(ServerOptions options)
     : options_(resolved(std::move(options))),
       origin_policy_{is_loopback_bind(options_.http.host), options_.allowed_origins},
       http_(options_.http, [this](const HttpRequest& req, HttpExchange& ex) { handle(req, ex); }),
-      scheduler_(std::make_unique<Scheduler>(options_.max_queue)),
+      scheduler_(
+          std::make_unique<Scheduler>(options_.max_queue, options_.parallel, GenerationJob::decode_together)),
       started_at_(static_cast<int64_t>(std::time(nullptr))) {}
 
 Server::~Server() {
@@ -197,6 +198,9 @@ LiveGauges Server::live_gauges() const {
   LiveGauges g;
   g.queue_depth = scheduler_->queue_depth();
   g.running = scheduler_->running();
+  g.parallel = static_cast<size_t>(scheduler_->parallel());
+  const SlotCounts slots = scheduler_->slots();
+  g.slots_prefilling = slots.prefilling, g.slots_decoding = slots.decoding;
   g.dropped = scheduler_->dropped_count();
   g.model_ready = state_.load() == State::ready;
   if (g.model_ready) g.cache = loaded_->engine->stats();  // thread-safe by Engine's contract
@@ -236,6 +240,7 @@ void Server::handle_props(HttpExchange& ex) {
               {"max_tokens", params["max_tokens"]},
               {"request_timeout", model_json()["request_timeout"]},
               {"max_queue", options_.max_queue},
+              {"parallel", options_.parallel},
               {"max_body_bytes", h.max_body_bytes},
               {"max_connections", h.max_connections},
               {"max_connections_per_client", h.max_connections_per_client},
@@ -244,7 +249,8 @@ void Server::handle_props(HttpExchange& ex) {
            {"model_path", options_.model_dir},
            {"ready", ready},
            {"n_ctx", ctx},
-           {"total_slots", 1},
+           {"parallel", options_.parallel},
+           {"total_slots", options_.parallel},
            {"limits", limits},
            {"default_generation_settings", json{{"n_ctx", ctx}, {"params", params}}}};
   ex.send_json(200, dump_json(out));

@@ -44,7 +44,8 @@ struct ServerOptions {
   std::string api_key;            // empty: no authentication
   BackendOptions backend;
   int64_t ctx_size = 0;           // 0: the backend's default; BackendOptions::kContextAuto: the largest that fits
-  size_t max_queue = 64;          // requests waiting behind the running one; more get 429
+  size_t max_queue = 64;          // requests waiting for a slot; more get 429
+  int parallel = 4;               // requests active at once (slots, 1..Scheduler::kMaxParallel)
   int shutdown_grace_ms = 10000;  // SIGTERM: in-flight work may finish within this, then is cancelled
   // Per-request limits (src/server/README.md, "Limits"): the completion tokens of a request that sets none,
   // and the most any request gets (larger asks are clamped); 0: up to the context.

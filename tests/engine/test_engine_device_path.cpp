@@ -141,5 +141,36 @@ TEST(EngineDevicePath, ACapacityBelowTheContextFallsBackToTheHostUpToTheLimit) {
   EXPECT_EQ(fits.tokens.size(), 5u);
 }
 
+// Beside other requests, a device-sampled one steps one token per generate_on_device call (the device keys
+// its draws by position, so these are the tokens of its uninterrupted loop); host-sampled ones go through
+// forward_batch (the default loop here). Both keep the tokens they get alone.
+TEST(EngineDevicePath, BatchedStepsKeepEachRequestsTokens) {
+  auto dev = device_engine(1 << 20);
+  GenerationRequest on_device = greedy_request(prompt_of(9, 5), 6);
+  GenerationRequest on_host = greedy_request(prompt_of(7, 6), 6);
+  on_host.sampling.logprobs = true;
+  const GenerationResult device_alone = run(*dev.engine, on_device), host_alone = run(*dev.engine, on_host);
+  const int calls = dev.backend->device_calls;
+  on_device.reuse_cache = on_host.reuse_cache = false;
+  auto a = dev.engine->begin(on_device, {});
+  auto b = dev.engine->begin(on_host, {});
+  ASSERT_TRUE(a.ok() && b.ok());
+  while ((*a)->prefilling()) dev.engine->prefill_step(**a);
+  while ((*b)->prefilling()) dev.engine->prefill_step(**b);
+  Generation* both[] = {a->get(), b->get()};
+  while (!(*a)->done() || !(*b)->done()) {
+    std::vector<Generation*> decoding;
+    for (Generation* g : both)
+      if (!g->done()) decoding.push_back(g);
+    dev.engine->decode_step(decoding);
+  }
+  EXPECT_EQ(dev.backend->device_calls, calls + 6);  // one per token of the device-sampled request
+  auto ra = dev.engine->finish(std::move(*a));
+  auto rb = dev.engine->finish(std::move(*b));
+  ASSERT_TRUE(ra.ok() && rb.ok());
+  EXPECT_EQ(ra->tokens, device_alone.tokens);
+  EXPECT_EQ(rb->tokens, host_alone.tokens);
+}
+
 }  // namespace
 }  // namespace lily::test

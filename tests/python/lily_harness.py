@@ -15,6 +15,7 @@ import time
 import traceback
 
 LILY_BIN = os.environ.get("LILY_BIN", "build/lily")
+LILY_BACKEND = os.environ.get("LILY_BACKEND", "cpu")  # the servers' --backend (cuda: the same tests on the GPU)
 _live = []  # servers to kill if the script dies
 
 
@@ -42,7 +43,7 @@ class LilyServer:
         self._reader = None
 
     def start(self, timeout=90):
-        cmd = [LILY_BIN, "serve", "--model", self.model, "--port", "0", "--backend", "cpu"] + self.args
+        cmd = [LILY_BIN, "serve", "--model", self.model, "--port", "0", "--backend", LILY_BACKEND] + self.args
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         _live.append(self)
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -411,8 +411,9 @@ def sigterm_finishes_in_flight_work(model):
 def main():
     model = make_tiny_model()
     runner = Runner()
-    server = LilyServer(model, "--api-key", KEY, "--ctx-size", str(CTX), "--max-queue", "2", "--max-body-mb", "1",
-                        "--served-model-name", "tiny")
+    # One slot: the queue tests hold it with one long stream (several slots: tests/python/test_parallel.py).
+    server = LilyServer(model, "--api-key", KEY, "--ctx-size", str(CTX), "--parallel", "1", "--max-queue", "2",
+                        "--max-body-mb", "1", "--served-model-name", "tiny")
     try:
         server.start()
         c = Contract(server)

@@ -296,7 +296,7 @@ def max_tokens_and_request_timeout(model):
             assert out["choices"][0]["finish_reason"] == "length", out
         props = json.loads(s.request("GET", "/props")[1])
         assert props["limits"]["max_tokens"] == 5 and props["limits"]["request_timeout"] is None, props
-        assert props["n_ctx"] > 0 and props["model"] == "tiny" and props["total_slots"] == 1, props
+        assert props["n_ctx"] > 0 and props["model"] == "tiny" and props["total_slots"] == 4, props
         model_entry = json.loads(s.request("GET", "/v1/models")[1])["data"][0]
         assert model_entry["max_tokens"] == 5 and model_entry["request_timeout"] is None, model_entry
     finally:

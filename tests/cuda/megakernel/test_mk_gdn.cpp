@@ -174,6 +174,7 @@ struct GdnLayers {
   }
   // With `moe` (one per layer), each layer ends with its MoE block, as the model's do.
   std::vector<const test_util::BenchMoe*> moe;
+  bool moe_out_after_in = false;
   DeviceBuffer<float> act{9 * 512};
   test_util::BenchMoe::Scratch moe_scratch;
 
@@ -189,7 +190,7 @@ struct GdnLayers {
       ASSIGN_OR_RETURN(const int heads, p.add_gdn_heads(s.args(), s.d_out.get(), in));
       ASSIGN_OR_RETURN(prev, p.add_gemv(w_out[l], s.d_out.get(), h.get(), {heads}, nullptr, 1e-6f, h.get()));
       if (!moe.empty()) {
-        ASSIGN_OR_RETURN(prev, moe[l]->add_to(p, h.get(), norm_in.get(), act.get(), prev));
+        ASSIGN_OR_RETURN(prev, moe[l]->add_to(p, h.get(), norm_in.get(), act.get(), prev, moe_out_after_in));
       }
     }
     RETURN_IF_ERROR(p.schedule(n_blocks));
@@ -261,32 +262,84 @@ TEST(MkGdnBench, ThirtyLayers) {
   }
 }
 
+// n Gated DeltaNet layers, each with its MoE block, their weights carved from benchmark pools.
+struct GdnMoeLayers {
+  DeviceBuffer<uint16_t> pool, moe_pool;
+  Carver carve;
+  GdnLayers layers;
+  std::vector<std::unique_ptr<test_util::BenchMoe>> moe;
+  GdnMoeLayers(int n, size_t pool_bytes, size_t moe_pool_bytes, uint32_t seed)
+      : pool(test::bench_pool(pool_bytes, seed)), moe_pool(test::bench_pool(moe_pool_bytes, seed + 1)), carve{pool},
+        layers(n, carve, seed + 2) {
+    for (int l = 0; l < n; ++l) {
+      moe.push_back(std::make_unique<test_util::BenchMoe>(moe_pool, l));
+      layers.moe.push_back(moe.back().get());
+    }
+  }
+  double bytes() const {
+    double b = 0;
+    for (int l = 0; l < layers.n; ++l)
+      b += static_cast<double>(layers.w_in[l].bytes() + layers.w_out[l].bytes()) + 2.0 * kNv * kD * kD * 4 + moe[l]->bytes();
+    return b;
+  }
+};
+
+// Two Gated DeltaNet layers with their MoE blocks over two steps against the kernel chain, and the same bits on any
+// grid.
+TEST(MkLayers, GdnLayersWithMoeMatchTheChain) {
+  SKIP_WITHOUT_STEP();
+  GdnMoeLayers with_moe(2, size_t{64} << 20, size_t{1} << 30, 21);
+  GdnLayers& layers = with_moe.layers;
+  constexpr int kSteps = 2;
+  layers.reset();
+  for (int s = 0; s < kSteps; ++s) ASSERT_CUDA(layers.chain(nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> chain = layers.h.download();
+  auto run = [&](int n_blocks) -> std::vector<float> {
+    auto prog = layers.program(n_blocks, false);
+    EXPECT_TRUE(prog.ok()) << prog.status().message();
+    if (!prog.ok()) return {};
+    auto d = DeviceProgram::upload(*prog);
+    EXPECT_TRUE(d.ok());
+    if (!d.ok()) return {};
+    layers.reset();
+    for (int s = 0; s < kSteps; ++s) EXPECT_EQ((*d)->launch(nullptr), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return layers.h.download();
+  };
+  const std::vector<float> got = run(device_sms());
+  ASSERT_EQ(got.size(), chain.size());
+  double dh = 0, hmax = 0;
+  for (size_t i = 0; i < chain.size(); ++i) {
+    dh = std::max(dh, std::fabs(double(got[i]) - chain[i]));
+    hmax = std::max(hmax, std::fabs(double(chain[i])));
+  }
+  std::printf("gdn + moe layers x %d steps vs the chain: %.3g of max |h| %.3g\n", kSteps, dh / hmax, hmax);
+  EXPECT_TRUE(std::isfinite(hmax));
+  EXPECT_LE(dh, 1e-4 * hmax);
+  for (int n_blocks : {1, 7}) EXPECT_EQ(run(n_blocks), got) << n_blocks << " blocks";
+}
+
 // Stages (b) + (c): 30 Gated DeltaNet layers, each with its MoE block (694 MB + 30 x 16.5 MB = 1,189 MB, floor
 // 278 us): the routing-dependent fetches with the rest of the layer around them.
 TEST(MkLayerBench, ThirtyGdnLayersWithMoe) {
   SKIP_WITHOUT_STEP();
-  const DeviceBuffer<uint16_t> pool = test::bench_pool(size_t{600} << 20, 10);
-  const DeviceBuffer<uint16_t> moe_pool = test::bench_pool(size_t{6} << 30, 12);
-  Carver carve{pool};
-  GdnLayers layers(30, carve, 8301);
-  std::vector<std::unique_ptr<test_util::BenchMoe>> moe;
-  double bytes = 0;
-  for (int l = 0; l < 30; ++l) {
-    moe.push_back(std::make_unique<test_util::BenchMoe>(moe_pool, l));
-    layers.moe.push_back(moe.back().get());
-    bytes += static_cast<double>(layers.w_in[l].bytes() + layers.w_out[l].bytes()) + 2.0 * kNv * kD * kD * 4 +
-             moe.back()->bytes();
-  }
+  GdnMoeLayers with_moe(30, size_t{600} << 20, size_t{6} << 30, 10);
+  GdnLayers& layers = with_moe.layers;
+  const double bytes = with_moe.bytes();
   std::printf("\n");
   test::print_bandwidth("gdn + moe layers, chain (180 launches)",
                         test::graph_time_us([&](int, cudaStream_t s) { return layers.chain(s); }, 10), bytes);
-  auto prog = layers.program(device_sms(), true);
-  ASSERT_TRUE(prog.ok()) << prog.status().message();
-  auto d = DeviceProgram::upload(*prog);
-  ASSERT_TRUE(d.ok());
-  test::print_bandwidth("gdn + moe layers, megakernel, int8 x",
-                        test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10), bytes);
-  test_util::print_timeline(*prog, **d, 12);
+  for (bool after : {false, true}) {
+    layers.moe_out_after_in = after;
+    auto prog = layers.program(device_sms(), true);
+    ASSERT_TRUE(prog.ok()) << prog.status().message();
+    auto d = DeviceProgram::upload(*prog);
+    ASSERT_TRUE(d.ok());
+    test::print_bandwidth(after ? "gdn + moe layers, int8, moe_out after moe_in" : "gdn + moe layers, megakernel, int8 x",
+                          test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10), bytes);
+    test_util::print_timeline(*prog, **d, 12);
+  }
 }
 
 }  // namespace

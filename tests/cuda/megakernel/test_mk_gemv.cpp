@@ -379,5 +379,41 @@ TEST(MkStepBench, GdnProjectionChain) {
   }
 }
 
+// The interpreter's cost of one dependency level without bytes: 100 dependent gemv ops of 528 x 2048 (4 rows an SM,
+// 0.6 MB an op, L2-resident after the first step) with and without the RMSNorm prologue. Per op: the counter wait,
+// the x prologue, one page's dot products and the publication; the whole step's ~250 levels multiply it.
+TEST(MkStepBench, LevelLatency) {
+  SKIP_WITHOUT_STEP();
+  constexpr int kOps = 100, kRows = 528;
+  const DeviceBuffer<uint16_t> pool = test::bench_pool(size_t{16} << 20, 31);
+  Carver carve{pool};
+  const QMatrix w = carve.next(kRows, 2048);
+  DeviceBuffer<float> a(test::random_vector(2048, 32)), b(test::random_vector(2048, 33));
+  DeviceBuffer<float> norm_w(test::random_vector(2048, 34, 0.1f, 1.0f));
+  std::printf("\n");
+  for (bool norm : {false, true}) {
+    for (bool int8 : {false, true}) {
+      Program p;
+      p.set_int8_activations(int8);
+      int prev = -1;
+      for (int o = 0; o < kOps; ++o) {  // a -> b -> a ...: rows 0..527 of the 2048 inputs
+        float* in = o % 2 ? b.get() : a.get();
+        float* out = o % 2 ? a.get() : b.get();
+        auto id = p.add_gemv(w, in, out, prev < 0 ? std::vector<int>{} : std::vector<int>{prev},
+                             norm ? norm_w.get() : nullptr);
+        ASSERT_TRUE(id.ok()) << id.status().message();
+        prev = *id;
+      }
+      ASSERT_TRUE(p.schedule(device_sms()).ok());
+      auto d = DeviceProgram::upload(p);
+      ASSERT_TRUE(d.ok());
+      const double us = test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10);
+      std::printf("%d dependent ops, 4 rows an SM, %s x%s: %.1f us a step, %.2f us an op\n", kOps,
+                  int8 ? "int8" : "fp32", norm ? ", RMSNorm prologue" : "", us, us / kOps);
+      if (norm && int8) test_util::print_timeline(p, **d, 4);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace lily::cuda::mk
