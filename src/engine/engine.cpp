@@ -274,17 +274,15 @@ void Engine::Impl::decode_on_host(Generation::State& g, const std::function<bool
   }
 }
 
-// engine/speculative.h's loop until the sink says stop or yield() asks for the thread (a later call resumes from
-// the history, with the request's sampler and speculative RNG).
+// engine/speculative.h's loop until the sink says stop or yield() asks for the thread between two rounds (a later
+// call resumes from the history, with the request's sampler and speculative RNG).
 void Engine::Impl::decode_speculative(Generation::State& g, const std::function<bool()>& yield) {
   SpeculativeRequest r{&g.history, g.request.prompt.size(), g.request.stop_token_ids,
-                       static_cast<int64_t>(g.sink.emitted().size()), g.left(), options.speculative_tokens};
+                       static_cast<int64_t>(g.sink.emitted().size()), g.left(), options.speculative_tokens, yield};
   SpeculativeCounts counts;
   Status st = speculative_decode(
       *backend, *g.seq->state, g.sampler, g.speculative_rng, r,
-      [&](int32_t id, float logprob, std::vector<TokenLogprob> top) {
-        return g.take(id, logprob, std::move(top)) && !yield();
-      },
+      [&](int32_t id, float logprob, std::vector<TokenLogprob> top) { return g.take(id, logprob, std::move(top)); },
       counts);
   g.result.speculative_steps += counts.steps;
   g.result.drafted_tokens += counts.drafted;

@@ -82,13 +82,17 @@ class Loop {
         history_(*r.history),
         V_(backend.config().vocab_size) {}
 
-  // A plain step first: the head drafts from the hidden state of the token it consumes.
+  // Rounds of draft + verify; a plain step only where no draft is possible: nothing consumed yet (the head has
+  // no hidden state to draft from) or the budget leaves room for one token. The caller's yield is looked at
+  // between rounds only, so the rounds (and their draws) are the same however often the loop is resumed.
   Status run() {
-    bool go_on = false;
-    RETURN_IF_ERROR(plain_step(go_on));
+    bool go_on = true;
     while (go_on) {
-      const int k = static_cast<int>(std::min<int64_t>(r_.draft_tokens, r_.budget - emitted_ - 1));
+      const int k = state_.n_tokens() == 0
+                        ? 0
+                        : static_cast<int>(std::min<int64_t>(r_.draft_tokens, r_.budget - emitted_ - 1));
       RETURN_IF_ERROR(k > 0 ? step(k, go_on) : plain_step(go_on));
+      if (go_on && r_.yield && r_.yield()) break;
     }
     return ok_status();
   }
@@ -109,7 +113,7 @@ class Loop {
     return go_on;
   }
 
-  // One token the plain way (the first of a call, or when the budget leaves no room for a draft).
+  // One token the plain way.
   Status plain_step(bool& go_on) {
     std::vector<float> logits;
     const int32_t t = history_.back();

@@ -59,10 +59,11 @@ struct SpeculativeCounts {
 
 // What the loop needs from its caller. `history` is the prompt and the tokens emitted so far; its last token is
 // the one `state` has not consumed yet (the last prompt token before the first decode step), and emit(id,
-// logprob, top) appends each new token to it and returns false once generation must end (or the caller wants
-// the thread back: the loop can be called again later with the grown history). On return the state has
-// consumed the history but its last token. The target sampler and the loop's RNG belong to the request, so a
-// generation interrupted and resumed draws the same numbers as an uninterrupted one.
+// logprob, top) appends each new token to it and returns false once generation must end (the loop can be
+// called again later with the grown history). On return the state has
+// consumed the history but its last token. yield() (optional) is asked after each round whether to hand the
+// thread back; the target sampler and the loop's RNG belong to the request, so a generation resumed after a
+// yield makes the same rounds and draws as an uninterrupted one (a seed gives the same tokens either way).
 struct SpeculativeRequest {
   const std::vector<int32_t>* history = nullptr;
   size_t n_prompt = 0;
@@ -70,6 +71,7 @@ struct SpeculativeRequest {
   int64_t emitted = 0;  // tokens emitted before this call (min_tokens counts them)
   int64_t budget = 0;   // tokens this call may still emit
   int draft_tokens = 1; // K
+  std::function<bool()> yield;
 };
 using EmitFn = std::function<bool(int32_t id, float logprob, std::vector<TokenLogprob> top)>;
 

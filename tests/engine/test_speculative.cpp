@@ -319,6 +319,38 @@ TEST(SpeculativeEngine, SeededSamplingIsReproducibleAndStaysInTheSupport) {
   EXPECT_NE(c.result.tokens, a.result.tokens);
 }
 
+// The scheduler's path: run_alone handing the thread back at every chance (between rounds), then called again.
+// The loop resumes from the request's history, sampler and RNG, so the tokens are those of one uninterrupted run.
+GenerationResult stepped(Engine& engine, const GenerationRequest& request) {
+  auto g = engine.begin(request, nullptr);
+  EXPECT_TRUE(g.ok()) << g.status().message();
+  if (!g.ok()) return {};
+  while ((*g)->prefilling()) engine.prefill_step(**g);
+  while (!(*g)->done()) engine.run_alone(**g, [] { return true; });
+  auto r = engine.finish(std::move(*g));
+  EXPECT_TRUE(r.ok()) << r.status().message();
+  return r.ok() ? *r : GenerationResult{};
+}
+
+TEST(SpeculativeEngine, RunAloneResumedAfterEveryRoundMatchesOneRun) {
+  auto spec = spec_engine(3);
+  const int32_t x = tiny_model().tokenizer.encode("a").at(0), y = tiny_model().tokenizer.encode("b").at(0);
+  GenerationRequest greedy = greedy_request({151644, 872, 198, 9707, 11, 1879}, 20);
+  greedy.reuse_cache = false;
+  GenerationRequest biased = greedy;
+  biased.sampling.logit_bias[x] = 100;
+  GenerationRequest sampled = greedy;
+  sampled.sampling.temperature = 2.0f;
+  sampled.sampling.logit_bias = {{x, 100.0f}, {y, 100.0f}};
+  sampled.sampling.seed = 7;
+  for (const GenerationRequest* r : {&greedy, &biased, &sampled}) {
+    GenerationResult one = run(*spec, *r), many = stepped(*spec, *r);
+    EXPECT_EQ(many.tokens, one.tokens);
+    EXPECT_EQ(many.finish_reason, one.finish_reason);
+    EXPECT_EQ(many.tokens.size(), 20u);
+  }
+}
+
 TEST(SpeculativeErrors, ACheckpointWithoutTheHeadIsRefusedClearly) {
   const fs::path dir = tiny_model().dir / "no_mtp";
   SynthOptions o;
