@@ -52,7 +52,6 @@ struct MoeArgs {
   int router_op = -1;             // the op that writes them
   uint32_t router_signals = 0;    // its instructions (set by the schedule)
   int n_experts = 0, top_k = 8, inter = 512;
-  bool out_after_in = false;  // moe_out's pages requested once the block's moe_in pages have landed
 };
 
 enum OpFlags : uint16_t {

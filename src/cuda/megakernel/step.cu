@@ -147,7 +147,6 @@ __device__ __forceinline__ char* free_page(const Ring& ring, uint32_t k, uint64_
 __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring) {
   const bool leader = (threadIdx.x & 31) == 0;
   uint32_t k = 0;
-  uint32_t last_in = ~0u;  // the block's last moe_in page (MoeArgs::out_after_in)
   LoaderRoute route;
   for (int i = begin; i < end; ++i) {
     const Instr in = pv.instrs[i];
@@ -173,7 +172,6 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned l
         const QMatrix g = slot == 0 ? moe.s_gate : moe.gate.expert(route.ids[slot - 1]);
         const QMatrix u = slot == 0 ? moe.s_up : moe.up.expert(route.ids[slot - 1]);
         char* page = free_page(ring, k, full);
-        last_in = k;
         mbar_expect_tx(full, 2 * rows_bytes(g, n));
         copy_rows(g, row, n, page, 0, 0, full);
         copy_rows(u, row, n, page, kMoeInRowsPerPage * 1024, kMoeInRowsPerPage * 64, full);
@@ -181,12 +179,6 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned l
     } else if (code == Opcode::moe_out) {  // 8 rows of every slot's down matrix (slot s at 2 KB * s), the weights
       const MoeArgs moe = pv.moe[pv.ops[in.op].moe];
       take_route(pv, moe, epoch, route);
-      // The down weights are needed a level later than moe_in's: requested once this block's moe_in pages have
-      // landed, they do not share the routed burst with them.
-      if (leader && moe.out_after_in && last_in != ~0u) {
-        mbar_wait(&ring.full[last_in % kPages], (last_in / kPages) & 1);
-        last_in = ~0u;
-      }
       for (int r0 = in.row_begin; r0 < in.row_end; r0 += kMoeOutRowsPerPage, ++k) {
         if (!leader) continue;
         const int n = min(kMoeOutRowsPerPage, in.row_end - r0);
