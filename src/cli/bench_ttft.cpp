@@ -12,6 +12,7 @@
 #include <sys/time.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
@@ -197,7 +198,9 @@ struct StreamedDecode {
   double tok_per_s() const { return tokens > 1 && last_ms > first_ms ? (tokens - 1) / ((last_ms - first_ms) / 1e3) : 0; }
 };
 
-Result<StreamedDecode> time_streamed_decode(int port, const std::string& model, const std::string& text, int tokens) {
+// `started`, when given, counts the streams that have had their first content chunk.
+Result<StreamedDecode> time_streamed_decode(int port, const std::string& model, const std::string& text, int tokens,
+                                            std::atomic<int>* started = nullptr) {
   json b = json::parse(chat_body(model, text, tokens, true));
   b["stream_options"] = {{"include_usage", true}};
   HttpCall call(port);
@@ -212,6 +215,7 @@ Result<StreamedDecode> time_streamed_decode(int port, const std::string& model, 
       if (ev.contains("usage") && ev["usage"].is_object()) d.tokens = ev["usage"].value("completion_tokens", 0);
       if (carries_text(ev)) {
         d.last_ms = ms_since(t0);
+        if (d.first_ms == 0 && started) started->fetch_add(1);
         if (d.first_ms == 0) d.first_ms = d.last_ms;
       }
       return true;
@@ -270,14 +274,22 @@ Result<ServerSums> server_sums(int port, int chat_requests) {
 Status run_ttft_bench(const TtftOptions& o, json& out) {
   if (o.model.empty()) return invalid_argument("--mode ttft needs --model DIR (a checkpoint with its tokenizer)");
   if (o.prompt_tokens < 16 || o.reps < 1) return invalid_argument("--prompt-tokens must be >= 16 and --reps >= 1");
-  const std::string port = std::to_string(o.port), ctx = std::to_string(o.ctx_size),
-                    threads = std::to_string(o.threads);
+  if ((!o.streams.empty() || o.busy_streams > 0) && o.decode_tokens < 2)
+    return invalid_argument("--streams and --busy-streams need --decode-tokens >= 2");
+  for (int n : o.streams) {
+    if (n < 1 || n > 64) return invalid_argument("--streams: %d clients (1 to 64)", n);
+  }
+  std::vector<std::string> args = {"lily", "serve", "--model", o.model, "--port", std::to_string(o.port),
+                                   "--backend", o.backend, "--ctx-size", std::to_string(o.ctx_size),
+                                   "--threads", std::to_string(o.threads), "--quiet", "--cuda-options", o.cuda_options};
+  if (o.parallel > 0) args.insert(args.end(), {"--parallel", std::to_string(o.parallel)});
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
   const pid_t child = ::fork();
   if (child < 0) return io_error("fork: %s", std::strerror(errno));
   if (child == 0) {
-    ::execl("/proc/self/exe", "lily", "serve", "--model", o.model.c_str(), "--port", port.c_str(), "--backend",
-            o.backend.c_str(), "--ctx-size", ctx.c_str(), "--threads", threads.c_str(), "--quiet",
-            "--cuda-options", o.cuda_options.c_str(), static_cast<char*>(nullptr));
+    ::execv("/proc/self/exe", argv.data());
     std::_Exit(127);
   }
   struct Reap {  // the server goes down with this function, however it returns
@@ -356,6 +368,56 @@ Status run_ttft_bench(const TtftOptions& o, json& out) {
                 d.last_ms);
     out["decode_tokens"] = d.tokens;
     out["decode_tok_per_s"] = d.tok_per_s();
+  }
+  if (o.busy_streams > 0) {  // a new prompt's first token while that many streams decode
+    std::atomic<int> started{0};
+    std::vector<Result<StreamedDecode>> got(static_cast<size_t>(o.busy_streams), error(ErrorCode::internal, "not run"));
+    std::vector<std::thread> clients;
+    for (int i = 0; i < o.busy_streams; ++i) {
+      clients.emplace_back([&, i] {
+        got[static_cast<size_t>(i)] =
+            time_streamed_decode(o.port, served, prompt_text(words, 500 + i), o.decode_tokens, &started);
+      });
+    }
+    const auto wait_from = Clock::now();
+    while (started.load() < o.busy_streams && ms_since(wait_from) < 120e3)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    Result<double> t = time_first_token(o.port, served, prompt_text(words, 499));
+    for (std::thread& c : clients) c.join();
+    for (auto& r : got) {
+      if (!r.ok()) return r.status();
+      if (r->last_ms < r->first_ms + 1) return error(ErrorCode::internal, "a busy stream ended too soon to overlap");
+    }
+    if (!t.ok()) return t.status();
+    std::printf("time to first token of a ~%d-token prompt while %d streams decode: %.1f ms\n", prompt_tokens,
+                o.busy_streams, *t);
+    out["busy_streams"] = o.busy_streams;
+    out["ttft_ms_while_busy"] = *t;
+  }
+  for (int n : o.streams) {  // n clients at once, each its own prompt of the same length
+    std::vector<Result<StreamedDecode>> got(static_cast<size_t>(n), error(ErrorCode::internal, "not run"));
+    std::vector<std::thread> clients;
+    for (int i = 0; i < n; ++i) {
+      clients.emplace_back([&, i] {
+        got[static_cast<size_t>(i)] =
+            time_streamed_decode(o.port, served, prompt_text(words, 1000 * n + i), o.decode_tokens);
+      });
+    }
+    for (std::thread& t : clients) t.join();
+    double sum_rate = 0, first = 1e300, last = 0, min_rate = 1e300;
+    int tokens = 0;
+    for (auto& r : got) {
+      if (!r.ok()) return r.status();
+      sum_rate += r->tok_per_s(), min_rate = std::min(min_rate, r->tok_per_s()), tokens += r->tokens;
+      first = std::min(first, r->first_ms), last = std::max(last, r->last_ms);
+    }
+    const double span_rate = last > first ? (tokens - n) / ((last - first) / 1e3) : 0;
+    std::printf("%2d concurrent streams of ~%d prompt tokens: %d tokens, per stream %.1f tok/s (slowest %.1f), "
+                "aggregate %.1f tok/s (sum of the streams' rates; %.1f over the whole span)\n", n, prompt_tokens,
+                tokens, sum_rate / n, min_rate, sum_rate, span_rate);
+    out["streams"].push_back({{"streams", n}, {"tokens", tokens}, {"per_stream_tok_per_s", sum_rate / n},
+                              {"slowest_tok_per_s", min_rate}, {"aggregate_tok_per_s", sum_rate},
+                              {"span_tok_per_s", span_rate}});
   }
   return ok_status();
 }

@@ -6,6 +6,7 @@
 #pragma once
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "util/status.h"
 
@@ -21,10 +22,15 @@ struct TtftOptions {
   int threads = 0;              // CPU backend threads (0: the server's default)
   std::string cuda_options;     // the server's --cuda-options (empty: none)
   int decode_tokens = 0;        // > 0: also stream one answer of this many tokens after a prompt_tokens prompt
+  std::vector<int> streams;     // then, for each n, n such answers streamed at once (the server's --parallel)
+  int parallel = 0;             // the server's --parallel (0: its default)
+  int busy_streams = 0;         // > 0: a new prompt's first token while this many such answers stream
 };
 
 // With decode_tokens, the streamed decode rate a client sees: one greedy request of at most that many tokens timed
 // from its first content chunk to its last, (tokens - 1) / that time (it may stop early at a stop token).
+// With streams, for each n: n clients streaming such answers at once (each its own prompt), the per-stream and
+// aggregate decode rates.
 // Runs the measurement; `out` gets the prompt's token count, every request's ms and their median/min/max.
 Status run_ttft_bench(const TtftOptions& o, nlohmann::json& out);
 

@@ -332,6 +332,14 @@ void setup(CLI::App& app) {
   cmd->add_option("--decode-tokens", a->ttft.decode_tokens,
                   "ttft: then stream one answer of this many tokens and report the decode rate the client sees")
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--streams", a->ttft.streams,
+                  "ttft: then, for each N of the list, N such answers streamed at once (per-stream and aggregate rates)")
+      ->delimiter(',');
+  cmd->add_option("--busy-streams", a->ttft.busy_streams,
+                  "ttft: the first token of a new prompt while this many answers stream (needs --decode-tokens)")
+      ->check(CLI::Range(0, 64));
+  cmd->add_option("--parallel", a->ttft.parallel, "ttft: the server's --parallel (0: its default)")
+      ->check(CLI::Range(0, 16));
   cmd->add_option("--backend", a->ttft.backend, "ttft: the server's backend; verify: the backend (auto | cpu | cuda)");
   cmd->add_option("--ctx-size", a->ttft.ctx_size, "ttft: the server's context length");
   cmd->add_option("--threads", a->ttft.threads, "ttft, verify: CPU threads (0: all)");

@@ -82,6 +82,24 @@ TEST_F(BenchTtftCli, ReportsTheStreamedDecodeRate) {
   EXPECT_NE(slurp(dir_ / "out").find("decode through the server"), std::string::npos);
 }
 
+// --streams 1,3: the same answers streamed by 1 and then 3 clients at once, per stream and in aggregate; and
+// --busy-streams 2: a new prompt's first token while two answers stream.
+TEST_F(BenchTtftCli, ReportsConcurrentStreams) {
+  const fs::path json_path = dir_ / "ttft.json";
+  ASSERT_EQ(bench("--model " + tiny_model().dir.string() + " --prompt-tokens 32 --reps 1 --decode-tokens 12 " +
+                  "--streams 1,3 --busy-streams 2 --parallel 4 --json " + json_path.string()),
+            0)
+      << slurp(dir_ / "err");
+  const auto j = nlohmann::json::parse(slurp(json_path));
+  ASSERT_EQ(j["streams"].size(), 2u) << j.dump();
+  EXPECT_EQ(j["streams"][1]["streams"].get<int>(), 3);
+  EXPECT_GE(j["streams"][1]["tokens"].get<int>(), 3 * 2);
+  EXPECT_GT(j["streams"][1]["aggregate_tok_per_s"].get<double>(), 0.0);
+  EXPECT_GT(j["ttft_ms_while_busy"].get<double>(), 0.0);
+  EXPECT_NE(bench("--model " + tiny_model().dir.string() + " --streams 2"), 0);
+  EXPECT_NE(slurp(dir_ / "err").find("need --decode-tokens"), std::string::npos) << slurp(dir_ / "err");
+}
+
 TEST_F(BenchTtftCli, RefusesWithoutAModelAndReportsAServerThatCannotLoad) {
   EXPECT_NE(bench(""), 0);
   EXPECT_NE(slurp(dir_ / "err").find("--mode ttft needs --model DIR"), std::string::npos) << slurp(dir_ / "err");

@@ -29,15 +29,11 @@ int row_quantum(const Op& op) {
 
 }  // namespace
 
-size_t Program::instr_bytes(const Instr& in) const {
-  const Op& op = ops_[static_cast<size_t>(in.op)];
+size_t instr_weight_bytes(const Op& op, const Instr& in) {
   const size_t rows = static_cast<size_t>(in.row_end - in.row_begin);
   if (op.code == Opcode::gdn_head) return rows * kGdnDim * kGdnDim * 4;
-  if (op.code == Opcode::moe_in || op.code == Opcode::moe_out) {
-    const MoeArgs& moe = moe_[static_cast<size_t>(op.moe)];
-    if (op.code == Opcode::moe_in) return rows * 2 * (moe.gate.bytes() / moe.gate.rows);
-    return rows * (moe.top_k + 1) * (moe.down.bytes() / moe.down.rows);
-  }
+  if (op.code == Opcode::moe_in) return rows * 2 * (op.moe.gate.bytes() / op.moe.gate.rows);
+  if (op.code == Opcode::moe_out) return rows * (op.moe.top_k + 1) * (op.moe.down.bytes() / op.moe.down.rows);
   QMatrix slice = op.m;
   slice.rows = in.row_end - in.row_begin;
   return slice.bytes();
@@ -121,7 +117,7 @@ Result<int> Program::add_moe(const QMatrix& router, MoeArgs moe, float* h, const
   in.flags = static_cast<uint16_t>(kRmsNorm | (int8_x_ ? kInt8X : 0));
   in.m = moe.gate;  // the x prologue reads its columns
   in.m.rows = (moe.top_k + 1) * I;  // the schedule cuts (slot, row) pairs
-  in.moe = static_cast<int>(moe_.size());
+  in.moe = moe;
   in.in = h, in.norm_w = norm_w, in.eps = eps, in.out = act;
   in.wait[0] = h_op, in.wait[1] = router_op;
   in.signal = id;
@@ -129,13 +125,12 @@ Result<int> Program::add_moe(const QMatrix& router, MoeArgs moe, float* h, const
   Op out;
   out.code = Opcode::moe_out;
   out.m = moe.down;
-  out.moe = in.moe;
+  out.moe = moe;
   out.in = act, out.residual = h, out.out = h;
   out.flags = kResidual;
   out.wait[0] = id, out.wait[1] = router_op;  // h itself is ordered through moe_in's wait on h_op
   out.signal = id + 1;
   ops_.push_back(out);
-  moe_.push_back(moe);
   return id + 1;
 }
 
@@ -164,8 +159,8 @@ Status Program::schedule(int n_blocks) {
   }
   for (Op& op : ops_) {
     for (int i = 0; i < kMaxWaits; ++i) op.wait_count[i] = op.wait[i] >= 0 ? signals_[op.wait[i]] : 0;
+    if (op.moe.router_op >= 0) op.moe.router_signals = signals_[op.moe.router_op];
   }
-  for (MoeArgs& moe : moe_) moe.router_signals = signals_[static_cast<size_t>(moe.router_op)];
   instrs_.clear();
   list_begin_.assign(1, 0);
   for (const auto& l : lists) {
@@ -177,7 +172,7 @@ Status Program::schedule(int n_blocks) {
 
 size_t Program::block_bytes(int b) const {
   size_t bytes = 0;
-  for (int i = list_begin_[b]; i < list_begin_[b + 1]; ++i) bytes += instr_bytes(instrs_[i]);
+  for (int i = list_begin_[b]; i < list_begin_[b + 1]; ++i) bytes += instr_weight_bytes(ops_[instrs_[i].op], instrs_[i]);
   return bytes;
 }
 

@@ -147,7 +147,6 @@ __device__ __forceinline__ char* free_page(const Ring& ring, uint32_t k, uint64_
 __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring) {
   const bool leader = (threadIdx.x & 31) == 0;
   uint32_t k = 0;
-  uint32_t last_in = ~0u;  // the block's last moe_in page (MoeArgs::out_after_in)
   LoaderRoute route;
   for (int i = begin; i < end; ++i) {
     const Instr in = pv.instrs[i];
@@ -165,7 +164,7 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned l
         }
       }
     } else if (code == Opcode::moe_in) {  // 16 (slot, row) pairs a page: gate rows at 0, up rows at 16 KB
-      const MoeArgs moe = pv.moe[pv.ops[in.op].moe];
+      const MoeArgs moe = pv.ops[in.op].moe;
       for (int r0 = in.row_begin; r0 < in.row_end; r0 += kMoeInRowsPerPage, ++k) {
         const int slot = r0 / moe.inter, row = r0 % moe.inter, n = min(kMoeInRowsPerPage, in.row_end - r0);
         if (slot > 0) take_route(pv, moe, epoch, route);
@@ -173,20 +172,13 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned l
         const QMatrix g = slot == 0 ? moe.s_gate : moe.gate.expert(route.ids[slot - 1]);
         const QMatrix u = slot == 0 ? moe.s_up : moe.up.expert(route.ids[slot - 1]);
         char* page = free_page(ring, k, full);
-        last_in = k;
         mbar_expect_tx(full, 2 * rows_bytes(g, n));
         copy_rows(g, row, n, page, 0, 0, full);
         copy_rows(u, row, n, page, kMoeInRowsPerPage * 1024, kMoeInRowsPerPage * 64, full);
       }
     } else if (code == Opcode::moe_out) {  // 8 rows of every slot's down matrix (slot s at 2 KB * s), the weights
-      const MoeArgs moe = pv.moe[pv.ops[in.op].moe];
+      const MoeArgs moe = pv.ops[in.op].moe;
       take_route(pv, moe, epoch, route);
-      // The down weights are needed a level later than moe_in's: requested once this block's moe_in pages have
-      // landed, they do not share the routed burst with them.
-      if (leader && moe.out_after_in && last_in != ~0u) {
-        mbar_wait(&ring.full[last_in % kPages], (last_in / kPages) & 1);
-        last_in = ~0u;
-      }
       for (int r0 = in.row_begin; r0 < in.row_end; r0 += kMoeOutRowsPerPage, ++k) {
         if (!leader) continue;
         const int n = min(kMoeOutRowsPerPage, in.row_end - r0);
@@ -407,11 +399,11 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
 // The pages of one moe_out instruction (8 rows a page, every slot's down rows; x_s = act [(top_k + 1) * 512],
 // w_s = the slots' weights): warp w < 8 takes row w; lane j vector j % 16 of slots j / 16, j / 16 + 2, ...
 // (512 columns: 16 vectors a row), weighted and summed in a fixed order.
-__device__ void moe_out_pages(const Op& op, const Instr& in, int pv_slots, const float* x_s, const Ring& ring,
-                              uint32_t& k, unsigned long long* wait_ns) {
+__device__ void moe_out_pages(const Op& op, const Instr& in, const float* x_s, const Ring& ring, uint32_t& k,
+                              unsigned long long* wait_ns) {
   constexpr int kVecs = 512 / kVecElems4;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, v = lane % kVecs;
-  const int slots = pv_slots;  // top_k + 1
+  const int slots = op.moe.top_k + 1;
   for (int r0 = in.row_begin; r0 < in.row_end; r0 += kMoeOutRowsPerPage, ++k) {
     const int p = static_cast<int>(k % kPages), n = min(kMoeOutRowsPerPage, in.row_end - r0);
     const bool active = warp < n;
@@ -560,10 +552,9 @@ __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigne
     unsigned long long* wait_ns = marks ? &page_wait : nullptr;
     const bool int8 = op.flags & kInt8X;
     if (op.code == Opcode::moe_out) {
-      const int slots = pv.moe[op.moe].top_k + 1;
-      load_x(op, slots * op.m.cols, x_s, red_s, xi);
+      load_x(op, (op.moe.top_k + 1) * op.moe.inter, x_s, red_s, xi);
       if (marks) marks[2] = globaltimer();
-      moe_out_pages(op, in, slots, x_s, ring, k, wait_ns);
+      moe_out_pages(op, in, x_s, ring, k, wait_ns);
     } else {
       load_x(op, op.m.cols, x_s, red_s, xi);
       if (marks) marks[2] = globaltimer();
@@ -660,21 +651,18 @@ Result<std::unique_ptr<DeviceProgram>> DeviceProgram::upload(const Program& p) {
     if (!src && cudaMemset(*dst, 0, bytes) != cudaSuccess) return error(ErrorCode::internal, "megakernel: memset");
     return ok_status();
   };
-  void *ops, *instrs, *list, *counters, *epochs;  // (and the MoE operands below)
+  void *ops, *instrs, *list, *counters, *epochs;
   const int n_blocks = static_cast<int>(p.list_begin().size()) - 1;
   d->n_counters_ = static_cast<int>(p.ops().size());
   d->n_instrs_ = static_cast<int>(p.instrs().size());
   RETURN_IF_ERROR(copy(p.ops().data(), p.ops().size() * sizeof(Op), &ops));
   RETURN_IF_ERROR(copy(p.instrs().data(), p.instrs().size() * sizeof(Instr), &instrs));
   RETURN_IF_ERROR(copy(p.list_begin().data(), p.list_begin().size() * sizeof(int), &list));
-  void* moe;
-  RETURN_IF_ERROR(copy(p.moe_args().data(), p.moe_args().size() * sizeof(MoeArgs), &moe));
   RETURN_IF_ERROR(copy(nullptr, d->n_counters_ * sizeof(unsigned long long), &counters));
   RETURN_IF_ERROR(copy(nullptr, n_blocks * sizeof(unsigned long long), &epochs));
   d->view_.ops = static_cast<const Op*>(ops);
   d->view_.instrs = static_cast<const Instr*>(instrs);
   d->view_.list_begin = static_cast<const int*>(list);
-  d->view_.moe = static_cast<const MoeArgs*>(moe);
   d->view_.counters = static_cast<unsigned long long*>(counters);
   d->view_.epochs = static_cast<unsigned long long*>(epochs);
   d->view_.n_blocks = n_blocks;

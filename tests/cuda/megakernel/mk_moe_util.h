@@ -24,9 +24,8 @@ struct BenchMoe {
     s_down = test::bench_qmatrix(pool, H, I, 4, 502 + 3 * layer);
   }
   double bytes() const { return static_cast<double>(router.bytes()) + (K + 1) * (2.0 * gate.bytes() + down.bytes()); }
-  MoeArgs args(bool out_after_in = false) const {
+  MoeArgs args() const {
     MoeArgs a;
-    a.out_after_in = out_after_in;
     a.gate = gate, a.up = up, a.down = down, a.s_gate = s_gate, a.s_up = s_up, a.s_down = s_down;
     a.n_experts = E, a.top_k = K, a.inter = I;
     return a;
@@ -59,8 +58,8 @@ struct BenchMoe {
     CUDA_TRY(moe_expert_in(ip, stream));
     return moe_expert_out(op, stream);
   }
-  Result<int> add_to(Program& p, float* h, const float* norm_w, float* act, int h_op, bool out_after_in = false) const {
-    return p.add_moe(router, args(out_after_in), h, norm_w, logits.get(), act, h_op);
+  Result<int> add_to(Program& p, float* h, const float* norm_w, float* act, int h_op) const {
+    return p.add_moe(router, args(), h, norm_w, logits.get(), act, h_op);
   }
 };
 

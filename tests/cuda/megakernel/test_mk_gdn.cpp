@@ -174,7 +174,6 @@ struct GdnLayers {
   }
   // With `moe` (one per layer), each layer ends with its MoE block, as the model's do.
   std::vector<const test_util::BenchMoe*> moe;
-  bool moe_out_after_in = false;
   DeviceBuffer<float> act{9 * 512};
   test_util::BenchMoe::Scratch moe_scratch;
 
@@ -190,7 +189,7 @@ struct GdnLayers {
       ASSIGN_OR_RETURN(const int heads, p.add_gdn_heads(s.args(), s.d_out.get(), in));
       ASSIGN_OR_RETURN(prev, p.add_gemv(w_out[l], s.d_out.get(), h.get(), {heads}, nullptr, 1e-6f, h.get()));
       if (!moe.empty()) {
-        ASSIGN_OR_RETURN(prev, moe[l]->add_to(p, h.get(), norm_in.get(), act.get(), prev, moe_out_after_in));
+        ASSIGN_OR_RETURN(prev, moe[l]->add_to(p, h.get(), norm_in.get(), act.get(), prev));
       }
     }
     RETURN_IF_ERROR(p.schedule(n_blocks));
@@ -330,16 +329,13 @@ TEST(MkLayerBench, ThirtyGdnLayersWithMoe) {
   std::printf("\n");
   test::print_bandwidth("gdn + moe layers, chain (180 launches)",
                         test::graph_time_us([&](int, cudaStream_t s) { return layers.chain(s); }, 10), bytes);
-  for (bool after : {false, true}) {
-    layers.moe_out_after_in = after;
-    auto prog = layers.program(device_sms(), true);
-    ASSERT_TRUE(prog.ok()) << prog.status().message();
-    auto d = DeviceProgram::upload(*prog);
-    ASSERT_TRUE(d.ok());
-    test::print_bandwidth(after ? "gdn + moe layers, int8, moe_out after moe_in" : "gdn + moe layers, megakernel, int8 x",
-                          test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10), bytes);
-    test_util::print_timeline(*prog, **d, 12);
-  }
+  auto prog = layers.program(device_sms(), true);
+  ASSERT_TRUE(prog.ok()) << prog.status().message();
+  auto d = DeviceProgram::upload(*prog);
+  ASSERT_TRUE(d.ok());
+  test::print_bandwidth("gdn + moe layers, megakernel, int8 x",
+                        test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10), bytes);
+  test_util::print_timeline(*prog, **d, 12);
 }
 
 }  // namespace

@@ -265,22 +265,19 @@ TEST(MkMoeBench, FortyLayers) {
   };
   std::printf("\n");
   test::print_bandwidth("40 moe blocks, chain (120 launches)", test::graph_time_us(chain, 10), bytes);
-  for (int variant = 0; variant < 3; ++variant) {
-    const bool int8 = variant > 0, out_after_in = variant == 2;
+  for (bool int8 : {false, true}) {
     Program p;
     p.set_int8_activations(int8);
     int h_op = -1;
     for (const auto& L : layers) {
-      auto id = L->add_to(p, h.get(), norm_w.get(), act.get(), h_op, out_after_in);
+      auto id = L->add_to(p, h.get(), norm_w.get(), act.get(), h_op);
       ASSERT_TRUE(id.ok()) << id.status().message();
       h_op = *id;
     }
     ASSERT_TRUE(p.schedule(device_sms()).ok());
     auto d = DeviceProgram::upload(p);
     ASSERT_TRUE(d.ok());
-    test::print_bandwidth(out_after_in ? "40 moe blocks, int8, moe_out after moe_in"
-                          : int8       ? "40 moe blocks, megakernel, int8 x"
-                                       : "40 moe blocks, megakernel, fp32 x",
+    test::print_bandwidth(int8 ? "40 moe blocks, megakernel, int8 x" : "40 moe blocks, megakernel, fp32 x",
                           test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10), bytes);
     test_util::print_timeline(p, **d, 9);
   }
