@@ -200,8 +200,9 @@ struct StreamedDecode {
 
 // `started`, when given, counts the streams that have had their first content chunk.
 Result<StreamedDecode> time_streamed_decode(int port, const std::string& model, const std::string& text, int tokens,
-                                            std::atomic<int>* started = nullptr) {
+                                            const json& extra, std::atomic<int>* started = nullptr) {
   json b = json::parse(chat_body(model, text, tokens, true));
+  b.update(extra);
   b["stream_options"] = {{"include_usage", true}};
   HttpCall call(port);
   const auto t0 = Clock::now();
@@ -278,6 +279,14 @@ Status run_ttft_bench(const TtftOptions& o, json& out) {
     return invalid_argument("--streams and --busy-streams need --decode-tokens >= 2");
   for (int n : o.streams) {
     if (n < 1 || n > 64) return invalid_argument("--streams: %d clients (1 to 64)", n);
+  }
+  json extra = json::object();  // --decode-field KEY=JSON: added to every decode request's body
+  for (const std::string& f : o.decode_fields) {
+    const size_t eq = f.find('=');
+    const json v = eq == std::string::npos ? json() : json::parse(f.substr(eq + 1), nullptr, false);
+    if (eq == std::string::npos || eq == 0 || v.is_discarded())
+      return invalid_argument("--decode-field takes KEY=JSON (e.g. min_tokens=1), got `%s`", f.c_str());
+    extra[f.substr(0, eq)] = v;
   }
   std::vector<std::string> args = {"lily", "serve", "--model", o.model, "--port", std::to_string(o.port),
                                    "--backend", o.backend, "--ctx-size", std::to_string(o.ctx_size),
@@ -362,7 +371,7 @@ Status run_ttft_bench(const TtftOptions& o, json& out) {
          {"ttft_ms_max", sorted.back()}, {"ttft_ms", ms}, {"server_ttft_ms_mean", server_ms},
          {"engine_prefill_ms_mean", engine_ms}, {"backend", o.backend}, {"model", o.model}};
   if (o.decode_tokens > 0) {
-    ASSIGN_OR_RETURN(StreamedDecode d, time_streamed_decode(o.port, served, prompt_text(words, o.reps + 2), o.decode_tokens));
+    ASSIGN_OR_RETURN(StreamedDecode d, time_streamed_decode(o.port, served, prompt_text(words, o.reps + 2), o.decode_tokens, extra));
     std::printf("decode through the server after the ~%d-token prompt: %d tokens streamed at %.1f tok/s (first "
                 "content chunk at %.1f ms, last at %.1f ms)\n", prompt_tokens, d.tokens, d.tok_per_s(), d.first_ms,
                 d.last_ms);
@@ -376,7 +385,7 @@ Status run_ttft_bench(const TtftOptions& o, json& out) {
     for (int i = 0; i < o.busy_streams; ++i) {
       clients.emplace_back([&, i] {
         got[static_cast<size_t>(i)] =
-            time_streamed_decode(o.port, served, prompt_text(words, 500 + i), o.decode_tokens, &started);
+            time_streamed_decode(o.port, served, prompt_text(words, 500 + i), o.decode_tokens, extra, &started);
       });
     }
     const auto wait_from = Clock::now();
@@ -400,7 +409,7 @@ Status run_ttft_bench(const TtftOptions& o, json& out) {
     for (int i = 0; i < n; ++i) {
       clients.emplace_back([&, i] {
         got[static_cast<size_t>(i)] =
-            time_streamed_decode(o.port, served, prompt_text(words, 1000 * n + i), o.decode_tokens);
+            time_streamed_decode(o.port, served, prompt_text(words, 1000 * n + i), o.decode_tokens, extra);
       });
     }
     for (std::thread& t : clients) t.join();

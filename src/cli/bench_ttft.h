@@ -25,6 +25,7 @@ struct TtftOptions {
   std::vector<int> streams;     // then, for each n, n such answers streamed at once (the server's --parallel)
   int parallel = 0;             // the server's --parallel (0: its default)
   int busy_streams = 0;         // > 0: a new prompt's first token while this many such answers stream
+  std::vector<std::string> decode_fields;  // KEY=JSON added to the decode requests (e.g. min_tokens=1)
 };
 
 // With decode_tokens, the streamed decode rate a client sees: one greedy request of at most that many tokens timed

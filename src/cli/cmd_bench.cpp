@@ -338,6 +338,8 @@ void setup(CLI::App& app) {
   cmd->add_option("--busy-streams", a->ttft.busy_streams,
                   "ttft: the first token of a new prompt while this many answers stream (needs --decode-tokens)")
       ->check(CLI::Range(0, 64));
+  cmd->add_option("--decode-field", a->ttft.decode_fields,
+                  "ttft: KEY=JSON added to the decode requests' bodies (e.g. min_tokens=1: the host-sampling loop)");
   cmd->add_option("--parallel", a->ttft.parallel, "ttft: the server's --parallel (0: its default)")
       ->check(CLI::Range(0, 16));
   cmd->add_option("--backend", a->ttft.backend, "ttft: the server's backend; verify: the backend (auto | cpu | cuda)");

@@ -343,13 +343,14 @@ SampleResult Sampler::sample(std::span<float> logits, std::span<const int32_t> h
   apply_bias_and_penalties(logits, history, n_prompt);
   int32_t argmax = -1;
   const float max_logit = max_and_check(logits, &argmax);
+  SampleResult result;
+  result.id = params_.temperature == 0.0f ? argmax : draw(logits, max_logit);
+  // The log-normaliser is a pass of exp over the whole vocabulary (~1 ms for 248K logits): only for logprobs.
+  if (!params_.logprobs) return result;
   double sum = 0.0;
   for (float l : logits) sum += std::exp(l - max_logit);  // float exp, double sum
   const double log_normaliser = static_cast<double>(max_logit) + std::log(sum);
   auto logprob_of = [&](int32_t id) { return static_cast<float>(logits[id] - log_normaliser); };
-
-  SampleResult result;
-  result.id = params_.temperature == 0.0f ? argmax : draw(logits, max_logit);
   result.logprob = logprob_of(result.id);
   if (params_.top_logprobs > 0) {
     select_top_n(logits, static_cast<size_t>(params_.top_logprobs), candidates_);

@@ -89,8 +89,8 @@ struct TokenLogprob {
 };
 
 struct SampleResult {
-  int32_t id;
-  float logprob;                  // log_softmax of the processed logits (step 4), at the chosen id
+  int32_t id = -1;
+  float logprob = 0.0f;           // log_softmax of the processed logits (step 4), at the chosen id (with logprobs)
   std::vector<TokenLogprob> top;  // params.top_logprobs entries, logprob descending, ties -> lower id
 };
 

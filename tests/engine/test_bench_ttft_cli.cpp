@@ -71,8 +71,8 @@ TEST_F(BenchTtftCli, TimesStreamedRequestsOfTheAskedLength) {
 // content chunk.
 TEST_F(BenchTtftCli, ReportsTheStreamedDecodeRate) {
   const fs::path json_path = dir_ / "ttft.json";
-  ASSERT_EQ(bench("--model " + tiny_model().dir.string() + " --prompt-tokens 64 --reps 1 --decode-tokens 24 --json " +
-                  json_path.string()),
+  ASSERT_EQ(bench("--model " + tiny_model().dir.string() + " --prompt-tokens 64 --reps 1 --decode-tokens 24 " +
+                  "--decode-field min_tokens=2 --json " + json_path.string()),
             0)
       << slurp(dir_ / "err");
   const auto j = nlohmann::json::parse(slurp(json_path));
@@ -80,6 +80,8 @@ TEST_F(BenchTtftCli, ReportsTheStreamedDecodeRate) {
   EXPECT_LE(j["decode_tokens"].get<int>(), 24);
   EXPECT_GT(j["decode_tok_per_s"].get<double>(), 0.0);
   EXPECT_NE(slurp(dir_ / "out").find("decode through the server"), std::string::npos);
+  EXPECT_NE(bench("--model " + tiny_model().dir.string() + " --decode-tokens 8 --decode-field min_tokens"), 0);
+  EXPECT_NE(slurp(dir_ / "err").find("--decode-field takes KEY=JSON"), std::string::npos) << slurp(dir_ / "err");
 }
 
 // --streams 1,3: the same answers streamed by 1 and then 3 clients at once, per stream and in aggregate; and

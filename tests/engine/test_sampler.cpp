@@ -244,6 +244,7 @@ TEST(Sampler, PenaltiesChangeLogitsExactly) {
   p.presence_penalty = 0.5f;
   p.frequency_penalty = 0.25f;
   p.logit_bias = {{0, 1.0f}, {3, -0.5f}};
+  p.logprobs = true;  // the chosen id's logprob is computed only with logprobs
   Sampler sampler(p);
   std::vector<float> logits = {2.0f, -1.0f, 0.5f, 3.0f, -2.0f, 0.7f};
   const std::vector<int32_t> history = {0, 1, 5, /*generated:*/ 1, 2, 2};
