@@ -25,6 +25,8 @@ class CpuBackend final : public Backend {
   // lone decode step, whatever decodes beside it).
   Status forward_batch(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
                        std::vector<float>* logits) override;
+  Result<std::unique_ptr<SequenceState>> load_sequence(ByteReader& in) override;
+  Result<std::unique_ptr<Checkpoint>> load_checkpoint(ByteReader& in) override;
 
  private:
   std::shared_ptr<const ModelWeights> weights_;

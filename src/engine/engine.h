@@ -15,6 +15,7 @@
 
 #include "engine/backend.h"
 #include "engine/sampler.h"
+#include "engine/session_disk.h"
 #include "tokenizer/tokenizer.h"
 
 namespace lily {
@@ -29,6 +30,10 @@ struct EngineOptions {
                                             // preferred_prefill_tokens()
   // Tokens a sequence may hold; 0: what the backend holds (Backend::max_context).
   int64_t max_context = 0;
+  // The session cache's disk tier (`--cache-dir`); none when disk.dir is empty. Its files are marked with
+  // model_fingerprint (engine/session_file.h; load_model sets it) and the backend's name.
+  SessionDiskOptions disk;
+  std::string model_fingerprint;
 };
 
 struct GenerationRequest {
@@ -63,6 +68,10 @@ struct GenerationResult {
 struct EngineStats {
   uint64_t cache_hits = 0, cache_misses = 0, cache_evictions = 0;  // requests with reuse_cache only
   size_t cache_bytes = 0, cache_entries = 0, cache_budget_bytes = 0;
+  // The disk tier (0 without one): requests resumed from a file, files written / evicted / refused, and
+  // what the files hold.
+  uint64_t disk_hits = 0, disk_writes = 0, disk_evictions = 0, disk_refused = 0;
+  uint64_t disk_bytes = 0, disk_files = 0, disk_budget_bytes = 0;
 };
 
 // One request between Engine::begin and Engine::finish: its leased sequence and its decode state (sampler and
@@ -111,7 +120,8 @@ class Engine {
   Result<GenerationResult> finish(std::unique_ptr<Generation> generation);
 
   EngineStats stats() const;  // safe to call from another thread while generate() runs
-  void clear_cache();
+  void clear_cache();         // the sessions in memory (the disk tier's files stay)
+  void flush_disk_cache();    // waits until the disk tier has written every session handed to it
 
  private:
   struct Impl;

@@ -134,6 +134,15 @@ std::string Metrics::render(const LiveGauges& live) const {
   gauge("lily_session_cache_budget_bytes", "The session cache's memory budget.",
         static_cast<double>(live.cache.cache_budget_bytes));
   gauge("lily_session_cache_entries", "Cached sessions.", static_cast<double>(live.cache.cache_entries));
+  counter("lily_session_disk_hits_total", "Requests resumed from a --cache-dir file.",
+          static_cast<double>(live.cache.disk_hits));
+  counter("lily_session_disk_writes_total", "Session files written.", static_cast<double>(live.cache.disk_writes));
+  counter("lily_session_disk_evictions_total", "Session files deleted to stay within --cache-disk-budget.",
+          static_cast<double>(live.cache.disk_evictions));
+  counter("lily_session_disk_refused_total", "Session files refused (corrupt, truncated, foreign, unreadable).",
+          static_cast<double>(live.cache.disk_refused));
+  gauge("lily_session_disk_bytes", "Bytes of the session files.", static_cast<double>(live.cache.disk_bytes));
+  gauge("lily_session_disk_files", "Session files.", static_cast<double>(live.cache.disk_files));
   return out;
 }
 
