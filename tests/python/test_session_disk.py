@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 from lily_harness import LILY_BIN, LilyServer, Runner, main_guard, make_tiny_model
@@ -75,8 +76,10 @@ class Suite:
         return d
 
     def first_turn(self, d, sig=signal.SIGTERM, model=None):
-        """Turn one on a server with --cache-dir d, then the server is stopped with `sig`; the session file."""
-        s = LilyServer(model or self.model, "--cache-dir", d).start()
+        """Turn one on a server with --cache-dir d, then the server is stopped with `sig`; the new session file."""
+        before = set(session_files(d)) if os.path.isdir(d) else set()
+        extra = ["--served-model-name", "tiny"] if model else []
+        s = LilyServer(model or self.model, "--cache-dir", d, *extra).start()
         try:
             reply, _ = chat(s, turn_one())
             if model is None:
@@ -88,8 +91,8 @@ class Suite:
                 assert s.stop(sig) == 0, "\n".join(s.lines)
         finally:
             s.kill()
-        files = session_files(d)
-        assert len(files) == 1, files
+        files = sorted(set(session_files(d)) - before)
+        assert len(files) == 1, (files, before)
         return files[0]
 
     def second_turn(self, d, expect_cached):
@@ -126,6 +129,45 @@ class Suite:
         d = self.fresh_dir()
         self.first_turn(d, sig=signal.SIGKILL)
         self.second_turn(d, expect_cached=True)
+
+    def test_sigkill_at_any_time_leaves_no_bad_file(self):
+        """Killed right after answering (the writer may be mid-file), five times over: every restart indexes the
+        directory without a refusal, and no temporary survives it."""
+        d = self.fresh_dir()
+        for i in range(5):
+            s = LilyServer(self.model, "--cache-dir", d).start()
+            try:
+                lines = list(s.lines)
+                chat(s, [{"role": "user", "content": "round %d" % i}])
+                time.sleep(0.002 * i)
+                s.kill()
+            finally:
+                s.kill()
+            assert not [l for l in lines if "refusing" in l], lines
+            assert not [f for f in os.listdir(d) if f.endswith(".tmp") and ".%d." % s.proc.pid not in f], os.listdir(d)
+        self.first_turn(d)
+        self.second_turn(d, expect_cached=True)
+
+    def test_two_servers_share_a_directory(self):
+        """Both write the same conversation into one directory at once; a third server resumes from it."""
+        d = self.fresh_dir()
+        a = LilyServer(self.model, "--cache-dir", d).start()
+        b = LilyServer(self.model, "--cache-dir", d).start()
+        try:
+            results = []
+            threads = [threading.Thread(target=lambda s=s: results.append(chat(s, turn_one()))) for s in (a, b)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert [output(r[0]) for r in results] == [output(self.reply1)] * 2, results
+            assert a.stop() == 0 and b.stop() == 0
+        finally:
+            a.kill()
+            b.kill()
+        assert len(session_files(d)) == 2, os.listdir(d)
+        lines = self.second_turn(d, expect_cached=True)
+        assert not [l for l in lines if "refusing" in l], lines
 
     def test_missing_directory_is_created(self):
         d = os.path.join(self.fresh_dir(), "not", "there", "yet")
@@ -164,7 +206,6 @@ class Suite:
         other = os.path.join(self.tmp, "other_model")
         subprocess.run([LILY_BIN, "synth", "--preset", "tiny", "--layout", "mlx", "--seed", "7", "--out", other],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=120)
-        shutil.copy(os.path.join(self.model, "tokenizer.json"), other)
         d = self.fresh_dir()
         f = self.first_turn(d, model=other)
         line = self.refused(self.second_turn(d, expect_cached=False), f, "another model")
