@@ -46,16 +46,6 @@ bool stale_temporary(const std::string& file) {
   return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 
-Status write_all(int fd, const uint8_t* p, size_t n) {
-  while (n > 0) {
-    ssize_t put = ::write(fd, p, n);
-    if (put < 0 && errno == EINTR) continue;
-    if (put < 0) return io_error("%s", std::strerror(errno));
-    p += put, n -= static_cast<size_t>(put);
-  }
-  return ok_status();
-}
-
 }  // namespace
 
 std::unique_ptr<SessionDisk> SessionDisk::open(SessionDiskOptions o, SessionFileOwner owner) {
@@ -210,7 +200,7 @@ void SessionDisk::save(const std::string& name, SessionSnapshot snapshot) {
     if (same != queue_.end()) {
       queued_bytes_ -= same->snapshot.bytes();
       same->snapshot = std::move(snapshot);
-    } else if (queued_bytes_ + bytes > options_.max_pending_bytes) {
+    } else if (!queue_.empty() && queued_bytes_ + bytes > options_.max_pending_bytes) {  // one always fits
       ++stats_.dropped;
       return;
     } else {
@@ -267,34 +257,23 @@ void SessionDisk::run_writer() {
 
 void SessionDisk::write(Job& job) {
   const std::string path = path_of(job.name);
-  Result<std::vector<uint8_t>> bytes = encode_session_file(owner_, job.snapshot);
-  if (!bytes.ok()) {
-    options_.log(format("session cache: not saving %s: %s", path.c_str(), bytes.status().message().c_str()));
-    return;
-  }
-  if (bytes->size() > options_.budget_bytes) {
-    std::lock_guard lock(mu_);
-    ++stats_.dropped;  // larger than the whole budget: it would evict everything and then itself
-    return;
-  }
   uint64_t n;
   {
     std::lock_guard lock(mu_);
     n = ++tmp_counter_;
   }
-  const std::string tmp =
-      (fs::path(options_.dir) / format(".%s.%d.%llu%s", job.name.c_str(), (int)::getpid(), (unsigned long long)n, kTmpSuffix))
-          .string();
-  Status st;
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    st = io_error("%s", std::strerror(errno));
-  } else {
-    st = write_all(fd, bytes->data(), bytes->size());
-    if (st.ok() && ::fdatasync(fd) != 0) st = io_error("fdatasync: %s", std::strerror(errno));
-    if (::close(fd) != 0 && st.ok()) st = io_error("close: %s", std::strerror(errno));
-    if (st.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) st = io_error("rename: %s", std::strerror(errno));
+  const std::string tmp = (fs::path(options_.dir) / format(".%s.%d.%llu%s", job.name.c_str(), (int)::getpid(),
+                                                           (unsigned long long)n, kTmpSuffix))
+                              .string();
+  Result<uint64_t> bytes = write_session_file(tmp, owner_, job.snapshot);
+  if (bytes.ok() && *bytes > options_.budget_bytes) {
+    ::unlink(tmp.c_str());  // larger than the whole budget: it would evict everything and then itself
+    std::lock_guard lock(mu_);
+    ++stats_.dropped;
+    return;
   }
+  Status st = bytes.status();
+  if (st.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) st = io_error("rename failed: %s", std::strerror(errno));
   if (!st.ok()) {
     ::unlink(tmp.c_str());
     options_.log(format("session cache: cannot write %s: %s", path.c_str(), st.message().c_str()));
@@ -303,7 +282,7 @@ void SessionDisk::write(Job& job) {
   SessionFileInfo info;
   info.tokens = std::move(job.snapshot.tokens);
   for (const auto& [pos, cp] : job.snapshot.checkpoints) info.checkpoints.push_back(pos);
-  info.file_bytes = bytes->size();
+  info.file_bytes = *bytes;
   std::vector<std::string> victims;
   {
     std::lock_guard lock(mu_);

@@ -4,7 +4,8 @@
 // request whose prompt shares a prefix with a file loads its state and checkpoints instead of prefilling.
 //
 // - The request path only hands a snapshot over (save()): the queue is bounded in bytes, a newer snapshot of
-//   an entry replaces one still waiting, and one that does not fit is dropped (the file is just older).
+//   an entry replaces one still waiting, and one that does not fit behind the others is dropped (the file is
+//   just older).
 // - Files are written to a temporary name and renamed into place, so a reader (or a restart after SIGKILL)
 //   sees a whole old or a whole new file, never a partial one; temporaries of dead processes are removed at
 //   start.

@@ -180,11 +180,24 @@ size_t SessionSnapshot::bytes() const {
   return state.size() + (tokens.size() + 1) * sizeof(int32_t);
 }
 
-Result<std::vector<uint8_t>> encode_session_file(const SessionFileOwner& owner, const SessionSnapshot& s) {
-  std::vector<uint8_t> out;
-  out.reserve(kHeaderBytes + (s.tokens.size() + 16) * sizeof(int64_t) + s.state.size());
-  ByteWriter w(out);
-  w.grow(kHeaderBytes);  // written last
+namespace {
+
+Status write_all(int fd, const void* data, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (n > 0) {
+    ssize_t put = ::write(fd, p, n);
+    if (put < 0 && errno == EINTR) continue;
+    if (put < 0) return io_error("write failed: %s", std::strerror(errno));
+    p += put, n -= static_cast<size_t>(put);
+  }
+  return ok_status();
+}
+
+// Header and meta go first with the header still blank, then the payload piece by piece (one checkpoint in
+// host memory at a time), then the finished header over the blank one.
+Status write_parts(int fd, const SessionFileOwner& owner, const SessionSnapshot& s, uint64_t* file_bytes) {
+  std::vector<uint8_t> head(kHeaderBytes, 0);
+  ByteWriter w(head);
   w.pod<uint64_t>(s.tokens.size());
   w.bytes(s.tokens.data(), s.tokens.size() * sizeof(int32_t));
   w.pod<int64_t>(s.anchor);
@@ -192,15 +205,26 @@ Result<std::vector<uint8_t>> encode_session_file(const SessionFileOwner& owner, 
   w.bytes(s.recent_marks.data(), s.recent_marks.size() * sizeof(int64_t));
   w.pod<uint32_t>(static_cast<uint32_t>(s.checkpoints.size()));
   for (const auto& [pos, cp] : s.checkpoints) w.pod<int64_t>(pos);
-  const size_t payload_at = out.size();
-  w.pod<uint64_t>(s.state.size());
-  w.bytes(s.state.data(), s.state.size());
+  RETURN_IF_ERROR(write_all(fd, head.data(), head.size()));
+
+  Xxh64 hash;
+  uint64_t payload_bytes = 0;
+  auto put = [&](const void* p, size_t n) {
+    hash.update(p, n);
+    payload_bytes += n;
+    return write_all(fd, p, n);
+  };
+  const uint64_t state_len = s.state.size();
+  RETURN_IF_ERROR(put(&state_len, sizeof state_len));
+  RETURN_IF_ERROR(put(s.state.data(), s.state.size()));
+  std::vector<uint8_t> part;
   for (const auto& [pos, cp] : s.checkpoints) {
-    const size_t len_at = w.size();
-    w.pod<uint64_t>(0);
-    RETURN_IF_ERROR(cp->save(w));
-    const uint64_t len = w.size() - len_at - sizeof(uint64_t);
-    std::memcpy(out.data() + len_at, &len, sizeof len);
+    part.clear();
+    ByteWriter pw(part);
+    RETURN_IF_ERROR(cp->save(pw));
+    const uint64_t len = part.size();
+    RETURN_IF_ERROR(put(&len, sizeof len));
+    RETURN_IF_ERROR(put(part.data(), part.size()));
   }
 
   Header h{};
@@ -209,13 +233,29 @@ Result<std::vector<uint8_t>> encode_session_file(const SessionFileOwner& owner, 
   h.header_bytes = kHeaderBytes;
   std::memcpy(h.fingerprint, owner.fingerprint.data(), std::min(owner.fingerprint.size(), sizeof h.fingerprint));
   std::memcpy(h.backend, owner.backend.data(), std::min(owner.backend.size(), sizeof h.backend - 1));
-  h.meta_bytes = payload_at - kHeaderBytes;
-  h.payload_bytes = out.size() - payload_at;
-  std::memcpy(out.data(), &h, sizeof h);
-  h.meta_hash = meta_hash(out.data(), std::span<const uint8_t>(out.data() + kHeaderBytes, h.meta_bytes));
-  h.payload_hash = xxhash64(out.data() + payload_at, out.size() - payload_at);
-  std::memcpy(out.data(), &h, sizeof h);
-  return out;
+  h.meta_bytes = head.size() - kHeaderBytes;
+  h.payload_bytes = payload_bytes;
+  std::memcpy(head.data(), &h, sizeof h);
+  h.meta_hash = meta_hash(head.data(), std::span<const uint8_t>(head.data() + kHeaderBytes, h.meta_bytes));
+  h.payload_hash = hash.digest();
+  if (::pwrite(fd, &h, sizeof h, 0) != static_cast<ssize_t>(sizeof h))
+    return io_error("write failed: %s", std::strerror(errno));
+  if (::fdatasync(fd) != 0) return io_error("fdatasync failed: %s", std::strerror(errno));
+  *file_bytes = head.size() + payload_bytes;
+  return ok_status();
+}
+
+}  // namespace
+
+Result<uint64_t> write_session_file(const std::string& path, const SessionFileOwner& owner,
+                                    const SessionSnapshot& s) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return io_error("cannot create: %s", std::strerror(errno));
+  uint64_t bytes = 0;
+  Status st = write_parts(fd, owner, s, &bytes);
+  if (::close(fd) != 0 && st.ok()) st = io_error("close failed: %s", std::strerror(errno));
+  if (!st.ok()) return st;
+  return bytes;
 }
 
 Result<SessionFileInfo> read_session_info(const std::string& path, const SessionFileOwner& owner) {

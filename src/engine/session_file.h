@@ -46,8 +46,9 @@ struct SessionSnapshot {
   size_t bytes() const;  // held in memory while it waits for the writer (checkpoints not counted)
 };
 
-// The whole file's bytes (the checkpoints saved here).
-Result<std::vector<uint8_t>> encode_session_file(const SessionFileOwner& owner, const SessionSnapshot& s);
+// Writes a new file at `path` (which must not exist) and syncs it; its size. The checkpoints are saved here,
+// one at a time. A failed write leaves a partial file for the caller to remove.
+Result<uint64_t> write_session_file(const std::string& path, const SessionFileOwner& owner, const SessionSnapshot& s);
 
 // What the index keeps of a file.
 struct SessionFileInfo {

@@ -3,6 +3,7 @@
 // with a Status naming what was being read instead of reading past the end. Values are written in the host's
 // byte order: the files are caches of one machine's state (a file of the other order fails its version check).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <span>
@@ -65,8 +66,22 @@ class ByteReader {
   size_t at_ = 0;
 };
 
-// XXH64 (xxHash's 64-bit hash, seed 0): the checksum of the session files, fast enough (several GB/s) that
-// checking a multi-GB KV cache costs less than reading it.
+// XXH64 (xxHash's 64-bit hash): the checksum of the session files, fast enough (several GB/s) that checking a
+// multi-GB KV cache costs less than reading it. Streaming: update() with the pieces in order, then digest().
+class Xxh64 {
+ public:
+  explicit Xxh64(uint64_t seed = 0);
+  void update(const void* data, size_t n);
+  uint64_t digest() const;
+
+ private:
+  void stripe(const uint8_t* p);
+  uint64_t v_[4];
+  uint64_t seed_, total_ = 0;
+  uint8_t buf_[32];
+  size_t held_ = 0;
+};
+
 uint64_t xxhash64(const void* data, size_t n, uint64_t seed = 0);
 
 }  // namespace lily

@@ -31,25 +31,40 @@ uint64_t merge(uint64_t acc, uint64_t v) {
 
 }  // namespace
 
-uint64_t xxhash64(const void* data, size_t n, uint64_t seed) {
-  static_assert(std::endian::native == std::endian::little, "XXH64 reads little-endian words");
+static_assert(std::endian::native == std::endian::little, "XXH64 reads little-endian words");
+
+Xxh64::Xxh64(uint64_t seed) : v_{seed + P1 + P2, seed + P2, seed, seed - P1}, seed_(seed) {}
+
+void Xxh64::stripe(const uint8_t* p) {
+  for (int i = 0; i < 4; ++i) v_[i] = round(v_[i], read64(p + 8 * i));
+}
+
+void Xxh64::update(const void* data, size_t n) {
   const auto* p = static_cast<const uint8_t*>(data);
-  const uint8_t* end = p + n;
-  uint64_t h;
-  if (n >= 32) {
-    uint64_t v1 = seed + P1 + P2, v2 = seed + P2, v3 = seed, v4 = seed - P1;
-    for (; end - p >= 32; p += 32) {
-      v1 = round(v1, read64(p));
-      v2 = round(v2, read64(p + 8));
-      v3 = round(v3, read64(p + 16));
-      v4 = round(v4, read64(p + 24));
-    }
-    h = std::rotl(v1, 1) + std::rotl(v2, 7) + std::rotl(v3, 12) + std::rotl(v4, 18);
-    h = merge(merge(merge(merge(h, v1), v2), v3), v4);
-  } else {
-    h = seed + P5;
+  total_ += n;
+  if (held_ > 0) {
+    const size_t take = std::min(n, sizeof buf_ - held_);
+    std::memcpy(buf_ + held_, p, take);
+    held_ += take, p += take, n -= take;
+    if (held_ < sizeof buf_) return;
+    stripe(buf_);
+    held_ = 0;
   }
-  h += n;
+  for (; n >= 32; p += 32, n -= 32) stripe(p);
+  std::memcpy(buf_, p, n);
+  held_ = n;
+}
+
+uint64_t Xxh64::digest() const {
+  uint64_t h;
+  if (total_ >= 32) {
+    h = std::rotl(v_[0], 1) + std::rotl(v_[1], 7) + std::rotl(v_[2], 12) + std::rotl(v_[3], 18);
+    for (uint64_t v : v_) h = merge(h, v);
+  } else {
+    h = seed_ + P5;
+  }
+  h += total_;
+  const uint8_t *p = buf_, *end = buf_ + held_;
   for (; end - p >= 8; p += 8) h = std::rotl(h ^ round(0, read64(p)), 27) * P1 + P4;
   if (end - p >= 4) {
     h = std::rotl(h ^ (uint64_t{read32(p)} * P1), 23) * P2 + P3;
@@ -62,6 +77,12 @@ uint64_t xxhash64(const void* data, size_t n, uint64_t seed) {
   h *= P3;
   h ^= h >> 32;
   return h;
+}
+
+uint64_t xxhash64(const void* data, size_t n, uint64_t seed) {
+  Xxh64 h(seed);
+  h.update(data, n);
+  return h.digest();
 }
 
 }  // namespace lily

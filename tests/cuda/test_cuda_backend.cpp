@@ -384,15 +384,10 @@ TEST(CudaBackend, SessionFileRoundTrip) {
   snap.anchor = 20;
   snap.state = saved(*seq);
   const SessionFileOwner owner{model_fingerprint(*w), b.name()};
-  auto bytes = encode_session_file(owner, snap);
-  ASSERT_TRUE(bytes.ok()) << bytes.status().message();
   const std::string path = ::testing::TempDir() + "/lily_cuda_session.lsess";
-  {
-    std::FILE* f = std::fopen(path.c_str(), "wb");
-    ASSERT_TRUE(f);
-    ASSERT_EQ(std::fwrite(bytes->data(), 1, bytes->size(), f), bytes->size());
-    std::fclose(f);
-  }
+  std::remove(path.c_str());
+  auto bytes = write_session_file(path, owner, snap);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().message();
   auto loaded = read_session_file(path, owner, b);
   std::remove(path.c_str());
   ASSERT_TRUE(loaded.ok()) << loaded.status().message();

@@ -156,15 +156,16 @@ TEST(SessionFile, RoundTripsAnEntry) {
   TempDir dir("sessfile");
   auto be = tiny_backend();
   Entry e = entry(*be, 24, 8);
-  auto bytes = encode_session_file(owner(), e.snap);
-  ASSERT_TRUE(bytes.ok()) << bytes.status().message();
   const std::string path = dir / "a.lsess";
-  write_file(path, *bytes);
+  auto bytes = write_session_file(path, owner(), e.snap);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().message();
+  EXPECT_EQ(*bytes, fs::file_size(path));
+  EXPECT_FALSE(write_session_file(path, owner(), e.snap).ok());  // never over an existing file
   auto info = read_session_info(path, owner());
   ASSERT_TRUE(info.ok()) << info.status().message();
   EXPECT_EQ(info->tokens, e.seq->tokens);
   EXPECT_EQ(info->checkpoints, (std::vector<int64_t>{8, 16}));
-  EXPECT_EQ(info->file_bytes, bytes->size());
+  EXPECT_EQ(info->file_bytes, *bytes);
   auto loaded = read_session_file(path, owner(), *be);
   ASSERT_TRUE(loaded.ok()) << loaded.status().message();
   CachedSequence& l = **loaded;
@@ -184,9 +185,8 @@ class SessionFileChecks : public ::testing::Test {
   void SetUp() override {
     be_ = tiny_backend();
     Entry e = entry(*be_, 24, 10);
-    auto b = encode_session_file(owner(), e.snap);
-    ASSERT_TRUE(b.ok());
-    good_ = *b;
+    ASSERT_TRUE(write_session_file(dir_ / "good.lsess", owner(), e.snap).ok());
+    good_ = read_bytes(dir_ / "good.lsess");
   }
   // The reason read_session_file gives for `bytes` (written to a file), and its code.
   Status refused(const std::vector<uint8_t>& bytes, const SessionFileOwner& who = owner()) {
@@ -334,6 +334,26 @@ TEST(SessionDisk, RestartedEngineResumesWithTheSameTokens) {
   second->flush_disk_cache();
   EXPECT_EQ(session_files(dir.str()), 1u);  // the conversation's file was replaced, not added to
   for (const std::string& line : log) EXPECT_EQ(line.find("refusing"), std::string::npos) << line;
+}
+
+TEST(SessionDisk, AnEntryEvictedFromMemoryLoadsFromItsFile) {
+  auto ref = tiny_engine();
+  std::string reply;
+  run(*ref, chat(turn_one()), &reply);
+  GenerationResult ref2 = run(*ref, chat(turn_two(reply)));
+
+  TempDir dir("evicted");
+  std::vector<std::string> log;
+  EngineOptions o = with_disk(dir.str(), &log);
+  o.session_cache_bytes = 1;  // every entry leaves memory as soon as it is released
+  auto engine = tiny_engine(o);
+  run(*engine, chat(turn_one()));
+  engine->flush_disk_cache();
+  EXPECT_EQ(engine->stats().cache_entries, 0u);
+  GenerationResult t2 = run(*engine, chat(turn_two(reply)));
+  EXPECT_EQ(t2.cached_tokens, ref2.cached_tokens);
+  EXPECT_EQ(t2.tokens, ref2.tokens);
+  EXPECT_EQ(engine->stats().disk_hits, 1u);
 }
 
 TEST(SessionDisk, ABadFileIsRefusedAndTheRequestPrefills) {

@@ -19,6 +19,17 @@ TEST(XxHash64, MatchesTheReferenceValues) {
   EXPECT_EQ(xxhash64(s.data(), s.size()), 0xeb239125493e5ea7ull);
 }
 
+TEST(XxHash64, PiecesInAnySplitGiveTheWholeHash) {
+  std::string s;
+  for (int i = 0; i < 1000; ++i) s.push_back(static_cast<char>(i * 37 + (i >> 3)));
+  const uint64_t whole = xxhash64(s.data(), s.size());
+  for (size_t step : {1, 3, 31, 32, 33, 100, 999}) {
+    Xxh64 h;
+    for (size_t at = 0; at < s.size(); at += step) h.update(s.data() + at, std::min(step, s.size() - at));
+    EXPECT_EQ(h.digest(), whole) << step;
+  }
+}
+
 TEST(ByteIo, RoundTripAndShortReads) {
   std::vector<uint8_t> buf;
   ByteWriter w(buf);
