@@ -65,7 +65,7 @@ std::unique_ptr<SessionDisk> SessionDisk::open(SessionDiskOptions o, SessionFile
   ::close(fd);
   ::unlink(probe.c_str());
   if (o.budget_bytes == 0) {
-    struct statvfs vfs{};
+    struct statvfs vfs {};
     o.budget_bytes = kDefaultDiskBudget;
     if (::statvfs(o.dir.c_str(), &vfs) == 0)
       o.budget_bytes = std::min<uint64_t>(kDefaultDiskBudget, uint64_t{vfs.f_bavail} * vfs.f_frsize / 2);
@@ -126,7 +126,8 @@ void SessionDisk::index() {
       continue;
     }
     if (!ends_with(file, kSessionFileSuffix)) {
-      options_.log(format("session cache: ignoring %s: not a session file (*%s)", path.c_str(), kSessionFileSuffix));
+      options_.log(
+          format("session cache: ignoring %s: not a session file (*%s)", path.c_str(), kSessionFileSuffix));
       continue;
     }
     Result<SessionFileInfo> info = read_session_info(path, owner_);
@@ -273,7 +274,8 @@ void SessionDisk::write(Job& job) {
     return;
   }
   Status st = bytes.status();
-  if (st.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) st = io_error("rename failed: %s", std::strerror(errno));
+  if (st.ok() && ::rename(tmp.c_str(), path.c_str()) != 0)
+    st = io_error("rename failed: %s", std::strerror(errno));
   if (!st.ok()) {
     ::unlink(tmp.c_str());
     options_.log(format("session cache: cannot write %s: %s", path.c_str(), st.message().c_str()));
@@ -303,7 +305,8 @@ std::vector<std::string> SessionDisk::evict_locked(const std::string& keep) {
   while (index_bytes_ > options_.budget_bytes) {
     auto lru = index_.end();
     for (auto it = index_.begin(); it != index_.end(); ++it)
-      if (it->first != keep && (lru == index_.end() || it->second.last_used < lru->second.last_used)) lru = it;
+      if (it->first != keep && (lru == index_.end() || it->second.last_used < lru->second.last_used))
+        lru = it;
     if (lru == index_.end()) break;
     victims.push_back(path_of(lru->first));
     index_bytes_ -= lru->second.info.file_bytes;

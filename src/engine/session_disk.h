@@ -32,7 +32,7 @@ namespace lily {
 struct SessionDiskOptions {
   std::string dir;
   uint64_t budget_bytes = 0;  // 0: kDefaultDiskBudget, at most half the free space of dir's file system
-  size_t max_pending_bytes = 1ull << 30;  // snapshots waiting for the writer
+  size_t max_pending_bytes = 1ull << 30;        // snapshots waiting for the writer
   std::function<void(const std::string&)> log;  // one line (a warning, the startup summary); default: stderr
 };
 
@@ -63,7 +63,7 @@ class SessionDisk {
   Result<std::unique_ptr<CachedSequence>> load(const std::string& name, Backend& backend);
   // Queues `snapshot` to be written as file `name` (replacing an earlier version).
   void save(const std::string& name, SessionSnapshot snapshot);
-  void flush();  // waits until everything queued so far is written
+  void flush();            // waits until everything queued so far is written
   std::string new_name();  // a fresh file name: 16 random hex digits
   SessionDiskStats stats() const;
   void warn_once(const std::string& line);  // the first such line only

@@ -35,9 +35,11 @@ static_assert(sizeof(Header) <= kHeaderBytes);
 constexpr size_t kMetaHashOffset = offsetof(Header, meta_hash);
 
 void hash_linear(Sha256& h, const char* name, const Linear& l) {
-  std::string desc = format("%s %lld %lld %d %d|", name, (long long)l.out, (long long)l.in, (int)l.dtype, l.bits);
+  std::string desc =
+      format("%s %lld %lld %d %d|", name, (long long)l.out, (long long)l.in, (int)l.dtype, l.bits);
   h.update(desc.data(), desc.size());
-  const size_t n = l.out * l.in * (l.quantized() ? l.bits : 8 * static_cast<int64_t>(dtype_size(l.dtype))) / 8;
+  const size_t n =
+      l.out * l.in * (l.quantized() ? l.bits : 8 * static_cast<int64_t>(dtype_size(l.dtype))) / 8;
   const size_t edge = std::min<size_t>(n, 4096);
   if (l.w && edge > 0) {
     const auto* p = static_cast<const uint8_t*>(l.w);
@@ -46,7 +48,9 @@ void hash_linear(Sha256& h, const char* name, const Linear& l) {
   }
 }
 
-void hash_floats(Sha256& h, const std::vector<float>& v) { h.update(v.data(), v.size() * sizeof(float)); }
+void hash_floats(Sha256& h, const std::vector<float>& v) {
+  h.update(v.data(), v.size() * sizeof(float));
+}
 
 // One file, read whole or its first n bytes.
 class File {
@@ -57,8 +61,9 @@ class File {
   Status open(const std::string& path) {
     fd_ = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);  // O_NONBLOCK: a FIFO must not hang us
     if (fd_ < 0)
-      return error(errno == ENOENT ? ErrorCode::not_found : ErrorCode::io, "cannot open: %s", std::strerror(errno));
-    struct stat st{};
+      return error(errno == ENOENT ? ErrorCode::not_found : ErrorCode::io, "cannot open: %s",
+                   std::strerror(errno));
+    struct stat st {};
     if (::fstat(fd_, &st) != 0) return io_error("cannot stat: %s", std::strerror(errno));
     if (!S_ISREG(st.st_mode)) return io_error("not a regular file");
     size_ = static_cast<uint64_t>(st.st_size);
@@ -82,22 +87,28 @@ class File {
   uint64_t size_ = 0;
 };
 
-std::string field(const char* p, size_t n) { return std::string(p, strnlen(p, n)); }
+std::string field(const char* p, size_t n) {
+  return std::string(p, strnlen(p, n));
+}
 
 // The header's checks, in the order that names the most useful reason first.
 Status check_header(const Header& h, const SessionFileOwner& owner, uint64_t file_bytes) {
-  if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) return format_error("not a lily session file (no magic)");
+  if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0)
+    return format_error("not a lily session file (no magic)");
   if (h.version != kSessionFileVersion)
-    return error(ErrorCode::unsupported, "format version %u, this build reads %u", h.version, kSessionFileVersion);
-  if (h.header_bytes != kHeaderBytes) return format_error("header of %u bytes, expected %zu", h.header_bytes, kHeaderBytes);
+    return error(ErrorCode::unsupported, "format version %u, this build reads %u", h.version,
+                 kSessionFileVersion);
+  if (h.header_bytes != kHeaderBytes)
+    return format_error("header of %u bytes, expected %zu", h.header_bytes, kHeaderBytes);
   const std::string fp = field(h.fingerprint, sizeof h.fingerprint), be = field(h.backend, sizeof h.backend);
   if (fp != owner.fingerprint)
-    return error(ErrorCode::unsupported, "another model (fingerprint %.12s..., this model's %.12s...)", fp.c_str(),
-                 owner.fingerprint.c_str());
+    return error(ErrorCode::unsupported, "another model (fingerprint %.12s..., this model's %.12s...)",
+                 fp.c_str(), owner.fingerprint.c_str());
   if (be != owner.backend)
     return error(ErrorCode::unsupported, "saved by the %s backend, this server runs %s", be.c_str(),
                  owner.backend.c_str());
-  if (h.meta_bytes > kMaxMetaBytes) return format_error("meta of %llu bytes", (unsigned long long)h.meta_bytes);
+  if (h.meta_bytes > kMaxMetaBytes)
+    return format_error("meta of %llu bytes", (unsigned long long)h.meta_bytes);
   const uint64_t expect = kHeaderBytes + h.meta_bytes + h.payload_bytes;
   if (h.payload_bytes > file_bytes || expect != file_bytes)
     return format_error("%llu bytes, the header says %llu (truncated or appended to)",
@@ -121,7 +132,8 @@ Status parse_meta(std::span<const uint8_t> bytes, Meta& m) {
   ByteReader in(bytes);
   uint64_t n = 0;
   RETURN_IF_ERROR(in.pod(&n, "token count"));
-  if (n > in.left() / sizeof(int32_t)) return format_error("%llu tokens in a meta of %zu bytes", (unsigned long long)n, bytes.size());
+  if (n > in.left() / sizeof(int32_t))
+    return format_error("%llu tokens in a meta of %zu bytes", (unsigned long long)n, bytes.size());
   m.tokens.resize(n);
   RETURN_IF_ERROR(in.bytes(m.tokens.data(), n * sizeof(int32_t), "tokens"));
   RETURN_IF_ERROR(in.pod(&m.anchor, "anchor"));
@@ -135,9 +147,12 @@ Status parse_meta(std::span<const uint8_t> bytes, Meta& m) {
   if (in.left() != 0) return format_error("%zu bytes after the meta", in.left());
   const auto len = static_cast<int64_t>(n);
   for (size_t i = 0; i < m.checkpoints.size(); ++i)
-    if (m.checkpoints[i] <= 0 || m.checkpoints[i] > len || (i > 0 && m.checkpoints[i] <= m.checkpoints[i - 1]))
-      return format_error("checkpoint position %lld (of %lld tokens, ascending)", (long long)m.checkpoints[i], (long long)len);
-  if (m.anchor < 0 || m.anchor > len) return format_error("anchor %lld outside [0, %lld]", (long long)m.anchor, (long long)len);
+    if (m.checkpoints[i] <= 0 || m.checkpoints[i] > len ||
+        (i > 0 && m.checkpoints[i] <= m.checkpoints[i - 1]))
+      return format_error("checkpoint position %lld (of %lld tokens, ascending)", (long long)m.checkpoints[i],
+                          (long long)len);
+  if (m.anchor < 0 || m.anchor > len)
+    return format_error("anchor %lld outside [0, %lld]", (long long)m.anchor, (long long)len);
   return ok_status();
 }
 
@@ -152,7 +167,8 @@ Status read_head(File& f, const SessionFileOwner& owner, Header& h, std::vector<
   head.resize(kHeaderBytes + h.meta_bytes);
   RETURN_IF_ERROR(f.read(head.data() + kHeaderBytes, h.meta_bytes, kHeaderBytes));
   std::span<const uint8_t> meta(head.data() + kHeaderBytes, h.meta_bytes);
-  if (meta_hash(head.data(), meta) != h.meta_hash) return format_error("checksum mismatch in the header or token ids");
+  if (meta_hash(head.data(), meta) != h.meta_hash)
+    return format_error("checksum mismatch in the header or token ids");
   return parse_meta(meta, m);
 }
 
@@ -170,8 +186,10 @@ std::string model_fingerprint(const ModelWeights& w) {
   for (const LayerWeights& l : w.layers) {
     hash_floats(h, l.input_norm);
     hash_floats(h, l.post_attention_norm);
-    if (l.type == LayerType::full_attention) hash_linear(h, "q_proj", l.attn.q_proj);
-    else hash_linear(h, "in_proj_qkv", l.gdn.in_proj_qkv);
+    if (l.type == LayerType::full_attention)
+      hash_linear(h, "q_proj", l.attn.q_proj);
+    else
+      hash_linear(h, "in_proj_qkv", l.gdn.in_proj_qkv);
   }
   return h.hex_digest();
 }
@@ -231,7 +249,8 @@ Status write_parts(int fd, const SessionFileOwner& owner, const SessionSnapshot&
   std::memcpy(h.magic, kMagic, sizeof kMagic);
   h.version = kSessionFileVersion;
   h.header_bytes = kHeaderBytes;
-  std::memcpy(h.fingerprint, owner.fingerprint.data(), std::min(owner.fingerprint.size(), sizeof h.fingerprint));
+  std::memcpy(h.fingerprint, owner.fingerprint.data(),
+              std::min(owner.fingerprint.size(), sizeof h.fingerprint));
   std::memcpy(h.backend, owner.backend.data(), std::min(owner.backend.size(), sizeof h.backend - 1));
   h.meta_bytes = head.size() - kHeaderBytes;
   h.payload_bytes = payload_bytes;
@@ -268,8 +287,8 @@ Result<SessionFileInfo> read_session_info(const std::string& path, const Session
   return SessionFileInfo{std::move(m.tokens), std::move(m.checkpoints), f.size()};
 }
 
-Result<std::unique_ptr<CachedSequence>> read_session_file(const std::string& path, const SessionFileOwner& owner,
-                                                          Backend& backend) {
+Result<std::unique_ptr<CachedSequence>> read_session_file(const std::string& path,
+                                                          const SessionFileOwner& owner, Backend& backend) {
   File f;
   RETURN_IF_ERROR(f.open(path));
   Header h{};
@@ -278,7 +297,8 @@ Result<std::unique_ptr<CachedSequence>> read_session_file(const std::string& pat
   RETURN_IF_ERROR(read_head(f, owner, h, head, m));
   std::vector<uint8_t> payload(h.payload_bytes);
   RETURN_IF_ERROR(f.read(payload.data(), payload.size(), kHeaderBytes + h.meta_bytes));
-  if (xxhash64(payload.data(), payload.size()) != h.payload_hash) return format_error("checksum mismatch in the state");
+  if (xxhash64(payload.data(), payload.size()) != h.payload_hash)
+    return format_error("checksum mismatch in the state");
 
   auto seq = std::make_unique<CachedSequence>();
   seq->tokens = std::move(m.tokens);
@@ -296,13 +316,16 @@ Result<std::unique_ptr<CachedSequence>> read_session_file(const std::string& pat
   ASSIGN_OR_RETURN(seq->state, backend.load_sequence(state_in));
   if (state_in.left() != 0) return format_error("%zu bytes after the sequence state", state_in.left());
   if (seq->state->n_tokens() != static_cast<int64_t>(seq->tokens.size()))
-    return format_error("a state of %lld tokens with %zu token ids", (long long)seq->state->n_tokens(), seq->tokens.size());
+    return format_error("a state of %lld tokens with %zu token ids", (long long)seq->state->n_tokens(),
+                        seq->tokens.size());
   for (int64_t pos : m.checkpoints) {
     ASSIGN_OR_RETURN(ByteReader cp_in, part("checkpoint"));
     ASSIGN_OR_RETURN(std::unique_ptr<Checkpoint> cp, backend.load_checkpoint(cp_in));
-    if (cp_in.left() != 0) return format_error("%zu bytes after the checkpoint at %lld", cp_in.left(), (long long)pos);
+    if (cp_in.left() != 0)
+      return format_error("%zu bytes after the checkpoint at %lld", cp_in.left(), (long long)pos);
     if (cp->n_tokens() != pos)
-      return format_error("the checkpoint listed at %lld is at %lld", (long long)pos, (long long)cp->n_tokens());
+      return format_error("the checkpoint listed at %lld is at %lld", (long long)pos,
+                          (long long)cp->n_tokens());
     seq->checkpoints[pos] = std::move(cp);
   }
   if (in.left() != 0) return format_error("%zu bytes after the last checkpoint", in.left());

@@ -1,7 +1,7 @@
 // Session files: one cached sequence (engine/session_cache.h) on disk, for the disk tier of `lily serve
 // --cache-dir` (docs/DESIGN.md section 2). A file is
 //   header (128 bytes): magic "LILYSESS", format version, the model fingerprint, the backend's name, the
-//                       sizes of the two parts below, an XXH64 of the header and meta, an XXH64 of the payload
+//            sizes of the two parts below, an XXH64 of the header and meta, an XXH64 of the payload
 //   meta:    the token ids the state has consumed, the anchor, the recent marks, the checkpoint positions
 //   payload: SequenceState::save (KV up to n_tokens + recurrent state), then Checkpoint::save of each
 // so the index reads header + meta only (the tokens a prompt is matched against) and a load checks the whole
@@ -48,7 +48,8 @@ struct SessionSnapshot {
 
 // Writes a new file at `path` (which must not exist) and syncs it; its size. The checkpoints are saved here,
 // one at a time. A failed write leaves a partial file for the caller to remove.
-Result<uint64_t> write_session_file(const std::string& path, const SessionFileOwner& owner, const SessionSnapshot& s);
+Result<uint64_t> write_session_file(const std::string& path, const SessionFileOwner& owner,
+                                    const SessionSnapshot& s);
 
 // What the index keeps of a file.
 struct SessionFileInfo {
@@ -63,7 +64,7 @@ struct SessionFileInfo {
 // not_found when it is gone (evicted meanwhile).
 Result<SessionFileInfo> read_session_info(const std::string& path, const SessionFileOwner& owner);
 // The entry itself, its state and checkpoints loaded into `backend` (out_of_range: no memory for them).
-Result<std::unique_ptr<CachedSequence>> read_session_file(const std::string& path, const SessionFileOwner& owner,
-                                                          Backend& backend);
+Result<std::unique_ptr<CachedSequence>> read_session_file(const std::string& path,
+                                                          const SessionFileOwner& owner, Backend& backend);
 
 }  // namespace lily

@@ -1,7 +1,8 @@
 // Bounds-checked little helpers for binary files (the session cache's disk tier, src/engine/session_file.h):
 // ByteWriter appends plain values and byte runs to a buffer; ByteReader reads them back from a span and fails
 // with a Status naming what was being read instead of reading past the end. Values are written in the host's
-// byte order: the files are caches of one machine's state (a file of the other order fails its version check).
+// byte order: the files are caches of one machine's state (a file of the other order fails its version
+// check).
 #pragma once
 #include <algorithm>
 #include <cstdint>

@@ -8,13 +8,15 @@ namespace lily {
 
 Result<uint64_t> parse_byte_size(const std::string& text) {
   auto bad = [&](const char* why) {
-    return invalid_argument("'%s' is not a size (%s): a number with an optional unit K, M, G or T (binary: "
-                            "1K = 1024 bytes), e.g. 20G or 512MiB",
-                            text.c_str(), why);
+    return invalid_argument(
+        "'%s' is not a size (%s): a number with an optional unit K, M, G or T (binary: "
+        "1K = 1024 bytes), e.g. 20G or 512MiB",
+        text.c_str(), why);
   };
   const char* s = text.c_str();
   char* end = nullptr;
-  if (text.empty() || !(std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '.')) return bad("no number");
+  if (text.empty() || !(std::isdigit(static_cast<unsigned char>(s[0])) || s[0] == '.'))
+    return bad("no number");
   const double value = std::strtod(s, &end);
   std::string unit;
   for (const char* p = end; *p; ++p) unit += static_cast<char>(std::toupper(static_cast<unsigned char>(*p)));

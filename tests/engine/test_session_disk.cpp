@@ -24,7 +24,8 @@ using lily::testing::TempDir;
 
 std::vector<int32_t> ids(int n, int salt) {
   std::vector<int32_t> t;
-  for (int i = 0; i < n; ++i) t.push_back(static_cast<int32_t>((salt * 7919 + 131 * i * i + 17 * i) % 150000));
+  for (int i = 0; i < n; ++i)
+    t.push_back(static_cast<int32_t>((salt * 7919 + 131 * i * i + 17 * i) % 150000));
   return t;
 }
 
@@ -49,7 +50,9 @@ std::vector<uint8_t> saved(const Checkpoint& c) {
   return out;
 }
 
-SessionFileOwner owner() { return {model_fingerprint(*tiny_model().weights), "cpu"}; }
+SessionFileOwner owner() {
+  return {model_fingerprint(*tiny_model().weights), "cpu"};
+}
 
 void write_file(const std::string& path, const std::vector<uint8_t>& bytes) {
   std::ofstream f(path, std::ios::binary);
@@ -225,7 +228,8 @@ TEST_F(SessionFileChecks, ForeignModelBackendOrVersion) {
   EXPECT_NE(st.message().find("another model"), std::string::npos) << st.message();
   st = refused(good_, SessionFileOwner{owner().fingerprint, "cuda"});
   EXPECT_EQ(st.code(), ErrorCode::unsupported);
-  EXPECT_NE(st.message().find("saved by the cpu backend, this server runs cuda"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("saved by the cpu backend, this server runs cuda"), std::string::npos)
+      << st.message();
   std::vector<uint8_t> v2 = good_;
   v2[8] = 2;  // the version follows the 8-byte magic
   st = refused(v2);
@@ -257,7 +261,7 @@ TEST(ModelFingerprint, DistinguishesCheckpoints) {
   const std::string a = model_fingerprint(*tiny_model().weights);
   EXPECT_EQ(a.size(), 64u);
   EXPECT_EQ(a, model_fingerprint(*tiny_model().weights));
-  auto same = synth_in_memory("tiny", CheckpointLayout::mlx, 0);  // tiny_model()'s, not from its files
+  auto same = synth_in_memory("tiny", CheckpointLayout::mlx, 0);       // tiny_model()'s, not from its files
   auto other = synth_in_memory("tiny", CheckpointLayout::mlx, 12345);  // the same geometry, other weights
   ASSERT_TRUE(same.ok() && other.ok());
   EXPECT_EQ(model_fingerprint(*same), a);
@@ -279,7 +283,8 @@ GenerationRequest chat(const json& messages) {
 
 json turn_one() {
   json m = json::array();
-  m.push_back({{"role", "system"}, {"content", "You are a helpful assistant. Answer briefly and precisely."}});
+  m.push_back(
+      {{"role", "system"}, {"content", "You are a helpful assistant. Answer briefly and precisely."}});
   m.push_back({{"role", "user"}, {"content", "What is the capital of France?"}});
   return m;
 }
@@ -386,7 +391,8 @@ TEST(SessionDisk, ABadFileIsRefusedAndTheRequestPrefills) {
   EXPECT_TRUE(fs::exists(dir / "notes.txt"));
   int refusals = 0;
   for (const std::string& line : log) {
-    if (line.find("refusing " + file + ": checksum mismatch in the state; deleted") != std::string::npos) ++refusals;
+    if (line.find("refusing " + file + ": checksum mismatch in the state; deleted") != std::string::npos)
+      ++refusals;
     if (line.find("junk.lsess: not a lily session file (no magic); deleted") != std::string::npos) ++refusals;
     if (line.find("ignoring " + (dir / "notes.txt")) != std::string::npos) ++refusals;
   }
@@ -427,21 +433,28 @@ TEST(SessionDisk, StaleTemporariesGoAndAnUnusableDirectoryTurnsTheTierOff) {
   const std::string live = format(".0123456789abcdef.%d.1.tmp", (int)::getppid());
   write_file(dir / live, {1, 2, 3});
   std::vector<std::string> log;
-  auto d = SessionDisk::open(SessionDiskOptions{dir.str(), 1 << 20, 1 << 20, [&](const std::string& l) { log.push_back(l); }},
-                             owner());
+  auto d = SessionDisk::open(
+      SessionDiskOptions{dir.str(), 1 << 20, 1 << 20, [&](const std::string& l) { log.push_back(l); }},
+      owner());
   ASSERT_TRUE(d);
   EXPECT_FALSE(fs::exists(dir / ".0123456789abcdef.999999999.1.tmp"));
   EXPECT_TRUE(fs::exists(dir / live));  // another running process may be writing it
 
   write_file(dir / "plain", {1});
   log.clear();
-  EXPECT_FALSE(SessionDisk::open(SessionDiskOptions{dir / "plain", 0, 1 << 20, [&](const std::string& l) { log.push_back(l); }}, owner()));
-  EXPECT_FALSE(SessionDisk::open(SessionDiskOptions{dir / "plain/sub", 0, 1 << 20, [&](const std::string& l) { log.push_back(l); }}, owner()));
+  EXPECT_FALSE(SessionDisk::open(
+      SessionDiskOptions{dir / "plain", 0, 1 << 20, [&](const std::string& l) { log.push_back(l); }},
+      owner()));
+  EXPECT_FALSE(SessionDisk::open(
+      SessionDiskOptions{dir / "plain/sub", 0, 1 << 20, [&](const std::string& l) { log.push_back(l); }},
+      owner()));
   ASSERT_EQ(log.size(), 2u);
   EXPECT_NE(log[0].find("not a directory; sessions are kept in memory only"), std::string::npos) << log[0];
   EXPECT_NE(log[1].find("cannot create it"), std::string::npos) << log[1];
   // A missing directory is created.
-  EXPECT_TRUE(SessionDisk::open(SessionDiskOptions{dir / "new/deeper", 0, 1 << 20, [&](const std::string& l) { log.push_back(l); }}, owner()));
+  EXPECT_TRUE(SessionDisk::open(
+      SessionDiskOptions{dir / "new/deeper", 0, 1 << 20, [&](const std::string& l) { log.push_back(l); }},
+      owner()));
   EXPECT_TRUE(fs::is_directory(dir / "new/deeper"));
 }
 
