@@ -56,11 +56,14 @@ std::unique_ptr<SessionDisk> SessionDisk::open(SessionDiskOptions o, SessionFile
   };
   std::error_code ec;
   if (fs::exists(o.dir, ec) && !fs::is_directory(o.dir, ec)) return off("not a directory");
-  fs::create_directories(o.dir, ec);
-  if (ec) return off("cannot create it: " + ec.message());
+  if (!fs::exists(o.dir, ec)) {
+    fs::create_directories(o.dir, ec);
+    if (ec) return off("cannot create it: " + ec.message());
+    fs::permissions(o.dir, fs::perms::owner_all, ec);  // the files hold conversations
+  }
   // Writable: a probe file (access(2) says yes to root on a read-only mount).
   const std::string probe = (fs::path(o.dir) / format(".probe.%d.0%s", (int)::getpid(), kTmpSuffix)).string();
-  int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return off(format("cannot write in it: %s", std::strerror(errno)));
   ::close(fd);
   ::unlink(probe.c_str());

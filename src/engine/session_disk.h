@@ -9,7 +9,8 @@
 // - Files are written to a temporary name and renamed into place, so a reader (or a restart after SIGKILL)
 //   sees a whole old or a whole new file, never a partial one; temporaries of dead processes are removed at
 //   start.
-// - The files' total size is bounded (budget_bytes): the least recently written or loaded go first.
+// - The files' total size is bounded (budget_bytes): the least recently written or loaded go first. They hold
+//   conversations: files are created 0600, a directory created here 0700.
 // - A file that fails any check is refused with one warning line naming it and the reason, then deleted when
 //   nothing could use it (truncated, corrupt, junk) or left alone (another model, backend or format version),
 //   and the request prefills as without it.

@@ -268,7 +268,8 @@ Status write_parts(int fd, const SessionFileOwner& owner, const SessionSnapshot&
 
 Result<uint64_t> write_session_file(const std::string& path, const SessionFileOwner& owner,
                                     const SessionSnapshot& s) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  // 0600: the token ids are the conversation.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) return io_error("cannot create: %s", std::strerror(errno));
   uint64_t bytes = 0;
   Status st = write_parts(fd, owner, s, &bytes);

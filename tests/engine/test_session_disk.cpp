@@ -163,6 +163,7 @@ TEST(SessionFile, RoundTripsAnEntry) {
   auto bytes = write_session_file(path, owner(), e.snap);
   ASSERT_TRUE(bytes.ok()) << bytes.status().message();
   EXPECT_EQ(*bytes, fs::file_size(path));
+  EXPECT_EQ(fs::status(path).permissions() & fs::perms::all, fs::perms::owner_read | fs::perms::owner_write);
   EXPECT_FALSE(write_session_file(path, owner(), e.snap).ok());  // never over an existing file
   auto info = read_session_info(path, owner());
   ASSERT_TRUE(info.ok()) << info.status().message();
@@ -456,6 +457,7 @@ TEST(SessionDisk, StaleTemporariesGoAndAnUnusableDirectoryTurnsTheTierOff) {
       SessionDiskOptions{dir / "new/deeper", 0, 1 << 20, [&](const std::string& l) { log.push_back(l); }},
       owner()));
   EXPECT_TRUE(fs::is_directory(dir / "new/deeper"));
+  EXPECT_EQ(fs::status(dir / "new/deeper").permissions() & fs::perms::all, fs::perms::owner_all);
 }
 
 }  // namespace
