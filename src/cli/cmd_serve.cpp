@@ -12,6 +12,7 @@
 #include "engine/speculative.h"
 #include "hub/hf_cache.h"
 #include "server/server.h"
+#include "util/byte_size.h"
 
 namespace lily::cli {
 
@@ -19,7 +20,7 @@ namespace {
 
 struct ServeArgs {
   std::string model, host = "127.0.0.1", api_key, backend = "auto", name, cuda_options;
-  std::string ctx_size, speculative, mtp_from;
+  std::string ctx_size, speculative, mtp_from, cache_dir, cache_disk_budget;
   int port = 8080, threads = 0, max_tokens = 32768, parallel = 4;
   double grace_s = 10, request_timeout_s = 0;
   size_t max_queue = 64, max_body_mb = 16, cache_mb = 8192, max_per_client = 64;
@@ -87,6 +88,27 @@ int run_serve(const ServeArgs& a) {
   o.http.port = a.port;
   o.http.max_body_bytes = a.max_body_mb << 20;
   o.engine.session_cache_bytes = a.cache_mb << 20;
+  o.engine.disk.dir = a.cache_dir;
+  if (!a.cache_dir.empty() && o.engine.speculative_tokens > 0) {
+    // A session file holds the main model's state only; the MTP head's own KV would be missing after a restart.
+    std::fprintf(stderr, "lily serve: --cache-dir and --speculative together are not supported yet (session files "
+                         "do not hold the MTP head's state)\n");
+    return 2;
+  }
+  if (!a.cache_disk_budget.empty()) {
+    Result<uint64_t> budget = parse_byte_size(a.cache_disk_budget);
+    if (!budget.ok() || *budget == 0) {
+      std::fprintf(stderr, "lily serve: --cache-disk-budget: %s\n",
+                   budget.ok() ? "0 would hold no session; leave --cache-dir out instead"
+                               : budget.status().message().c_str());
+      return 2;
+    }
+    if (a.cache_dir.empty()) {
+      std::fprintf(stderr, "lily serve: --cache-disk-budget needs --cache-dir\n");
+      return 2;
+    }
+    o.engine.disk.budget_bytes = *budget;
+  }
 
   sigset_t signals;
   sigemptyset(&signals);
@@ -129,6 +151,12 @@ void setup(CLI::App& app) {
   cmd->add_option("--max-body-mb", a->max_body_mb, "largest request body in MiB (then 413)")
       ->check(CLI::Range(1, 1024));
   cmd->add_option("--session-cache-mb", a->cache_mb, "memory budget of the session cache in MiB");
+  cmd->add_option("--cache-dir", a->cache_dir,
+                  "also keep sessions in this directory (created if missing), written in the background, so "
+                  "that a conversation resumes without prefilling after a restart");
+  cmd->add_option("--cache-disk-budget", a->cache_disk_budget,
+                  "most bytes the --cache-dir files may take, e.g. 20G or 512M (default: 16G, at most half "
+                  "the free space there); the least recently used go first");
   cmd->add_option("--served-model-name", a->name, "model id in the API (default: ORG/NAME, or the directory's name)");
   cmd->add_option("--shutdown-grace", a->grace_s, "seconds in-flight work may take to finish on SIGTERM")
       ->check(CLI::Range(0.0, 3600.0));

@@ -9,6 +9,43 @@ namespace lily {
 
 namespace {
 
+// The saved form (Checkpoint::save / SequenceState::save): n, the layer count, then per layer its arrays, each
+// as a float count and the floats (k, v for a sequence; conv, S for both).
+void put(ByteWriter& out, const std::vector<float>& a) {
+  out.pod<uint64_t>(a.size());
+  out.bytes(a.data(), a.size() * sizeof(float));
+}
+
+// An array of `expect` floats, or of none when `may_be_empty` (a Gated DeltaNet state before its first token).
+Status get(ByteReader& in, std::vector<float>& a, size_t expect, bool may_be_empty, const char* what,
+           size_t layer) {
+  uint64_t count = 0;
+  RETURN_IF_ERROR(in.pod(&count, what));
+  if (count != expect && !(may_be_empty && count == 0))
+    return format_error("layer %zu: %s of %llu floats, expected %zu", layer, what, (unsigned long long)count,
+                        expect);
+  a.resize(count);
+  return in.bytes(a.data(), count * sizeof(float), what);
+}
+
+struct StateSizes {
+  size_t conv = 0, S = 0;
+  explicit StateSizes(const ModelConfig& c)
+      : conv(static_cast<size_t>(c.linear_conv_kernel_dim - 1) * c.linear_conv_dim()),
+        S(static_cast<size_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim) {}
+};
+
+Status read_header(ByteReader& in, const ModelConfig& c, int64_t* n) {
+  uint32_t n_layers = 0;
+  RETURN_IF_ERROR(in.pod(n, "position"));
+  RETURN_IF_ERROR(in.pod(&n_layers, "layer count"));
+  if (*n < 0 || *n > c.max_position_embeddings)
+    return format_error("position %lld outside [0, %d]", (long long)*n, c.max_position_embeddings);
+  if (n_layers != c.layer_types.size())
+    return format_error("%u layers, the model has %zu", n_layers, c.layer_types.size());
+  return ok_status();
+}
+
 class CpuCheckpoint final : public Checkpoint {
  public:
   int64_t n = 0;
@@ -22,6 +59,12 @@ class CpuCheckpoint final : public Checkpoint {
     size_t b = (mtp_hidden.size() + mtp_tokens.size()) * sizeof(float);
     for (size_t i = 0; i < conv.size(); ++i) b += (conv[i].size() + S[i].size()) * sizeof(float);
     return b;
+  }
+  Status save(ByteWriter& out) const override {
+    out.pod<int64_t>(n);
+    out.pod<uint32_t>(static_cast<uint32_t>(conv.size()));
+    for (size_t i = 0; i < conv.size(); ++i) put(out, conv[i]), put(out, S[i]);
+    return ok_status();
   }
 };
 
@@ -114,6 +157,13 @@ class CpuSequence final : public SequenceState {
     }
     mtp.chain_hidden.clear();
   }
+
+  Status save(ByteWriter& out) const override {
+    out.pod<int64_t>(n);
+    out.pod<uint32_t>(static_cast<uint32_t>(layers.size()));
+    for (const auto& l : layers) put(out, l.k), put(out, l.v), put(out, l.conv), put(out, l.S);
+    return ok_status();
+  }
 };
 
 Status check_tokens(std::span<const int32_t> tokens, int64_t V) {
@@ -147,6 +197,38 @@ Status CpuBackend::enable_mtp() {
                  weights_->dir.c_str());
   mtp_on_ = true;
   return ok_status();
+}
+
+Result<std::unique_ptr<SequenceState>> CpuBackend::load_sequence(ByteReader& in) {
+  const ModelConfig& c = config();
+  auto s = std::unique_ptr<CpuSequence>(static_cast<CpuSequence*>(new_sequence().release()));
+  RETURN_IF_ERROR(read_header(in, c, &s->n));
+  const StateSizes sz(c);
+  const auto kv = static_cast<size_t>(s->n * s->kv_row);
+  for (size_t i = 0; i < s->layers.size(); ++i) {
+    const bool attn = c.layer_types[i] == LayerType::full_attention;
+    cpu::LayerState& l = s->layers[i];
+    RETURN_IF_ERROR(get(in, l.k, attn ? kv : 0, false, "k", i));
+    RETURN_IF_ERROR(get(in, l.v, attn ? kv : 0, false, "v", i));
+    RETURN_IF_ERROR(get(in, l.conv, attn ? 0 : sz.conv, s->n == 0, "conv state", i));
+    RETURN_IF_ERROR(get(in, l.S, attn ? 0 : sz.S, s->n == 0, "recurrent state", i));
+  }
+  return std::unique_ptr<SequenceState>(std::move(s));
+}
+
+Result<std::unique_ptr<Checkpoint>> CpuBackend::load_checkpoint(ByteReader& in) {
+  const ModelConfig& c = config();
+  auto cp = std::make_unique<CpuCheckpoint>();
+  RETURN_IF_ERROR(read_header(in, c, &cp->n));
+  const StateSizes sz(c);
+  cp->conv.resize(c.layer_types.size());
+  cp->S.resize(c.layer_types.size());
+  for (size_t i = 0; i < c.layer_types.size(); ++i) {
+    const bool attn = c.layer_types[i] == LayerType::full_attention;
+    RETURN_IF_ERROR(get(in, cp->conv[i], attn ? 0 : sz.conv, cp->n == 0, "conv state", i));
+    RETURN_IF_ERROR(get(in, cp->S[i], attn ? 0 : sz.S, cp->n == 0, "recurrent state", i));
+  }
+  return std::unique_ptr<Checkpoint>(std::move(cp));
 }
 
 // Eqs 4-6: embed, then per layer h' = h + Mixer(ZN(h)), h = h' + MoE(ZN(h')), then final norm and lm_head.

@@ -30,6 +30,8 @@ class CpuBackend final : public Backend {
   Status mtp_draft(SequenceState& seq, int32_t token, std::vector<float>* logits) override;
   Status forward_verify(SequenceState& seq, std::span<const int32_t> tokens, std::vector<float>* logits) override;
   Status accept_verified(SequenceState& seq, int64_t n_keep) override;
+  Result<std::unique_ptr<SequenceState>> load_sequence(ByteReader& in) override;
+  Result<std::unique_ptr<Checkpoint>> load_checkpoint(ByteReader& in) override;
 
  private:
   Status run(SequenceState& seq, std::span<const int32_t> tokens, bool verify, LogitsRows rows,

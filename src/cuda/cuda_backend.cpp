@@ -157,6 +157,21 @@ std::unique_ptr<SequenceState> CudaBackend::new_sequence() {
   return s;
 }
 
+Result<std::unique_ptr<SequenceState>> CudaBackend::load_sequence(ByteReader& in) {
+  std::unique_ptr<SequenceState> base = new_sequence();
+  if (!base) return error(ErrorCode::out_of_range, "no device memory for another sequence");
+  RETURN_IF_ERROR(static_cast<CudaSequence&>(*base).load(in));
+  return base;
+}
+
+Result<std::unique_ptr<Checkpoint>> CudaBackend::load_checkpoint(ByteReader& in) {
+  std::unique_ptr<CudaCheckpoint> cp =
+      CudaCheckpoint::allocate(SequenceLayout::of(config(), options_.max_context), 0);
+  if (!cp) return error(ErrorCode::out_of_range, "no device memory for another checkpoint");
+  RETURN_IF_ERROR(cp->load(in));
+  return std::unique_ptr<Checkpoint>(std::move(cp));
+}
+
 Result<CudaSequence*> CudaBackend::check_sequence(SequenceState& base, int64_t new_tokens) {
   auto* s = dynamic_cast<CudaSequence*>(&base);
   if (!s || s->owner != this) return invalid_argument("sequence state is not from this CUDA backend");

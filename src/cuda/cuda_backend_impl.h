@@ -76,6 +76,8 @@ class CudaBackend final : public CudaBench {
   Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq, std::span<const int32_t> tokens,
                                                               int64_t split, LogitsRows rows,
                                                               std::vector<float>* logits) override;
+  Result<std::unique_ptr<SequenceState>> load_sequence(ByteReader& in) override;
+  Result<std::unique_ptr<Checkpoint>> load_checkpoint(ByteReader& in) override;
   // CudaBench (cuda_bench.cpp)
   Status set_context_for_bench(SequenceState& seq, int64_t n) override;
   Result<double> time_decode(SequenceState& seq, int steps) override;

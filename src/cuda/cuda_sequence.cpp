@@ -78,18 +78,22 @@ Status CudaSequence::allocate(const ModelConfig& c, int64_t cap) {
   return ok_status();
 }
 
-std::unique_ptr<CudaCheckpoint> CudaSequence::empty_checkpoint(int64_t at) const {
+std::unique_ptr<CudaCheckpoint> CudaCheckpoint::allocate(const SequenceLayout& L, int64_t at) {
   auto cp = std::make_unique<CudaCheckpoint>();
   cp->n = at;
-  if (!cp->storage.alloc(layout.recurrent_bytes).ok()) return nullptr;
-  cp->conv.assign(conv.size(), std::nullopt);
-  cp->S.assign(S.size(), std::nullopt);
-  for (size_t l = 0; l < conv.size(); ++l) {
-    if (!conv[l]) continue;
-    cp->conv[l] = span_at<float>(cp->storage, layout.off_a[l], layout.conv_n);
-    cp->S[l] = span_at<float>(cp->storage, layout.off_b[l], layout.S_n);
+  if (!cp->storage.alloc(L.recurrent_bytes).ok()) return nullptr;
+  cp->conv.assign(L.attention.size(), std::nullopt);
+  cp->S.assign(L.attention.size(), std::nullopt);
+  for (size_t l = 0; l < L.attention.size(); ++l) {
+    if (L.attention[l]) continue;
+    cp->conv[l] = span_at<float>(cp->storage, L.off_a[l], L.conv_n);
+    cp->S[l] = span_at<float>(cp->storage, L.off_b[l], L.S_n);
   }
   return cp;
+}
+
+std::unique_ptr<CudaCheckpoint> CudaSequence::empty_checkpoint(int64_t at) const {
+  return CudaCheckpoint::allocate(layout, at);
 }
 
 std::unique_ptr<Checkpoint> CudaSequence::checkpoint() const {
@@ -146,6 +150,85 @@ std::unique_ptr<SequenceState> CudaSequence::clone() const {
   }
   if (!ok || cudaStreamSynchronize(0) != cudaSuccess) return nullptr;
   return s;
+}
+
+}  // namespace lily::cuda
+
+namespace lily::cuda {
+
+namespace {
+
+// The bytes of the first n KV rows of one attention layer's k (or v).
+size_t kv_used_bytes(const SequenceLayout& L, int64_t capacity, int64_t n) {
+  return L.kv_n / static_cast<size_t>(capacity) * static_cast<size_t>(n) * sizeof(__nv_bfloat16);
+}
+
+Status save_region(ByteWriter& out, const void* device, size_t bytes, const char* what) {
+  out.pod<uint64_t>(bytes);
+  if (bytes == 0) return ok_status();
+  return cuda_status(cudaMemcpy(out.grow(bytes), device, bytes, cudaMemcpyDeviceToHost), what);
+}
+
+Status load_region(ByteReader& in, void* device, size_t expect, const char* what) {
+  uint64_t bytes = 0;
+  RETURN_IF_ERROR(in.pod(&bytes, what));
+  if (bytes != expect)
+    return format_error("%s of %llu bytes, this model's is %zu", what, (unsigned long long)bytes, expect);
+  ASSIGN_OR_RETURN(std::span<const uint8_t> src, in.view(expect, what));
+  if (expect == 0) return ok_status();
+  return cuda_status(cudaMemcpy(device, src.data(), expect, cudaMemcpyHostToDevice), what);
+}
+
+}  // namespace
+
+// cudaMemcpy (not the async form): it waits for the copy and orders after earlier legacy-stream work, and the
+// backend's stream is idle between calls (see the header).
+Status CudaCheckpoint::save(ByteWriter& out) const {
+  out.pod<int64_t>(n);
+  return save_region(out, storage.ptr, storage.bytes, "checkpoint recurrent state");
+}
+
+Status CudaSequence::save(ByteWriter& out) const {
+  out.pod<int64_t>(n);
+  RETURN_IF_ERROR(save_region(out, storage.ptr, layout.recurrent_bytes, "recurrent state"));
+  const size_t used = kv_used_bytes(layout, capacity, n);
+  const auto* base = static_cast<const unsigned char*>(storage.ptr);
+  for (size_t l = 0; l < layout.attention.size(); ++l) {
+    if (!layout.attention[l]) continue;
+    RETURN_IF_ERROR(save_region(out, base + layout.off_a[l], used, "k cache"));
+    RETURN_IF_ERROR(save_region(out, base + layout.off_b[l], used, "v cache"));
+  }
+  return ok_status();
+}
+
+Status CudaSequence::load(ByteReader& in) {
+  int64_t at = 0;
+  RETURN_IF_ERROR(in.pod(&at, "position"));
+  if (at < 0 || at > capacity)
+    return error(at < 0 ? ErrorCode::format : ErrorCode::out_of_range,
+                 "a saved sequence of %lld tokens; the KV capacity is %lld (--ctx-size)", (long long)at,
+                 (long long)capacity);
+  RETURN_IF_ERROR(load_region(in, storage.ptr, layout.recurrent_bytes, "recurrent state"));
+  const size_t used = kv_used_bytes(layout, capacity, at);
+  auto* base = static_cast<unsigned char*>(storage.ptr);
+  for (size_t l = 0; l < layout.attention.size(); ++l) {
+    if (!layout.attention[l]) continue;
+    RETURN_IF_ERROR(load_region(in, base + layout.off_a[l], used, "k cache"));
+    RETURN_IF_ERROR(load_region(in, base + layout.off_b[l], used, "v cache"));
+  }
+  const int host_pos = static_cast<int>(at);
+  CUDA_RETURN(cudaMemcpy(pos.ptr, &host_pos, sizeof(int), cudaMemcpyHostToDevice), "load position");
+  n = at;
+  return ok_status();
+}
+
+Status CudaCheckpoint::load(ByteReader& in) {
+  int64_t at = 0;
+  RETURN_IF_ERROR(in.pod(&at, "checkpoint position"));
+  if (at < 0) return format_error("checkpoint position %lld", (long long)at);
+  RETURN_IF_ERROR(load_region(in, storage.ptr, storage.bytes, "checkpoint recurrent state"));
+  n = at;
+  return ok_status();
 }
 
 }  // namespace lily::cuda

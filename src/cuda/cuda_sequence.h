@@ -8,6 +8,11 @@
 // each array 256-byte aligned. A checkpoint is one allocation holding a copy of the recurrent region (one
 // device-to-device copy, the same offsets), so checkpoint and restore are one copy each.
 //
+// Saved (the session cache's disk tier): n, the recurrent region's bytes as they are (the layout is a
+// function of the model, so the same offsets on load), then the KV rows [0, n) of each attention layer; a
+// checkpoint is n and its recurrent region. The KV rows are bf16 as on the device, so a saved CUDA sequence
+// loads only into the CUDA backend (the file names its backend).
+//
 // Copies run on the legacy default stream, then the host waits for them: the backend's own stream is
 // non-blocking (no implicit ordering with stream 0) and has finished every kernel touching a sequence when
 // forward()/generate_on_device() return, so a sequence is quiescent whenever these are called.
@@ -111,6 +116,11 @@ class CudaCheckpoint final : public Checkpoint {
     for (auto& s : S) b += s ? s->bytes() : 0;
     return b;
   }
+  Status save(ByteWriter& out) const override;
+  // A checkpoint of a sequence laid out as `L`, at position `at`, allocated but not written; null when the
+  // device has no memory for it.
+  static std::unique_ptr<CudaCheckpoint> allocate(const SequenceLayout& L, int64_t at);
+  Status load(ByteReader& in);  // fills an allocated checkpoint from what save() wrote
 };
 
 class CudaSequence final : public SequenceState {
@@ -143,8 +153,10 @@ class CudaSequence final : public SequenceState {
   std::unique_ptr<CudaCheckpoint> empty_checkpoint(int64_t at) const;
   Status restore(const Checkpoint& base) override;
   std::unique_ptr<SequenceState> clone() const override;
+  Status save(ByteWriter& out) const override;
   // A fresh, zeroed sequence of `cap` tokens.
   Status allocate(const ModelConfig& c, int64_t cap);
+  Status load(ByteReader& in);  // fills this fresh sequence (allocate()) from what save() wrote
 
  private:
   void bind_views();  // k, v, conv, S, pos from layout and storage

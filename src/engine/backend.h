@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "model/weights.h"
+#include "util/byte_io.h"
 #include "util/status.h"
 
 namespace lily {
@@ -23,6 +24,12 @@ class Checkpoint {
   virtual ~Checkpoint() = default;
   virtual int64_t n_tokens() const = 0;
   virtual size_t bytes() const = 0;
+  // Appends the recurrent state in the backend's own layout, for Backend::load_checkpoint of the same backend
+  // and model (the session cache's disk tier; the file around it names both).
+  virtual Status save(ByteWriter& out) const {
+    (void)out;
+    return error(ErrorCode::unsupported, "this backend cannot save a checkpoint");
+  }
 };
 
 class SequenceState {
@@ -34,6 +41,12 @@ class SequenceState {
   // Back to a checkpoint taken from this sequence (or one with the same token prefix) at most n_tokens() ago.
   virtual Status restore(const Checkpoint& cp) = 0;
   virtual std::unique_ptr<SequenceState> clone() const = 0;
+  // Appends the KV cache up to n_tokens() and the recurrent state, for Backend::load_sequence (as
+  // Checkpoint::save). Called between forward calls, like checkpoint().
+  virtual Status save(ByteWriter& out) const {
+    (void)out;
+    return error(ErrorCode::unsupported, "this backend cannot save a sequence");
+  }
 };
 
 enum class LogitsRows { none, last, all };
@@ -134,6 +147,18 @@ class Backend {
                                     const std::function<bool(int32_t)>& on_token) {
     (void)seq, (void)first, (void)sampling, (void)max_new, (void)on_token;
     return error(ErrorCode::unsupported, "%s backend has no device-side sampling", name());
+  }
+
+  // A new sequence / checkpoint from what SequenceState::save / Checkpoint::save of this backend and model
+  // wrote. Sizes that do not match this model are a format error; a sequence this backend has no memory for
+  // (or a context longer than max_context()) is out_of_range.
+  virtual Result<std::unique_ptr<SequenceState>> load_sequence(ByteReader& in) {
+    (void)in;
+    return error(ErrorCode::unsupported, "the %s backend cannot load a saved sequence", name());
+  }
+  virtual Result<std::unique_ptr<Checkpoint>> load_checkpoint(ByteReader& in) {
+    (void)in;
+    return error(ErrorCode::unsupported, "the %s backend cannot load a saved checkpoint", name());
   }
 };
 

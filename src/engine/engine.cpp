@@ -100,6 +100,12 @@ bool device_can_sample(const Backend& backend, const SamplingParams& p) {
          p.top_k <= 64 && p.min_tokens == 0;
 }
 
+std::unique_ptr<SessionDisk> open_disk(const EngineOptions& o, const Backend& backend) {
+  if (o.disk.dir.empty()) return nullptr;
+  CHECK(!o.model_fingerprint.empty(), "a disk tier needs the model fingerprint");
+  return SessionDisk::open(o.disk, SessionFileOwner{o.model_fingerprint, backend.name()});
+}
+
 }  // namespace
 
 // The per-request decode state, the same for the lone and the batched path: one sampler (its RNG seeded per
@@ -183,7 +189,7 @@ struct Engine::Impl {
       : backend(std::move(b)),
         tokenizer(std::move(t)),
         options(o),
-        cache(o.session_cache_bytes),
+        cache(o.session_cache_bytes, open_disk(o, *backend)),
         im_start_id(tokenizer.token_id("<|im_start|>")) {
     if (options.prefill_chunk == 0) options.prefill_chunk = backend->preferred_prefill_tokens();
     if (options.checkpoint_interval == 0) options.checkpoint_interval = std::max(2048, options.prefill_chunk);
@@ -464,11 +470,18 @@ EngineStats Engine::stats() const {
   out.speculative_steps = impl_->spec_steps.load();
   out.drafted_tokens = impl_->spec_drafted.load();
   out.accepted_tokens = impl_->spec_accepted.load();
+  out.disk_hits = s.disk_hits, out.disk_writes = s.disk_writes, out.disk_evictions = s.disk_evictions;
+  out.disk_refused = s.disk_refused, out.disk_bytes = s.disk_bytes, out.disk_files = s.disk_files;
+  out.disk_budget_bytes = s.disk_budget_bytes;
   return out;
 }
 
 void Engine::clear_cache() {
   impl_->cache.clear();
+}
+
+void Engine::flush_disk_cache() {
+  if (SessionDisk* d = impl_->cache.disk()) d->flush();
 }
 
 }  // namespace lily

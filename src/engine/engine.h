@@ -16,6 +16,7 @@
 
 #include "engine/backend.h"
 #include "engine/sampler.h"
+#include "engine/session_disk.h"
 #include "tokenizer/tokenizer.h"
 
 namespace lily {
@@ -33,6 +34,10 @@ struct EngineOptions {
   // > 0: every request decodes speculatively with K = this many drafts per step from the checkpoint's MTP head
   // (engine/speculative.h); the backend must have had enable_mtp() called (load_model does).
   int speculative_tokens = 0;
+  // The session cache's disk tier (`--cache-dir`); none when disk.dir is empty. Its files are marked with
+  // model_fingerprint (engine/session_file.h; load_model sets it) and the backend's name.
+  SessionDiskOptions disk;
+  std::string model_fingerprint;
 };
 
 struct GenerationRequest {
@@ -72,6 +77,10 @@ struct EngineStats {
   size_t cache_bytes = 0, cache_entries = 0, cache_budget_bytes = 0;
   // Speculative decoding since start (all requests): verification forwards, draft tokens verified and kept.
   uint64_t speculative_steps = 0, drafted_tokens = 0, accepted_tokens = 0;
+  // The disk tier (0 without one): requests resumed from a file, files written / evicted / refused, and
+  // what the files hold.
+  uint64_t disk_hits = 0, disk_writes = 0, disk_evictions = 0, disk_refused = 0;
+  uint64_t disk_bytes = 0, disk_files = 0, disk_budget_bytes = 0;
 };
 
 // One request between Engine::begin and Engine::finish: its leased sequence and its decode state (sampler and
@@ -120,7 +129,8 @@ class Engine {
   Result<GenerationResult> finish(std::unique_ptr<Generation> generation);
 
   EngineStats stats() const;  // safe to call from another thread while generate() runs
-  void clear_cache();
+  void clear_cache();         // the sessions in memory (the disk tier's files stay)
+  void flush_disk_cache();    // waits until the disk tier has written every session handed to it
 
  private:
   struct Impl;

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <filesystem>
 
+#include "engine/session_file.h"
+
 namespace lily {
 
 std::vector<int32_t> stop_token_ids(const ModelConfig& config, const SamplingDefaults& defaults,
@@ -70,6 +72,7 @@ Result<LoadedModel> load_model(const ModelLoadOptions& o, const std::function<vo
   tell("starting the engine on " + backend_name);
   EngineOptions engine = o.engine;
   engine.max_context = ctx;
+  engine.model_fingerprint = model_fingerprint(*weights);
   LoadedModel out{std::make_unique<Engine>(std::move(backend), tokenizer, engine),
                   tokenizer,
                   defaults,

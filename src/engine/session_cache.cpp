@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <unordered_set>
 
+#include "engine/session_disk.h"
 #include "util/check.h"
 
 namespace lily {
@@ -63,15 +64,30 @@ Status rewind(CachedSequence& seq, int64_t resume) {
 
 }  // namespace
 
+SessionCache::SessionCache(size_t budget_bytes, std::unique_ptr<SessionDisk> disk)
+    : budget_bytes_(budget_bytes), disk_(std::move(disk)) {}
+
+SessionCache::~SessionCache() = default;
+
 Result<SessionCache::Lease> SessionCache::acquire(Backend& backend, std::span<const int32_t> prompt,
                                                   int64_t max_resume) {
   std::lock_guard lock(mu_);
   auto best = entries_.end();
   int64_t best_resume = 0;
-  for (auto it = entries_.begin(); it != entries_.end(); ++it) {  // most recent first: it wins ties
-    int64_t limit = std::min(common_prefix((*it)->tokens, prompt), max_resume);
-    int64_t r = (*it)->resume_point(limit);
-    if (r > best_resume) best = it, best_resume = r;
+  auto find_best = [&] {
+    best = entries_.end(), best_resume = 0;
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {  // most recent first: it wins ties
+      int64_t limit = std::min(common_prefix((*it)->tokens, prompt), max_resume);
+      int64_t r = (*it)->resume_point(limit);
+      if (r > best_resume) best = it, best_resume = r;
+    }
+  };
+  find_best();
+  if (disk_) {
+    const uint64_t evictions = stats_.evictions;
+    ASSIGN_OR_RETURN(Lease loaded, load_from_disk(backend, prompt, max_resume, best_resume));
+    if (loaded.seq) return loaded;
+    if (stats_.evictions != evictions) find_best();  // made room for a load that then failed
   }
   if (best_resume > 0) {
     const CachedSequence& e = **best;
@@ -115,6 +131,45 @@ Result<SessionCache::Lease> SessionCache::fork(const CachedSequence& from, int64
   return lease;
 }
 
+// A file that resumes `prompt` further than `than` (the best entry in memory), loaded and cut back to where
+// it resumes; an empty lease when there is none or it cannot be loaded (the file was refused, or the backend
+// has no memory even with every entry evicted).
+Result<SessionCache::Lease> SessionCache::load_from_disk(Backend& backend, std::span<const int32_t> prompt,
+                                                         int64_t max_resume, int64_t than) {
+  const SessionDisk::Candidate c = disk_->best(prompt, max_resume, backend.max_context());
+  if (c.resume <= than) return Lease{};
+  Result<std::unique_ptr<CachedSequence>> loaded = disk_->load(c.name, backend);
+  while (!loaded.ok() && loaded.status().code() == ErrorCode::out_of_range && evict_lru_locked())
+    loaded = disk_->load(c.name, backend);
+  if (!loaded.ok()) return Lease{};
+  CachedSequence& e = **loaded;
+  // Measured again on what was read: the file may have been rewritten since it was indexed.
+  const int64_t resume = e.resume_point(std::min(common_prefix(e.tokens, prompt), max_resume));
+  if (resume <= than) return Lease{};
+  // As take_over versus fork: continuing the file's conversation keeps its file, anything else gets its own.
+  if (resume >= e.anchor || resume == static_cast<int64_t>(e.tokens.size())) e.disk_name = c.name;
+  RETURN_IF_ERROR(rewind(e, resume));
+  ++stats_.hits;
+  return Lease{std::move(*loaded), resume};
+}
+
+// A snapshot for the writer: the state is copied now (a later request may change it), the immutable
+// checkpoints are shared. A backend that cannot save its state keeps its sessions in memory only.
+void SessionCache::save_to_disk(CachedSequence& seq) {
+  SessionSnapshot snap;
+  ByteWriter out(snap.state);
+  if (Status st = seq.state->save(out); !st.ok()) {
+    disk_->warn_once("session cache: not saving sessions: " + st.message());
+    return;
+  }
+  if (seq.disk_name.empty()) seq.disk_name = disk_->new_name();
+  snap.tokens = seq.tokens;
+  snap.anchor = seq.anchor;
+  snap.recent_marks = seq.recent_marks;
+  snap.checkpoints = seq.checkpoints;
+  disk_->save(seq.disk_name, std::move(snap));
+}
+
 Result<std::unique_ptr<SequenceState>> SessionCache::new_state(Backend& backend) {
   std::lock_guard lock(mu_);
   std::unique_ptr<SequenceState> state;
@@ -129,6 +184,7 @@ void SessionCache::release(std::unique_ptr<CachedSequence> seq) {
   CHECK(seq && seq->state, "releasing an empty sequence");
   CHECK(static_cast<int64_t>(seq->tokens.size()) == seq->state->n_tokens(), "cached tokens %zu != state %lld",
         seq->tokens.size(), (long long)seq->state->n_tokens());
+  if (disk_) save_to_disk(*seq);
   std::lock_guard lock(mu_);
   entries_.push_front(std::move(seq));
   while (!entries_.empty() && bytes_locked() > budget_bytes_) evict_lru_locked();
@@ -144,6 +200,11 @@ SessionCacheStats SessionCache::stats() const {
   SessionCacheStats s = stats_;
   s.bytes = bytes_locked();
   s.entries = entries_.size();
+  if (disk_) {
+    const SessionDiskStats d = disk_->stats();
+    s.disk_hits = d.hits, s.disk_writes = d.writes, s.disk_evictions = d.evictions, s.disk_refused = d.refused;
+    s.disk_dropped = d.dropped, s.disk_bytes = d.bytes, s.disk_files = d.files, s.disk_budget_bytes = d.budget_bytes;
+  }
   return s;
 }
 

@@ -8,6 +8,10 @@
 //
 // A request checks an entry out (acquire) and hands it back afterwards (release); meanwhile the entry is not
 // in the cache, so stats() and clear() are safe from other threads at any time.
+//
+// With a disk tier (engine/session_disk.h) each released entry is also saved to a file in the background,
+// and acquire loads a file instead when it resumes the prompt further than any entry in memory (after a
+// restart, or once the entry was evicted from memory).
 #pragma once
 #include <cstdint>
 #include <list>
@@ -15,6 +19,7 @@
 #include <memory>
 #include <mutex>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "engine/backend.h"
@@ -35,6 +40,9 @@ struct CachedSequence {
   int64_t anchor = 0;
   std::vector<int64_t>
       recent_marks;  // anchor/end checkpoint positions of the last requests (pruning keeps them)
+  // The disk tier's file of this conversation: kept when the entry is taken over (the next save replaces the
+  // file), empty in a fork (which gets a file of its own) and until the first save.
+  std::string disk_name;
 
   // The latest position <= limit at which this entry can resume: a checkpoint, or the state's own end when
   // all of `tokens` is within the limit. 0 when none.
@@ -48,13 +56,19 @@ struct CachedSequence {
 };
 
 struct SessionCacheStats {
-  uint64_t hits = 0, misses = 0, evictions = 0;
+  uint64_t hits = 0, misses = 0, evictions = 0;  // hits include disk_hits
   size_t bytes = 0, entries = 0;
+  // The disk tier (all 0 without one): hits are requests resumed from a file; refused files failed a check.
+  uint64_t disk_hits = 0, disk_writes = 0, disk_evictions = 0, disk_refused = 0, disk_dropped = 0;
+  uint64_t disk_bytes = 0, disk_files = 0, disk_budget_bytes = 0;
 };
+
+class SessionDisk;
 
 class SessionCache {
  public:
-  explicit SessionCache(size_t budget_bytes) : budget_bytes_(budget_bytes) {}
+  explicit SessionCache(size_t budget_bytes, std::unique_ptr<SessionDisk> disk = nullptr);
+  ~SessionCache();
 
   // A sequence ready to consume prompt[resume:]: the cached entry that shares the longest usable prefix with
   // `prompt` (resumed at most at `max_resume`), restored to that point (taken over or forked), or a fresh one
@@ -70,10 +84,12 @@ class SessionCache {
   Result<std::unique_ptr<SequenceState>> new_state(Backend& backend);
 
   // Puts a sequence back as the most recently used entry, then evicts LRU entries down to the budget (the one
-  // just released too, when it alone exceeds it).
+  // just released too, when it alone exceeds it). With a disk tier, first hands a snapshot of it to the
+  // writer (a copy of its state in host memory; no disk I/O here).
   void release(std::unique_ptr<CachedSequence> seq);
 
-  void clear();
+  void clear();  // the entries in memory (files stay)
+  SessionDisk* disk() { return disk_.get(); }
   SessionCacheStats stats() const;
   size_t budget_bytes() const { return budget_bytes_; }
 
@@ -81,6 +97,8 @@ class SessionCache {
   using Entry = std::unique_ptr<CachedSequence>;
   Result<Lease> take_over(std::list<Entry>::iterator it, int64_t resume);
   Result<Lease> fork(const CachedSequence& from, int64_t resume);
+  Result<Lease> load_from_disk(Backend& backend, std::span<const int32_t> prompt, int64_t max_resume, int64_t than);
+  void save_to_disk(CachedSequence& seq);
   size_t bytes_locked() const;
   bool evict_lru_locked();
 
@@ -88,6 +106,7 @@ class SessionCache {
   mutable std::mutex mu_;
   std::list<Entry> entries_;  // front = most recently used
   SessionCacheStats stats_;
+  std::unique_ptr<SessionDisk> disk_;  // declared last: its writer stops before the entries go
 };
 
 }  // namespace lily

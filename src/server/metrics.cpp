@@ -144,6 +144,15 @@ std::string Metrics::render(const LiveGauges& live) const {
         live.cache.drafted_tokens ? static_cast<double>(live.cache.accepted_tokens) /
                                         static_cast<double>(live.cache.drafted_tokens)
                                   : 0.0);
+  counter("lily_session_disk_hits_total", "Requests resumed from a --cache-dir file.",
+          static_cast<double>(live.cache.disk_hits));
+  counter("lily_session_disk_writes_total", "Session files written.", static_cast<double>(live.cache.disk_writes));
+  counter("lily_session_disk_evictions_total", "Session files deleted to stay within --cache-disk-budget.",
+          static_cast<double>(live.cache.disk_evictions));
+  counter("lily_session_disk_refused_total", "Session files refused (corrupt, truncated, foreign, unreadable).",
+          static_cast<double>(live.cache.disk_refused));
+  gauge("lily_session_disk_bytes", "Bytes of the session files.", static_cast<double>(live.cache.disk_bytes));
+  gauge("lily_session_disk_files", "Session files.", static_cast<double>(live.cache.disk_files));
   return out;
 }
 

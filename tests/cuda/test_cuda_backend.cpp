@@ -2,7 +2,8 @@
 //  - greedy tokens identical for 64 steps on the tiny and small synthetic models;
 //  - full width, 4 layers (3 Gated DeltaNet + 1 attention, 256 experts, full vocabulary), teacher-forced over 256
 //    positions: top-1 agreement >= 99% and relative logit error <= 2e-2;
-//  - checkpoint/restore and device sampling reproducibility;
+//  - checkpoint/restore and device sampling reproducibility; a saved sequence and checkpoint (the disk tier's
+//    SequenceState::save / Backend::load_sequence) continue bit-identically, through a session file too;
 //  - the prefill path: chunked prompts against the CPU reference and against the token-by-token decode path,
 //    decode after a chunked prefill equal to decode after a single prefill, a prompt longer than a chunk;
 //  - the kernel paths chosen at start (by the device code in the binary) and the context that fits.
@@ -10,12 +11,15 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <map>
 #include <cuda_runtime.h>
 #include <random>
 
 #include "cpu/cpu_backend.h"
 #include "cuda/cuda_bench.h"
+#include "engine/session_file.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/trace.cuh"
 #include "model/synth.h"
@@ -300,6 +304,101 @@ TEST(CudaBackend, CheckpointRestoreAndDeviceSampling) {
   EXPECT_EQ(run(hot), run(hot));
   DeviceSampling topk{0.8f, 20, 0.9f, 0.0f, 42};
   EXPECT_EQ(run(topk), run(topk));
+}
+
+std::vector<uint8_t> saved(const SequenceState& s) {
+  std::vector<uint8_t> out;
+  ByteWriter w(out);
+  Status st = s.save(w);
+  EXPECT_TRUE(st.ok()) << st.message();
+  return out;
+}
+
+TEST(CudaBackend, SavedSequenceAndCheckpointContinueBitIdentically) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("tiny");
+  auto cuda = cuda::make_cuda_backend(w, {2048});
+  ASSERT_TRUE(cuda.ok());
+  Backend& b = **cuda;
+  auto prompt = random_tokens(40, w->config.vocab_size, 5), other = random_tokens(12, w->config.vocab_size, 6);
+  auto seq = b.new_sequence();
+  ASSERT_TRUE(b.forward(*seq, std::span<const int32_t>(prompt.data(), 10), LogitsRows::none, nullptr).ok());
+  auto cp = seq->checkpoint();
+  ASSERT_TRUE(b.forward(*seq, std::span<const int32_t>(prompt.data() + 10, 30), LogitsRows::none, nullptr).ok());
+  std::vector<uint8_t> state = saved(*seq), cp_bytes;
+  ByteWriter cw(cp_bytes);
+  ASSERT_TRUE(cp->save(cw).ok());
+  ByteReader sin(state), cin(cp_bytes);
+  auto seq2 = b.load_sequence(sin);
+  auto cp2 = b.load_checkpoint(cin);
+  ASSERT_TRUE(seq2.ok()) << seq2.status().message();
+  ASSERT_TRUE(cp2.ok()) << cp2.status().message();
+  EXPECT_EQ(sin.left(), 0u);
+  EXPECT_EQ((*seq2)->n_tokens(), 40);
+  EXPECT_EQ((*cp2)->n_tokens(), 10);
+  // The continuation from the end: prefill rows, then the device decode loop.
+  auto continue_from = [&](SequenceState& s) {
+    std::vector<float> logits;
+    EXPECT_TRUE(b.forward(s, std::span<const int32_t>(other.data(), 11), LogitsRows::all, &logits).ok());
+    std::vector<int32_t> out;
+    EXPECT_TRUE(b.generate_on_device(s, other[11], {}, 16, [&](int32_t t) { out.push_back(t); return true; }).ok());
+    return std::make_pair(logits, out);
+  };
+  auto a = continue_from(*seq), c = continue_from(**seq2);
+  ASSERT_EQ(a.first.size(), c.first.size());
+  EXPECT_EQ(0, std::memcmp(a.first.data(), c.first.data(), a.first.size() * sizeof(float)));
+  EXPECT_EQ(a.second, c.second);
+  // The loaded checkpoint restores like the original one.
+  ASSERT_TRUE(seq->restore(*cp).ok());
+  ASSERT_TRUE((*seq2)->restore(**cp2).ok());
+  a = continue_from(*seq), c = continue_from(**seq2);
+  EXPECT_EQ(0, std::memcmp(a.first.data(), c.first.data(), a.first.size() * sizeof(float)));
+  EXPECT_EQ(a.second, c.second);
+
+  // Short input is a format error; a sequence longer than this backend's KV capacity is out_of_range.
+  ByteReader cut(std::span<const uint8_t>(state).first(state.size() - 1));
+  auto bad = b.load_sequence(cut);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), ErrorCode::format) << bad.status().message();
+  auto small = cuda::make_cuda_backend(w, {32});
+  ASSERT_TRUE(small.ok());
+  ByteReader again(state);
+  auto too_long = (*small)->load_sequence(again);
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_EQ(too_long.status().code(), ErrorCode::out_of_range) << too_long.status().message();
+}
+
+TEST(CudaBackend, SessionFileRoundTrip) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("tiny");
+  auto cuda = cuda::make_cuda_backend(w, {2048});
+  ASSERT_TRUE(cuda.ok());
+  Backend& b = **cuda;
+  auto prompt = random_tokens(30, w->config.vocab_size, 9), next = random_tokens(8, w->config.vocab_size, 10);
+  auto seq = b.new_sequence();
+  ASSERT_TRUE(b.forward(*seq, std::span<const int32_t>(prompt.data(), 20), LogitsRows::none, nullptr).ok());
+  SessionSnapshot snap;
+  snap.checkpoints[20] = seq->checkpoint();
+  ASSERT_TRUE(b.forward(*seq, std::span<const int32_t>(prompt.data() + 20, 10), LogitsRows::none, nullptr).ok());
+  snap.tokens = prompt;
+  snap.anchor = 20;
+  snap.state = saved(*seq);
+  const SessionFileOwner owner{model_fingerprint(*w), b.name()};
+  const std::string path = ::testing::TempDir() + "/lily_cuda_session.lsess";
+  std::remove(path.c_str());
+  auto bytes = write_session_file(path, owner, snap);
+  ASSERT_TRUE(bytes.ok()) << bytes.status().message();
+  auto loaded = read_session_file(path, owner, b);
+  std::remove(path.c_str());
+  ASSERT_TRUE(loaded.ok()) << loaded.status().message();
+  ASSERT_EQ((*loaded)->checkpoints.size(), 1u);
+  ASSERT_TRUE((*loaded)->state->restore(*(*loaded)->checkpoints.at(20)).ok());
+  ASSERT_TRUE(seq->restore(*snap.checkpoints.at(20)).ok());
+  std::vector<float> l1, l2;
+  ASSERT_TRUE(b.forward(*seq, next, LogitsRows::all, &l1).ok());
+  ASSERT_TRUE(b.forward(*(*loaded)->state, next, LogitsRows::all, &l2).ok());
+  ASSERT_EQ(l1.size(), l2.size());
+  EXPECT_EQ(0, std::memcmp(l1.data(), l2.data(), l1.size() * sizeof(float)));
 }
 
 // The option specs of `lily bench --variants` and `--cuda-options` (cuda::apply_option_spec; no GPU needed).
