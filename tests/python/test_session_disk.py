@@ -282,6 +282,13 @@ class Suite:
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30)
             assert p.returncode == 2 and msg in p.stderr.decode(), (p.returncode, p.stderr)
 
+    def test_speculative_with_cache_dir_is_refused(self):
+        p = subprocess.run([LILY_BIN, "serve", "--model", self.model, "--port", "0", "--cache-dir",
+                            os.path.join(self.tmp, "s"), "--speculative", "mtp:1"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30)
+        assert p.returncode == 2 and "--cache-dir and --speculative together" in p.stderr.decode(), \
+            (p.returncode, p.stderr)
+
 
 def main():
     suite = Suite()
