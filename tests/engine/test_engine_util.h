@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -84,6 +85,22 @@ inline std::string lily_binary() {
   if (ec) return "";
   const std::filesystem::path candidate = self.parent_path().parent_path() / "lily";
   return std::filesystem::exists(candidate, ec) ? candidate.string() : "";
+}
+
+// n token ids, different for each salt (the session-cache tests' prompts).
+inline std::vector<int32_t> ids(int n, int salt) {
+  std::vector<int32_t> t;
+  for (int i = 0; i < n; ++i)
+    t.push_back(static_cast<int32_t>((salt * 7919 + 131 * i * i + 17 * i) % 150000));
+  return t;
+}
+
+// Every row's logits of forward(tokens).
+inline std::vector<float> forward(Backend& be, SequenceState& seq, std::span<const int32_t> tokens) {
+  std::vector<float> logits;
+  Status st = be.forward(seq, tokens, LogitsRows::all, &logits);
+  EXPECT_TRUE(st.ok()) << st.message();
+  return logits;
 }
 
 // A whole file's bytes ("" if it cannot be read).

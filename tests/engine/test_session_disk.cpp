@@ -22,20 +22,6 @@ namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 using lily::testing::TempDir;
 
-std::vector<int32_t> ids(int n, int salt) {
-  std::vector<int32_t> t;
-  for (int i = 0; i < n; ++i)
-    t.push_back(static_cast<int32_t>((salt * 7919 + 131 * i * i + 17 * i) % 150000));
-  return t;
-}
-
-std::vector<float> forward(Backend& be, SequenceState& seq, std::span<const int32_t> tokens) {
-  std::vector<float> logits;
-  Status st = be.forward(seq, tokens, LogitsRows::all, &logits);
-  EXPECT_TRUE(st.ok()) << st.message();
-  return logits;
-}
-
 std::vector<uint8_t> saved(const SequenceState& s) {
   std::vector<uint8_t> out;
   ByteWriter w(out);

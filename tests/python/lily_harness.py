@@ -157,6 +157,15 @@ def sse_events(raw):
     return out
 
 
+def run_model_tests(tests):
+    """Runs tests[name](tiny model) for the names on the command line (all by default); returns the exit status."""
+    model = make_tiny_model()
+    runner = Runner()
+    for name in sys.argv[1:] or list(tests):
+        runner.run(name, lambda: tests[name](model))
+    return runner.finish()
+
+
 def main_guard(fn):
     try:
         rc = fn()

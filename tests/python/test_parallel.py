@@ -12,12 +12,24 @@ import sys
 import threading
 import time
 
-from lily_harness import LILY_BIN, LilyServer, Runner, main_guard, make_tiny_model
+from lily_harness import LILY_BIN, LilyServer, main_guard, run_model_tests
 
 
 def prompt(i, n=6):
     # Distinct first tokens: no two prompts share a cached prefix.
     return [1000 + 97 * i + 7 * k for k in range(n + i)]
+
+
+def wait_until(cond, what, timeout=60):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, what
+        time.sleep(0.01)
+
+
+def long_body(i):
+    """A stream that cannot end early (min_tokens): a stop token would end a greedy one at any step."""
+    return body(i, 2000, min_tokens=2000)
 
 
 def body(i, max_tokens, seed=None, **extra):
@@ -160,9 +172,8 @@ def concurrent_streams_all_start_before_any_ends(model):
 def short_request_behind_a_long_stream(model):
     s = LilyServer(model, "--parallel", "2", "--quiet").start()
     try:
-        long = Stream(s.port, body(0, 2000), stop_after=60).start()
-        while len(long.tokens) < 3:
-            time.sleep(0.01)
+        long = Stream(s.port, long_body(0), stop_after=60).start()
+        wait_until(lambda: len(long.tokens) >= 3, "the long stream did not start")
         t0 = time.monotonic()
         status, raw = s.request("POST", "/v1/completions",
                                 {"model": "tiny", "prompt": prompt(1), "max_tokens": 1, "temperature": 0})
@@ -207,9 +218,8 @@ def full_queue_is_429_and_props_report_parallel(model):
         props = json.loads(raw)
         assert status == 200 and props["parallel"] == 2 and props["total_slots"] == 2, props
         assert props["limits"]["parallel"] == 2, props
-        busy = [Stream(s.port, body(i, 2000), stop_after=40).start() for i in range(2)]
-        while any(len(b.tokens) == 0 for b in busy):
-            time.sleep(0.01)
+        busy = [Stream(s.port, long_body(i), stop_after=40).start() for i in range(2)]
+        wait_until(lambda: all(b.tokens for b in busy), "the busy streams did not start")
         m = s.metrics()
         assert m['lily_slots{state="decoding"}'] == 2 and m['lily_slots{state="idle"}'] == 0, m
         queued = Stream(s.port, body(3, 1)).start()
@@ -230,7 +240,7 @@ def full_queue_is_429_and_props_report_parallel(model):
 def request_timeout_ends_each_batched_stream(model):
     s = LilyServer(model, "--parallel", "3", "--request-timeout", "1.5", "--quiet").start()
     try:
-        streams = [Stream(s.port, body(i, 2000)).start() for i in range(3)]
+        streams = [Stream(s.port, long_body(i)).start() for i in range(3)]
         for x in streams:
             x.join(60)
         for x in streams:
@@ -262,14 +272,5 @@ TESTS = {
 }
 
 
-def main():
-    model = make_tiny_model()
-    runner = Runner()
-    names = sys.argv[1:] or list(TESTS)
-    for name in names:
-        runner.run(name, lambda: TESTS[name](model))
-    return runner.finish()
-
-
 if __name__ == "__main__":
-    main_guard(main)
+    main_guard(lambda: run_model_tests(TESTS))

@@ -7,7 +7,7 @@ import socket
 import sys
 import time
 
-from lily_harness import LilyServer, Runner, main_guard, make_tiny_model, sse_events
+from lily_harness import LilyServer, main_guard, run_model_tests, sse_events
 
 KEY = "sk-hardening"
 SIGTERM_ROUNDS = int(os.environ.get("LILY_SIGTERM_ROUNDS", "100"))
@@ -369,14 +369,5 @@ TESTS = {
 }
 
 
-def main():
-    model = make_tiny_model()
-    runner = Runner()
-    names = sys.argv[1:] or list(TESTS)
-    for name in names:
-        runner.run(name, lambda: TESTS[name](model))
-    return runner.finish()
-
-
 if __name__ == "__main__":
-    main_guard(main)
+    main_guard(lambda: run_model_tests(TESTS))
