@@ -20,7 +20,10 @@ Scheduler::~Scheduler() {
 Scheduler::Submit Scheduler::submit(std::shared_ptr<Job> job) {
   std::lock_guard lock(mu_);
   if (stopping_) return Submit::stopped;
-  if (queue_.size() >= max_queue_) return Submit::queue_full;
+  // The limit is on jobs waiting for a slot: those that free slots will take on the next step do not count, so
+  // requests that arrive together while slots are free are not refused before the step thread admits them.
+  const size_t free_slots = static_cast<size_t>(parallel_) - std::min(active_.size(), static_cast<size_t>(parallel_));
+  if (queue_.size() >= max_queue_ + free_slots) return Submit::queue_full;
   queue_.push_back(std::move(job));
   cv_.notify_one();
   return Submit::accepted;

@@ -193,6 +193,22 @@ TEST(Scheduler, LoneJobMakesWayForANewcomer) {
   wait_for([&] { return log.has("long finish"); });
 }
 
+// The queue bound counts jobs waiting for a slot: with 2 slots and a queue of 1, three requests that arrive together
+// are all taken, whether or not the step thread has admitted the first ones yet, and the fourth is refused.
+TEST(Scheduler, RequestsArrivingTogetherFillTheFreeSlotsBeforeTheQueue) {
+  Log log;
+  std::atomic<bool> gate{false};
+  Scheduler s(1, 2, batch_of(log));
+  std::vector<std::shared_ptr<StepJob>> jobs;
+  for (int i = 0; i < 3; ++i) {
+    jobs.push_back(std::make_shared<StepJob>(log, std::to_string(i), 0, 1, &gate));
+    ASSERT_EQ(s.submit(jobs.back()), Scheduler::Submit::accepted) << i;
+  }
+  EXPECT_EQ(s.submit(std::make_shared<StepJob>(log, "3", 0, 1)), Scheduler::Submit::queue_full);
+  gate.store(true);
+  wait_for([&] { return s.running() == 0 && s.queue_depth() == 0; });
+}
+
 TEST(Scheduler, BoundedQueueWithdrawAndCancel) {
   Log log;
   std::atomic<bool> gate{false};
