@@ -76,8 +76,10 @@ class Chat:
             self.pump(0.05)
 
     def answer(self):
-        """Waits for the usage line of the next answer."""
+        """Waits for the usage line of the next answer and for the prompt after it: keys typed before the line
+        editor has the terminal again can be flushed when it takes it (seen in CI: a Ctrl-D lost)."""
         self.mark = self.expect("tok/s", start=getattr(self, "mark", 0))
+        self.expect("> ", start=self.mark)
 
     def wait_exit(self, timeout=20):
         end = time.time() + timeout
