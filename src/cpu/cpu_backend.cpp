@@ -408,14 +408,7 @@ Status CpuBackend::forward_batch(std::span<SequenceState* const> seqs, std::span
       return error(ErrorCode::out_of_range, "forward_batch row %zu: %lld tokens exceed the context of %d", i,
                    (long long)(seq->n + 1), c.max_position_embeddings);
   }
-  const size_t V = static_cast<size_t>(c.vocab_size);
-  logits->resize(seqs.size() * V);
-  std::vector<float> row;
-  for (size_t i = 0; i < seqs.size(); ++i) {
-    RETURN_IF_ERROR(forward(*seqs[i], tokens.subspan(i, 1), LogitsRows::last, &row));
-    std::copy(row.begin(), row.end(), logits->begin() + static_cast<std::ptrdiff_t>(i * V));
-  }
-  return ok_status();
+  return Backend::forward_batch(seqs, tokens, logits);  // every row checked: each row's own forward
 }
 
 }  // namespace lily
