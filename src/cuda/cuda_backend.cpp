@@ -119,27 +119,41 @@ Status CudaBackend::init() {
   size_t proj_rows = 0;
   for (const DeviceLayer& l : model_->layers)
     proj_rows = std::max<size_t>(proj_rows, l.type == LayerType::full_attention ? l.attn_in.rows : l.gdn_in.rows);
-  RETURN_IF_ERROR(h_.alloc(H));
-  RETURN_IF_ERROR(proj_.alloc(proj_rows));
-  RETURN_IF_ERROR(q_.alloc(nq * D));
-  RETURN_IF_ERROR(attn_out_.alloc(nq * D));
-  RETURN_IF_ERROR(gdn_o_.alloc(static_cast<size_t>(c.linear_value_dim())));
-  RETURN_IF_ERROR(moe_x_.alloc(H));
-  RETURN_IF_ERROR(moe_logits_.alloc(static_cast<size_t>(c.num_experts)));
-  RETURN_IF_ERROR(topk_w_.alloc(static_cast<size_t>(c.num_experts_per_tok)));
-  RETURN_IF_ERROR(topk_idx_.alloc(static_cast<size_t>(c.num_experts_per_tok)));
-  RETURN_IF_ERROR(shared_gate_.alloc(1));
-  RETURN_IF_ERROR(act_.alloc((c.num_experts_per_tok + 1) * I));
-  RETURN_IF_ERROR(logits_.alloc(static_cast<size_t>(c.vocab_size)));
-  RETURN_IF_ERROR(part_o_.alloc(kMaxSplits * nq * D));
-  RETURN_IF_ERROR(part_ml_.alloc(kMaxSplits * nq * 2));
-  RETURN_IF_ERROR(sample_scratch_.alloc(kSampleScratch));
-  RETURN_IF_ERROR(sample_knobs_.alloc(1));
-  const SampleKnobs greedy_knobs;
-  CUDA_RETURN(cudaMemcpy(sample_knobs_.ptr, &greedy_knobs, sizeof greedy_knobs, cudaMemcpyHostToDevice), "knobs");
-  RETURN_IF_ERROR(token_in_.alloc(1));
-  RETURN_IF_ERROR(counters_.alloc(2));
-  CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&ring_), kRingSize * sizeof(int), cudaHostAllocMapped), "ring");
+  // kMaxBatchRows rows of each (several-row steps), rows 64 floats apart at least (16-byte vector loads).
+  auto row = [](size_t n) { return (n + 63) / 64 * 64; };
+  RowStrides& st = strides_;
+  st.h = H;  // embed_rows writes rows H apart (H is a multiple of 64)
+  st.proj = row(proj_rows), st.q = row(nq * D), st.attn_out = st.q;
+  st.gdn_o = row(static_cast<size_t>(c.linear_value_dim()));
+  st.moe_logits = row(static_cast<size_t>(c.num_experts));
+  st.topk = row(static_cast<size_t>(c.num_experts_per_tok)), st.shared_gate = 64;
+  st.act = row((c.num_experts_per_tok + 1) * I);
+  st.logits = row(static_cast<size_t>(c.vocab_size));
+  st.part_o = kMaxSplits * nq * D, st.part_ml = kMaxSplits * nq * 2;
+  const size_t R = kMaxBatchRows;
+  RETURN_IF_ERROR(h_.alloc(R * st.h));
+  RETURN_IF_ERROR(proj_.alloc(R * st.proj));
+  RETURN_IF_ERROR(q_.alloc(R * st.q));
+  RETURN_IF_ERROR(attn_out_.alloc(R * st.attn_out));
+  RETURN_IF_ERROR(gdn_o_.alloc(R * st.gdn_o));
+  RETURN_IF_ERROR(moe_x_.alloc(R * st.h));
+  RETURN_IF_ERROR(moe_logits_.alloc(R * st.moe_logits));
+  RETURN_IF_ERROR(topk_w_.alloc(R * st.topk));
+  RETURN_IF_ERROR(topk_idx_.alloc(R * st.topk));
+  RETURN_IF_ERROR(shared_gate_.alloc(R * st.shared_gate));
+  RETURN_IF_ERROR(act_.alloc(R * st.act));
+  RETURN_IF_ERROR(logits_.alloc(R * st.logits));
+  RETURN_IF_ERROR(part_o_.alloc(R * st.part_o));
+  RETURN_IF_ERROR(part_ml_.alloc(R * st.part_ml));
+  RETURN_IF_ERROR(sample_scratch_.alloc(R * kSampleScratch));
+  RETURN_IF_ERROR(sample_knobs_.alloc(R));
+  const std::vector<SampleKnobs> greedy_knobs(R);
+  CUDA_RETURN(cudaMemcpy(sample_knobs_.ptr, greedy_knobs.data(), R * sizeof(SampleKnobs), cudaMemcpyHostToDevice),
+              "knobs");
+  RETURN_IF_ERROR(token_in_.alloc(R));
+  RETURN_IF_ERROR(counters_.alloc(2 * R));
+  CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&ring_), R * kRingSize * sizeof(int), cudaHostAllocMapped),
+              "ring");
   CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_, 0), "ring");
   std::fprintf(stderr, "%s, context %lld\n", paths_.describe(device_name_).c_str(), (long long)options_.max_context);
   return ok_status();
@@ -236,6 +250,84 @@ Status CudaBackend::generate_on_device(SequenceState& base, int32_t first, const
     CUDA_RETURN(cudaStreamSynchronize(stream_), "decode step");
     const int32_t tok = reinterpret_cast<volatile int*>(ring_)[step % kRingSize];
     if (!on_token(tok)) break;
+  }
+  return ok_status();
+}
+
+Result<std::vector<CudaSequence*>> CudaBackend::check_rows(std::span<SequenceState* const> seqs,
+                                                         std::span<const int32_t> tokens) {
+  if (seqs.empty() || seqs.size() != tokens.size())
+    return invalid_argument("several-row step: %zu sequences, %zu tokens", seqs.size(), tokens.size());
+  std::vector<CudaSequence*> rows;
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    Result<CudaSequence*> s = check_sequence(*seqs[i], 1);
+    if (!s.ok()) return error(s.status().code(), "row %zu: %s", i, s.status().message().c_str());
+    if (std::find(rows.begin(), rows.end(), s.value()) != rows.end())
+      return invalid_argument("row %zu: the sequence is already in the batch", i);
+    if (tokens[i] < 0 || tokens[i] >= config().vocab_size)
+      return invalid_argument("row %zu: token id %d is outside the vocabulary [0, %d)", i, tokens[i],
+                              config().vocab_size);
+    rows.push_back(s.value());
+  }
+  return rows;
+}
+
+// One eager several-row step (no graph: the rows change from step to step); each row's position advances.
+Status CudaBackend::run_rows(std::span<CudaSequence* const> rows, std::span<const int32_t> tokens,
+                             std::span<const DeviceSampling> sampling) {
+  const size_t R = rows.size();
+  CUDA_RETURN(cudaMemcpyAsync(token_in_.ptr, tokens.data(), R * sizeof(int), cudaMemcpyHostToDevice, stream_),
+              "tokens");
+  if (!sampling.empty()) {
+    SampleKnobs knobs[kMaxBatchRows];
+    for (size_t r = 0; r < R; ++r) {
+      const DeviceSampling& sp = sampling[r];
+      knobs[r] = SampleKnobs{sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seed};
+    }
+    CUDA_RETURN(cudaMemcpyAsync(sample_knobs_.ptr, knobs, R * sizeof(SampleKnobs), cudaMemcpyHostToDevice, stream_),
+                "sampling knobs");
+  }
+  RETURN_IF_ERROR(enqueue_step(rows, attention_splits(rows[0]->n + 1), sampling, nullptr));
+  for (CudaSequence* s : rows) s->n += 1;
+  return ok_status();
+}
+
+Status CudaBackend::forward_batch(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
+                                  std::vector<float>* logits) {
+  ASSIGN_OR_RETURN(std::vector<CudaSequence*> rows, check_rows(seqs, tokens));
+  const size_t V = static_cast<size_t>(config().vocab_size);
+  logits->resize(rows.size() * V);
+  for (size_t first = 0; first < rows.size(); first += kMaxBatchRows) {
+    const size_t R = std::min<size_t>(kMaxBatchRows, rows.size() - first);
+    const std::span<CudaSequence* const> part(rows.data() + first, R);
+    RETURN_IF_ERROR(run_rows(part, tokens.subspan(first, R), {}));
+    CUDA_RETURN(cudaMemcpy2DAsync(logits->data() + first * V, V * sizeof(float), logits_.ptr,
+                                  strides_.logits * sizeof(float), V * sizeof(float), R, cudaMemcpyDeviceToHost,
+                                  stream_),
+                "logits");
+    CUDA_RETURN(cudaStreamSynchronize(stream_), "several-row step");
+  }
+  return ok_status();
+}
+
+Status CudaBackend::decode_batch_on_device(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
+                                           std::span<const DeviceSampling> sampling, std::vector<int32_t>* next) {
+  if (sampling.size() != seqs.size())
+    return invalid_argument("decode_batch_on_device: %zu sequences, %zu samplings", seqs.size(), sampling.size());
+  ASSIGN_OR_RETURN(std::vector<CudaSequence*> rows, check_rows(seqs, tokens));
+  for (size_t i = 0; i < sampling.size(); ++i)
+    if (sampling[i].top_k > 64)
+      return invalid_argument("row %zu: device sampling supports top_k <= 64, got %d", i, sampling[i].top_k);
+  next->assign(rows.size(), -1);
+  for (size_t first = 0; first < rows.size(); first += kMaxBatchRows) {
+    const size_t R = std::min<size_t>(kMaxBatchRows, rows.size() - first);
+    std::vector<int64_t> steps;
+    for (size_t r = 0; r < R; ++r) steps.push_back(rows[first + r]->n);
+    RETURN_IF_ERROR(run_rows(std::span<CudaSequence* const>(rows.data() + first, R), tokens.subspan(first, R),
+                             sampling.subspan(first, R)));
+    CUDA_RETURN(cudaStreamSynchronize(stream_), "several-row step");
+    const volatile int* ring = ring_;
+    for (size_t r = 0; r < R; ++r) (*next)[first + r] = ring[r * kRingSize + steps[r] % kRingSize];
   }
   return ok_status();
 }

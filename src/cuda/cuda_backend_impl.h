@@ -73,6 +73,10 @@ class CudaBackend final : public CudaBench {
   bool has_device_sampling() const override { return true; }
   Status generate_on_device(SequenceState& seq, int32_t first, const DeviceSampling& sampling, int max_new,
                             const std::function<bool(int32_t)>& on_token) override;
+  Status forward_batch(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
+                       std::vector<float>* logits) override;
+  Status decode_batch_on_device(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
+                                std::span<const DeviceSampling> sampling, std::vector<int32_t>* next) override;
   Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq, std::span<const int32_t> tokens,
                                                               int64_t split, LogitsRows rows,
                                                               std::vector<float>* logits) override;
@@ -94,11 +98,17 @@ class CudaBackend final : public CudaBench {
  private:
   Status choose_paths(const cudaDeviceProp& prop);
   Status fit_context();
-  // cuda_decode.cpp
-  Status enqueue_step(CudaSequence& s, int n_splits, const DeviceSampling* sampling, Profiler* prof);
-  Status enqueue_gdn_layer(CudaSequence& s, size_t l, Profiler* prof);
-  Status enqueue_attention_layer(CudaSequence& s, size_t l, int n_splits, Profiler* prof);
-  Status enqueue_moe_block(size_t l, Profiler* prof);
+  // cuda_decode.cpp: one step of 1 to kMaxBatchRows rows (distinct sequences); sampling empty or one per row.
+  Status enqueue_step(std::span<CudaSequence* const> rows, int n_splits, std::span<const DeviceSampling> sampling,
+                      Profiler* prof);
+  Status enqueue_gdn_layer(std::span<CudaSequence* const> rows, size_t l, Profiler* prof);
+  Status enqueue_attention_layer(std::span<CudaSequence* const> rows, size_t l, int n_splits, Profiler* prof);
+  Status enqueue_moe_block(int rows, size_t l, Profiler* prof);
+  // cuda_backend.cpp: the checks of a several-row call (distinct sequences of this backend with room for a token,
+  // tokens in the vocabulary), then one step of up to kMaxBatchRows rows without a graph.
+  Result<std::vector<CudaSequence*>> check_rows(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens);
+  Status run_rows(std::span<CudaSequence* const> rows, std::span<const int32_t> tokens,
+                  std::span<const DeviceSampling> sampling);
   // cuda_graph.cpp
   Result<cudaGraphExec_t> graph_for(CudaSequence& s, const DeviceSampling* sampling);
   Status run_step(CudaSequence& s, const DeviceSampling* sampling);
@@ -124,6 +134,16 @@ class CudaBackend final : public CudaBench {
   static constexpr int kSampleScratch = 2 * 1024 * 64;
   static constexpr int kHeadRows = 128;    // prefill rows whose logits one lm_head GEMM computes (LogitsRows::all)
   static constexpr size_t kMaxGraphs = 8;  // decode graphs kept per sequence
+  static constexpr int kRouteCounter = 0;              // counters_: moe_route's of row r at kRouteCounter + r
+  static constexpr int kSampleCounter = kMaxBatchRows;  // ... the sample kernel's at kSampleCounter + r
+
+  // Floats between scratch rows of a several-row step (row r of h_ at h_.ptr + r * h, ...); row 0 is the batch-1
+  // step's scratch.
+  struct RowStrides {
+    size_t h = 0, proj = 0, q = 0, attn_out = 0, gdn_o = 0, moe_logits = 0, topk = 0, shared_gate = 0, act = 0;
+    size_t logits = 0, part_o = 0, part_ml = 0;
+  };
+  RowStrides strides_;
 
   std::shared_ptr<const ModelWeights> weights_;
   CudaBackendOptions options_;
@@ -131,13 +151,13 @@ class CudaBackend final : public CudaBench {
   std::unique_ptr<DeviceModel> model_;
   std::string device_name_;
   cudaStream_t stream_ = nullptr;
-  // Scratch shared by all sequences (batch 1: one step runs at a time).
+  // Scratch shared by all sequences (one step runs at a time), kMaxBatchRows rows of each (strides_).
   DeviceArray<float> h_, proj_, q_, attn_out_, gdn_o_, moe_x_, moe_logits_, topk_w_, shared_gate_, act_, logits_;
   DeviceArray<float> part_o_, part_ml_, sample_scratch_;
   DeviceArray<SampleKnobs> sample_knobs_;  // the running request's sampling numbers (SampleParams::knobs)
   DeviceArray<int> topk_idx_, token_in_, tokens_;
-  DeviceArray<unsigned> counters_;  // [0] moe_route, [1] sample
-  int* ring_ = nullptr;             // host-mapped
+  DeviceArray<unsigned> counters_;  // kRouteCounter + r, kSampleCounter + r
+  int* ring_ = nullptr;             // host-mapped, kRingSize tokens per row
   int* ring_dev_ = nullptr;
   // Prefill scratch, sized by options_.prefill_chunk rows (allocated on the first prefill).
   DeviceArray<float> ph_, pproj_, plogits_;

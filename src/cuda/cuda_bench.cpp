@@ -131,7 +131,8 @@ Result<std::vector<KernelTiming>> CudaBackend::profile_step(SequenceState& base)
   Profiler prof;
   prof.stream = stream_;
   DeviceSampling greedy;
-  RETURN_IF_ERROR(enqueue_step(*s, attention_splits(s->n + 1), &greedy, &prof));
+  CudaSequence* rows[] = {s};
+  RETURN_IF_ERROR(enqueue_step(rows, attention_splits(s->n + 1), std::span<const DeviceSampling>(&greedy, 1), &prof));
   s->n += 1;
   CUDA_RETURN(cudaStreamSynchronize(stream_), "profile");
   return prof.totals();
@@ -177,7 +178,8 @@ Result<std::vector<TraceLaunch>> CudaBackend::trace_decode(SequenceState& base, 
   names.names_only = true;
   cudaGraph_t unused = nullptr;
   CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "trace: begin capture");
-  Status st = enqueue_step(*s, attention_splits(s->n + 1), &greedy, &names);
+  CudaSequence* rows[] = {s};
+  Status st = enqueue_step(rows, attention_splits(s->n + 1), std::span<const DeviceSampling>(&greedy, 1), &names);
   cudaError_t end = cudaStreamEndCapture(stream_, &unused);
   if (unused) cudaGraphDestroy(unused);
   RETURN_IF_ERROR(st);

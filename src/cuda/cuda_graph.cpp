@@ -19,7 +19,8 @@ Result<cudaGraphExec_t> CudaBackend::graph_for(CudaSequence& s, const DeviceSamp
   const auto t0 = Clock::now();
   cudaGraph_t graph = nullptr;
   CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin capture");
-  Status st = enqueue_step(s, n_splits, sp, nullptr);
+  CudaSequence* rows[] = {&s};
+  Status st = enqueue_step(rows, n_splits, sp ? std::span<const DeviceSampling>(sp, 1) : std::span<const DeviceSampling>(), nullptr);
   cudaError_t end = cudaStreamEndCapture(stream_, &graph);
   RETURN_IF_ERROR(st);
   CUDA_RETURN(end, "end capture");

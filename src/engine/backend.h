@@ -91,6 +91,16 @@ class Backend {
     }
     return ok_status();
   }
+  // One device-sampled decode token for each of several sequences in one call: seqs[i] consumes tokens[i] and
+  // next[i] is the token drawn for it with sampling[i] - the token generate_on_device would draw for it alone
+  // (the device's draw is keyed by the position). Every row is checked before any runs: on an error no row has
+  // consumed its token (out_of_range: a row has reached the backend's limit). Backends without it return
+  // ErrorCode::unsupported (the engine then steps the rows one at a time).
+  virtual Status decode_batch_on_device(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
+                                        std::span<const DeviceSampling> sampling, std::vector<int32_t>* next) {
+    (void)seqs, (void)tokens, (void)sampling, (void)next;
+    return error(ErrorCode::unsupported, "%s backend has no several-row device step", name());
+  }
   // Prompt tokens this backend takes best in one forward call: the engine's default prefill piece (the CUDA
   // backend's prefill chunk; the CPU backend's activations scale with it).
   virtual int preferred_prefill_tokens() const { return 512; }

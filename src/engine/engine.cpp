@@ -379,12 +379,13 @@ void Engine::run_alone(Generation& generation, const std::function<bool()>& yiel
   m.decode_on_host(g, yield);
 }
 
-// The device-sampled generations step one at a time (generate_on_device of one token: the device's draw is
-// keyed by the position, so the tokens are those of its uninterrupted loop); the host-sampled ones share one
-// forward_batch call, whose failure ends all of them.
+// The device-sampled generations share one decode_batch_on_device call (the device's draw is keyed by the
+// position, so each gets the tokens of its uninterrupted loop; a single one steps through generate_on_device); if
+// a row has reached the backend's limit (or the backend has no such call), they step one at a time. The host-sampled ones share one forward_batch
+// call. A failed batched call ends all of its generations.
 void Engine::decode_step(std::span<Generation* const> generations) {
   Impl& m = *impl_;
-  std::vector<Generation::State*> host;
+  std::vector<Generation::State*> device, host;
   for (Generation* generation : generations) {
     Generation::State& g = *generation->s_;
     CHECK(!generation->prefilling() && !generation->done(), "decode_step of a generation that cannot decode");
@@ -392,19 +393,41 @@ void Engine::decode_step(std::span<Generation* const> generations) {
       g.end("cancelled");
       continue;
     }
-    if (g.on_device) {
-      Status st =
-          m.backend->generate_on_device(*g.seq->state, g.next, g.device_sampling(), 1, [&](int32_t id) {
-            g.take(id);
-            return false;
-          });
-      if (st.ok()) continue;
-      if (st.code() != ErrorCode::out_of_range) {
-        g.fail(std::move(st));
-        continue;
-      }
-      g.on_device = false;  // as in run_alone: the host loop runs up to the backend's limit
+    (g.on_device ? device : host).push_back(&g);
+  }
+  bool batched = false;
+  if (device.size() > 1) {
+    std::vector<SequenceState*> states;
+    std::vector<int32_t> tokens, next;
+    std::vector<DeviceSampling> sampling;
+    for (Generation::State* g : device) {
+      states.push_back(g->seq->state.get());
+      tokens.push_back(g->next);
+      sampling.push_back(g->device_sampling());
     }
+    Status st = m.backend->decode_batch_on_device(states, tokens, sampling, &next);
+    if (st.ok()) {
+      for (size_t i = 0; i < device.size(); ++i) device[i]->take(next[i]);
+      batched = true;
+    } else if (st.code() != ErrorCode::out_of_range && st.code() != ErrorCode::unsupported) {
+      for (Generation::State* g : device) g->fail(st);
+      batched = true;
+    }
+  }
+  for (Generation::State* gp : device) {
+    if (batched) break;
+    Generation::State& g = *gp;
+    Status st =
+        m.backend->generate_on_device(*g.seq->state, g.next, g.device_sampling(), 1, [&](int32_t id) {
+          g.take(id);
+          return false;
+        });
+    if (st.ok()) continue;
+    if (st.code() != ErrorCode::out_of_range) {
+      g.fail(std::move(st));
+      continue;
+    }
+    g.on_device = false;  // as in run_alone: the host loop runs up to the backend's limit
     host.push_back(&g);
   }
   if (host.empty()) return;

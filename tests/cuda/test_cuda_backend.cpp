@@ -6,6 +6,7 @@
 //    SequenceState::save / Backend::load_sequence) continue bit-identically, through a session file too;
 //  - the prefill path: chunked prompts against the CPU reference and against the token-by-token decode path,
 //    decode after a chunked prefill equal to decode after a single prefill, a prompt longer than a chunk;
+//  - several-row steps (forward_batch, decode_batch_on_device) equal to each row's one-row step, to the bit;
 //  - the kernel paths chosen at start (by the device code in the binary) and the context that fits.
 #include <gtest/gtest.h>
 
@@ -304,6 +305,104 @@ TEST(CudaBackend, CheckpointRestoreAndDeviceSampling) {
   EXPECT_EQ(run(hot), run(hot));
   DeviceSampling topk{0.8f, 20, 0.9f, 0.0f, 42};
   EXPECT_EQ(run(topk), run(topk));
+}
+
+// Several-row steps (continuous batching): forward_batch and decode_batch_on_device give every row exactly what
+// the one-row step gives it alone - logits to the bit, device-sampled tokens (greedy, temperature, top-k/top-p) -
+// for rows at different contexts, n rows in one step (n <= 8) and more rows than one step takes (split).
+void expect_rows_equal_alone(const std::string& preset, int n_rows) {
+  auto w = synth_model(preset);
+  auto made = cuda::make_cuda_backend(w, {4096});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  Backend& b = **made;
+  const int64_t V = w->config.vocab_size;
+  const int kSteps = 6;
+  std::vector<std::vector<int32_t>> prompts, inputs;  // per row: its prompt, then the tokens it is fed
+  for (int r = 0; r < n_rows; ++r) {
+    prompts.push_back(random_tokens(1 + 37 * r % 300, static_cast<int>(V), 100 + r));
+    inputs.push_back(random_tokens(kSteps, static_cast<int>(V), 200 + r));
+  }
+  auto prefilled = [&](int r) {
+    auto s = b.new_sequence();
+    EXPECT_TRUE(b.forward(*s, prompts[r], LogitsRows::none, nullptr).ok());
+    return s;
+  };
+  // Alone: one row at a time through forward (the one-row graph).
+  std::vector<std::vector<float>> alone(n_rows);
+  for (int r = 0; r < n_rows; ++r) {
+    auto s = prefilled(r);
+    std::vector<float> l;
+    for (int t = 0; t < kSteps; ++t) {
+      ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(&inputs[r][t], 1), LogitsRows::last, &l).ok());
+      alone[r].insert(alone[r].end(), l.begin(), l.end());
+    }
+  }
+  // Together: every step one forward_batch of all rows.
+  std::vector<std::unique_ptr<SequenceState>> seqs;
+  std::vector<SequenceState*> ptrs;
+  for (int r = 0; r < n_rows; ++r) seqs.push_back(prefilled(r)), ptrs.push_back(seqs.back().get());
+  size_t differing = 0;
+  for (int t = 0; t < kSteps; ++t) {
+    std::vector<int32_t> tokens;
+    for (int r = 0; r < n_rows; ++r) tokens.push_back(inputs[r][t]);
+    std::vector<float> l;
+    Status st = b.forward_batch(ptrs, tokens, &l);
+    ASSERT_TRUE(st.ok()) << st.message();
+    ASSERT_EQ(l.size(), static_cast<size_t>(n_rows * V));
+    for (int r = 0; r < n_rows; ++r)
+      differing += std::memcmp(&l[r * V], &alone[r][t * V], V * sizeof(float)) != 0;
+  }
+  std::printf("[%s] %d rows x %d steps: %zu row-steps differ from the row alone\n", preset.c_str(), n_rows, kSteps,
+              differing);
+  EXPECT_EQ(differing, 0u);
+  for (int r = 0; r < n_rows; ++r) EXPECT_EQ(seqs[r]->n_tokens(), static_cast<int64_t>(prompts[r].size() + kSteps));
+
+  // Device sampling: rows of three modes, each against generate_on_device alone.
+  const DeviceSampling modes[] = {{}, {1.0f, 0, 1.0f, 0.0f, 42}, {0.8f, 20, 0.9f, 0.0f, 7}};
+  std::vector<std::vector<int32_t>> alone_tokens(n_rows), together(n_rows);
+  for (int r = 0; r < n_rows; ++r) {
+    auto s = prefilled(r);
+    EXPECT_TRUE(b.generate_on_device(*s, inputs[r][0], modes[r % 3], kSteps, [&](int32_t id) {
+      alone_tokens[r].push_back(id);
+      return true;
+    }).ok());
+  }
+  seqs.clear(), ptrs.clear();
+  for (int r = 0; r < n_rows; ++r) seqs.push_back(prefilled(r)), ptrs.push_back(seqs.back().get());
+  std::vector<int32_t> tokens;
+  std::vector<DeviceSampling> sampling;
+  for (int r = 0; r < n_rows; ++r) tokens.push_back(inputs[r][0]), sampling.push_back(modes[r % 3]);
+  for (int t = 0; t < kSteps; ++t) {
+    std::vector<int32_t> next;
+    Status st = b.decode_batch_on_device(ptrs, tokens, sampling, &next);
+    ASSERT_TRUE(st.ok()) << st.message();
+    for (int r = 0; r < n_rows; ++r) together[r].push_back(next[r]);
+    tokens = next;
+  }
+  for (int r = 0; r < n_rows; ++r) EXPECT_EQ(together[r], alone_tokens[r]) << "row " << r;
+
+  // Refusals before any row runs: a sequence twice, a token outside the vocabulary.
+  std::vector<SequenceState*> twice = {ptrs[0], ptrs[0]};
+  std::vector<int32_t> two = {1, 2};
+  std::vector<float> l;
+  EXPECT_FALSE(b.forward_batch(twice, two, &l).ok());
+  std::vector<SequenceState*> pair = {ptrs[0], ptrs[1]};
+  std::vector<int32_t> bad = {1, static_cast<int32_t>(V)};
+  const int64_t before = ptrs[0]->n_tokens();
+  EXPECT_FALSE(b.forward_batch(pair, bad, &l).ok());
+  EXPECT_EQ(ptrs[0]->n_tokens(), before);
+}
+
+TEST(CudaBackend, SeveralRowStepsEqualOneRowStepsFull) {
+  SKIP_WITHOUT_GPU();
+  expect_rows_equal_alone("full4", 5);
+  expect_rows_equal_alone("full4", 8);
+  expect_rows_equal_alone("full4", 11);
+}
+
+TEST(CudaBackend, SeveralRowStepsEqualOneRowStepsTiny) {
+  SKIP_WITHOUT_GPU();
+  expect_rows_equal_alone("tiny", 3);
 }
 
 std::vector<uint8_t> saved(const SequenceState& s) {

@@ -44,8 +44,10 @@ using namespace attn_util::decode;  // constants, tiles, the online softmax and 
 
 // ---- attn_prep -----------------------------------------------------------------------------------------------
 
-__global__ void attn_prep_kernel(const __grid_constant__ AttnPrepParams p) {
+template <class Src>
+__global__ void attn_prep_kernel(const __grid_constant__ Src args) {
   const trace::BlockTrace trace_block(trace::kAttnPrep);
+  const AttnPrepParams& p = row_of(args);
   __shared__ float y_s[1024];
   __shared__ float scratch[32];
   const int D = p.head_dim, d = threadIdx.x, b = blockIdx.x;
@@ -80,8 +82,10 @@ __global__ void attn_prep_kernel(const __grid_constant__ AttnPrepParams p) {
 
 // ---- attn_decode ---------------------------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __grid_constant__ AttnDecodeParams p) {
+template <class Src>
+__global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __grid_constant__ Src args) {
   const trace::BlockTrace trace_block(trace::kAttnDecode);
+  const AttnDecodeParams& p = row_of(args);
   extern __shared__ __align__(16) unsigned char smem[];
   __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(smem);  // [16][kRowPitch]: rows 0-7 q_hi, 8-15 q_lo
   __nv_bfloat16* tiles_s = q_s + 2 * kMaxGroup * kRowPitch;      // [kWarps][kStages][K, V][kTileElems]
@@ -172,8 +176,10 @@ __global__ void __launch_bounds__(kWarps * 32, 1) attn_decode_kernel(const __gri
 
 // ---- attn_combine --------------------------------------------------------------------------------------------
 
-__global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __grid_constant__ AttnCombineParams p) {
+template <class Src>
+__global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __grid_constant__ Src args) {
   const trace::BlockTrace trace_block(trace::kAttnCombine);
+  const AttnCombineParams& p = row_of(args);
   extern __shared__ float ml_s[];  // [n_splits][2]: (max, sum), then (weight exp(m_s - M), sum)
   __shared__ float scratch[32];
   __shared__ float acc_s[kCombineThreads / 32][32];
@@ -184,34 +190,93 @@ __global__ void __launch_bounds__(kCombineThreads) attn_combine_kernel(const __g
   combine_slice(p, j, D, warp, lane, d, ml_s, scratch, acc_s);
 }
 
-}  // namespace
+
 
 // ---- launchers -----------------------------------------------------------------------------------------------
 
-cudaError_t attn_prep(const AttnPrepParams& p, cudaStream_t stream) {
+cudaError_t check(const AttnPrepParams& p) {
   if (!p.proj || !p.q_norm || !p.k_norm || !p.pos || !p.q || !p.k_cache || !p.v_cache) return cudaErrorInvalidValue;
   if (p.nq <= 0 || p.nkv <= 0 || p.head_dim <= 0 || p.head_dim > 1024 || p.head_dim % 32 != 0) return cudaErrorInvalidValue;
   if (p.rotary_dim < 0 || p.rotary_dim % 2 != 0 || p.rotary_dim > p.head_dim) return cudaErrorInvalidValue;
-  return launch_pdl(attn_prep_kernel, dim3(p.nq + p.nkv), dim3(p.head_dim), 0, stream, p);
+  return cudaSuccess;
 }
+bool same_shape(const AttnPrepParams& a, const AttnPrepParams& b) {
+  return a.nq == b.nq && a.nkv == b.nkv && a.head_dim == b.head_dim;
+}
+dim3 grid_of(const AttnPrepParams& p, int n) { return dim3(p.nq + p.nkv, 1, n); }
+dim3 block_of(const AttnPrepParams& p) { return dim3(p.head_dim); }
+size_t smem_of(const AttnPrepParams&) { return 0; }
+template <class Src>
+auto kernel_of(const AttnPrepParams&) { return attn_prep_kernel<Src>; }
 
-cudaError_t attn_decode(const AttnDecodeParams& p, cudaStream_t stream) {
+cudaError_t check(const AttnDecodeParams& p) {
   if (!p.q || !p.k_cache || !p.v_cache || !p.pos || !p.part_o || !p.part_ml) return cudaErrorInvalidValue;
   if (p.head_dim != kHeadDim || p.nkv <= 0 || p.nq % p.nkv != 0 || p.nq / p.nkv > kMaxGroup) return cudaErrorInvalidValue;
   if (p.n_splits < 1 || p.n_splits > kMaxSplits) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(p.q) % 16 != 0) return cudaErrorInvalidValue;  // float4 loads of q
-  CUDA_TRY(cudaFuncSetAttribute(attn_decode_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                static_cast<int>(kDecodeSmemBytes)));
-  return launch_pdl(attn_decode_kernel, dim3(p.nkv, p.n_splits), dim3(kWarps * 32), kDecodeSmemBytes, stream,
-                    p);
+  return cudaSuccess;
+}
+bool same_shape(const AttnDecodeParams& a, const AttnDecodeParams& b) {
+  return a.nq == b.nq && a.nkv == b.nkv && a.n_splits == b.n_splits;
+}
+dim3 grid_of(const AttnDecodeParams& p, int n) { return dim3(p.nkv, p.n_splits, n); }
+dim3 block_of(const AttnDecodeParams&) { return dim3(kWarps * 32); }
+size_t smem_of(const AttnDecodeParams&) { return kDecodeSmemBytes; }
+template <class Src>
+auto kernel_of(const AttnDecodeParams&) {
+  return attn_decode_kernel<Src>;
 }
 
-cudaError_t attn_combine(const AttnCombineParams& p, cudaStream_t stream) {
+cudaError_t check(const AttnCombineParams& p) {
   if (!p.part_o || !p.part_ml || !p.proj || !p.out) return cudaErrorInvalidValue;
   if (p.nq <= 0 || p.head_dim <= 0 || p.head_dim % 32 != 0) return cudaErrorInvalidValue;
   if (p.n_splits < 1 || p.n_splits > kMaxSplits) return cudaErrorInvalidValue;
-  return launch_pdl(attn_combine_kernel, dim3(p.nq, p.head_dim / 32), dim3(kCombineThreads),
-                    2 * p.n_splits * sizeof(float), stream, p);
+  return cudaSuccess;
+}
+bool same_shape(const AttnCombineParams& a, const AttnCombineParams& b) {
+  return a.nq == b.nq && a.head_dim == b.head_dim && a.n_splits == b.n_splits;
+}
+dim3 grid_of(const AttnCombineParams& p, int n) { return dim3(p.nq, p.head_dim / 32, n); }
+dim3 block_of(const AttnCombineParams&) { return dim3(kCombineThreads); }
+size_t smem_of(const AttnCombineParams& p) { return 2 * p.n_splits * sizeof(float); }
+template <class Src>
+auto kernel_of(const AttnCombineParams&) {
+  return attn_combine_kernel<Src>;
+}
+
+// One launch of the kernel of P for n rows (n == 1: the single-row instance).
+template <class P>
+cudaError_t launch_rows(const P* rows, int n, cudaStream_t stream) {
+  if (n < 1 || n > kMaxBatchRows) return cudaErrorInvalidValue;
+  for (int r = 0; r < n; ++r) {
+    CUDA_TRY(check(rows[r]));
+    if (!same_shape(rows[0], rows[r])) return cudaErrorInvalidValue;
+  }
+  const P& p = rows[0];
+  const size_t smem = smem_of(p);
+  if (n == 1) {
+    auto kernel = kernel_of<P>(p);
+    if (smem > 48 * 1024) CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    return launch_pdl(kernel, grid_of(p, 1), block_of(p), smem, stream, p);
+  }
+  auto kernel = kernel_of<RowBatch<P>>(p);
+  if (smem > 48 * 1024) CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  return launch_pdl(kernel, grid_of(p, n), block_of(p), smem, stream, make_row_batch(rows, n));
+}
+
+}  // namespace
+
+cudaError_t attn_prep(const AttnPrepParams& p, cudaStream_t stream) { return launch_rows(&p, 1, stream); }
+cudaError_t attn_decode(const AttnDecodeParams& p, cudaStream_t stream) { return launch_rows(&p, 1, stream); }
+cudaError_t attn_combine(const AttnCombineParams& p, cudaStream_t stream) { return launch_rows(&p, 1, stream); }
+cudaError_t attn_prep_rows(const AttnPrepParams* rows, int n, cudaStream_t stream) {
+  return launch_rows(rows, n, stream);
+}
+cudaError_t attn_decode_rows(const AttnDecodeParams* rows, int n, cudaStream_t stream) {
+  return launch_rows(rows, n, stream);
+}
+cudaError_t attn_combine_rows(const AttnCombineParams* rows, int n, cudaStream_t stream) {
+  return launch_rows(rows, n, stream);
 }
 
 }  // namespace lily::cuda

@@ -55,5 +55,10 @@ struct AttnCombineParams {
 cudaError_t attn_prep(const AttnPrepParams& p, cudaStream_t stream);
 cudaError_t attn_decode(const AttnDecodeParams& p, cudaStream_t stream);
 cudaError_t attn_combine(const AttnCombineParams& p, cudaStream_t stream);
+// n <= kMaxBatchRows rows (sequences) of one layer in one launch each (grid z = row), each row exactly as the
+// single-row launch.
+cudaError_t attn_prep_rows(const AttnPrepParams* rows, int n, cudaStream_t stream);
+cudaError_t attn_decode_rows(const AttnDecodeParams* rows, int n, cudaStream_t stream);
+cudaError_t attn_combine_rows(const AttnCombineParams* rows, int n, cudaStream_t stream);
 
 }  // namespace lily::cuda

@@ -59,8 +59,34 @@ struct QMatrix {
   }
 };
 
+// Several decode rows of one per-sequence kernel (gdn_step, attention, the MoE kernels) in one launch: row r of the
+// batch is the grid's z index r and reads its own parameters (its sequence's state, position and scratch row).
+// A batched launch runs, per row, exactly the code of the single-row launch, so a row's results do not depend
+// on the other rows (batch invariance).
+inline constexpr int kMaxBatchRows = 8;
+template <class P>
+struct RowBatch {
+  P row[kMaxBatchRows];
+};
+template <class P>
+RowBatch<P> make_row_batch(const P* rows, int n) {
+  RowBatch<P> b{};
+  for (int r = 0; r < n && r < kMaxBatchRows; ++r) b.row[r] = rows[r];
+  return b;
+}
+
 // Device-only helpers; host-compiled code (the .cpp op tests) includes this header for QMatrix alone.
 #if defined(__CUDACC__)
+// A kernel's parameters: the launch's own, or row blockIdx.z of a batch.
+template <class P>
+__device__ __forceinline__ const P& row_of(const P& p) {
+  return p;
+}
+template <class P>
+__device__ __forceinline__ const P& row_of(const RowBatch<P>& b) {
+  return b.row[blockIdx.z];
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -34,4 +34,46 @@ inline cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t s) {
   return gdn_fast_supported(p) ? cuda::gdn_step(p, s) : gdn_step_generic(p, s);
 }
 
+// ---- several decode rows (one per sequence) in one call -----------------------------------------------------------
+// The fast kernels' batched launches where every row takes the fast kernel, else one generic launch per row.
+
+inline cudaError_t gemv_rows(const GemvParams& p, cudaStream_t s) {
+  GemvParams one = p;
+  one.n_rows = 1;
+  if (p.n_rows == 1) return dispatch::gemv(one, s);
+  if (gemv_fast_supported(one)) return cuda::gemv_rows(p, s);
+  for (int r = 0; r < p.n_rows; ++r) {
+    one.in = p.in + static_cast<size_t>(r) * p.in_stride;
+    if (p.gate_z) one.gate_z = p.gate_z + static_cast<size_t>(r) * p.z_stride;
+    if (p.residual) one.residual = p.residual + static_cast<size_t>(r) * p.out_stride;
+    one.y = p.y + static_cast<size_t>(r) * p.out_stride;
+    CUDA_TRY(gemv_generic(one, s));
+  }
+  return cudaSuccess;
+}
+
+template <class P, class Supported, class Fast, class Generic>
+cudaError_t rows_or_loop(const P* rows, int n, Supported supported, Fast fast, Generic generic, cudaStream_t s) {
+  bool all_fast = true;
+  for (int r = 0; r < n; ++r) all_fast = all_fast && supported(rows[r]);
+  if (all_fast) return fast(rows, n, s);
+  for (int r = 0; r < n; ++r) CUDA_TRY(generic(rows[r], s));
+  return cudaSuccess;
+}
+
+#define LILY_DISPATCH_ROWS(name, Params, supported)                                                            \
+  inline cudaError_t name##_rows(const Params* rows, int n, cudaStream_t s) {                                  \
+    return rows_or_loop(                                                                                       \
+        rows, n, [](const Params& p) { return supported(p); }, cuda::name##_rows,                               \
+        [](const Params& p, cudaStream_t st) { return name##_generic(p, st); }, s);                            \
+  }
+LILY_DISPATCH_ROWS(moe_route, MoeRouteParams, moe_fast_supported)
+LILY_DISPATCH_ROWS(moe_expert_in, MoeExpertInParams, moe_fast_supported)
+LILY_DISPATCH_ROWS(moe_expert_out, MoeExpertOutParams, moe_fast_supported)
+LILY_DISPATCH_ROWS(attn_prep, AttnPrepParams, attn_fast_supported)
+LILY_DISPATCH_ROWS(attn_decode, AttnDecodeParams, attn_fast_supported)
+LILY_DISPATCH_ROWS(attn_combine, AttnCombineParams, attn_fast_supported)
+LILY_DISPATCH_ROWS(gdn_step, GdnStepParams, gdn_fast_supported)
+#undef LILY_DISPATCH_ROWS
+
 }  // namespace lily::cuda::dispatch

@@ -31,7 +31,20 @@ __global__ void embed_lookup_kernel(const __grid_constant__ EmbedParams p) {
 __global__ void advance_position_kernel(int* pos) {
   const trace::BlockTrace trace_block(trace::kAdvance); *pos += 1; }
 
+__global__ void advance_positions_kernel(const PositionList list) {
+  const trace::BlockTrace trace_block(trace::kAdvance);
+  if (static_cast<int>(threadIdx.x) < list.n) *list.pos[threadIdx.x] += 1;
+}
+
 }  // namespace
+
+cudaError_t advance_positions(const PositionList& list, cudaStream_t stream) {
+  if (list.n < 1 || list.n > kMaxBatchRows) return cudaErrorInvalidValue;
+  for (int r = 0; r < list.n; ++r)
+    if (!list.pos[r]) return cudaErrorInvalidValue;
+  advance_positions_kernel<<<1, 32, 0, stream>>>(list);
+  return cudaGetLastError();
+}
 
 cudaError_t embed_lookup(const EmbedParams& p, cudaStream_t stream) {
   if (!p.table.w || !p.token || !p.h || p.table.cols % 64) return cudaErrorInvalidValue;

@@ -102,9 +102,10 @@ __device__ __forceinline__ void conv_step(const GdnStepParams& p, const ConvInpu
   }
 }
 
-template <int K>
-__global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constant__ GdnStepParams p) {
+template <int K, class Src>
+__global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constant__ Src args) {
   const trace::BlockTrace trace_block(trace::kGdnStep);
+  const GdnStepParams& p = row_of(args);
   __shared__ float q_s[kDk], k_s[kDk], v_s[kCols];
   __shared__ float norm_s[3];  // 1/|q|, 1/|k|, raw q.k
   __shared__ float part_s[2][kWarps][kCols];
@@ -213,9 +214,7 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
 #endif
 }
 
-}  // namespace
-
-cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream) {
+cudaError_t check_params(const GdnStepParams& p) {
   if (!p.proj || !p.conv_ring || !p.conv_w || !p.A_log || !p.dt_bias || !p.S || !p.pos || !p.o) return cudaErrorInvalidValue;
   if (p.d_k != kDk || p.d_v <= 0 || p.d_v % kCols != 0) return cudaErrorInvalidValue;
   if (p.n_k <= 0 || p.n_v <= 0 || p.n_v % p.n_k != 0) return cudaErrorInvalidValue;
@@ -223,8 +222,32 @@ cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream) {
   const int col_blocks = p.d_v / kCols;
   if (p.norm_w && (!p.gate_z || col_blocks > kMaxClusterBlocks)) return cudaErrorInvalidValue;
   if (p.norm_w && !sm90_code_built()) return cudaErrorInvalidDeviceFunction;  // eq 19 needs clusters
-  return launch_pdl(gdn_step_kernel<4>, dim3(p.n_v * col_blocks), dim3(kThreads), 0, stream, p,
+  return cudaSuccess;
+}
+
+}  // namespace
+
+cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream) {
+  CUDA_TRY(check_params(p));
+  const int col_blocks = p.d_v / kCols;
+  return launch_pdl(gdn_step_kernel<4, GdnStepParams>, dim3(p.n_v * col_blocks), dim3(kThreads), 0, stream, p,
                     p.norm_w ? col_blocks : 1);
+}
+
+cudaError_t gdn_step_rows(const GdnStepParams* rows, int n, cudaStream_t stream) {
+  if (n < 1 || n > kMaxBatchRows) return cudaErrorInvalidValue;
+  if (n == 1) return gdn_step(rows[0], stream);
+  for (int r = 0; r < n; ++r) {
+    CUDA_TRY(check_params(rows[r]));
+    const GdnStepParams& a = rows[0];
+    const GdnStepParams& b = rows[r];  // one geometry and one fused-norm choice for the whole launch
+    if (a.n_k != b.n_k || a.n_v != b.n_v || a.d_v != b.d_v || (a.norm_w == nullptr) != (b.norm_w == nullptr))
+      return cudaErrorInvalidValue;
+  }
+  const GdnStepParams& p = rows[0];
+  const int col_blocks = p.d_v / kCols;
+  return launch_pdl(gdn_step_kernel<4, RowBatch<GdnStepParams>>, dim3(p.n_v * col_blocks, 1, n), dim3(kThreads), 0,
+                    stream, make_row_batch(rows, n), p.norm_w ? col_blocks : 1);
 }
 
 }  // namespace lily::cuda

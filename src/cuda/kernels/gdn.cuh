@@ -35,6 +35,8 @@ struct GdnStepParams {
 };
 
 cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream);
+// n <= kMaxBatchRows rows (sequences) of one layer in one launch (grid z = row), each exactly as gdn_step.
+cudaError_t gdn_step_rows(const GdnStepParams* rows, int n, cudaStream_t stream);
 
 #if defined(__CUDACC__)
 // ---- eq 14 / 17 device code ---------------------------------------------------------------------------------

@@ -123,6 +123,181 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_async_kernel(c
   cp_async_wait<0>();
 }
 
+// ---- several rows (gemv_rows) ---------------------------------------------------------------------------------
+// The asynchronous kernel with n_rows <= kMaxBatchRows activation rows: x_s holds every row's padded x, a chunk's
+// weights are read from the stage once per row and the dot products, reductions and stores are the single-row
+// kernel's per row, so each row is bit-identical to gemv() alone. Compute grows with the rows (~2.6 instructions
+// per weight and row), the weight traffic does not.
+
+constexpr int kRowsMax = kMaxBatchRows;
+
+// The prologue for every row. rms_norm and none: block_load_x's fast path (the launcher checks its conditions)
+// with the loads of all rows first; per row the same per-thread terms (the zero terms of absent vectors left
+// out: adding +0 changes nothing) and block_sum's reduction order (warp sums, then warps in order).
+__device__ void build_x_rows(const GemvParams& p, float* x_s, float* red_s) {
+  const int n = p.n_rows, cols = p.m.cols, n_vecs = cols / 4, xf = xpad_floats(cols);
+  if (p.prologue == GemvPrologue::gated_rms_norm) {
+    for (int r = 0; r < n; ++r)
+      block_load_x_gated(p.in + static_cast<size_t>(r) * p.in_stride, p.gate_z + static_cast<size_t>(r) * p.z_stride,
+                         p.norm_w, p.head_dim, p.eps, cols, x_s + r * xf);
+    return;
+  }
+  const float* norm_w = p.prologue == GemvPrologue::rms_norm ? p.norm_w : nullptr;
+  if (!norm_w) {
+    for (int i = threadIdx.x; i < n_vecs; i += blockDim.x) {
+#pragma unroll
+      for (int r = 0; r < kRowsMax; ++r) {
+        if (r < n) {
+          const float4 v = reinterpret_cast<const float4*>(p.in + static_cast<size_t>(r) * p.in_stride)[i];
+          *reinterpret_cast<float4*>(x_s + r * xf + xpad(4 * i)) = v;
+        }
+      }
+    }
+    __syncthreads();
+    return;
+  }
+  constexpr int kVecs = 2;  // per thread and row (the launcher: n_vecs <= 2 * blockDim)
+  float4 v[kRowsMax][kVecs], w[kVecs];
+  float ss[kRowsMax];
+#pragma unroll
+  for (int t = 0; t < kVecs; ++t) {
+    const int i = threadIdx.x + t * blockDim.x;
+    w[t] = i < n_vecs ? reinterpret_cast<const float4*>(norm_w)[i] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+  }
+#pragma unroll
+  for (int r = 0; r < kRowsMax; ++r) {
+#pragma unroll
+    for (int t = 0; t < kVecs; ++t) {
+      const int i = threadIdx.x + t * blockDim.x;
+      v[r][t] = r < n && i < n_vecs ? reinterpret_cast<const float4*>(p.in + static_cast<size_t>(r) * p.in_stride)[i]
+                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRowsMax; ++r) {
+    ss[r] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kVecs; ++t) {
+      if (threadIdx.x + t * blockDim.x < n_vecs) ss[r] += x4_sum_squares(v[r][t]);
+    }
+  }
+  // block_sum for every row at once
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+#pragma unroll
+  for (int r = 0; r < kRowsMax; ++r) ss[r] = r < n ? warp_sum(ss[r]) : 0.0f;
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kRowsMax; ++r) red_s[r * 32 + warp] = ss[r];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kRowsMax; ++r) {
+    if (r >= n) continue;
+    float total = 0.0f;
+    for (int k = 0; k < n_warps; ++k) total += red_s[r * 32 + k];
+    const float inv_rms = rsqrtf(total / static_cast<float>(cols) + p.eps);
+#pragma unroll
+    for (int t = 0; t < kVecs; ++t) {
+      const int i = threadIdx.x + t * blockDim.x;
+      if (i < n_vecs) *reinterpret_cast<float4*>(x_s + r * xf + xpad(4 * i)) = x4_normalised(v[r][t], inv_rms, w[t]);
+    }
+  }
+  __syncthreads();
+}
+
+// dot_stage for every row: the stage's weights are read once per vector and used for all rows.
+template <int COLS>
+__device__ __forceinline__ void dot_stage_rows(const char* stage, const float* x_s, int n, int lane,
+                                               float (&part)[kRowsMax][Q4Layout<COLS>::kPasses]) {
+  using Lay = Q4Layout<COLS>;
+  constexpr int XF = xpad_floats(COLS);
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  const unsigned short* s_s = reinterpret_cast<const unsigned short*>(stage + kChunkWeightBytes);
+  const unsigned short* b_s = s_s + kChunkScaleBytes / 2;
+#pragma unroll
+  for (int r = 0; r < kRowsMax; ++r)
+#pragma unroll
+    for (int pass = 0; pass < Lay::kPasses; ++pass) part[r][pass] = 0.0f;
+#pragma unroll
+  for (int v = 0; v < Lay::kVecsPerLane; ++v) {
+    const int vec = v * Lay::kLanesPerRow + j;
+    uint4 w[Lay::kPasses];
+    unsigned short sb[Lay::kPasses], bb[Lay::kPasses];
+#pragma unroll
+    for (int pass = 0; pass < Lay::kPasses; ++pass) {
+      const int r = pass * Lay::kRowsPerPass + sub;
+      w[pass] = *reinterpret_cast<const uint4*>(stage + (r * Lay::kVecsPerRow + vec) * 16);
+      const int g = r * (COLS / 64) + vec / 2;
+      sb[pass] = s_s[g], bb[pass] = b_s[g];
+    }
+#pragma unroll
+    for (int r = 0; r < kRowsMax; ++r) {
+      if (r >= n) continue;
+      float x[32];
+      const float x_sum = load_x_vec(x_s + r * XF, vec, x);
+#pragma unroll
+      for (int pass = 0; pass < Lay::kPasses; ++pass)
+        part[r][pass] += q4_group_term(dot_q4_vec(w[pass], x), x_sum, sb[pass], bb[pass]);
+    }
+  }
+}
+
+template <int COLS>
+__global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_rows_kernel(const __grid_constant__ GemvParams p) {
+  const trace::BlockTrace trace_block(trace::kGemv);
+  using Lay = Q4Layout<COLS>;
+  constexpr int XF = xpad_floats(COLS);
+  extern __shared__ __align__(16) char smem[];
+  __shared__ float red_s[32 * kRowsMax];
+  const int n = p.n_rows;
+  float* x_s = reinterpret_cast<float*>(smem);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+  char* ring = smem + static_cast<size_t>(n) * XF * sizeof(float) + warp * kStages * kStageBytes;
+  const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
+  const int first = blockIdx.x * n_warps + warp, stride = gridDim.x * n_warps;
+
+  pdl_launch_dependents();
+#pragma unroll
+  for (int k = 0; k < kStages; ++k) {
+    if (first + k * stride < n_chunks) issue_chunk<COLS>(p.m, first + k * stride, lane, ring + k * kStageBytes);
+    cp_async_commit();
+  }
+  pdl_wait();
+  auto residuals = [&](int chunk, float (&res)[kRowsMax]) {
+    const int row = out_row<COLS>(chunk, lane);
+    const bool valid = p.residual && chunk < n_chunks && writes_row<COLS>(lane) && row < p.m.rows;
+#pragma unroll
+    for (int r = 0; r < kRowsMax; ++r)
+      res[r] = valid && r < n ? p.residual[static_cast<size_t>(r) * p.out_stride + row] : 0.0f;
+  };
+  float res_next[kRowsMax];
+  residuals(first, res_next);
+  build_x_rows(p, x_s, red_s);
+
+  for (int k = 0, chunk = first; chunk < n_chunks; ++k, chunk += stride) {
+    char* stage = ring + (k % kStages) * kStageBytes;
+    float res[kRowsMax];
+#pragma unroll
+    for (int r = 0; r < kRowsMax; ++r) res[r] = res_next[r];
+    residuals(chunk + stride, res_next);
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    float part[kRowsMax][Lay::kPasses];
+    dot_stage_rows<COLS>(stage, x_s, n, lane, part);
+    __syncwarp();
+    if (chunk + kStages * stride < n_chunks) issue_chunk<COLS>(p.m, chunk + kStages * stride, lane, stage);
+    cp_async_commit();
+    const int row = out_row<COLS>(chunk, lane);
+#pragma unroll
+    for (int r = 0; r < kRowsMax; ++r) {
+      if (r >= n) continue;
+      group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part[r], lane);
+      if (writes_row<COLS>(lane) && row < p.m.rows) p.y[static_cast<size_t>(r) * p.out_stride + row] = res[r] + part[r][0];
+    }
+  }
+  cp_async_wait<0>();
+}
+
 // Any cols (multiple of 512), 4 or 8 bits: a warp per row, lanes stride over the row's 16-byte vectors.
 template <int BITS>
 __global__ void __launch_bounds__(kThreads) gemv_generic_kernel(const __grid_constant__ GemvParams p) {
@@ -204,6 +379,37 @@ bool valid_params(const GemvParams& p) {
   return false;
 }
 
+// Rows one several-row launch takes for COLS (its shared memory: the rows' x and the single-row warps' rings).
+template <int COLS>
+cudaError_t launch_q4_rows(const GemvParams& p, cudaStream_t stream) {
+  using Lay = Q4Layout<COLS>;
+  const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
+  int device = 0, n_sms = 0;
+  CUDA_TRY(cudaGetDevice(&device));
+  CUDA_TRY(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  const int warps = gemv_q4_async_threads(p.m, n_sms) / 32;  // the single-row block: same prologue order
+  const int blocks = std::max(1, std::min(n_sms, (n_chunks + warps - 1) / warps));
+  const size_t smem = static_cast<size_t>(p.n_rows) * xpad_floats(COLS) * sizeof(float) +
+                      static_cast<size_t>(warps) * kStages * kStageBytes;
+  auto kernel = gemv_q4_rows_kernel<COLS>;
+  CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
+}
+
+// Whether the several-row kernel takes p (else gemv_rows runs gemv() per row).
+bool rows_kernel_takes(const GemvParams& p, int n_sms) {
+  const QMatrix& m = p.m;
+  if (m.bits != 4 || (m.cols != 2048 && m.cols != 4096)) return false;
+  if (reinterpret_cast<uintptr_t>(m.scales) % 16 || reinterpret_cast<uintptr_t>(m.biases) % 16) return false;
+  if (!aligned16(p.in) || p.in_stride % 4) return false;
+  if (p.prologue == GemvPrologue::rms_norm && !aligned16(p.norm_w)) return false;
+  const int threads = gemv_q4_async_threads(m, n_sms);
+  if (p.prologue == GemvPrologue::rms_norm && m.cols / 4 > 2 * threads) return false;
+  const size_t smem = static_cast<size_t>(p.n_rows) * xpad_floats(m.cols) * sizeof(float) +
+                      static_cast<size_t>(threads / 32) * kStages * kStageBytes;
+  return smem <= 227 * 1024 - 32 * kRowsMax * sizeof(float) - 1024;
+}
+
 }  // namespace
 
 int gemv_q4_async_threads(const QMatrix& m, int n_sms) {
@@ -228,6 +434,26 @@ cudaError_t gemv(const GemvParams& p, cudaStream_t stream) {
   auto kernel = p.m.bits == 4 ? gemv_generic_kernel<4> : gemv_generic_kernel<8>;
   if (smem > 48 * 1024) CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   return launch_persistent(kernel, work_blocks, smem, p, stream);
+}
+
+cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream) {
+  if (p.n_rows < 1 || p.n_rows > kMaxBatchRows) return cudaErrorInvalidValue;
+  GemvParams one = p;
+  one.n_rows = 1;
+  if (!valid_params(one)) return cudaErrorInvalidValue;
+  if (p.n_rows == 1) return gemv(one, stream);
+  int device = 0, n_sms = 0;
+  CUDA_TRY(cudaGetDevice(&device));
+  CUDA_TRY(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
+  if (rows_kernel_takes(p, n_sms)) return p.m.cols == 2048 ? launch_q4_rows<2048>(p, stream) : launch_q4_rows<4096>(p, stream);
+  for (int r = 0; r < p.n_rows; ++r) {
+    one.in = p.in + static_cast<size_t>(r) * p.in_stride;
+    if (p.gate_z) one.gate_z = p.gate_z + static_cast<size_t>(r) * p.z_stride;
+    if (p.residual) one.residual = p.residual + static_cast<size_t>(r) * p.out_stride;
+    one.y = p.y + static_cast<size_t>(r) * p.out_stride;
+    CUDA_TRY(gemv(one, stream));
+  }
+  return cudaSuccess;
 }
 
 }  // namespace lily::cuda

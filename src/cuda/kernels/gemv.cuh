@@ -24,9 +24,17 @@ struct GemvParams {
   float eps = 1e-6f;
   const float* residual = nullptr;  // optional, [rows]: y = residual + W x (may alias y)
   float* y = nullptr;               // [rows]
+  // Several activation rows against the same weights (gemv_rows): row r reads in + r * in_stride (and
+  // gate_z + r * z_stride) and writes y + r * out_stride (residual likewise); n_rows <= kMaxBatchRows.
+  int n_rows = 1;
+  int in_stride = 0, z_stride = 0, out_stride = 0;  // floats
 };
 
 cudaError_t gemv(const GemvParams& p, cudaStream_t stream);
+// p.n_rows rows at once: the weights are read once for all rows, and each row's result is bit-identical to
+// gemv() of that row alone (the same prologue reduction, dot products and reduction order per row). Where the
+// several-row kernel does not take the shape, one gemv() per row.
+cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream);
 
 // Threads per block of the asynchronous 4-bit kernel that gemv() launches for m (cols in {512, ..., 4096}, scales
 // and biases 16-byte aligned) on a device of n_sms SMs. Its RMSNorm prologue sums the squares in an order fixed by

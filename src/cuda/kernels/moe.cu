@@ -33,8 +33,10 @@ constexpr int kMaxExperts = 1024;
 constexpr int kRouteThreads = 256;
 constexpr int kRouteWarps = kRouteThreads / 32;
 
-__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const __grid_constant__ MoeRouteParams p) {
+template <class Src>
+__global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const __grid_constant__ Src args) {
   const trace::BlockTrace trace_block(trace::kMoeRoute);
+  const MoeRouteParams& p = row_of(args);
   extern __shared__ __align__(16) float x_s[];  // x (padded, H)
   __shared__ float red_s[32];
   __shared__ bool is_last;
@@ -74,9 +76,10 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_kernel(const __grid_c
 constexpr int kExpertThreads = 128;
 constexpr int kExpertWarps = kExpertThreads / 32;
 
-template <int H>
-__global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __grid_constant__ MoeExpertInParams p) {
+template <int H, class Src>
+__global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __grid_constant__ Src args) {
   const trace::BlockTrace trace_block(trace::kMoeExpertIn);
+  const MoeExpertInParams& p = row_of(args);
   using Lay = Q4Layout<H>;
   constexpr int kPairs = Lay::kPasses / 2;  // (gate, up) pairs per warp: passes [0, kPairs) gate, the rest up
   static_assert(Lay::kRowsPerPass == 1 && kPairs >= 1, "one row per pass");
@@ -134,10 +137,10 @@ __global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __g
 
 // ---- moe_expert_out ------------------------------------------------------------------------------------------
 
-template <int I>
-__global__ void __launch_bounds__(32 * (kMaxTopK + 1)) moe_expert_out_kernel(
-    const __grid_constant__ MoeExpertOutParams p) {
+template <int I, class Src>
+__global__ void __launch_bounds__(32 * (kMaxTopK + 1)) moe_expert_out_kernel(const __grid_constant__ Src args) {
   const trace::BlockTrace trace_block(trace::kMoeExpertOut);
+  const MoeExpertOutParams& p = row_of(args);
   using Lay = Q4Layout<I>;
   static_assert(Lay::kVecsPerLane == 1, "one 16-byte vector of the row per lane");
   __shared__ float part_s[kMaxTopK + 1][Lay::kRowsPerChunk];
@@ -202,24 +205,17 @@ bool is_q(const QMatrix& m, int bits, int rows, int cols) {
          reinterpret_cast<uintptr_t>(m.w) % 16 == 0;
 }
 
-}  // namespace
-
-cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream) {
+cudaError_t check(const MoeRouteParams& p) {
   const int n_experts = p.router.rows, hidden = p.router.cols;
   if (!is_q(p.router, 8, n_experts, hidden) || !is_q(p.shared_gate, 8, 1, hidden)) return cudaErrorInvalidValue;
   if (n_experts < 1 || n_experts > kMaxExperts || hidden <= 0 || hidden % 512) return cudaErrorInvalidValue;
   if (p.top_k < 1 || p.top_k > kMaxTopK || p.top_k > n_experts) return cudaErrorInvalidValue;
   if (!p.h || !p.norm_w || !p.x || !p.logits || !p.shared_gate_value) return cudaErrorInvalidValue;
   if (p.select_top_k && (!p.counter || !p.topk_idx || !p.topk_w)) return cudaErrorInvalidValue;
-  const size_t smem = xpad_floats(hidden) * sizeof(float);
-  if (smem > 48 * 1024) {
-    CUDA_TRY(cudaFuncSetAttribute(moe_route_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  }
-  const int blocks = (n_experts + 1 + kRouteWarps - 1) / kRouteWarps;
-  return launch_pdl(moe_route_kernel, dim3(blocks), dim3(kRouteThreads), smem, stream, p);
+  return cudaSuccess;
 }
 
-cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) {
+cudaError_t check(const MoeExpertInParams& p) {
   const int n_rows = p.gate.rows, hidden = p.gate.cols;
   if (p.top_k < 1 || p.top_k > kMaxTopK || !p.x || !p.act || !aligned16(p.x)) return cudaErrorInvalidValue;
   if (!valid_selection(p.router_logits, p.n_experts, p.top_k, p.topk_idx)) return cudaErrorInvalidValue;
@@ -229,34 +225,96 @@ cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) {
   if (!is_q(p.shared_gate, 4, n_rows, hidden) || !is_q(p.shared_up, 4, n_rows, hidden)) {
     return cudaErrorInvalidValue;  // the shared expert must have the routed experts' shape (Is == I)
   }
+  if (hidden != 1024 && hidden != 2048 && hidden != 4096) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+cudaError_t check(const MoeExpertOutParams& p) {
+  const int n_rows = p.down.rows, inter = p.down.cols;
+  if (p.top_k < 1 || p.top_k > kMaxTopK || !p.act || !p.shared_gate_value || !p.h) return cudaErrorInvalidValue;
+  if (!p.topk_idx || !p.topk_w) return cudaErrorInvalidValue;
+  if (!is_q(p.down, 4, n_rows, inter) || !is_q(p.shared_down, 4, n_rows, inter)) return cudaErrorInvalidValue;
+  if (inter != 512 && inter != 1024) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+// The launch of each kernel for n rows (grid z; n == 1 launches the single-row instance with p alone).
+template <class Src>
+cudaError_t launch_route(const MoeRouteParams& p, int n, const Src& src, cudaStream_t stream) {
+  const int n_experts = p.router.rows, hidden = p.router.cols;
+  const size_t smem = xpad_floats(hidden) * sizeof(float);
+  if (smem > 48 * 1024) {
+    CUDA_TRY(cudaFuncSetAttribute(moe_route_kernel<Src>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  const int blocks = (n_experts + 1 + kRouteWarps - 1) / kRouteWarps;
+  return launch_pdl(moe_route_kernel<Src>, dim3(blocks, 1, n), dim3(kRouteThreads), smem, stream, src);
+}
+
+template <class Src>
+cudaError_t launch_expert_in(const MoeExpertInParams& p, int n, const Src& src, cudaStream_t stream) {
+  const int n_rows = p.gate.rows;
   auto launch = [&](auto kernel, int pairs_per_warp) {
     const int pairs_per_block = kExpertWarps * pairs_per_warp;
-    const dim3 grid((n_rows + pairs_per_block - 1) / pairs_per_block, p.top_k + 1);
-    return launch_pdl(kernel, grid, dim3(kExpertThreads), 0, stream, p);
+    const dim3 grid((n_rows + pairs_per_block - 1) / pairs_per_block, p.top_k + 1, n);
+    return launch_pdl(kernel, grid, dim3(kExpertThreads), 0, stream, src);
   };
-  switch (hidden) {
-    case 1024: return launch(moe_expert_in_kernel<1024>, Q4Layout<1024>::kPasses / 2);
-    case 2048: return launch(moe_expert_in_kernel<2048>, Q4Layout<2048>::kPasses / 2);
-    case 4096: return launch(moe_expert_in_kernel<4096>, Q4Layout<4096>::kPasses / 2);
-    default: return cudaErrorInvalidValue;
+  switch (p.gate.cols) {
+    case 1024: return launch(moe_expert_in_kernel<1024, Src>, Q4Layout<1024>::kPasses / 2);
+    case 2048: return launch(moe_expert_in_kernel<2048, Src>, Q4Layout<2048>::kPasses / 2);
+    default: return launch(moe_expert_in_kernel<4096, Src>, Q4Layout<4096>::kPasses / 2);
   }
 }
 
-cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream) {
-  const int n_rows = p.down.rows, inter = p.down.cols;
-  if (p.top_k < 1 || p.top_k > kMaxTopK || !p.act || !p.shared_gate_value || !p.h)
-    return cudaErrorInvalidValue;
-  if (!p.topk_idx || !p.topk_w) return cudaErrorInvalidValue;
-  if (!is_q(p.down, 4, n_rows, inter) || !is_q(p.shared_down, 4, n_rows, inter)) return cudaErrorInvalidValue;
+template <class Src>
+cudaError_t launch_expert_out(const MoeExpertOutParams& p, int n, const Src& src, cudaStream_t stream) {
+  const int n_rows = p.down.rows;
   const int threads = 32 * (p.top_k + 1);
   auto launch = [&](auto kernel, int rows_per_block) {
-    return launch_pdl(kernel, dim3((n_rows + rows_per_block - 1) / rows_per_block), dim3(threads), 0, stream, p);
+    return launch_pdl(kernel, dim3((n_rows + rows_per_block - 1) / rows_per_block, 1, n), dim3(threads), 0,
+                      stream, src);
   };
-  switch (inter) {
-    case 512: return launch(moe_expert_out_kernel<512>, Q4Layout<512>::kRowsPerChunk);
-    case 1024: return launch(moe_expert_out_kernel<1024>, Q4Layout<1024>::kRowsPerChunk);
-    default: return cudaErrorInvalidValue;
+  if (p.down.cols == 512) return launch(moe_expert_out_kernel<512, Src>, Q4Layout<512>::kRowsPerChunk);
+  return launch(moe_expert_out_kernel<1024, Src>, Q4Layout<1024>::kRowsPerChunk);
+}
+
+// Rows of one launch share the weights and the shape; each is checked as a single launch would be.
+bool same_shape(const MoeRouteParams& a, const MoeRouteParams& b) {
+  return a.router.w == b.router.w && a.top_k == b.top_k && a.select_top_k == b.select_top_k;
+}
+bool same_shape(const MoeExpertInParams& a, const MoeExpertInParams& b) {
+  return a.gate.w == b.gate.w && a.top_k == b.top_k && (a.router_logits == nullptr) == (b.router_logits == nullptr);
+}
+bool same_shape(const MoeExpertOutParams& a, const MoeExpertOutParams& b) {
+  return a.down.w == b.down.w && a.top_k == b.top_k;
+}
+
+template <class P, class Launch>
+cudaError_t launch_rows(const P* rows, int n, Launch launch, cudaStream_t stream) {
+  if (n < 1 || n > kMaxBatchRows) return cudaErrorInvalidValue;
+  for (int r = 0; r < n; ++r) {
+    CUDA_TRY(check(rows[r]));
+    if (!same_shape(rows[0], rows[r])) return cudaErrorInvalidValue;
   }
+  if (n == 1) return launch(rows[0], 1, rows[0], stream);
+  return launch(rows[0], n, make_row_batch(rows, n), stream);
+}
+
+}  // namespace
+
+cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream) { return moe_route_rows(&p, 1, stream); }
+cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream) { return moe_expert_in_rows(&p, 1, stream); }
+cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream) {
+  return moe_expert_out_rows(&p, 1, stream);
+}
+
+cudaError_t moe_route_rows(const MoeRouteParams* rows, int n, cudaStream_t stream) {
+  return launch_rows(rows, n, [](const auto& p, int k, const auto& src, cudaStream_t s) { return launch_route(p, k, src, s); }, stream);
+}
+cudaError_t moe_expert_in_rows(const MoeExpertInParams* rows, int n, cudaStream_t stream) {
+  return launch_rows(rows, n, [](const auto& p, int k, const auto& src, cudaStream_t s) { return launch_expert_in(p, k, src, s); }, stream);
+}
+cudaError_t moe_expert_out_rows(const MoeExpertOutParams* rows, int n, cudaStream_t stream) {
+  return launch_rows(rows, n, [](const auto& p, int k, const auto& src, cudaStream_t s) { return launch_expert_out(p, k, src, s); }, stream);
 }
 
 }  // namespace lily::cuda

@@ -65,6 +65,11 @@ struct MoeExpertOutParams {
 cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream);
 cudaError_t moe_expert_in(const MoeExpertInParams& p, cudaStream_t stream);
 cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream);
+// n <= kMaxBatchRows rows (tokens of different sequences) in one launch each (grid z = row), every row exactly as
+// its single-row launch; the rows share the layer's weights.
+cudaError_t moe_route_rows(const MoeRouteParams* rows, int n, cudaStream_t stream);
+cudaError_t moe_expert_in_rows(const MoeExpertInParams* rows, int n, cudaStream_t stream);
+cudaError_t moe_expert_out_rows(const MoeExpertOutParams* rows, int n, cudaStream_t stream);
 
 // ---- routing device code (moe.cu) -------------------------------------------------------------------------------
 #if defined(__CUDACC__)

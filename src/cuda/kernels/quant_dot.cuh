@@ -176,6 +176,15 @@ __host__ __device__ __forceinline__ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
+// A thread's sum of squares of one float4 and its normalised value: the terms of block_load_x (and of the several-row
+// gemv prologue, which must match it bit for bit).
+__device__ __forceinline__ float x4_sum_squares(const float4& v) {
+  return (v.x * v.x + v.y * v.y) + (v.z * v.z + v.w * v.w);
+}
+__device__ __forceinline__ float4 x4_normalised(const float4& v, float inv_rms, const float4& w) {
+  return make_float4(v.x * inv_rms * w.x, v.y * inv_rms * w.y, v.z * inv_rms * w.z, v.w * inv_rms * w.w);
+}
+
 // x_s (padded) = in, or in / RMS(in) * norm_w (eqs 1-2, multiplier form) when norm_w is given. Fast path (16-byte
 // aligned inputs, cols % 4 == 0, cols <= 16 * blockDim): each thread loads up to 4 float4 of in and of norm_w at
 // once (one memory round trip, ~60 instructions; the scalar version was ~700 per thread); else a strided loop.
@@ -194,16 +203,14 @@ __device__ __forceinline__ void block_load_x(const float* in, const float* norm_
       const int i = threadIdx.x + t * blockDim.x;
       v[t] = i < n_vecs ? in4[i] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       w[t] = i < n_vecs && norm_w ? w4[i] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-      ss += (v[t].x * v[t].x + v[t].y * v[t].y) + (v[t].z * v[t].z + v[t].w * v[t].w);
+      ss += x4_sum_squares(v[t]);
     }
     const float inv_rms = norm_w ? rsqrtf(block_sum(ss, red_s) / static_cast<float>(cols) + eps) : 1.0f;
 #pragma unroll
     for (int t = 0; t < kVecsPerThread; ++t) {
       const int i = threadIdx.x + t * blockDim.x;
       if (i < n_vecs) {  // 4 consecutive elements stay contiguous in the padded layout
-        *reinterpret_cast<float4*>(x_s + xpad(4 * i)) =
-            make_float4(v[t].x * inv_rms * w[t].x, v[t].y * inv_rms * w[t].y, v[t].z * inv_rms * w[t].z,
-                        v[t].w * inv_rms * w[t].w);
+        *reinterpret_cast<float4*>(x_s + xpad(4 * i)) = x4_normalised(v[t], inv_rms, w[t]);
       }
     }
   } else {
