@@ -30,6 +30,7 @@ struct BenchArgs {
   int steps = 64;
   int reps = 3;
   int profile_context = 4096;
+  std::vector<int> rows = {1};  // decode: rows a step (sequences decoding together), each at every context
   int trace_steps = 0;  // --trace: decode steps replayed with the block timeline (kernels/trace.cuh)
   int prefill_chunk = 4096;
   std::string variants;  // "key=value,...;key=value,...": one whole run per variant, the model loaded once
@@ -168,6 +169,45 @@ std::vector<std::string> split_variants(const std::string& s) {
   return out;
 }
 
+// Decode with several sequences a step (--rows above 1): per context, milliseconds a step, the aggregate and
+// per-sequence tok/s; then the per-kernel breakdown of one step of the most rows at --profile-context.
+Status several_rows(cuda::CudaBench& backend, const BenchArgs& a, SequenceState& first, nlohmann::json& out) {
+  const int most = *std::max_element(a.rows.begin(), a.rows.end());
+  if (most <= 1) return ok_status();
+  std::vector<std::unique_ptr<SequenceState>> extra;
+  std::vector<SequenceState*> all = {&first};
+  for (int r = 1; r < most; ++r) {
+    extra.push_back(backend.new_sequence());
+    if (!extra.back()) return error(ErrorCode::out_of_range, "no device memory for %d sequences", most);
+    all.push_back(extra.back().get());
+  }
+  std::printf("\n%6s %10s %12s %16s %16s\n", "rows", "context", "ms/step", "aggregate tok/s", "per-row tok/s");
+  for (int rows : a.rows) {
+    if (rows <= 1) continue;
+    for (int64_t ctx : a.contexts) {
+      std::vector<double> ms_list;
+      for (int rep = 0; rep < a.reps; ++rep) {
+        for (int r = 0; r < rows; ++r) RETURN_IF_ERROR(backend.set_context_for_bench(*all[r], ctx));
+        ASSIGN_OR_RETURN(double ms, backend.time_decode_rows(std::span<SequenceState* const>(all.data(), rows), a.steps));
+        ms_list.push_back(ms);
+      }
+      std::sort(ms_list.begin(), ms_list.end());
+      const double ms = ms_list[ms_list.size() / 2];
+      std::printf("%6d %10lld %12.3f %16.1f %16.1f\n", rows, (long long)ctx, ms, 1000.0 * rows / ms, 1000.0 / ms);
+      std::fflush(stdout);
+      out["decode_rows"].push_back({{"rows", rows}, {"context", ctx}, {"ms_per_step", ms},
+                                    {"aggregate_tok_per_s", 1000.0 * rows / ms}, {"per_row_tok_per_s", 1000.0 / ms}});
+    }
+  }
+  const int prof_rows = std::min(most, 8);
+  for (int r = 0; r < prof_rows; ++r) RETURN_IF_ERROR(backend.set_context_for_bench(*all[r], a.profile_context));
+  ASSIGN_OR_RETURN(auto kernels, backend.profile_rows(std::span<SequenceState* const>(all.data(), prof_rows)));
+  std::printf("\nper-kernel breakdown of one %d-row decode step at context %d (events around each launch, no graph):\n",
+              prof_rows, a.profile_context);
+  print_breakdown(kernels, out["rows_kernels"]);
+  return ok_status();
+}
+
 // The whole benchmark (prefill lengths, decode contexts, breakdowns) on one backend.
 Status run_one(const BenchArgs& a, std::shared_ptr<const ModelWeights> weights, const cuda::CudaBackendOptions& opt,
                double load_s, nlohmann::json& out) {
@@ -235,6 +275,7 @@ Status run_one(const BenchArgs& a, std::shared_ptr<const ModelWeights> weights, 
       row["weight_gb_per_s"] = gbs;
       out["decode"].push_back(row);
     }
+    RETURN_IF_ERROR(several_rows(*backend, a, *seq, out));
     RETURN_IF_ERROR(backend->set_context_for_bench(*seq, a.profile_context));
     ASSIGN_OR_RETURN(auto kernels, backend->profile_step(*seq));
     std::printf("\nper-kernel breakdown of one decode step at context %d (events around each launch, no graph):\n",
@@ -364,6 +405,9 @@ void setup(CLI::App& app) {
                       keys + ")");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
   cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");
+  cmd->add_option("--rows", a->rows, "decode: sequences a step (several-row steps), e.g. 1,2,4,8")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 64));
   cmd->add_option("--trace", a->trace_steps,
                   "decode: replay this many steps with the block timeline recorded (kernels/trace.cuh) and print the "
                   "last one's by op; all launches go to the JSON")

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <list>
 #include <memory>
 #include <span>
 #include <string>
@@ -86,6 +87,8 @@ class CudaBackend final : public CudaBench {
   Status set_context_for_bench(SequenceState& seq, int64_t n) override;
   Result<double> time_decode(SequenceState& seq, int steps) override;
   Result<std::vector<KernelTiming>> profile_step(SequenceState& seq) override;
+  Result<double> time_decode_rows(std::span<SequenceState* const> seqs, int steps) override;
+  Result<std::vector<KernelTiming>> profile_rows(std::span<SequenceState* const> seqs) override;
   Result<std::vector<TraceLaunch>> trace_decode(SequenceState& seq, int steps) override;
   Result<double> time_prefill(SequenceState& seq, int64_t n, std::vector<KernelTiming>* profile) override;
   size_t prefill_scratch_bytes() const override { return prefill_bytes_; }
@@ -111,6 +114,9 @@ class CudaBackend final : public CudaBench {
                   std::span<const DeviceSampling> sampling);
   // cuda_graph.cpp
   Result<cudaGraphExec_t> graph_for(CudaSequence& s, const DeviceSampling* sampling);
+  Result<cudaGraphExec_t> rows_graph_for(std::span<CudaSequence* const> rows, std::span<const DeviceSampling> sampling);
+  Result<std::unique_ptr<GraphExec>> capture(std::span<CudaSequence* const> rows, int n_splits,
+                                             std::span<const DeviceSampling> sampling);
   Status run_step(CudaSequence& s, const DeviceSampling* sampling);
   // cuda_prefill.cpp
   bool prefill_supported() const;
@@ -134,6 +140,7 @@ class CudaBackend final : public CudaBench {
   static constexpr int kSampleScratch = 2 * 1024 * 64;
   static constexpr int kHeadRows = 128;    // prefill rows whose logits one lm_head GEMM computes (LogitsRows::all)
   static constexpr size_t kMaxGraphs = 8;  // decode graphs kept per sequence
+  static constexpr size_t kMaxRowGraphs = 8;  // several-row step graphs kept (the most recently used)
   static constexpr int kRouteCounter = 0;              // counters_: moe_route's of row r at kRouteCounter + r
   static constexpr int kSampleCounter = kMaxBatchRows;  // ... the sample kernel's at kSampleCounter + r
 
@@ -165,6 +172,8 @@ class CudaBackend final : public CudaBench {
   DeviceArray<unsigned char> pscratch_;
   size_t prefill_bytes_ = 0;
   GraphCaptureStats capture_stats_;
+  // Several-row step graphs by key (split count, each row's sequence id and sampling mode), most recent first.
+  std::list<std::pair<std::string, std::unique_ptr<GraphExec>>> row_graphs_;
 };
 
 }  // namespace lily::cuda

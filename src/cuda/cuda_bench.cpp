@@ -138,6 +138,30 @@ Result<std::vector<KernelTiming>> CudaBackend::profile_step(SequenceState& base)
   return prof.totals();
 }
 
+Result<double> CudaBackend::time_decode_rows(std::span<SequenceState* const> seqs, int steps) {
+  if (steps < 1) return invalid_argument("time_decode_rows: steps must be at least 1");
+  std::vector<int32_t> tokens(seqs.size(), 0), next;
+  const std::vector<DeviceSampling> greedy(seqs.size());
+  RETURN_IF_ERROR(decode_batch_on_device(seqs, tokens, greedy, &next));  // the graph captured before timing
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < steps; ++i) RETURN_IF_ERROR(decode_batch_on_device(seqs, next, greedy, &next));
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count() / steps;
+}
+
+Result<std::vector<KernelTiming>> CudaBackend::profile_rows(std::span<SequenceState* const> seqs) {
+  const std::vector<int32_t> tokens(seqs.size(), 0);
+  ASSIGN_OR_RETURN(std::vector<CudaSequence*> rows, check_rows(seqs, tokens));
+  if (rows.size() > kMaxBatchRows) return invalid_argument("profile_rows: at most %d rows", kMaxBatchRows);
+  CUDA_RETURN(cudaMemcpy(token_in_.ptr, tokens.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice), "tokens");
+  Profiler prof;
+  prof.stream = stream_;
+  const std::vector<DeviceSampling> greedy(rows.size());
+  RETURN_IF_ERROR(enqueue_step(rows, attention_splits(rows[0]->n + 1), greedy, &prof));
+  for (CudaSequence* s : rows) s->n += 1;
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "profile");
+  return prof.totals();
+}
+
 namespace {
 
 // One replay's block records, one TraceLaunch per launch (%gridid), in launch order, times from its first block's

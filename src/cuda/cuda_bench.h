@@ -43,6 +43,11 @@ class CudaBench : public Backend {
   virtual Result<double> time_decode(SequenceState& seq, int steps) = 0;
   // One step with an event around every kernel: per-kernel-kind totals.
   virtual Result<std::vector<KernelTiming>> profile_step(SequenceState& seq) = 0;
+  // Several-row steps (one token of each sequence a step, greedy on the device, as the server's continuous
+  // batching runs them): milliseconds per step over `steps` steps after one warm-up step; and one such step with
+  // an event around every kernel (launched eagerly).
+  virtual Result<double> time_decode_rows(std::span<SequenceState* const> seqs, int steps) = 0;
+  virtual Result<std::vector<KernelTiming>> profile_rows(std::span<SequenceState* const> seqs) = 0;
   // Replays `steps` decode steps (the step graph, greedy) with the block timeline recorded: every launch of
   // every step, in launch order (a -DLILY_TRACE=ON build only).
   virtual Result<std::vector<TraceLaunch>> trace_decode(SequenceState& seq, int steps) = 0;

@@ -1,5 +1,6 @@
 // The decode step's CUDA graph per sequence: captured on first use (per split count and sampling mode), then
-// replayed once per token. The graph bakes the sequence's device pointers, so it lives with the sequence.
+// replayed once per token. The graph bakes the sequence's device pointers, so it lives with the sequence. The
+// several-row step's graphs live in the backend, keyed by their rows' sequence ids.
 #include <chrono>
 
 #include "cuda/cuda_backend_impl.h"
@@ -8,19 +9,13 @@ namespace lily::cuda {
 
 // The sample kernel reads the request's numbers (temperature, top-k/p, min-p, seed) from sample_knobs_, written
 // before the steps run, so one graph per mode serves every request. At most kMaxGraphs a sequence.
-Result<cudaGraphExec_t> CudaBackend::graph_for(CudaSequence& s, const DeviceSampling* sp) {
-  const int n_splits = attention_splits(s.n + 1);
-  std::string key = std::to_string(n_splits);
-  if (sp) key += "/" + std::to_string(sample_mode(sp->temperature, sp->top_k, sp->top_p, sp->min_p));
-  auto it = s.graphs.find(key);
-  if (it != s.graphs.end()) return it->second->exec;
-  if (s.graphs.size() >= kMaxGraphs) s.graphs.clear();  // none is in flight: every caller synchronised
+Result<std::unique_ptr<GraphExec>> CudaBackend::capture(std::span<CudaSequence* const> rows, int n_splits,
+                                                        std::span<const DeviceSampling> sampling) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   cudaGraph_t graph = nullptr;
   CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin capture");
-  CudaSequence* rows[] = {&s};
-  Status st = enqueue_step(rows, n_splits, sp ? std::span<const DeviceSampling>(sp, 1) : std::span<const DeviceSampling>(), nullptr);
+  Status st = enqueue_step(rows, n_splits, sampling, nullptr);
   cudaError_t end = cudaStreamEndCapture(stream_, &graph);
   RETURN_IF_ERROR(st);
   CUDA_RETURN(end, "end capture");
@@ -32,9 +27,47 @@ Result<cudaGraphExec_t> CudaBackend::graph_for(CudaSequence& s, const DeviceSamp
   capture_stats_.captures += 1;
   capture_stats_.capture_ms += std::chrono::duration<double, std::milli>(t1 - t0).count();
   capture_stats_.instantiate_ms += std::chrono::duration<double, std::milli>(Clock::now() - t1).count();
+  return exec;
+}
+
+Result<cudaGraphExec_t> CudaBackend::graph_for(CudaSequence& s, const DeviceSampling* sp) {
+  const int n_splits = attention_splits(s.n + 1);
+  std::string key = std::to_string(n_splits);
+  if (sp) key += "/" + std::to_string(sample_mode(sp->temperature, sp->top_k, sp->top_p, sp->min_p));
+  auto it = s.graphs.find(key);
+  if (it != s.graphs.end()) return it->second->exec;
+  if (s.graphs.size() >= kMaxGraphs) s.graphs.clear();  // none is in flight: every caller synchronised
+  CudaSequence* rows[] = {&s};
+  ASSIGN_OR_RETURN(std::unique_ptr<GraphExec> exec,
+                   capture(rows, n_splits, sp ? std::span<const DeviceSampling>(sp, 1) : std::span<const DeviceSampling>()));
   cudaGraphExec_t e = exec->exec;
   s.graphs[key] = std::move(exec);
   return e;
+}
+
+// A set of rows keeps decoding together for many steps (continuous batching changes it when a stream joins or
+// ends), so its graph is replayed until then; the least recently used of kMaxRowGraphs goes first. A graph whose
+// sequence is gone is never matched again (ids are never reused) and ages out.
+Result<cudaGraphExec_t> CudaBackend::rows_graph_for(std::span<CudaSequence* const> rows,
+                                                    std::span<const DeviceSampling> sampling) {
+  const int n_splits = attention_splits(rows[0]->n + 1);
+  std::string key = std::to_string(n_splits);
+  for (size_t r = 0; r < rows.size(); ++r) {
+    key += "|" + std::to_string(rows[r]->id);
+    if (!sampling.empty()) {
+      const DeviceSampling& sp = sampling[r];
+      key += "/" + std::to_string(sample_mode(sp.temperature, sp.top_k, sp.top_p, sp.min_p));
+    }
+  }
+  for (auto it = row_graphs_.begin(); it != row_graphs_.end(); ++it) {
+    if (it->first != key) continue;
+    row_graphs_.splice(row_graphs_.begin(), row_graphs_, it);
+    return row_graphs_.front().second->exec;
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<GraphExec> exec, capture(rows, n_splits, sampling));
+  row_graphs_.emplace_front(key, std::move(exec));
+  if (row_graphs_.size() > kMaxRowGraphs) row_graphs_.pop_back();  // none is in flight: every caller synchronised
+  return row_graphs_.front().second->exec;
 }
 
 Status CudaBackend::run_step(CudaSequence& s, const DeviceSampling* sampling) {

@@ -1,5 +1,6 @@
 #include "cuda/cuda_sequence.h"
 
+#include <atomic>
 #include <cstdint>
 
 namespace lily::cuda {
@@ -122,6 +123,11 @@ Status CudaSequence::restore(const Checkpoint& base) {
   CUDA_RETURN(cudaStreamSynchronize(0), "restore");
   n = cp->n;
   return ok_status();
+}
+
+uint64_t CudaSequence::next_id() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1);
 }
 
 std::unique_ptr<SequenceState> CudaSequence::clone() const {

@@ -126,6 +126,9 @@ class CudaCheckpoint final : public Checkpoint {
 class CudaSequence final : public SequenceState {
  public:
   const void* owner = nullptr;
+  // Unique for the process's lifetime (clones and loaded sequences get their own): the key of the several-row
+  // step graphs that bake this sequence's device pointers.
+  const uint64_t id = next_id();
   int64_t n = 0, capacity = 0;
   SequenceLayout layout;
   DeviceBlock storage;
@@ -159,6 +162,7 @@ class CudaSequence final : public SequenceState {
   Status load(ByteReader& in);  // fills this fresh sequence (allocate()) from what save() wrote
 
  private:
+  static uint64_t next_id();
   void bind_views();  // k, v, conv, S, pos from layout and storage
 };
 
