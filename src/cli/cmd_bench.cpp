@@ -30,7 +30,7 @@ struct BenchArgs {
   int steps = 64;
   int reps = 3;
   int profile_context = 4096;
-  std::vector<int> rows = {1};  // decode: rows a step (sequences decoding together), each at every context
+  std::vector<int> decode_rows = {1};  // decode: rows a step (sequences decoding together), each at every context
   int trace_steps = 0;  // --trace: decode steps replayed with the block timeline (kernels/trace.cuh)
   int prefill_chunk = 4096;
   std::string variants;  // "key=value,...;key=value,...": one whole run per variant, the model loaded once
@@ -172,7 +172,7 @@ std::vector<std::string> split_variants(const std::string& s) {
 // Decode with several sequences a step (--rows above 1): per context, milliseconds a step, the aggregate and
 // per-sequence tok/s; then the per-kernel breakdown of one step of the most rows at --profile-context.
 Status several_rows(cuda::CudaBench& backend, const BenchArgs& a, SequenceState& first, nlohmann::json& out) {
-  const int most = *std::max_element(a.rows.begin(), a.rows.end());
+  const int most = *std::max_element(a.decode_rows.begin(), a.decode_rows.end());
   if (most <= 1) return ok_status();
   std::vector<std::unique_ptr<SequenceState>> extra;
   std::vector<SequenceState*> all = {&first};
@@ -182,7 +182,7 @@ Status several_rows(cuda::CudaBench& backend, const BenchArgs& a, SequenceState&
     all.push_back(extra.back().get());
   }
   std::printf("\n%6s %10s %12s %16s %16s\n", "rows", "context", "ms/step", "aggregate tok/s", "per-row tok/s");
-  for (int rows : a.rows) {
+  for (int rows : a.decode_rows) {
     if (rows <= 1) continue;
     for (int64_t ctx : a.contexts) {
       std::vector<double> ms_list;
@@ -405,7 +405,7 @@ void setup(CLI::App& app) {
                       keys + ")");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
   cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");
-  cmd->add_option("--rows", a->rows, "decode: sequences a step (several-row steps), e.g. 1,2,4,8")
+  cmd->add_option("--decode-rows", a->decode_rows, "decode: sequences a step (several-row steps), e.g. 1,2,4,8")
       ->delimiter(',')
       ->check(CLI::Range(1, 64));
   cmd->add_option("--trace", a->trace_steps,
