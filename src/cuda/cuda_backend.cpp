@@ -272,8 +272,9 @@ Result<std::vector<CudaSequence*>> CudaBackend::check_rows(std::span<SequenceSta
   return rows;
 }
 
-// One several-row step (the graph of this set of rows, or eagerly without rows_graph); each row's position
-// advances.
+// One several-row step: the graph of this set of rows, so that ~300 launches cost one (an eager chain was tried
+// once, 2026-12-02: it ended in an illegal memory access not yet explained, docs/PERF_NOTES.md); each row's
+// position advances.
 Status CudaBackend::run_rows(std::span<CudaSequence* const> rows, std::span<const int32_t> tokens,
                              std::span<const DeviceSampling> sampling) {
   const size_t R = rows.size();
@@ -288,12 +289,8 @@ Status CudaBackend::run_rows(std::span<CudaSequence* const> rows, std::span<cons
     CUDA_RETURN(cudaMemcpyAsync(sample_knobs_.ptr, knobs, R * sizeof(SampleKnobs), cudaMemcpyHostToDevice, stream_),
                 "sampling knobs");
   }
-  if (options_.rows_graph) {
-    ASSIGN_OR_RETURN(cudaGraphExec_t g, rows_graph_for(rows, sampling));
-    CUDA_RETURN(cudaGraphLaunch(g, stream_), "graph launch");
-  } else {
-    RETURN_IF_ERROR(enqueue_step(rows, attention_splits(rows[0]->n + 1), sampling, nullptr));
-  }
+  ASSIGN_OR_RETURN(cudaGraphExec_t g, rows_graph_for(rows, sampling));
+  CUDA_RETURN(cudaGraphLaunch(g, stream_), "graph launch");
   for (CudaSequence* s : rows) s->n += 1;
   return ok_status();
 }

@@ -20,7 +20,6 @@ struct CudaBackendOptions {
   int64_t max_context = 32768;
   static constexpr int64_t kContextAuto = -1;
   int prefill_chunk = 4096;  // rows per prefill chunk; 0: prompts run token by token through the decode step
-  int rows_graph = 1;        // several-row decode steps replay a CUDA graph per set of rows (0: launched eagerly)
 };
 
 // Applies a spec `key=value,key=value` to o (`--cuda-options`, `lily bench --variants`): the keys are listed by

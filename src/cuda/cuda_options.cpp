@@ -20,7 +20,6 @@ struct OptionKey {
 
 constexpr OptionKey kOptionKeys[] = {
     {"prefill_chunk", &CudaBackendOptions::prefill_chunk},
-    {"rows_graph", &CudaBackendOptions::rows_graph},
 };
 
 Status set_option(const OptionKey& k, const std::string& v, CudaBackendOptions& o, const char* what) {

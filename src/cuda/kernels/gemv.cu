@@ -125,9 +125,11 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_async_kernel(c
 
 // ---- several rows (gemv_rows) ---------------------------------------------------------------------------------
 // The asynchronous kernel with n_rows <= kMaxBatchRows activation rows: x_s holds every row's padded x, a chunk's
-// weights are read from the stage once per row and the dot products, reductions and stores are the single-row
-// kernel's per row, so each row is bit-identical to gemv() alone. Compute grows with the rows (~2.6 instructions
-// per weight and row), the weight traffic does not.
+// weights are read from the stage once per group of 4 rows and the dot products, reductions and stores are the
+// single-row kernel's per row, so each row is bit-identical to gemv() alone. Compute grows with the rows (~2.6
+// instructions per weight and row), the weight traffic does not; the rows' FMA chains are independent, so a
+// compile-time row count lets them interleave (a runtime count with a branch per row ran at ~5-10 weight-rows a
+// clock per SM, 2026-12-02).
 
 constexpr int kRowsMax = kMaxBatchRows;
 
@@ -205,17 +207,18 @@ __device__ void build_x_rows(const GemvParams& p, float* x_s, float* red_s) {
   __syncthreads();
 }
 
-// dot_stage for every row: the stage's weights are read once per vector and used for all rows.
-template <int COLS>
-__device__ __forceinline__ void dot_stage_rows(const char* stage, const float* x_s, int n, int lane,
-                                               float (&part)[kRowsMax][Q4Layout<COLS>::kPasses]) {
+// dot_stage for rows r0 .. r0 + G - 1 (G a compile-time count, no branches: the rows' FMA chains interleave): the
+// stage's weights of a vector are read once and used for the G rows.
+template <int COLS, int G>
+__device__ __forceinline__ void dot_stage_rows(const char* stage, const float* x_s, int lane,
+                                               float (&part)[G][Q4Layout<COLS>::kPasses]) {
   using Lay = Q4Layout<COLS>;
   constexpr int XF = xpad_floats(COLS);
   const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
   const unsigned short* s_s = reinterpret_cast<const unsigned short*>(stage + kChunkWeightBytes);
   const unsigned short* b_s = s_s + kChunkScaleBytes / 2;
 #pragma unroll
-  for (int r = 0; r < kRowsMax; ++r)
+  for (int r = 0; r < G; ++r)
 #pragma unroll
     for (int pass = 0; pass < Lay::kPasses; ++pass) part[r][pass] = 0.0f;
 #pragma unroll
@@ -231,8 +234,7 @@ __device__ __forceinline__ void dot_stage_rows(const char* stage, const float* x
       sb[pass] = s_s[g], bb[pass] = b_s[g];
     }
 #pragma unroll
-    for (int r = 0; r < kRowsMax; ++r) {
-      if (r >= n) continue;
+    for (int r = 0; r < G; ++r) {
       float x[32];
       const float x_sum = load_x_vec(x_s + r * XF, vec, x);
 #pragma unroll
@@ -242,17 +244,19 @@ __device__ __forceinline__ void dot_stage_rows(const char* stage, const float* x
   }
 }
 
-template <int COLS>
+// R rows of shared memory for x (the launch's n_rows <= R are real; the others compute and are not written).
+template <int COLS, int R>
 __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_rows_kernel(const __grid_constant__ GemvParams p) {
   const trace::BlockTrace trace_block(trace::kGemv);
   using Lay = Q4Layout<COLS>;
   constexpr int XF = xpad_floats(COLS);
+  constexpr int G = 2;  // rows a pass over the stage (4 spilled at 128 registers a thread)
   extern __shared__ __align__(16) char smem[];
   __shared__ float red_s[32 * kRowsMax];
   const int n = p.n_rows;
   float* x_s = reinterpret_cast<float*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-  char* ring = smem + static_cast<size_t>(n) * XF * sizeof(float) + warp * kStages * kStageBytes;
+  char* ring = smem + static_cast<size_t>(R) * XF * sizeof(float) + warp * kStages * kStageBytes;
   const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
   const int first = blockIdx.x * n_warps + warp, stride = gridDim.x * n_warps;
 
@@ -263,37 +267,31 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_rows_kernel(co
     cp_async_commit();
   }
   pdl_wait();
-  auto residuals = [&](int chunk, float (&res)[kRowsMax]) {
-    const int row = out_row<COLS>(chunk, lane);
-    const bool valid = p.residual && chunk < n_chunks && writes_row<COLS>(lane) && row < p.m.rows;
-#pragma unroll
-    for (int r = 0; r < kRowsMax; ++r)
-      res[r] = valid && r < n ? p.residual[static_cast<size_t>(r) * p.out_stride + row] : 0.0f;
-  };
-  float res_next[kRowsMax];
-  residuals(first, res_next);
   build_x_rows(p, x_s, red_s);
 
   for (int k = 0, chunk = first; chunk < n_chunks; ++k, chunk += stride) {
     char* stage = ring + (k % kStages) * kStageBytes;
-    float res[kRowsMax];
-#pragma unroll
-    for (int r = 0; r < kRowsMax; ++r) res[r] = res_next[r];
-    residuals(chunk + stride, res_next);
+    const int row = out_row<COLS>(chunk, lane);
+    const bool writes = writes_row<COLS>(lane) && row < p.m.rows;
     cp_async_wait<kStages - 1>();
     __syncwarp();
-    float part[kRowsMax][Lay::kPasses];
-    dot_stage_rows<COLS>(stage, x_s, n, lane, part);
-    __syncwarp();
+#pragma unroll 1
+    for (int r0 = 0; r0 < R; r0 += G) {
+      float res[G];  // issued before the dot products, used after them
+#pragma unroll
+      for (int r = 0; r < G; ++r)
+        res[r] = p.residual && writes && r0 + r < n ? p.residual[static_cast<size_t>(r0 + r) * p.out_stride + row] : 0.0f;
+      float part[G][Lay::kPasses];
+      dot_stage_rows<COLS, G>(stage, x_s + r0 * XF, lane, part);
+#pragma unroll
+      for (int r = 0; r < G; ++r) {
+        group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part[r], lane);
+        if (writes && r0 + r < n) p.y[static_cast<size_t>(r0 + r) * p.out_stride + row] = res[r] + part[r][0];
+      }
+    }
+    __syncwarp();  // the stage is free again
     if (chunk + kStages * stride < n_chunks) issue_chunk<COLS>(p.m, chunk + kStages * stride, lane, stage);
     cp_async_commit();
-    const int row = out_row<COLS>(chunk, lane);
-#pragma unroll
-    for (int r = 0; r < kRowsMax; ++r) {
-      if (r >= n) continue;
-      group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part[r], lane);
-      if (writes_row<COLS>(lane) && row < p.m.rows) p.y[static_cast<size_t>(r) * p.out_stride + row] = res[r] + part[r][0];
-    }
   }
   cp_async_wait<0>();
 }
@@ -379,21 +377,33 @@ bool valid_params(const GemvParams& p) {
   return false;
 }
 
-// Rows one several-row launch takes for COLS (its shared memory: the rows' x and the single-row warps' rings).
-template <int COLS>
+// The several-row launch: R = n_rows rounded up to 2, 4 or 8 rows of x in shared memory beside the single-row
+// block's warps' rings (the same block size, so the same prologue reduction order).
+int rows_instance(int n) { return n <= 2 ? 2 : n <= 4 ? 4 : 8; }
+
+template <int COLS, int R>
 cudaError_t launch_q4_rows(const GemvParams& p, cudaStream_t stream) {
   using Lay = Q4Layout<COLS>;
   const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
   int device = 0, n_sms = 0;
   CUDA_TRY(cudaGetDevice(&device));
   CUDA_TRY(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
-  const int warps = gemv_q4_async_threads(p.m, n_sms) / 32;  // the single-row block: same prologue order
+  const int warps = gemv_q4_async_threads(p.m, n_sms) / 32;
   const int blocks = std::max(1, std::min(n_sms, (n_chunks + warps - 1) / warps));
-  const size_t smem = static_cast<size_t>(p.n_rows) * xpad_floats(COLS) * sizeof(float) +
+  const size_t smem = static_cast<size_t>(R) * xpad_floats(COLS) * sizeof(float) +
                       static_cast<size_t>(warps) * kStages * kStageBytes;
-  auto kernel = gemv_q4_rows_kernel<COLS>;
+  auto kernel = gemv_q4_rows_kernel<COLS, R>;
   CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
+}
+
+template <int COLS>
+cudaError_t launch_q4_rows(const GemvParams& p, cudaStream_t stream) {
+  switch (rows_instance(p.n_rows)) {
+    case 2: return launch_q4_rows<COLS, 2>(p, stream);
+    case 4: return launch_q4_rows<COLS, 4>(p, stream);
+    default: return launch_q4_rows<COLS, 8>(p, stream);
+  }
 }
 
 // Whether the several-row kernel takes p (else gemv_rows runs gemv() per row).
@@ -405,7 +415,7 @@ bool rows_kernel_takes(const GemvParams& p, int n_sms) {
   if (p.prologue == GemvPrologue::rms_norm && !aligned16(p.norm_w)) return false;
   const int threads = gemv_q4_async_threads(m, n_sms);
   if (p.prologue == GemvPrologue::rms_norm && m.cols / 4 > 2 * threads) return false;
-  const size_t smem = static_cast<size_t>(p.n_rows) * xpad_floats(m.cols) * sizeof(float) +
+  const size_t smem = static_cast<size_t>(rows_instance(p.n_rows)) * xpad_floats(m.cols) * sizeof(float) +
                       static_cast<size_t>(threads / 32) * kStages * kStageBytes;
   return smem <= 227 * 1024 - 32 * kRowsMax * sizeof(float) - 1024;
 }
