@@ -8,6 +8,7 @@
 // one launch (grid z = row), and each row's arithmetic is that of the one-row step, so a row's logits do not
 // depend on the other rows. Row r uses scratch row r (RowStrides); one row is exactly the batch-1 step.
 #include <cmath>
+#include <cstdlib>
 
 #include "cuda/cuda_backend_impl.h"
 #include "cuda/kernels/dispatch.cuh"
@@ -105,7 +106,8 @@ Status CudaBackend::enqueue_moe_block(int R, size_t l, Profiler* prof) {
   const DeviceLayer& L = model_->layers[l];
   const RowStrides& st = strides_;
   const int k = c.num_experts_per_tok;
-  const bool in_experts = paths_.moe_select_in_experts;
+  static const bool route_selects_rows = getenv("LILY_ROWS_ROUTE_SELECT") && *getenv("LILY_ROWS_ROUTE_SELECT") == '1';
+  const bool in_experts = paths_.moe_select_in_experts && !(R > 1 && route_selects_rows);
   MoeRouteParams route[kMaxBatchRows];
   MoeExpertInParams ein[kMaxBatchRows];
   MoeExpertOutParams eout[kMaxBatchRows];

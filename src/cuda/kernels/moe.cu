@@ -21,6 +21,8 @@
 #include "cuda/kernels/moe.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 
+#include <type_traits>
+
 namespace lily::cuda {
 
 namespace {
@@ -77,7 +79,7 @@ constexpr int kExpertThreads = 128;
 constexpr int kExpertWarps = kExpertThreads / 32;
 
 template <int H, class Src>
-__global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __grid_constant__ Src args) {
+__device__ __forceinline__ void moe_expert_in_body(const Src& args) {
   const trace::BlockTrace trace_block(trace::kMoeExpertIn);
   const MoeExpertInParams& p = row_of(args);
   using Lay = Q4Layout<H>;
@@ -133,6 +135,23 @@ __global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __g
   if (lane < 16 && lane % Lay::kLanesPerValue == 0 && pair < n_rows) {
     p.act[static_cast<size_t>(slot) * n_rows + pair] = siluf_(part[0]) * up_dot;
   }
+}
+
+template <int H>
+__global__ void __launch_bounds__(kExpertThreads) moe_expert_in_kernel(const __grid_constant__ MoeExpertInParams p) {
+  moe_expert_in_body<H>(p);
+}
+// The several-row instance holds its row's parameters in more registers (128 a thread: 4 blocks an SM, which left
+// a 4,608-block grid at ~7 us a block, 2026-12-02); held to 5 blocks an SM.
+template <int H>
+__global__ void __launch_bounds__(kExpertThreads, 5)
+    moe_expert_in_rows_kernel(const __grid_constant__ RowBatch<MoeExpertInParams> b) {
+  moe_expert_in_body<H>(b);
+}
+template <int H, class Src>
+constexpr auto expert_in_kernel() {
+  if constexpr (std::is_same_v<Src, MoeExpertInParams>) return moe_expert_in_kernel<H>;
+  else return moe_expert_in_rows_kernel<H>;
 }
 
 // ---- moe_expert_out ------------------------------------------------------------------------------------------
@@ -259,9 +278,9 @@ cudaError_t launch_expert_in(const MoeExpertInParams& p, int n, const Src& src, 
     return launch_pdl(kernel, grid, dim3(kExpertThreads), 0, stream, src);
   };
   switch (p.gate.cols) {
-    case 1024: return launch(moe_expert_in_kernel<1024, Src>, Q4Layout<1024>::kPasses / 2);
-    case 2048: return launch(moe_expert_in_kernel<2048, Src>, Q4Layout<2048>::kPasses / 2);
-    default: return launch(moe_expert_in_kernel<4096, Src>, Q4Layout<4096>::kPasses / 2);
+    case 1024: return launch(expert_in_kernel<1024, Src>(), Q4Layout<1024>::kPasses / 2);
+    case 2048: return launch(expert_in_kernel<2048, Src>(), Q4Layout<2048>::kPasses / 2);
+    default: return launch(expert_in_kernel<4096, Src>(), Q4Layout<4096>::kPasses / 2);
   }
 }
 
