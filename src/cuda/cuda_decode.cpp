@@ -8,7 +8,6 @@
 // one launch (grid z = row), and each row's arithmetic is that of the one-row step, so a row's logits do not
 // depend on the other rows. Row r uses scratch row r (RowStrides); one row is exactly the batch-1 step.
 #include <cmath>
-#include <cstdlib>
 
 #include "cuda/cuda_backend_impl.h"
 #include "cuda/kernels/dispatch.cuh"
@@ -99,15 +98,15 @@ Status CudaBackend::enqueue_attention_layer(std::span<CudaSequence* const> rows,
 
 // Where the expert kernels take the geometry, moe_expert_in selects the experts from the router logits and writes
 // its selection, which moe_expert_out reads after its wait (moe.cuh; 2026-11-30 on the H200: 4K step 1.587 ->
-// 1.548 ms against moe_expert_out selecting itself, the same to the bit as moe_route selecting); else moe_route
-// selects.
+// 1.548 ms against moe_expert_out selecting itself, the same to the bit as moe_route selecting); else, and for
+// several rows, moe_route selects (2026-12-02, 8 rows at 4K: moe_expert_in 2.32 -> 1.46 ms a step, route 0.31 ->
+// 0.43, the step 6.74 -> 5.99 ms: its 4,608 blocks each selecting put the selection on every block's path).
 Status CudaBackend::enqueue_moe_block(int R, size_t l, Profiler* prof) {
   const ModelConfig& c = config();
   const DeviceLayer& L = model_->layers[l];
   const RowStrides& st = strides_;
   const int k = c.num_experts_per_tok;
-  static const bool route_selects_rows = getenv("LILY_ROWS_ROUTE_SELECT") && *getenv("LILY_ROWS_ROUTE_SELECT") == '1';
-  const bool in_experts = paths_.moe_select_in_experts && !(R > 1 && route_selects_rows);
+  const bool in_experts = paths_.moe_select_in_experts && R == 1;
   MoeRouteParams route[kMaxBatchRows];
   MoeExpertInParams ein[kMaxBatchRows];
   MoeExpertOutParams eout[kMaxBatchRows];

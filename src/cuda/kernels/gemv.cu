@@ -207,8 +207,8 @@ __device__ void build_x_rows(const GemvParams& p, float* x_s, float* red_s) {
   __syncthreads();
 }
 
-// dot_stage for rows r0 .. r0 + G - 1 (G a compile-time count, no branches: the rows' FMA chains interleave): the
-// stage's weights of a vector are read once and used for the G rows.
+// dot_stage for rows r0 and r0 + 1 (G = 2, no branches: the rows' FMA chains interleave): the stage's weights of
+// a vector are read and decoded once for both rows (dot_q4_vec2), each row's sums as dot_stage's.
 template <int COLS, int G>
 __device__ __forceinline__ void dot_stage_rows(const char* stage, const float* x_s, int lane,
                                                float (&part)[G][Q4Layout<COLS>::kPasses]) {
@@ -233,13 +233,15 @@ __device__ __forceinline__ void dot_stage_rows(const char* stage, const float* x
       const int g = r * (COLS / 64) + vec / 2;
       sb[pass] = s_s[g], bb[pass] = b_s[g];
     }
+    static_assert(G == 2, "rows in pairs: dot_q4_vec2");
+    float x0[32], x1[32];
+    const float x_sum0 = load_x_vec(x_s, vec, x0), x_sum1 = load_x_vec(x_s + XF, vec, x1);
 #pragma unroll
-    for (int r = 0; r < G; ++r) {
-      float x[32];
-      const float x_sum = load_x_vec(x_s + r * XF, vec, x);
-#pragma unroll
-      for (int pass = 0; pass < Lay::kPasses; ++pass)
-        part[r][pass] += q4_group_term(dot_q4_vec(w[pass], x), x_sum, sb[pass], bb[pass]);
+    for (int pass = 0; pass < Lay::kPasses; ++pass) {
+      float d0, d1;
+      dot_q4_vec2(w[pass], x0, x1, d0, d1);
+      part[0][pass] += q4_group_term(d0, x_sum0, sb[pass], bb[pass]);
+      part[1][pass] += q4_group_term(d1, x_sum1, sb[pass], bb[pass]);
     }
   }
 }
