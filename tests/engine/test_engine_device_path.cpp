@@ -30,19 +30,40 @@ class DeviceLoopBackend final : public Backend {
                             const std::function<bool(int32_t)>& on_token) override {
     if (seq.n_tokens() + max_new > capacity_) return error(ErrorCode::out_of_range, "KV capacity");
     ++device_calls;
-    SamplingParams p;
-    p.temperature = s.temperature, p.top_k = s.top_k, p.top_p = s.top_p, p.min_p = s.min_p, p.seed = s.seed;
-    Sampler sampler(p);
+    return sample_steps(seq, first, s, max_new, on_token);
+  }
+  // The several-row contract: every row checked before any runs, one token each, drawn as generate_on_device
+  // draws it.
+  Status decode_batch_on_device(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
+                                std::span<const DeviceSampling> sampling, std::vector<int32_t>* next) override {
+    for (SequenceState* s : seqs)
+      if (s->n_tokens() + 1 > capacity_) return error(ErrorCode::out_of_range, "KV capacity");
+    ++batch_calls;
+    batch_rows += static_cast<int>(seqs.size());
+    next->assign(seqs.size(), -1);
+    for (size_t i = 0; i < seqs.size(); ++i)
+      RETURN_IF_ERROR(sample_steps(*seqs[i], tokens[i], sampling[i], 1, [&](int32_t id) {
+        (*next)[i] = id;
+        return false;
+      }));
+    return ok_status();
+  }
+  Status sample_steps(SequenceState& seq, int32_t first, const DeviceSampling& s, int max_new,
+                      const std::function<bool(int32_t)>& on_token) {
     std::vector<float> logits;
     int32_t token = first;
     for (int i = 0; i < max_new; ++i) {
       RETURN_IF_ERROR(cpu_->forward(seq, std::span<const int32_t>(&token, 1), LogitsRows::last, &logits));
-      token = sampler.sample(logits, {}).id;
+      // The draw is keyed by the position, as the device sampler's: one-token calls give the loop's tokens.
+      SamplingParams p;
+      p.temperature = s.temperature, p.top_k = s.top_k, p.top_p = s.top_p, p.min_p = s.min_p;
+      p.seed = s.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(seq.n_tokens());
+      token = Sampler(p).sample(logits, {}).id;
       if (!on_token(token)) break;
     }
     return ok_status();
   }
-  int device_calls = 0, forward_calls = 0;
+  int device_calls = 0, forward_calls = 0, batch_calls = 0, batch_rows = 0;
   int preferred_prefill = 512;
 
  private:
@@ -141,8 +162,76 @@ TEST(EngineDevicePath, ACapacityBelowTheContextFallsBackToTheHostUpToTheLimit) {
   EXPECT_EQ(fits.tokens.size(), 5u);
 }
 
-// Beside other requests, a device-sampled one steps one token per generate_on_device call (the device keys
-// its draws by position, so these are the tokens of its uninterrupted loop); host-sampled ones go through
+// Several device-sampled requests decode together in one decode_batch_on_device call a step (the CUDA backend's
+// several-row step); each keeps the tokens it gets alone (greedy and seeded), beside a host-sampled one.
+TEST(EngineDevicePath, DeviceRowsShareOneBatchedCallAStep) {
+  auto dev = device_engine(1 << 20);
+  GenerationRequest greedy = greedy_request(prompt_of(9, 5), 6);
+  GenerationRequest seeded = greedy_request(prompt_of(5, 8), 4);
+  seeded.sampling.temperature = 0.9f, seeded.sampling.top_k = 30, seeded.sampling.seed = 17;
+  GenerationRequest on_host = greedy_request(prompt_of(7, 6), 5);
+  on_host.sampling.logprobs = true;
+  std::vector<GenerationRequest> reqs = {greedy, seeded, on_host};
+  std::vector<GenerationResult> alone;
+  for (auto& r : reqs) alone.push_back(run(*dev.engine, r)), r.reuse_cache = false;
+  const int device_calls = dev.backend->device_calls;
+  std::vector<std::unique_ptr<Generation>> gens;
+  for (auto& r : reqs) {
+    auto g = dev.engine->begin(r, {});
+    ASSERT_TRUE(g.ok());
+    while ((*g)->prefilling()) dev.engine->prefill_step(**g);
+    gens.push_back(std::move(*g));
+  }
+  for (bool any = true; any;) {
+    std::vector<Generation*> decoding;
+    for (auto& g : gens)
+      if (!g->done()) decoding.push_back(g.get());
+    any = !decoding.empty();
+    if (any) dev.engine->decode_step(decoding);
+  }
+  // Steps 1-4: both device rows in one call (4 rows x 2); steps 5-6: the greedy one alone, generate_on_device.
+  EXPECT_EQ(dev.backend->batch_calls, 4);
+  EXPECT_EQ(dev.backend->batch_rows, 8);
+  EXPECT_EQ(dev.backend->device_calls, device_calls + 2);
+  for (size_t i = 0; i < gens.size(); ++i) {
+    auto r = dev.engine->finish(std::move(gens[i]));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->tokens, alone[i].tokens) << "request " << i;
+  }
+}
+
+// A device row at the backend's limit fails the batched call before any row ran (out_of_range): the rows then
+// step one at a time, the one at the limit on the host up to it, and the other keeps its tokens.
+TEST(EngineDevicePath, ABatchedRowAtTheLimitStepsTheRowsOneAtATime) {
+  auto dev = device_engine(24);
+  GenerationRequest near_limit = greedy_request(prompt_of(20, 3), 10);
+  GenerationRequest roomy = greedy_request(prompt_of(4, 9), 8);
+  GenerationResult roomy_alone = run(*dev.engine, roomy);
+  near_limit.reuse_cache = roomy.reuse_cache = false;
+  std::vector<std::unique_ptr<Generation>> gens;
+  for (auto* r : {&near_limit, &roomy}) {
+    auto g = dev.engine->begin(*r, {});
+    ASSERT_TRUE(g.ok());
+    while ((*g)->prefilling()) dev.engine->prefill_step(**g);
+    gens.push_back(std::move(*g));
+  }
+  for (bool any = true; any;) {
+    std::vector<Generation*> decoding;
+    for (auto& g : gens)
+      if (!g->done()) decoding.push_back(g.get());
+    any = !decoding.empty();
+    if (any) dev.engine->decode_step(decoding);
+  }
+  auto a = dev.engine->finish(std::move(gens[0]));
+  auto b = dev.engine->finish(std::move(gens[1]));
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->finish_reason, "length");
+  EXPECT_EQ(a->tokens.size(), 24u - 20u + 1u);  // up to the capacity; the last token sampled, not consumed
+  EXPECT_EQ(b->tokens, roomy_alone.tokens);
+}
+
+// Beside host-sampled requests, a lone device-sampled one steps one token per generate_on_device call (the device
+// keys its draws by position, so these are the tokens of its uninterrupted loop); host-sampled ones go through
 // forward_batch (the default loop here). Both keep the tokens they get alone.
 TEST(EngineDevicePath, BatchedStepsKeepEachRequestsTokens) {
   auto dev = device_engine(1 << 20);
