@@ -6,7 +6,8 @@
 # Usage: scripts/gpu_check.sh [build-dir] [out-dir]
 # env: SERVE=1: also what `lily serve` streams (writes the full synthetic checkpoint, ~20 GB, to $out/full; ~3
 #      minutes): plain decode and the host-sampling loop after a 4K prompt, 1 / 2 / 4 / 8 / 16 concurrent streams,
-#      the first token of a 1K prompt alone and while 7 streams decode (docs/BENCH_HARNESS.md, --mode ttft)
+#      the first token of a 1K prompt alone and while 7 streams decode (docs/BENCH_HARNESS.md, --mode ttft), and
+#      tests/python/test_parallel.py on the GPU
 #      TRACE_BUILD=dir of a -DLILY_TRACE=ON build (cmake -S . -B build-cuda-trace -DLILY_TRACE=ON): also runs the
 #      block timeline test there and prints the 4K decode step's timeline by op (docs/BENCH_HARNESS.md)
 set -uo pipefail
@@ -26,6 +27,9 @@ e_rc=$?
 m_rc=$?
 "$build/lily" bench --json "$out/bench.json" ${LILY_BENCH_ARGS:-} >"$out/bench.log" 2>&1
 b_rc=$?
+"$build/lily" bench --mode decode --contexts 4096,32768 --decode-rows 1,2,4,8 --steps 32 --reps 1 \
+  --json "$out/bench_rows.json" >"$out/bench_rows.log" 2>&1
+r_rc=$?
 "$build/tests/test_cuda_megakernel" --gtest_filter='*Bench*' >"$out/megakernel_bench.log" 2>&1
 s_rc=0
 if [ -n "${SERVE:-}" ]; then
@@ -33,7 +37,8 @@ if [ -n "${SERVE:-}" ]; then
   { "$build/lily" synth --preset full --layout mlx --out "$out/full" --tokenizer tests/fixtures/qwen3-tokenizer &&
     $T --prompt-tokens 4096 --reps 1 --decode-tokens 256 --streams 1,2,4,8,16 --parallel 16 --json "$out/serve_streams.json" &&
     $T --prompt-tokens 4096 --reps 1 --decode-tokens 128 --decode-field min_tokens=1 --json "$out/serve_host.json" &&
-    $T --prompt-tokens 1024 --reps 3 --decode-tokens 128 --busy-streams 7 --parallel 8 --json "$out/serve_busy.json"
+    $T --prompt-tokens 1024 --reps 3 --decode-tokens 128 --busy-streams 7 --parallel 8 --json "$out/serve_busy.json" &&
+    LILY_BIN="$build/lily" LILY_BACKEND=cuda python3 tests/python/test_parallel.py
   } >"$out/serve.log" 2>&1
   s_rc=$?
 fi
@@ -47,12 +52,14 @@ grep -h -E 'FAILED|Failure|Expected|Which is' "$out/kernel_tests.log" "$out/e2e_
 printf '%-28s %s\n' "megakernel op tests" "$(status $m_rc) ($(grep -E '^\[  (PASSED|FAILED)' "$out/megakernel_tests.log" | tr '\n' ' '))"
 printf '%-28s %s\n' "benchmark (prefill, decode)" "$(status $b_rc)"
 cat "$out/bench.log"
+printf '%-28s %s\n' "several-row decode steps" "$(status $r_rc)"
+grep -A6 '^  rows' "$out/bench_rows.log" | sed 's/^/  /'
 echo "megakernel stages (us a step; the chain beside each):"
 grep -E ' us .* MB ' "$out/megakernel_bench.log" | sed 's/^/  /'
 grep -E 'dependent ops' "$out/megakernel_bench.log" | sed 's/^/  /'
 if [ -n "${SERVE:-}" ]; then
   printf '%-28s %s\n' "through lily serve" "$(status $s_rc)"
-  grep -E 'through the server|concurrent streams|while [0-9]+ streams' "$out/serve.log" | sed 's/^/  /'
+  grep -E 'through the server|concurrent streams|while [0-9]+ streams|passed, [0-9]+ failed' "$out/serve.log" | sed 's/^/  /'
 fi
 t_rc=0
 if [ -n "${TRACE_BUILD:-}" ]; then
@@ -63,4 +70,4 @@ if [ -n "${TRACE_BUILD:-}" ]; then
   printf '%-28s %s\n' "decode block timeline" "$(status $t_rc)"
   grep -A16 '^op ' "$out/trace.log"
 fi
-exit $((k_rc | e_rc | m_rc | b_rc | s_rc | t_rc))
+exit $((k_rc | e_rc | m_rc | b_rc | r_rc | s_rc | t_rc))
