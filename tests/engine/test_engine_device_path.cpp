@@ -162,6 +162,26 @@ TEST(EngineDevicePath, ACapacityBelowTheContextFallsBackToTheHostUpToTheLimit) {
   EXPECT_EQ(fits.tokens.size(), 5u);
 }
 
+// Begins every request, prefills them all, then decode_step()s the unfinished ones together until all are done.
+std::vector<std::unique_ptr<Generation>> run_together(Engine& engine, const std::vector<GenerationRequest>& reqs) {
+  std::vector<std::unique_ptr<Generation>> gens;
+  for (const GenerationRequest& r : reqs) {
+    auto g = engine.begin(r, {});
+    EXPECT_TRUE(g.ok());
+    if (!g.ok()) return {};
+    while ((*g)->prefilling()) engine.prefill_step(**g);
+    gens.push_back(std::move(*g));
+  }
+  for (bool any = true; any;) {
+    std::vector<Generation*> decoding;
+    for (auto& g : gens)
+      if (!g->done()) decoding.push_back(g.get());
+    any = !decoding.empty();
+    if (any) engine.decode_step(decoding);
+  }
+  return gens;
+}
+
 // Several device-sampled requests decode together in one decode_batch_on_device call a step (the CUDA backend's
 // several-row step); each keeps the tokens it gets alone (greedy and seeded), beside a host-sampled one.
 TEST(EngineDevicePath, DeviceRowsShareOneBatchedCallAStep) {
@@ -175,20 +195,8 @@ TEST(EngineDevicePath, DeviceRowsShareOneBatchedCallAStep) {
   std::vector<GenerationResult> alone;
   for (auto& r : reqs) alone.push_back(run(*dev.engine, r)), r.reuse_cache = false;
   const int device_calls = dev.backend->device_calls;
-  std::vector<std::unique_ptr<Generation>> gens;
-  for (auto& r : reqs) {
-    auto g = dev.engine->begin(r, {});
-    ASSERT_TRUE(g.ok());
-    while ((*g)->prefilling()) dev.engine->prefill_step(**g);
-    gens.push_back(std::move(*g));
-  }
-  for (bool any = true; any;) {
-    std::vector<Generation*> decoding;
-    for (auto& g : gens)
-      if (!g->done()) decoding.push_back(g.get());
-    any = !decoding.empty();
-    if (any) dev.engine->decode_step(decoding);
-  }
+  std::vector<std::unique_ptr<Generation>> gens = run_together(*dev.engine, reqs);
+  ASSERT_EQ(gens.size(), reqs.size());
   // Steps 1-4: both device rows in one call (4 rows x 2); steps 5-6: the greedy one alone, generate_on_device.
   EXPECT_EQ(dev.backend->batch_calls, 4);
   EXPECT_EQ(dev.backend->batch_rows, 8);
@@ -208,20 +216,8 @@ TEST(EngineDevicePath, ABatchedRowAtTheLimitStepsTheRowsOneAtATime) {
   GenerationRequest roomy = greedy_request(prompt_of(4, 9), 8);
   GenerationResult roomy_alone = run(*dev.engine, roomy);
   near_limit.reuse_cache = roomy.reuse_cache = false;
-  std::vector<std::unique_ptr<Generation>> gens;
-  for (auto* r : {&near_limit, &roomy}) {
-    auto g = dev.engine->begin(*r, {});
-    ASSERT_TRUE(g.ok());
-    while ((*g)->prefilling()) dev.engine->prefill_step(**g);
-    gens.push_back(std::move(*g));
-  }
-  for (bool any = true; any;) {
-    std::vector<Generation*> decoding;
-    for (auto& g : gens)
-      if (!g->done()) decoding.push_back(g.get());
-    any = !decoding.empty();
-    if (any) dev.engine->decode_step(decoding);
-  }
+  std::vector<std::unique_ptr<Generation>> gens = run_together(*dev.engine, {near_limit, roomy});
+  ASSERT_EQ(gens.size(), 2u);
   auto a = dev.engine->finish(std::move(gens[0]));
   auto b = dev.engine->finish(std::move(gens[1]));
   ASSERT_TRUE(a.ok() && b.ok());

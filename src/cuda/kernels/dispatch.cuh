@@ -42,13 +42,7 @@ inline cudaError_t gemv_rows(const GemvParams& p, cudaStream_t s) {
   one.n_rows = 1;
   if (p.n_rows == 1) return dispatch::gemv(one, s);
   if (gemv_fast_supported(one)) return cuda::gemv_rows(p, s);
-  for (int r = 0; r < p.n_rows; ++r) {
-    one.in = p.in + static_cast<size_t>(r) * p.in_stride;
-    if (p.gate_z) one.gate_z = p.gate_z + static_cast<size_t>(r) * p.z_stride;
-    if (p.residual) one.residual = p.residual + static_cast<size_t>(r) * p.out_stride;
-    one.y = p.y + static_cast<size_t>(r) * p.out_stride;
-    CUDA_TRY(gemv_generic(one, s));
-  }
+  for (int r = 0; r < p.n_rows; ++r) CUDA_TRY(gemv_generic(gemv_row(p, r), s));
   return cudaSuccess;
 }
 

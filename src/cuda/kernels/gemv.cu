@@ -458,13 +458,7 @@ cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream) {
   CUDA_TRY(cudaGetDevice(&device));
   CUDA_TRY(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
   if (rows_kernel_takes(p, n_sms)) return p.m.cols == 2048 ? launch_q4_rows<2048>(p, stream) : launch_q4_rows<4096>(p, stream);
-  for (int r = 0; r < p.n_rows; ++r) {
-    one.in = p.in + static_cast<size_t>(r) * p.in_stride;
-    if (p.gate_z) one.gate_z = p.gate_z + static_cast<size_t>(r) * p.z_stride;
-    if (p.residual) one.residual = p.residual + static_cast<size_t>(r) * p.out_stride;
-    one.y = p.y + static_cast<size_t>(r) * p.out_stride;
-    CUDA_TRY(gemv(one, stream));
-  }
+  for (int r = 0; r < p.n_rows; ++r) CUDA_TRY(gemv(gemv_row(p, r), stream));
   return cudaSuccess;
 }
 

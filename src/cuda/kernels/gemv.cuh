@@ -35,6 +35,16 @@ cudaError_t gemv(const GemvParams& p, cudaStream_t stream);
 // gemv() of that row alone (the same prologue reduction, dot products and reduction order per row). Where the
 // several-row kernel does not take the shape, one gemv() per row.
 cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream);
+// Row r of a several-row p as a one-row GemvParams.
+inline GemvParams gemv_row(const GemvParams& p, int r) {
+  GemvParams one = p;
+  one.n_rows = 1;
+  one.in = p.in + static_cast<size_t>(r) * p.in_stride;
+  if (p.gate_z) one.gate_z = p.gate_z + static_cast<size_t>(r) * p.z_stride;
+  if (p.residual) one.residual = p.residual + static_cast<size_t>(r) * p.out_stride;
+  one.y = p.y + static_cast<size_t>(r) * p.out_stride;
+  return one;
+}
 
 // Threads per block of the asynchronous 4-bit kernel that gemv() launches for m (cols in {512, ..., 4096}, scales
 // and biases 16-byte aligned) on a device of n_sms SMs. Its RMSNorm prologue sums the squares in an order fixed by
