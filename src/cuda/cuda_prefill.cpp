@@ -50,7 +50,8 @@ PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk
                                                         c.num_experts_per_tok),
                               gdn_prefill_scratch_bytes(chunk, c.linear_num_key_heads, c.linear_num_value_heads,
                                                         c.linear_key_head_dim, c.linear_value_head_dim),
-                              attn_prefill_scratch_bytes(chunk, c.num_attention_heads, c.head_dim)});
+                              attn_prefill_scratch_bytes(chunk, c.num_attention_heads, c.head_dim),
+                              kQgemmSplitScratchMax});
   s.head_logits = std::min<size_t>(C, head_rows) * c.vocab_size;
   return s;
 }
@@ -128,7 +129,7 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
       const double attended = rows * pos0 + rows * (rows + 1) / 2;  // causal: row t attends pos0 + t + 1 rows
       STEP_OP("attn_prefill", 0, attn_prefill(a, stream_), 4.0 * c.num_attention_heads * c.head_dim * attended);
     }
-    QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0, wgmma};
+    QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0, wgmma, pscratch_.ptr, pscratch_.bytes()};
     STEP_OP(gdn ? "qgemm gdn_out" : "qgemm attn_out", out.bytes(), qgemm(gout, stream_),
             2.0 * rows * out.rows * out.cols);
     MoePrefillParams moe{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,

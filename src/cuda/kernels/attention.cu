@@ -31,6 +31,7 @@
 // attn_combine (eqs 11-12): grid (nq, D/32); merges the splits with exp(m_s - M) weights, divides by the sum and
 //   multiplies by sigmoid(gate). Moves n_splits * nq * D * 4 bytes of partials.
 #include <cmath>
+#include <type_traits>
 
 #include "cuda/kernels/attention.cuh"
 #include "cuda/kernels/attention_util.cuh"
@@ -247,21 +248,14 @@ auto kernel_of(const AttnCombineParams&) {
 // One launch of the kernel of P for n rows (n == 1: the single-row instance).
 template <class P>
 cudaError_t launch_rows(const P* rows, int n, cudaStream_t stream) {
-  if (n < 1 || n > kMaxBatchRows) return cudaErrorInvalidValue;
-  for (int r = 0; r < n; ++r) {
-    CUDA_TRY(check(rows[r]));
-    if (!same_shape(rows[0], rows[r])) return cudaErrorInvalidValue;
-  }
-  const P& p = rows[0];
-  const size_t smem = smem_of(p);
-  if (n == 1) {
-    auto kernel = kernel_of<P>(p);
-    if (smem > 48 * 1024) CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    return launch_pdl(kernel, grid_of(p, 1), block_of(p), smem, stream, p);
-  }
-  auto kernel = kernel_of<RowBatch<P>>(p);
-  if (smem > 48 * 1024) CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  return launch_pdl(kernel, grid_of(p, n), block_of(p), smem, stream, make_row_batch(rows, n));
+  return launch_row_batch(rows, n, check, same_shape, [&](const P& p, const auto& src) {
+    using Src = std::decay_t<decltype(src)>;
+    auto kernel = kernel_of<Src>(p);
+    const size_t smem = smem_of(p);
+    if (smem > 48 * 1024)
+      CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    return launch_pdl(kernel, grid_of(p, n), block_of(p), smem, stream, src);
+  });
 }
 
 }  // namespace

@@ -74,6 +74,21 @@ RowBatch<P> make_row_batch(const P* rows, int n) {
   for (int r = 0; r < n && r < kMaxBatchRows; ++r) b.row[r] = rows[r];
   return b;
 }
+// One launch for n rows of P: each row checked as a single launch checks it (`check`), all rows of one shape
+// (`same_shape`: one geometry, the same weights); then launch(rows[0], src) with src = rows[0] for one row (the
+// single-row instance) or the RowBatch of all n.
+template <class P, class Launch>
+cudaError_t launch_row_batch(const P* rows, int n, cudaError_t (*check)(const P&),
+                             bool (*same_shape)(const P&, const P&), Launch&& launch) {
+  if (!rows || n < 1 || n > kMaxBatchRows) return cudaErrorInvalidValue;
+  for (int r = 0; r < n; ++r) {
+    const cudaError_t e = check(rows[r]);
+    if (e != cudaSuccess) return e;
+    if (!same_shape(rows[0], rows[r])) return cudaErrorInvalidValue;
+  }
+  if (n == 1) return launch(rows[0], rows[0]);
+  return launch(rows[0], make_row_batch(rows, n));
+}
 
 // Device-only helpers; host-compiled code (the .cpp op tests) includes this header for QMatrix alone.
 #if defined(__CUDACC__)

@@ -29,6 +29,8 @@
 
 #include <cmath>
 
+#include <type_traits>
+
 #include "cuda/kernels/gdn.cuh"
 
 namespace lily::cuda {
@@ -227,27 +229,21 @@ cudaError_t check_params(const GdnStepParams& p) {
 
 }  // namespace
 
-cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream) {
-  CUDA_TRY(check_params(p));
-  const int col_blocks = p.d_v / kCols;
-  return launch_pdl(gdn_step_kernel<4, GdnStepParams>, dim3(p.n_v * col_blocks), dim3(kThreads), 0, stream, p,
-                    p.norm_w ? col_blocks : 1);
+namespace {
+// One geometry and one fused-norm choice for the whole launch.
+bool same_shape(const GdnStepParams& a, const GdnStepParams& b) {
+  return a.n_k == b.n_k && a.n_v == b.n_v && a.d_v == b.d_v && (a.norm_w == nullptr) == (b.norm_w == nullptr);
 }
+}  // namespace
+
+cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream) { return gdn_step_rows(&p, 1, stream); }
 
 cudaError_t gdn_step_rows(const GdnStepParams* rows, int n, cudaStream_t stream) {
-  if (n < 1 || n > kMaxBatchRows) return cudaErrorInvalidValue;
-  if (n == 1) return gdn_step(rows[0], stream);
-  for (int r = 0; r < n; ++r) {
-    CUDA_TRY(check_params(rows[r]));
-    const GdnStepParams& a = rows[0];
-    const GdnStepParams& b = rows[r];  // one geometry and one fused-norm choice for the whole launch
-    if (a.n_k != b.n_k || a.n_v != b.n_v || a.d_v != b.d_v || (a.norm_w == nullptr) != (b.norm_w == nullptr))
-      return cudaErrorInvalidValue;
-  }
-  const GdnStepParams& p = rows[0];
-  const int col_blocks = p.d_v / kCols;
-  return launch_pdl(gdn_step_kernel<4, RowBatch<GdnStepParams>>, dim3(p.n_v * col_blocks, 1, n), dim3(kThreads), 0,
-                    stream, make_row_batch(rows, n), p.norm_w ? col_blocks : 1);
+  return launch_row_batch(rows, n, check_params, same_shape, [&](const GdnStepParams& p, const auto& src) {
+    const int col_blocks = p.d_v / kCols;
+    return launch_pdl(gdn_step_kernel<4, std::decay_t<decltype(src)>>, dim3(p.n_v * col_blocks, 1, n),
+                      dim3(kThreads), 0, stream, src, p.norm_w ? col_blocks : 1);
+  });
 }
 
 }  // namespace lily::cuda

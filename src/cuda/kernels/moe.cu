@@ -307,17 +307,6 @@ bool same_shape(const MoeExpertOutParams& a, const MoeExpertOutParams& b) {
   return a.down.w == b.down.w && a.top_k == b.top_k;
 }
 
-template <class P, class Launch>
-cudaError_t launch_rows(const P* rows, int n, Launch launch, cudaStream_t stream) {
-  if (n < 1 || n > kMaxBatchRows) return cudaErrorInvalidValue;
-  for (int r = 0; r < n; ++r) {
-    CUDA_TRY(check(rows[r]));
-    if (!same_shape(rows[0], rows[r])) return cudaErrorInvalidValue;
-  }
-  if (n == 1) return launch(rows[0], 1, rows[0], stream);
-  return launch(rows[0], n, make_row_batch(rows, n), stream);
-}
-
 }  // namespace
 
 cudaError_t moe_route(const MoeRouteParams& p, cudaStream_t stream) { return moe_route_rows(&p, 1, stream); }
@@ -327,13 +316,16 @@ cudaError_t moe_expert_out(const MoeExpertOutParams& p, cudaStream_t stream) {
 }
 
 cudaError_t moe_route_rows(const MoeRouteParams* rows, int n, cudaStream_t stream) {
-  return launch_rows(rows, n, [](const auto& p, int k, const auto& src, cudaStream_t s) { return launch_route(p, k, src, s); }, stream);
+  return launch_row_batch(rows, n, check, same_shape,
+                          [&](const auto& p, const auto& src) { return launch_route(p, n, src, stream); });
 }
 cudaError_t moe_expert_in_rows(const MoeExpertInParams* rows, int n, cudaStream_t stream) {
-  return launch_rows(rows, n, [](const auto& p, int k, const auto& src, cudaStream_t s) { return launch_expert_in(p, k, src, s); }, stream);
+  return launch_row_batch(rows, n, check, same_shape,
+                          [&](const auto& p, const auto& src) { return launch_expert_in(p, n, src, stream); });
 }
 cudaError_t moe_expert_out_rows(const MoeExpertOutParams* rows, int n, cudaStream_t stream) {
-  return launch_rows(rows, n, [](const auto& p, int k, const auto& src, cudaStream_t s) { return launch_expert_out(p, k, src, s); }, stream);
+  return launch_row_batch(rows, n, check, same_shape,
+                          [&](const auto& p, const auto& src) { return launch_expert_out(p, n, src, stream); });
 }
 
 }  // namespace lily::cuda

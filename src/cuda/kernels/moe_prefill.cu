@@ -34,7 +34,7 @@ namespace {
 constexpr int kGroup = 64;  // K step = one quantisation group
 constexpr int kMaxExperts = 256;
 constexpr int kMaxTopK = 16;
-constexpr int kMinTileRows = 64;  // smallest grouped tile (sizes the tile list in the scratch)
+constexpr int kMinTileRows = kFewRows;  // smallest grouped tile (sizes the tile list in the scratch)
 
 struct RouteArgs {
   const float* logits;     // [splits, T, E]: partial sums over equal parts of H
@@ -326,19 +326,27 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
       p.shared_down.rows == H && p.shared_down.cols == Is && H % 4 == 0;
   if (!shapes_ok || T < 1 || k < 1 || k > kMaxTopK || k > E || !p.h || !p.norm_w || !p.scratch ||
       p.scratch_bytes < moe_prefill_scratch_bytes(T, H, I, Is, E, k) || !aligned16(p.h) ||
-      !aligned16(p.scratch) || (p.tile_rows != 0 && p.tile_rows != 64 && p.tile_rows != 128)) {
+      !aligned16(p.scratch) ||
+      (p.tile_rows != 0 && p.tile_rows != kFewRows && p.tile_rows != 64 && p.tile_rows != 128)) {
     return cudaErrorInvalidValue;
   }
   const MoeScratch s = carve(p.scratch, T, H, I, Is, E, k);
-  // Tile rows from the rows an expert gets on average (T k / E). Measured (H200, full geometry, cold
-  // weights, 64-row / 128-row tiles): T = 512 (16 rows an expert) 611 / 769 us; T = 1024 (32) 727 / 882 us;
-  // T = 2048 (64) 1048 / 1090 us; T = 4096 (128) 1793 / 1637 us. 128-row tiles from 96 rows an expert.
-  const int tile_rows = p.tile_rows ? p.tile_rows : (static_cast<long>(T) * k >= 96L * E ? 128 : 64);
-
   // The shared expert runs as tile-list expert E of the grouped launches (its tiles fill the grouped grid's
   // tail) where its matrices have the routed experts' shapes and bits; else as dense launches after them.
   const bool fold = Is == I && p.shared_gate_proj.bits == p.gate.bits &&
                     p.shared_down.bits == p.down.bits;
+  // kFewRows-row tiles (launch_grouped_few) take 4-bit experts with the shared expert folded in.
+  const bool few_ok = fold && p.gate.bits == 4 && p.down.bits == 4 && I % 64 == 0 && H % 128 == 0;
+  if (p.tile_rows == kFewRows && !few_ok) return cudaErrorInvalidValue;
+  // Tile rows from the rows an expert gets on average (T k / E). Measured (H200, full geometry, cold
+  // weights, 32-row few-row tiles / 64-row / 128-row tiles, us a layer): T = 256 (8 rows an expert) 323 / 550 /
+  // 736; T = 512 (16) 380 / 618 / 783; T = 1024 (32) 542 / 724 / 889; T = 2048 (64) 923 / 1043 / 1087;
+  // T = 4096 (128) 1721 / 1783 / 1607. Few-row tiles up to 64 rows an expert, 128-row tiles from 96.
+  const long routed = static_cast<long>(T) * k;
+  const int tile_rows = p.tile_rows ? p.tile_rows
+                        : few_ok && routed <= 64L * E ? kFewRows
+                        : routed >= 96L * E           ? 128
+                                                      : 64;
   const int shared_rows = fold ? T : 0;
 
   CUDA_TRY(rms_norm_rows(p.h, p.norm_w, T, H, p.eps, s.x, stream));
@@ -372,6 +380,7 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   g.ws[0] = p.shared_gate_proj, g.ws[1] = p.shared_up, g.shared_expert = fold ? E : -1;
   // use_wgmma: the same tile list, operands and epilogues on the Hopper wgmma kernel (4-bit experts only).
   auto grouped = [&](const TileArgs& t, int bits, bool swiglu) {
+    if (tile_rows == kFewRows) return launch_grouped_few(t, tiles, swiglu, stream);
     if (!p.use_wgmma || bits != 4) {
       return launch_grouped(t, bits, tile_rows, tiles, swiglu, stream);
     }

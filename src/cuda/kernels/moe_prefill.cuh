@@ -25,7 +25,9 @@ struct MoePrefillParams {
   int top_k = 8;
   void* scratch = nullptr;       // moe_prefill_scratch_bytes(...) bytes of device memory
   size_t scratch_bytes = 0;
-  int tile_rows = 0;             // rows of a grouped expert tile: 64 or 128; 0 picks from T * top_k / E
+  // rows of a grouped expert tile: 32 (qgemm_util::kFewRows: launch_grouped_few, 4-bit experts with the shared
+  // expert folded in), 64 or 128 (the qgemm.cu / wgmma tiles); 0 picks from T * top_k / E
+  int tile_rows = 0;
   // true: the grouped expert GEMMs on the Hopper wgmma kernel (qgemm_wgmma_grouped; 4-bit expert matrices, only
   // where wgmma_built(), else cudaErrorInvalidDeviceFunction); other bits stay on mma.sync. The backend sets it
   // from kMoeWgmmaMinRows rows (H200, whole prefill: 4K +2.0%, 16K +2.1%, 64K +1.5%, but 1K -3.7%).

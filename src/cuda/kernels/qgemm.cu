@@ -52,14 +52,6 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
                : "r"(a));
 }
 
-__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Element offset of 16-byte chunk `chunk` (8 fp16) of row `row` in a swizzled [rows, 64] fp16 tile.
 __device__ __forceinline__ int swz(int row, int chunk) {
   return row * kGroup + ((chunk ^ (row & 7)) << 3);
@@ -404,17 +396,60 @@ bool valid_qmatrix(const QMatrix& w) {
 
 }  // namespace qgemm_util
 
+namespace {
+
+struct AddPartsArgs {
+  const float* parts;  // [S, M, N]
+  float* c;            // [M, ldc]
+  int M, N, ldc, S;
+};
+
+// c[t, n] += parts[0, t, n] + ... + parts[S - 1, t, n], summed in that order.
+__global__ void __launch_bounds__(256) add_parts_kernel(const AddPartsArgs p) {
+  pdl_wait();
+  const size_t n_all = static_cast<size_t>(p.M) * p.N, stride = static_cast<size_t>(p.M) * p.N;
+  for (size_t i = blockIdx.x * 256 + threadIdx.x; i < n_all; i += static_cast<size_t>(gridDim.x) * 256) {
+    float sum = p.parts[i];
+    for (int z = 1; z < p.S; ++z) sum += p.parts[z * stride + i];
+    const size_t t = i / p.N, n = i % p.N;
+    p.c[t * p.ldc + n] += sum;
+  }
+}
+
+}  // namespace
+
+int qgemm_split_k_parts(int M, const QMatrix& w) {
+  if (M < 1 || w.rows < 1 || w.cols < kGroup) return 1;
+  const long blocks = static_cast<long>((M + 63) / 64) * ((w.rows + 127) / 128);  // the 64-row tiles' grid
+  int S = 1;
+  while (S < 8 && (w.cols / kGroup) % (2 * S) == 0 && blocks * S * 2 <= 2 * 132) S *= 2;
+  return S;
+}
+
+size_t qgemm_split_scratch_bytes(int M, const QMatrix& w) {
+  const int S = qgemm_split_k_parts(M, w);
+  return S > 1 ? size_t{4} * S * M * w.rows : 0;
+}
+
 cudaError_t qgemm(const QGemmParams& p, cudaStream_t stream) {
-  if (p.use_wgmma) return qgemm_wgmma(p, stream);
   const int ldc = p.ldc ? p.ldc : p.w.rows;
+  const int S = p.split_scratch && p.out == GemmOut::add_f32 ? qgemm_split_k_parts(p.M, p.w) : 1;
+  if (p.use_wgmma && S == 1) return qgemm_wgmma(p, stream);
   if (!valid_qmatrix(p.w) || !p.a || !p.c || p.M < 1 || ldc < p.w.rows || !aligned16(p.a) ||
-      (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32)) {
+      (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32) ||
+      (S > 1 && p.split_scratch_bytes < qgemm_split_scratch_bytes(p.M, p.w))) {
     return cudaErrorInvalidValue;
   }
   TileArgs a;
   a.w[0] = a.w[1] = p.w;
   a.a = p.a, a.M = p.M, a.N = p.w.rows, a.K = p.w.cols, a.out = p.out, a.c = p.c, a.ldc = ldc;
-  return launch_dense(a, p.w.bits, dense_tile_rows(p.M, a.N, 128), stream);
+  if (S == 1) return launch_dense(a, p.w.bits, dense_tile_rows(p.M, a.N, 128), stream);
+  a.out = GemmOut::f32, a.c = p.split_scratch, a.ldc = a.N, a.k_splits = S;
+  CUDA_TRY(launch_dense(a, p.w.bits, 64, stream));
+  const AddPartsArgs ap{static_cast<const float*>(p.split_scratch), static_cast<float*>(p.c), p.M, a.N, ldc, S};
+  const long n_all = static_cast<long>(p.M) * a.N;
+  return launch_pdl(add_parts_kernel, dim3(static_cast<unsigned>(std::min<long>((n_all + 255) / 256, 4 * 132))),
+                    dim3(256), 0, stream, ap);
 }
 
 cudaError_t qgemm_swiglu(const QGemmSwigluParams& p, cudaStream_t stream) {

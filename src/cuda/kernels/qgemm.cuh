@@ -30,7 +30,18 @@ struct QGemmParams {
   // true: the Hopper warpgroup-MMA kernel (qgemm_wgmma.cu; only where wgmma_built(), else
   // cudaErrorInvalidDeviceFunction); false: the mma.sync kernel (every GPU from sm_80).
   bool use_wgmma = false;
+  // Split-K for small grids (qgemm_split_k_parts): with scratch of >= qgemm_split_scratch_bytes(...) bytes and
+  // out == add_f32, a GEMM whose tile grid would leave the SMs idle runs as S parts of K on the mma.sync tiles
+  // (whatever use_wgmma says), the parts' fp32 results summed in the order 0..S-1 and added to c by one more
+  // launch (deterministic). nullptr: never split.
+  void* split_scratch = nullptr;
+  size_t split_scratch_bytes = 0;
 };
+// The parts qgemm splits K into for an add_f32 GEMM of M rows by w (1: no split).
+int qgemm_split_k_parts(int M, const QMatrix& w);
+size_t qgemm_split_scratch_bytes(int M, const QMatrix& w);
+// Its bound for any M and w: a split's parts times its 64 x 128 tiles stay <= 2 x 132 (4 bytes an element).
+inline constexpr size_t kQgemmSplitScratchMax = size_t{4} * 2 * 132 * 64 * 128;
 
 struct QGemmSwigluParams {
   QMatrix gate, up;                     // [I, K] each

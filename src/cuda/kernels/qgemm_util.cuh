@@ -38,8 +38,23 @@ cudaError_t launch_dense(const TileArgs& a, int bits, int tile_rows, cudaStream_
 cudaError_t launch_dense_swiglu(const TileArgs& a, int bits, int tile_rows, cudaStream_t stream);
 cudaError_t launch_grouped(const TileArgs& a, int bits, int tile_rows, int max_tiles, bool swiglu,
                            cudaStream_t stream);
+// The grouped launch for tiles of at most kFewRows rows (moe_prefill_few.cu: few rows an expert, short prompts):
+// weights straight from memory into mma fragments, the tile's rows on the mma's N side. 4-bit matrices only;
+// N a multiple of 32 (16 with swiglu).
+inline constexpr int kFewRows = 32;
+cudaError_t launch_grouped_few(const TileArgs& a, int max_tiles, bool swiglu, cudaStream_t stream);
 // A QMatrix the tile kernels take: 4- or 8-bit, K a multiple of 64, 16-byte aligned words.
 bool valid_qmatrix(const QMatrix& w);
+
+// c += a . b on the tensor cores: mma.sync m16n8k16, fp16 operands, fp32 accumulation (A row-major 16 x 16,
+// B column-major 16 x 8; the fragment layouts of the PTX ISA).
+__device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
 
 // Byte i of v (0..255) as a float, exactly: the low mantissa byte of 2^23, minus 2^23. (quant_dot.cuh's
 // nibble_as_float puts the byte at bits 16..23, where a code >= 128 would reach the exponent.)

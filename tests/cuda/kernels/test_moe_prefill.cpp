@@ -194,6 +194,9 @@ TEST(CudaMoePrefill, TinyGeometry) {
   m.upload();
   for (int T : {1, 63, 64, 65, 300}) check_moe(m, random_vector(static_cast<size_t>(T) * m.H, 901 + T), 24);
   check_moe(m, random_vector(size_t{300} * m.H, 950), 8, 128);
+  // The few-row tiles (launch_grouped_few), below, at and past kFewRows rows an expert (300 rows: ~75 each).
+  for (int T : {1, 7, 8, 9, 63, 64, 65, 300})
+    check_moe(m, random_vector(static_cast<size_t>(T) * m.H, 960 + T), 24, 32);
 }
 
 TEST(CudaMoePrefill, SmallGeometry) {
@@ -201,6 +204,7 @@ TEST(CudaMoePrefill, SmallGeometry) {
   MoeModel m(1024, 32, 256, 8, 1000);
   m.upload();
   for (int T : {1, 65, 700}) check_moe(m, random_vector(static_cast<size_t>(T) * m.H, 1001 + T), 12);
+  for (int T : {1, 65, 700}) check_moe(m, random_vector(static_cast<size_t>(T) * m.H, 1051 + T), 12, 32);
 }
 
 TEST(CudaMoePrefill, FullGeometry) {
@@ -211,6 +215,9 @@ TEST(CudaMoePrefill, FullGeometry) {
   const std::vector<float> h = random_vector(size_t{4097} * m.H, 1200);
   check_moe(m, h, 16);
   check_moe(m, h, 4, 128);  // the other tile size on the same rows
+  check_moe(m, h, 4, 32);   // and the few-row tiles (~128 rows an expert: several tiles each)
+  // (T = 1 at this geometry is a near-tie row for seed 1151, skipped by the check: 3 rows instead)
+  for (int T : {3, 63, 64, 65, 256, 1025}) check_moe(m, random_vector(static_cast<size_t>(T) * m.H, 1150 + T), 4, 32);
 }
 
 // Uneven loads: every row shares one dominant direction, and router row 7 is planted on it, so expert 7 takes
@@ -258,6 +265,9 @@ TEST(CudaMoePrefill, OneExpertTakesEveryRowAndTies) {
   m.upload();
   check_moe(m, h, 8);
   check_moe(m, h, 4, 128);
+  check_moe(m, h, 4, 32);
+  const std::vector<float> h256(h.begin(), h.begin() + size_t{256} * m.H);  // expert 7: 256 rows = 8 tiles
+  check_moe(m, h256, 8, 32);
 }
 
 // moe_prefill with use_wgmma (the grouped expert GEMMs on qgemm_wgmma.cu) against the mma.sync path on the same
@@ -359,8 +369,8 @@ TEST(CudaMoePrefillBench, FullGeometry) {
   const int H = 2048, I = 512, k = 8;
   const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
   std::printf("\nmoe_prefill full geometry (E 256, H 2048, I 512, k 8), cold weights, CUDA-graph replay:\n");
-  for (int T : {4096, 2048, 1024, 512}) {
-    for (const int tile_rows : {0, 64, 128}) {
+  for (int T : {4096, 2048, 1024, 512, 256}) {
+    for (const int tile_rows : {0, 32, 64, 128}) {
       const double us = moe_layer_us(pool, T, tile_rows, false);
       const double flops = 2.0 * T * (k + 1) * 3.0 * H * I;  // routed + shared expert
       std::printf(

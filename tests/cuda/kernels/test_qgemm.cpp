@@ -27,9 +27,9 @@ namespace {
 // ---- qgemm
 // -----------------------------------------------------------------------------------------------------
 
-void check_qgemm(int M, int N, int K, int bits, GemmOut out, uint32_t seed) {
+void check_qgemm(int M, int N, int K, int bits, GemmOut out, uint32_t seed, bool split = false) {
   SCOPED_TRACE(testing::Message() << "M " << M << " N " << N << " K " << K << " bits " << bits << " out "
-                                  << static_cast<int>(out));
+                                  << static_cast<int>(out) << (split ? " split-K scratch" : ""));
   HostQMatrix w = random_qmatrix(N, K, bits, seed);
   std::vector<float> a = random_vector(static_cast<size_t>(M) * K, seed + 1);
   for (float& v : a) v = f16_round(v);
@@ -44,6 +44,9 @@ void check_qgemm(int M, int N, int K, int bits, GemmOut out, uint32_t seed) {
   p.out = out;
   p.c = out == GemmOut::f16 ? static_cast<void*>(d_cb.get()) : static_cast<void*>(d_cf.get());
   p.ldc = ldc;
+  p.use_wgmma = split && wgmma_built();  // a split GEMM runs on mma.sync whatever use_wgmma says
+  DeviceBuffer<unsigned char> scratch(split ? std::max<size_t>(1, qgemm_split_scratch_bytes(M, p.w)) : 1);
+  if (split) p.split_scratch = scratch.get(), p.split_scratch_bytes = qgemm_split_scratch_bytes(M, p.w);
   ASSERT_CUDA(qgemm(p, nullptr));
   ASSERT_CUDA(cudaDeviceSynchronize());
   std::vector<float> got(static_cast<size_t>(M) * ldc);
@@ -99,6 +102,27 @@ TEST(CudaQgemm, MatchesCpu) {
   for (int bits : {4, 8})
     for (int m = 0; m < 3; ++m)
       check_qgemm(2100, 2048 + 7 * m, 128, bits, static_cast<GemmOut>(m), seed += 3);
+}
+
+// Split-K for small grids (QGemmParams::split_scratch, add_f32): K in 2..8 parts, summed in order and added.
+TEST(CudaQgemm, SplitKMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 900;
+  int splits = 0;
+  for (int bits : {4, 8})
+    for (int K : {128, 2048, 4096})
+      for (int N : {16, 257, 2048})
+        for (int M : {1, 7, 65, 256}) {
+          QMatrix w;
+          w.rows = N, w.cols = K, w.bits = bits;
+          splits += qgemm_split_k_parts(M, w) > 1;
+          check_qgemm(M, N, K, bits, GemmOut::add_f32, seed += 3, true);
+        }
+  EXPECT_GT(splits, 20);  // most of these shapes split
+  QMatrix big;
+  big.rows = 12352, big.cols = 2048, big.bits = 4;
+  EXPECT_EQ(qgemm_split_k_parts(4096, big), 1);  // a full grid never splits
+  EXPECT_LE(qgemm_split_scratch_bytes(256, big), kQgemmSplitScratchMax);
 }
 
 TEST(CudaQgemm, SwigluMatchesCpu) {
@@ -231,6 +255,29 @@ TEST(CudaQgemmBench, DenseShapes) {
       const double tflops = 2.0 * M * s.N * s.K / (us * 1e6);
       std::printf("  %-16s M %5d N %6d K %5d q%d: %9.1f us %7.1f TFLOP/s (%4.1f%% of 790)\n", s.name, M, s.N,
                   s.K, s.bits, us, tflops, 100 * tflops / 790);
+    }
+  }
+  // Split-K (add_f32 with scratch) against the unsplit tiles at small M.
+  DeviceBuffer<unsigned char> split(kQgemmSplitScratchMax);
+  std::printf("\nqgemm add_f32 at small M: mma.sync | wgmma | split-K (us):\n");
+  for (const Shape& s : shapes) {
+    if (s.bits != 4 || s.N == 248320) continue;
+    for (int M : {32, 128, 256, 512}) {
+      double us[3];
+      for (int path = 0; path < 3; ++path) {
+        us[path] = graph_time_us(
+            [&](int i, cudaStream_t st) {
+              QGemmParams p;
+              p.w = bench_qmatrix(pool, s.N, s.K, s.bits, i);
+              p.a = as_f16(a), p.M = M, p.c = c.get(), p.out = GemmOut::add_f32;
+              p.use_wgmma = path == 1 && wgmma_built();
+              if (path == 2) p.split_scratch = split.get(), p.split_scratch_bytes = kQgemmSplitScratchMax;
+              return qgemm(p, st);
+            },
+            10);
+      }
+      std::printf("  %-16s M %5d N %6d K %5d: %8.1f | %8.1f | %8.1f  (%d parts)\n", s.name, M, s.N, s.K, us[0],
+                  us[1], us[2], qgemm_split_k_parts(M, bench_qmatrix(pool, s.N, s.K, s.bits, 0)));
     }
   }
   for (int M : {4096, 512}) {
