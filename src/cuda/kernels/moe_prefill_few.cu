@@ -16,8 +16,9 @@
 //    product over a fragment's 16 k is the same sum in another order.
 // No block barriers: warps are independent. FLOPs 2 rows N K; bytes N K / 2 (+ N K / 16 scales and biases) from
 // memory, rows K 2 from L2 per block.
-// Measured (H200, full geometry, docs/PERF_NOTES.md "few-row expert tiles"): against the 64-row tiles, a layer's
-// moe_prefill at T = 256 / 512 / 1024 / 2048 ...
+// Measured (H200, full geometry, docs/PERF_NOTES.md "2026-12-02 (second session)"): a layer's moe_prefill at
+// T = 256 / 512 / 1024 / 2048 / 4096 takes 323 / 380 / 542 / 923 / 1721 us on these tiles, 550 / 618 / 724 / 1043 /
+// 1783 on qgemm.cu's 64-row tiles (moe_prefill picks these up to 64 rows an expert).
 #include <cuda_fp16.h>
 
 #include "cuda/kernels/qgemm.cuh"
