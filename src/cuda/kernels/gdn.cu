@@ -28,7 +28,6 @@
 #include <cooperative_groups.h>
 
 #include <cmath>
-
 #include <type_traits>
 
 #include "cuda/kernels/gdn.cuh"
@@ -227,13 +226,11 @@ cudaError_t check_params(const GdnStepParams& p) {
   return cudaSuccess;
 }
 
-}  // namespace
-
-namespace {
-// One geometry and one fused-norm choice for the whole launch.
+// The rows of one launch: one geometry and one fused-norm choice.
 bool same_shape(const GdnStepParams& a, const GdnStepParams& b) {
   return a.n_k == b.n_k && a.n_v == b.n_v && a.d_v == b.d_v && (a.norm_w == nullptr) == (b.norm_w == nullptr);
 }
+
 }  // namespace
 
 cudaError_t gdn_step(const GdnStepParams& p, cudaStream_t stream) { return gdn_step_rows(&p, 1, stream); }

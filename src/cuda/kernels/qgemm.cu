@@ -407,14 +407,17 @@ struct AddPartsArgs {
 // c[t, n] += parts[0, t, n] + ... + parts[S - 1, t, n], summed in that order.
 __global__ void __launch_bounds__(256) add_parts_kernel(const AddPartsArgs p) {
   pdl_wait();
-  const size_t n_all = static_cast<size_t>(p.M) * p.N, stride = static_cast<size_t>(p.M) * p.N;
-  for (size_t i = blockIdx.x * 256 + threadIdx.x; i < n_all; i += static_cast<size_t>(gridDim.x) * 256) {
+  const size_t part = static_cast<size_t>(p.M) * p.N;  // elements of a part
+  for (size_t i = blockIdx.x * 256 + threadIdx.x; i < part; i += static_cast<size_t>(gridDim.x) * 256) {
     float sum = p.parts[i];
-    for (int z = 1; z < p.S; ++z) sum += p.parts[z * stride + i];
+    for (int z = 1; z < p.S; ++z) sum += p.parts[z * part + i];
     const size_t t = i / p.N, n = i % p.N;
     p.c[t * p.ldc + n] += sum;
   }
 }
+
+// Scratch of S fp32 parts of an M x N result.
+size_t split_bytes(int S, int M, int N) { return size_t{4} * S * M * N; }
 
 }  // namespace
 
@@ -428,7 +431,7 @@ int qgemm_split_k_parts(int M, const QMatrix& w) {
 
 size_t qgemm_split_scratch_bytes(int M, const QMatrix& w) {
   const int S = qgemm_split_k_parts(M, w);
-  return S > 1 ? size_t{4} * S * M * w.rows : 0;
+  return S > 1 ? split_bytes(S, M, w.rows) : 0;
 }
 
 cudaError_t qgemm(const QGemmParams& p, cudaStream_t stream) {
@@ -437,7 +440,7 @@ cudaError_t qgemm(const QGemmParams& p, cudaStream_t stream) {
   if (p.use_wgmma && S == 1) return qgemm_wgmma(p, stream);
   if (!valid_qmatrix(p.w) || !p.a || !p.c || p.M < 1 || ldc < p.w.rows || !aligned16(p.a) ||
       (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32) ||
-      (S > 1 && p.split_scratch_bytes < qgemm_split_scratch_bytes(p.M, p.w))) {
+      (S > 1 && p.split_scratch_bytes < split_bytes(S, p.M, p.w.rows))) {
     return cudaErrorInvalidValue;
   }
   TileArgs a;

@@ -30,12 +30,6 @@ __device__ __forceinline__ uint4 ld_stream(const uint4* p) {
   return v;
 }
 
-__device__ __forceinline__ uint2 ld_stream(const uint2* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
 // 16-byte asynchronous copy global -> shared (L2 only); zero-fills the destination when !valid.
 __device__ __forceinline__ void cp_async_16(void* dst_s, const void* src, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_s));
