@@ -116,7 +116,7 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
     STEP_OP("rms_norm", rows * H * 6, rms_norm_rows(ph_.ptr, L.input_norm, T, H, eps, pxb_.ptr, stream_));
     const QMatrix& in = gdn ? L.gdn_in : L.attn_in;
     const QMatrix& out = gdn ? L.gdn_out : L.attn_out;
-    QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0, wgmma};
+    QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0, wgmma, pscratch_.ptr, pscratch_.bytes()};
     STEP_OP(gdn ? "qgemm gdn_in" : "qgemm attn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
     if (gdn) {
       RETURN_IF_ERROR(prefill_gdn_mixer(s, l, T, prof, split, cp));

@@ -34,7 +34,8 @@ namespace {
 constexpr int kGroup = 64;  // K step = one quantisation group
 constexpr int kMaxExperts = 256;
 constexpr int kMaxTopK = 16;
-constexpr int kMinTileRows = kFewRows;  // smallest grouped tile (sizes the tile list in the scratch)
+constexpr int kMinTileRows = kFewRows;
+static_assert(kMoeRsTileRows == kRsRows);  // smallest grouped tile (sizes the tile list in the scratch)
 
 struct RouteArgs {
   const float* logits;     // [splits, T, E]: partial sums over equal parts of H
@@ -327,7 +328,8 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   if (!shapes_ok || T < 1 || k < 1 || k > kMaxTopK || k > E || !p.h || !p.norm_w || !p.scratch ||
       p.scratch_bytes < moe_prefill_scratch_bytes(T, H, I, Is, E, k) || !aligned16(p.h) ||
       !aligned16(p.scratch) ||
-      (p.tile_rows != 0 && p.tile_rows != kFewRows && p.tile_rows != 64 && p.tile_rows != 128)) {
+      (p.tile_rows != 0 && p.tile_rows != kFewRows && p.tile_rows != 64 && p.tile_rows != 128 &&
+       p.tile_rows != kRsRows)) {
     return cudaErrorInvalidValue;
   }
   const MoeScratch s = carve(p.scratch, T, H, I, Is, E, k);
@@ -338,6 +340,10 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   // kFewRows-row tiles (launch_grouped_few) take 4-bit experts with the shared expert folded in.
   const bool few_ok = fold && p.gate.bits == 4 && p.down.bits == 4 && I % 64 == 0 && H % 128 == 0;
   if (p.tile_rows == kFewRows && !few_ok) return cudaErrorInvalidValue;
+  // kRsRows-row tiles (launch_grouped_rs, sm_90a): the same, K of both GEMMs a multiple of 512 up to 4096.
+  const bool rs_ok = few_ok && H % 512 == 0 && I % 512 == 0 && H <= 4096 && I <= 4096;
+  if (p.tile_rows == kRsRows && !rs_ok) return cudaErrorInvalidValue;
+  if (p.tile_rows == kRsRows && !wgmma_built()) return cudaErrorInvalidDeviceFunction;
   // Tile rows from the rows an expert gets on average (T k / E). Measured (H200, full geometry, cold
   // weights, 32-row few-row tiles / 64-row / 128-row tiles, us a layer): T = 256 (8 rows an expert) 323 / 550 /
   // 736; T = 512 (16) 380 / 618 / 783; T = 1024 (32) 542 / 724 / 889; T = 2048 (64) 923 / 1043 / 1087;
@@ -381,6 +387,7 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   // use_wgmma: the same tile list, operands and epilogues on the Hopper wgmma kernel (4-bit experts only).
   auto grouped = [&](const TileArgs& t, int bits, bool swiglu) {
     if (tile_rows == kFewRows) return launch_grouped_few(t, tiles, swiglu, stream);
+    if (tile_rows == kRsRows) return launch_grouped_rs(t, tiles, swiglu, stream);
     if (!p.use_wgmma || bits != 4) {
       return launch_grouped(t, bits, tile_rows, tiles, swiglu, stream);
     }

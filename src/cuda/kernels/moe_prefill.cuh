@@ -12,6 +12,9 @@ namespace lily::cuda {
 // The row count from which the backend runs moe_prefill's grouped GEMMs on wgmma (where built).
 inline constexpr int kMoeWgmmaMinRows = 4096;
 
+// MoePrefillParams::tile_rows for the register-sourced wgmma tiles (qgemm_util::kRsRows).
+inline constexpr int kMoeRsTileRows = 192;
+
 struct MoePrefillParams {
   QMatrix router;        // 8-bit [E, H]
   QMatrix shared_gate;   // 8-bit [1, H]  (shared_expert_gate)
@@ -26,7 +29,9 @@ struct MoePrefillParams {
   void* scratch = nullptr;       // moe_prefill_scratch_bytes(...) bytes of device memory
   size_t scratch_bytes = 0;
   // rows of a grouped expert tile: 32 (qgemm_util::kFewRows: launch_grouped_few, 4-bit experts with the shared
-  // expert folded in), 64 or 128 (the qgemm.cu / wgmma tiles); 0 picks from T * top_k / E
+  // expert folded in), 64 or 128 (the qgemm.cu / wgmma tiles), 192 (qgemm_util::kRsRows: launch_grouped_rs, the
+  // weights in registers on sm_90a; 4-bit, shared expert folded in, H and I multiples of 512); 0 picks from
+  // T * top_k / E
   int tile_rows = 0;
   // true: the grouped expert GEMMs on the Hopper wgmma kernel (qgemm_wgmma_grouped; 4-bit expert matrices, only
   // where wgmma_built(), else cudaErrorInvalidDeviceFunction); other bits stay on mma.sync. The backend sets it

@@ -400,19 +400,27 @@ namespace {
 
 struct AddPartsArgs {
   const float* parts;  // [S, M, N]
-  float* c;            // [M, ldc]
+  void* c;             // [M, ldc] in the GEMM's output type
   int M, N, ldc, S;
+  GemmOut out;
 };
 
-// c[t, n] += parts[0, t, n] + ... + parts[S - 1, t, n], summed in that order.
+// sum = parts[0, t, n] + ... + parts[S - 1, t, n], summed in that order, then c[t, n] = sum (f32, or fp16(sum))
+// or c[t, n] += sum (add_f32).
 __global__ void __launch_bounds__(256) add_parts_kernel(const AddPartsArgs p) {
   pdl_wait();
   const size_t part = static_cast<size_t>(p.M) * p.N;  // elements of a part
   for (size_t i = blockIdx.x * 256 + threadIdx.x; i < part; i += static_cast<size_t>(gridDim.x) * 256) {
     float sum = p.parts[i];
     for (int z = 1; z < p.S; ++z) sum += p.parts[z * part + i];
-    const size_t t = i / p.N, n = i % p.N;
-    p.c[t * p.ldc + n] += sum;
+    const size_t at = i / p.N * p.ldc + i % p.N;
+    if (p.out == GemmOut::f16) {
+      static_cast<__half*>(p.c)[at] = __float2half_rn(sum);
+    } else if (p.out == GemmOut::add_f32) {
+      static_cast<float*>(p.c)[at] += sum;
+    } else {
+      static_cast<float*>(p.c)[at] = sum;
+    }
   }
 }
 
@@ -434,22 +442,52 @@ size_t qgemm_split_scratch_bytes(int M, const QMatrix& w) {
   return S > 1 ? split_bytes(S, M, w.rows) : 0;
 }
 
+namespace {
+
+// Rounds of blocks the dense tile grid of M rows takes on the 132 SMs: qgemm_wgmma's tiles (one block an SM), or
+// the mma.sync tiles (two).
+long dense_rounds(int M, int N, bool wgmma) {
+  if (wgmma) return (wgmma_dense_blocks(M, N) + 131) / 132;
+  const int bm = dense_tile_rows(M, N, 128);
+  return (static_cast<long>((M + bm - 1) / bm) * ((N + 127) / 128) + 263) / 264;
+}
+
+}  // namespace
+
+int qgemm_row_tail(int M, const QMatrix& w, bool wgmma) {
+  const int tail = M % 128, head = M - tail;
+  return tail && head >= 128 && dense_rounds(head, w.rows, wgmma) < dense_rounds(M, w.rows, wgmma) ? tail : 0;
+}
+
 cudaError_t qgemm(const QGemmParams& p, cudaStream_t stream) {
   const int ldc = p.ldc ? p.ldc : p.w.rows;
-  const int S = p.split_scratch && p.out == GemmOut::add_f32 ? qgemm_split_k_parts(p.M, p.w) : 1;
-  if (p.use_wgmma && S == 1) return qgemm_wgmma(p, stream);
   if (!valid_qmatrix(p.w) || !p.a || !p.c || p.M < 1 || ldc < p.w.rows || !aligned16(p.a) ||
-      (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32) ||
-      (S > 1 && p.split_scratch_bytes < split_bytes(S, p.M, p.w.rows))) {
+      (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32)) {
     return cudaErrorInvalidValue;
   }
+  // Row tail: where the rows past the last multiple of 128 would add a round of blocks (1,025 rows of gdn_out: 144
+  // tiles of 128 x 128 on 132 SMs, twice the time of 1,024 rows), the full 128-row tiles run as one GEMM and the
+  // tail rows as another (split-K when there is scratch): each row's result is the same sum either way.
+  const int tail = qgemm_row_tail(p.M, p.w, p.use_wgmma && wgmma_built()), head = p.M - tail;
+  if (tail) {
+    QGemmParams h = p, t = p;
+    h.M = head, t.M = tail, t.ldc = ldc, t.use_wgmma = false;
+    t.a = p.a + static_cast<size_t>(head) * p.w.cols;
+    const size_t c_off = static_cast<size_t>(head) * ldc * (p.out == GemmOut::f16 ? 2 : 4);
+    t.c = static_cast<char*>(p.c) + c_off;
+    CUDA_TRY(qgemm(h, stream));
+    return qgemm(t, stream);
+  }
+  int S = p.split_scratch ? qgemm_split_k_parts(p.M, p.w) : 1;
+  if (S > 1 && p.split_scratch_bytes < split_bytes(S, p.M, p.w.rows)) S = 1;  // too little scratch: no split
+  if (p.use_wgmma && S == 1) return qgemm_wgmma(p, stream);
   TileArgs a;
   a.w[0] = a.w[1] = p.w;
   a.a = p.a, a.M = p.M, a.N = p.w.rows, a.K = p.w.cols, a.out = p.out, a.c = p.c, a.ldc = ldc;
   if (S == 1) return launch_dense(a, p.w.bits, dense_tile_rows(p.M, a.N, 128), stream);
   a.out = GemmOut::f32, a.c = p.split_scratch, a.ldc = a.N, a.k_splits = S;
   CUDA_TRY(launch_dense(a, p.w.bits, 64, stream));
-  const AddPartsArgs ap{static_cast<const float*>(p.split_scratch), static_cast<float*>(p.c), p.M, a.N, ldc, S};
+  const AddPartsArgs ap{static_cast<const float*>(p.split_scratch), p.c, p.M, a.N, ldc, S, p.out};
   const long n_all = static_cast<long>(p.M) * a.N;
   return launch_pdl(add_parts_kernel, dim3(static_cast<unsigned>(std::min<long>((n_all + 255) / 256, 4 * 132))),
                     dim3(256), 0, stream, ap);

@@ -30,16 +30,20 @@ struct QGemmParams {
   // true: the Hopper warpgroup-MMA kernel (qgemm_wgmma.cu; only where wgmma_built(), else
   // cudaErrorInvalidDeviceFunction); false: the mma.sync kernel (every GPU from sm_80).
   bool use_wgmma = false;
-  // Split-K for small grids (qgemm_split_k_parts): with scratch of >= qgemm_split_scratch_bytes(...) bytes and
-  // out == add_f32, a GEMM whose tile grid would leave the SMs idle runs as S parts of K on the mma.sync tiles
-  // (whatever use_wgmma says), the parts' fp32 results summed in the order 0..S-1 and added to c by one more
-  // launch (deterministic). nullptr: never split.
+  // Split-K for small grids (qgemm_split_k_parts): with scratch of >= qgemm_split_scratch_bytes(...) bytes, a
+  // GEMM whose tile grid would leave the SMs idle runs as S parts of K on the mma.sync tiles (whatever use_wgmma
+  // says), the parts' fp32 results summed in the order 0..S-1 and written (f32, f16) or added (add_f32) to c by
+  // one more launch (deterministic). nullptr, or too little scratch: never split.
+  // Any M: where the rows past the last multiple of 128 would add a round of tile blocks on the SMs, the full
+  // 128-row tiles and the tail rows run as two GEMMs (the tail on the mma.sync tiles, split-K where it can).
   void* split_scratch = nullptr;
   size_t split_scratch_bytes = 0;
 };
-// The parts qgemm splits K into for an add_f32 GEMM of M rows by w (1: no split).
+// The parts qgemm splits K into for a GEMM of M rows by w given scratch (1: no split).
 int qgemm_split_k_parts(int M, const QMatrix& w);
 size_t qgemm_split_scratch_bytes(int M, const QMatrix& w);
+// The tail rows qgemm runs as a GEMM of their own for M rows by w on the wgmma or the mma.sync tiles (0: none).
+int qgemm_row_tail(int M, const QMatrix& w, bool wgmma);
 // Its bound for any M and w: a split's parts times its 64 x 128 tiles stay <= 2 x 132 (4 bytes an element).
 inline constexpr size_t kQgemmSplitScratchMax = size_t{4} * 2 * 132 * 64 * 128;
 

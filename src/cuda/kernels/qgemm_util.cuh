@@ -43,6 +43,16 @@ cudaError_t launch_grouped(const TileArgs& a, int bits, int tile_rows, int max_t
 // N a multiple of 32 (16 with swiglu).
 inline constexpr int kFewRows = 32;
 cudaError_t launch_grouped_few(const TileArgs& a, int max_tiles, bool swiglu, cudaStream_t stream);
+// qgemm_wgmma's dense grid for M rows of an [N, K] matrix: 128 x 256 tiles where they fill the SMs
+// (wgmma_dense_wide), else 128 x 128; its blocks (one an SM).
+bool wgmma_dense_wide(int M, int N);
+long wgmma_dense_blocks(int M, int N);
+// The grouped launch on Hopper with the weights in registers (moe_prefill_rs.cu: wgmma with A from registers, a
+// tile's rows on N in 32-row chunks): tiles of up to kRsRows rows, so that an expert's rows at 4K tokens take one
+// tile. 4-bit matrices; N a multiple of 64 (swiglu) or 128, K a multiple of 512 up to 4096; sm_90a only (else
+// cudaErrorInvalidDeviceFunction).
+inline constexpr int kRsRows = 192;
+cudaError_t launch_grouped_rs(const TileArgs& a, int max_tiles, bool swiglu, cudaStream_t stream);
 // A QMatrix the tile kernels take: 4- or 8-bit, K a multiple of 64, 16-byte aligned words.
 bool valid_qmatrix(const QMatrix& w);
 

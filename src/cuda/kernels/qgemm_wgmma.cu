@@ -475,6 +475,19 @@ cudaError_t launch_dense_wgmma(const WgArgs& a, cudaStream_t stream) {
 
 }  // namespace
 
+namespace qgemm_util {
+
+// 128 x 256 tiles (half the shared-memory reads of W per FLOP of 128 x 128) unless they would leave SMs idle: a K
+// loop runs serially in a block, so a grid of fewer tiles than SMs is bound by one block.
+bool wgmma_dense_wide(int M, int N) { return static_cast<long>((M + 127) / 128) * ((N + 255) / 256) >= 132; }
+
+long wgmma_dense_blocks(int M, int N) {
+  const int bn = wgmma_dense_wide(M, N) ? 256 : 128;
+  return static_cast<long>((M + 127) / 128) * ((N + bn - 1) / bn);
+}
+
+}  // namespace qgemm_util
+
 bool wgmma_built() {
   static int cache[64] = {};
   return probe_marked(reinterpret_cast<const void*>(wgmma_probe_kernel), cache);
@@ -492,9 +505,7 @@ cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream) {
   WgArgs a;
   a.w[0] = a.w[1] = w;
   a.a = p.a, a.M = p.M, a.N = w.rows, a.K = w.cols, a.out = p.out, a.c = p.c, a.ldc = ldc;
-  // 128 x 256 tiles (half the shared-memory reads of W per FLOP of 128 x 128) unless they would leave SMs
-  // idle: a K loop runs serially in a block, so a grid of fewer tiles than SMs is bound by one block.
-  const bool wide = static_cast<long>((a.M + 127) / 128) * ((a.N + 255) / 256) >= 132;
+  const bool wide = wgmma_dense_wide(a.M, a.N);
   // Two fp16 W tiles at 256 columns, three at 128 (the ring takes the rest of shared memory).
   if (w.bits == 8) return wide ? launch_dense_wgmma<256, 8, 2>(a, stream) : launch_dense_wgmma<128, 8, 3>(a, stream);
   return wide ? launch_dense_wgmma<256, 4, 2>(a, stream) : launch_dense_wgmma<128, 4, 3>(a, stream);

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <cstdlib>
 #include <vector>
 
 #include <cuda_fp16.h>
@@ -270,6 +271,28 @@ TEST(CudaMoePrefill, OneExpertTakesEveryRowAndTies) {
   check_moe(m, h256, 8, 32);
 }
 
+// The register-sourced wgmma tiles (tile_rows kMoeRsTileRows = 192, launch_grouped_rs) against the CPU: a geometry
+// with H = I = 512 (K of both GEMMs one multiple of 512: 8 steps, more than the ring's 6) at T from 1 row to
+// ~256 rows an expert (two tiles each: a full one and a tail; 1 to 6 chunks of 32 rows), the full geometry at
+// the chunk boundaries and 4,097 rows, and the uneven loads (expert 7 takes all 2,049 rows: 11 tiles).
+TEST(CudaMoePrefillRs, AgainstCpu) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  MoeModel mid(512, 16, 512, 4, 1700);
+  mid.upload();
+  for (int T : {1, 7, 33, 64, 65, 191, 192, 193, 300, 1025})
+    check_moe(mid, random_vector(static_cast<size_t>(T) * mid.H, 1701 + T), 12, kMoeRsTileRows);
+  MoeModel full(2048, 256, 512, 8, 1100);
+  full.upload();
+  for (int T : {3, 64, 65, 256})
+    check_moe(full, random_vector(static_cast<size_t>(T) * full.H, 1750 + T), 4, kMoeRsTileRows);
+  check_moe(full, random_vector(size_t{4097} * full.H, 1200), 4, kMoeRsTileRows);
+  MoeModel uneven(2048, 256, 512, 8, 1300);
+  const std::vector<float> h = plant_uneven(uneven, 2049);
+  uneven.upload();
+  check_moe(uneven, h, 8, kMoeRsTileRows);
+}
+
 // moe_prefill with use_wgmma (the grouped expert GEMMs on qgemm_wgmma.cu) against the mma.sync path on the same
 // inputs and against the CPU. Both paths multiply the same fp16 operands (the same dequantised weights, the
 // same gathered rows, the same tile list) with fp32 accumulation of the same k16 products in the same k order,
@@ -369,8 +392,21 @@ TEST(CudaMoePrefillBench, FullGeometry) {
   const int H = 2048, I = 512, k = 8;
   const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
   std::printf("\nmoe_prefill full geometry (E 256, H 2048, I 512, k 8), cold weights, CUDA-graph replay:\n");
-  for (int T : {4096, 2048, 1024, 512, 256}) {
-    for (const int tile_rows : {0, 32, 64, 128}) {
+  // LILY_MOE_BENCH_T=256,1024 times only those T (e.g. to profile one shape under ncu).
+  std::vector<int> Ts = {4096, 2048, 1024, 512, 256};
+  if (const char* env = std::getenv("LILY_MOE_BENCH_T")) {
+    Ts.clear();
+    for (const char* q = env; *q;) {
+      char* end = nullptr;
+      const long v = std::strtol(q, &end, 10);
+      if (end == q) break;
+      if (v >= 1 && v <= 65536) Ts.push_back(static_cast<int>(v));
+      q = *end == ',' ? end + 1 : end;
+    }
+  }
+  for (int T : Ts) {
+    for (const int tile_rows : {0, 32, 64, 128, kMoeRsTileRows}) {
+      if (tile_rows == kMoeRsTileRows && !wgmma_built()) continue;
       const double us = moe_layer_us(pool, T, tile_rows, false);
       const double flops = 2.0 * T * (k + 1) * 3.0 * H * I;  // routed + shared expert
       std::printf(

@@ -27,9 +27,13 @@ namespace {
 // ---- qgemm
 // -----------------------------------------------------------------------------------------------------
 
-void check_qgemm(int M, int N, int K, int bits, GemmOut out, uint32_t seed, bool split = false) {
+// split: scratch for split-K (qgemm_split_scratch_bytes(M), or kQgemmSplitScratchMax with big_scratch);
+// wgmma: use_wgmma (where built).
+void check_qgemm(int M, int N, int K, int bits, GemmOut out, uint32_t seed, bool split = false,
+                 bool wgmma = false, bool big_scratch = false) {
   SCOPED_TRACE(testing::Message() << "M " << M << " N " << N << " K " << K << " bits " << bits << " out "
-                                  << static_cast<int>(out) << (split ? " split-K scratch" : ""));
+                                  << static_cast<int>(out) << (split ? " split-K scratch" : "")
+                                  << (wgmma ? " wgmma" : ""));
   HostQMatrix w = random_qmatrix(N, K, bits, seed);
   std::vector<float> a = random_vector(static_cast<size_t>(M) * K, seed + 1);
   for (float& v : a) v = f16_round(v);
@@ -44,9 +48,10 @@ void check_qgemm(int M, int N, int K, int bits, GemmOut out, uint32_t seed, bool
   p.out = out;
   p.c = out == GemmOut::f16 ? static_cast<void*>(d_cb.get()) : static_cast<void*>(d_cf.get());
   p.ldc = ldc;
-  p.use_wgmma = split && wgmma_built();  // a split GEMM runs on mma.sync whatever use_wgmma says
-  DeviceBuffer<unsigned char> scratch(split ? std::max<size_t>(1, qgemm_split_scratch_bytes(M, p.w)) : 1);
-  if (split) p.split_scratch = scratch.get(), p.split_scratch_bytes = qgemm_split_scratch_bytes(M, p.w);
+  p.use_wgmma = wgmma && wgmma_built();
+  const size_t scratch_bytes = big_scratch ? kQgemmSplitScratchMax : qgemm_split_scratch_bytes(M, p.w);
+  DeviceBuffer<unsigned char> scratch(split ? std::max<size_t>(1, scratch_bytes) : 1);
+  if (split) p.split_scratch = scratch.get(), p.split_scratch_bytes = scratch_bytes;
   ASSERT_CUDA(qgemm(p, nullptr));
   ASSERT_CUDA(cudaDeviceSynchronize());
   std::vector<float> got(static_cast<size_t>(M) * ldc);
@@ -116,13 +121,44 @@ TEST(CudaQgemm, SplitKMatchesCpu) {
           QMatrix w;
           w.rows = N, w.cols = K, w.bits = bits;
           splits += qgemm_split_k_parts(M, w) > 1;
-          check_qgemm(M, N, K, bits, GemmOut::add_f32, seed += 3, true);
+          check_qgemm(M, N, K, bits, GemmOut::add_f32, seed += 3, true, true);  // split: mma.sync anyway
+          if (M == 65) check_qgemm(M, N, K, bits, static_cast<GemmOut>(splits % 2), seed += 3, true);
         }
   EXPECT_GT(splits, 20);  // most of these shapes split
   QMatrix big;
   big.rows = 12352, big.cols = 2048, big.bits = 4;
   EXPECT_EQ(qgemm_split_k_parts(4096, big), 1);  // a full grid never splits
   EXPECT_LE(qgemm_split_scratch_bytes(256, big), kQgemmSplitScratchMax);
+}
+
+// Rows past the last multiple of 128 that would add a round of tile blocks run as a GEMM of their own
+// (qgemm_row_tail): the wgmma grid of gdn_out's shape (N 2048: 1,024 rows are 128 tiles, 1,025 are 144) and an
+// mma.sync grid (N 3840: 240 blocks of 264 places at 1,024 rows, 270 at 1,025), every output mode, with and
+// without split-K scratch for the tail.
+TEST(CudaQgemm, RowTailMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 1500;
+  QMatrix w;
+  w.cols = 256, w.bits = 4;
+  w.rows = 2048;
+  EXPECT_EQ(qgemm_row_tail(1025, w, true), 1);
+  EXPECT_EQ(qgemm_row_tail(1151, w, true), 127);
+  EXPECT_EQ(qgemm_row_tail(1024, w, true), 0);
+  EXPECT_EQ(qgemm_row_tail(1025, w, false), 0);  // 144 mma.sync blocks fit the 264 places
+  EXPECT_EQ(qgemm_row_tail(100, w, true), 0);
+  w.rows = 3840;
+  EXPECT_EQ(qgemm_row_tail(1025, w, false), 1);
+  int mode = 0;
+  for (int bits : {4, 8}) {
+    for (int M : {1025, 1090, 1151}) {
+      for (const bool wg : {true, false}) {
+        if (wg && !wgmma_built()) continue;
+        const GemmOut out = static_cast<GemmOut>(mode % 3);
+        const bool split = mode++ % 2 == 0;
+        check_qgemm(M, wg ? 2048 : 3840, wg ? 256 : 128, bits, out, seed += 3, split, wg, true);
+      }
+    }
+  }
 }
 
 TEST(CudaQgemm, SwigluMatchesCpu) {

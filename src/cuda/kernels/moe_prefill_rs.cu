@@ -1,0 +1,360 @@
+// moe_prefill's grouped expert GEMMs on Hopper with the weights in registers (qgemm_util.cuh launch_grouped_rs):
+// wgmma.mma_async with the A operand from registers (the "RS" form). Each tile of the tile list covers up to
+// kRsRows rows of one expert, so at 4,096 tokens (~128 rows an expert) an expert's weights are read and expanded
+// once a chunk instead of once per 64- or 128-row tile, and no fp16 weight tile ever goes through shared memory.
+//
+// Work item: (tile, feature slice); a slice is 64 output features of the SwiGLU (gate and up: 128 weight rows) or
+// 128 of the down projection. The grid is persistent (one block an SM, items blockIdx.x, + gridDim.x, ...; items
+// of a tile are adjacent, so the tile's activation rows are read from the L2 by consecutive blocks). Block: two
+// consumer warpgroups and one producer warpgroup.
+//  - The producer warpgroup streams each item's K steps (64 k = one quantisation group) through a ring of KS stages:
+//    the tile's activation rows (gathered: row r of the tile is A row gather[row0 + r]) as a K-major tile in the
+//    128-byte swizzle the wgmma descriptor reads, and the 128 weight rows' packed nibbles (32 bytes a row); at an
+//    item's first step also the rows' bf16 scales and biases of every group (double-buffered by item parity).
+//    cp.async. Each step it first releases the stage issued kLag steps before (cp.async.wait_group, the generic
+//    -> async proxy fence, an arrive on full[stage]) and only then waits for the slot it fills next, so the
+//    consumers never wait for the producer's issue of a later stage.
+//  - A consumer warpgroup owns 64 weight rows: warp w rows 16 w .. 16 w + 15 of the warpgroup's (the wgmma A
+//    fragment's rows g and g + 8, g = lane / 4). In the SwiGLU row g is the gate row of feature 8 w + g and row
+//    g + 8 the up row of the same feature, so a thread's accumulators hold gate and up of the same output element
+//    and the epilogue writes fp16(silu(g) * u) without an exchange. A step: the thread's two rows' 32 bytes from
+//    shared memory, byte c (= lane % 4: elements 2c, 2c + 1 of each 8-element word, the A fragment's k columns)
+//    of each word to fp16 pairs (PRMT, LOP3 on 0x6400: 1024 + q_lo and 1024 + 16 q_hi, one HFMA2 to q exactly,
+//    one HFMA2 to scale * q + bias: the fp16 weights of the other prefill tiles), then for each 16-k slice and
+//    each 32-row chunk of the tile's rows one wgmma m64n32k16 (B: the chunk's rows through a descriptor). A
+//    registers alternate between two sets by step parity: a step's set is still read by its wgmmas until the
+//    next step's wgmma.wait_group 1, after which the consumers arrive on empty[previous stage].
+// FLOPs 2 rows N K; bytes N K / 2 (+ N K / 16 scales and biases) from memory, rows K 2 from the L2 per block.
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda/kernels/qgemm.cuh"
+#include "cuda/kernels/qgemm_util.cuh"
+#include "cuda/kernels/quant_dot.cuh"
+#include "cuda/kernels/wgmma_util.cuh"
+
+namespace lily::cuda::qgemm_util {
+
+namespace {
+
+using namespace wgmma_util;
+
+constexpr int kChunks = kRsRows / 32;  // 32-row chunks of a tile (wgmma N = 32 each)
+constexpr int kStages = 6;             // ring depth
+constexpr int kLag = kStages - 2;      // steps in flight behind the producer's newest
+constexpr int kARows = 128;            // weight rows of an item (2 warpgroups x 64)
+constexpr int kThreads = 256 + 128;  // two consumer warpgroups, one producer warpgroup
+constexpr int kBBytes = kRsRows * 128;  // a stage's activation tile (fp16, 128-byte swizzle)
+constexpr int kWBytes = kARows * 32;    // a stage's packed weights (4-bit, 64 k a row)
+
+// Shared-memory layout (all sizes multiples of 1024 up to the scales).
+struct RsLayout {
+  int groups, pitch;  // K / 64; halves a scale row (groups rounded so that 8 consecutive rows hit 8 banks)
+  __host__ __device__ explicit RsLayout(int K) : groups(K / 64) {
+    int words = groups / 2;
+    if ((words / 4) % 2 == 0) words += 4;
+    pitch = 2 * words;
+  }
+  __host__ __device__ size_t b_off(int s) const { return static_cast<size_t>(s) * kBBytes; }
+  __host__ __device__ size_t w_off(int s) const { return size_t{kStages} * kBBytes + static_cast<size_t>(s) * kWBytes; }
+  __host__ __device__ size_t scale_bytes() const { return size_t{kARows} * pitch * 2; }  // one array, one item
+  // buffer b (item parity), array i (0 scales, 1 biases)
+  __host__ __device__ size_t s_off(int b, int i) const {
+    return size_t{kStages} * (kBBytes + kWBytes) + (2 * b + i) * scale_bytes();
+  }
+  __host__ __device__ size_t g_off() const { return s_off(2, 0); }
+  __host__ __device__ size_t bar_off() const { return g_off() + kRsRows * 4; }
+  __host__ __device__ size_t bytes() const { return bar_off() + 2 * kStages * 8 + 1024; }  // + alignment slack
+};
+
+struct Item {
+  int row0, rows, slice;
+  QMatrix w[2];
+};
+
+// Item `item` of the list: its tile's rows, its feature slice and matrices (w[1] = w[0] for the down projection).
+template <bool SWIGLU>
+__device__ __forceinline__ Item item_of(const TileArgs& p, int item, int slices) {
+  Item it;
+  const int tile = item / slices;
+  it.slice = item % slices;
+  const int e = __ldcg(p.tile_expert + tile);
+  it.row0 = __ldcg(p.tile_row0 + tile);
+  it.rows = __ldcg(p.tile_rows + tile);
+#pragma unroll
+  for (int m = 0; m < 2; ++m) {
+    const QMatrix& src = e == p.shared_expert ? p.ws[SWIGLU ? m : 0] : p.w[SWIGLU ? m : 0];
+    it.w[m] = e == p.shared_expert ? src : src.expert(e);
+  }
+  return it;
+}
+
+// Weight row ar (0..127) of an item: its matrix and output feature.
+template <bool SWIGLU>
+__device__ __forceinline__ void weight_row(int ar, int slice, int& mat, int& feature) {
+  if constexpr (SWIGLU) {  // warpgroup ar / 64, warp (ar / 16) % 4, fragment half (ar / 8) % 2 = gate / up
+    mat = (ar >> 3) & 1;
+    feature = slice * 64 + 32 * (ar >> 6) + 8 * ((ar >> 4) & 3) + (ar & 7);
+  } else {
+    mat = 0;
+    feature = slice * 128 + ar;
+  }
+}
+
+#if defined(LILY_SM90A_PASS)
+// The producer warpgroup's named barrier.
+__device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
+
+// D[64, 32] (+)= A[64, 16] . B[32, 16]^T: A from registers (the mma.sync A fragment layout per warp), B K-major
+// in shared memory (descriptor db); scale_d 0 overwrites D.
+__device__ __forceinline__ void wgmma_rs32(float (&d)[16], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+// Keeps A registers alive (unmoved, unreused) until this point: the tensor cores read them until the wgmma
+// group that uses them has completed.
+__device__ __forceinline__ void fence_a(uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) asm volatile("" : "+r"(a[j][q])::"memory");
+}
+
+// A step's wgmmas: each 16-k slice j against the first NCH 32-row chunks of the stage's activation tile.
+template <int NCH>
+__device__ __forceinline__ void issue(float (&acc)[kChunks][16], const uint32_t (&a)[4][4], uint32_t bslot, int kt) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int n = 0; n < NCH; ++n) wgmma_rs32(acc[n], a[j], desc_sw128(bslot + n * 32 * 128 + 32 * j), kt > 0 || j > 0);
+}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
+__device__ __forceinline__ __half2 bits_h2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
+
+// Elements 2c, 2c + 1 of a word of 8 nibbles (its byte c: sel picks it into bytes 0 and 2) as fp16
+// scale * q + bias.
+__device__ __forceinline__ uint32_t expand_pair(uint32_t w, uint32_t sel, __half2 s, __half2 b) {
+  const uint32_t v = (__byte_perm(w, 0u, sel) & 0x00F0000Fu) | 0x64006400u;  // 1024 + q_lo | 1024 + 16 q_hi
+  const __half2 q = __hfma2(bits_h2(v), __halves2half2(__float2half(1.0f), __float2half(0.0625f)),
+                            __halves2half2(__float2half(-1024.0f), __float2half(-64.0f)));
+  return h2_bits(__hfma2(q, s, b));
+}
+#endif
+
+template <bool SWIGLU>
+__global__ void __launch_bounds__(kThreads, 1) grouped_rs_kernel(const TileArgs p) {
+#if defined(LILY_SM90A_PASS)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const RsLayout L(p.K);
+  const uint32_t full0 = smem_u32(smem + L.bar_off()), empty0 = full0 + 8 * kStages;
+  const int tid = threadIdx.x, KT = L.groups;
+  const int slices = p.N / (SWIGLU ? 64 : 128);
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full0 + 8 * s, 128);   // the producer's threads, each after its copies and fence
+      mbar_init(empty0 + 8 * s, 256);  // the consumers' threads, each after the stage's wgmmas completed
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+  pdl_wait();
+  const int items = __ldcg(p.tile_count) * slices;
+  const size_t wpr = static_cast<size_t>(p.K) / 8;  // 4-bit words a row
+  const int gpr = L.groups;
+
+  if (tid >= 256) {
+    // ---------------- producer warpgroup
+    const int t = tid - 256;
+    int* const gidx = reinterpret_cast<int*>(smem + L.g_off());
+    const uint32_t* wptr[2];
+    long gs = 0;
+    int ii = 0;
+    // Stage s's copies landed (this thread's, then all of them through the barrier's count): fence them against
+    // the tensor cores' async proxy and release the stage to the consumers.
+    auto publish = [&](long s) {
+      fence_proxy_async();
+      mbar_arrive(full0 + 8 * static_cast<int>(s % kStages));
+    };
+    for (int item = blockIdx.x; item < items; item += gridDim.x, ++ii) {
+      const Item it = item_of<SWIGLU>(p, item, slices);
+      producer_sync();  // every producer thread is done with the previous item's gather indices
+      for (int r = t; r < it.rows; r += 128) gidx[r] = p.gather ? __ldcg(p.gather + it.row0 + r) : it.row0 + r;
+      producer_sync();
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {  // 16-byte chunk t + 128 i of a stage's weights: row t / 2 + 64 i
+        int mat, feature;
+        weight_row<SWIGLU>(t / 2 + 64 * i, it.slice, mat, feature);
+        wptr[i] = (mat ? it.w[1].w : it.w[0].w) + feature * wpr + (t & 1) * 4;
+      }
+      for (int kt = 0; kt < KT; ++kt, ++gs) {
+        // First release stage gs - kLag (its copies are kLag groups old), then wait for the slot of stage gs:
+        // the consumers never wait on this thread's issue of a later stage.
+        if (gs >= kLag) {
+          cp_async_wait<kLag - 1>();
+          publish(gs - kLag);
+        }
+        const int slot = static_cast<int>(gs % kStages);
+        if (gs >= kStages) mbar_wait(empty0 + 8 * slot, static_cast<uint32_t>(gs / kStages - 1) & 1);
+        if (kt == 0) {  // the item's scales and biases, [row][group] with a padded row pitch
+          const int per_row = gpr / 8;  // 16-byte chunks of a row's groups
+          for (int idx = t; idx < 2 * kARows * per_row; idx += 128) {
+            const int arr = idx / (kARows * per_row), rem = idx % (kARows * per_row);
+            const int ar = rem / per_row, ch = rem % per_row;
+            int mat, feature;
+            weight_row<SWIGLU>(ar, it.slice, mat, feature);
+            const __nv_bfloat16* base = mat ? (arr ? it.w[1].biases : it.w[1].scales)
+                                            : (arr ? it.w[0].biases : it.w[0].scales);
+            cp_async_16(smem + L.s_off(ii & 1, arr) + ar * L.pitch * 2 + ch * 16, base + feature * gpr + ch * 8,
+                        true);
+          }
+        }
+        unsigned char* const bs = smem + L.b_off(slot);
+        for (int idx = t; idx < it.rows * 8; idx += 128) {
+          const int r = idx >> 3, ch = idx & 7;
+          cp_async_16(bs + r * 128 + ((ch ^ (r & 7)) << 4),
+                      p.a + static_cast<size_t>(gidx[r]) * p.K + kt * 64 + ch * 8, true);
+        }
+        unsigned char* const ws = smem + L.w_off(slot) + t * 16;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) cp_async_16(ws + i * 2048, wptr[i] + kt * 8, true);
+        cp_async_commit();
+      }
+    }
+    cp_async_wait<0>();
+    for (long s = gs - kLag < 0 ? 0 : gs - kLag; s < gs; ++s) publish(s);
+    return;
+  }
+
+  // ---------------- consumers
+  const int cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int ar0 = 64 * cw + 16 * warp + g, ar1 = ar0 + 8;
+  const uint32_t sel = static_cast<uint32_t>(c) | (4u << 4) | (static_cast<uint32_t>(c) << 8) | (4u << 12);
+  const uint32_t b_base = smem_u32(smem);
+  float acc[kChunks][16];
+  uint32_t a[2][4][4];
+  long gs = 0;
+  int ii = 0;
+  // One step: wait for stage gs, expand this thread's A fragments into set `set`, issue the wgmmas, then free the
+  // previous stage once its wgmmas (and so its A set, the other one) are done.
+  auto step = [&](int kt, int nch, uint32_t (&ac)[4][4], uint32_t (&prev)[4][4]) {
+    const int slot = static_cast<int>(gs % kStages);
+    mbar_wait(full0 + 8 * slot, static_cast<uint32_t>(gs / kStages) & 1);
+    const unsigned char* ws = smem + L.w_off(slot);
+    const uint4 r0a = *reinterpret_cast<const uint4*>(ws + ar0 * 32), r0b = *reinterpret_cast<const uint4*>(ws + ar0 * 32 + 16);
+    const uint4 r1a = *reinterpret_cast<const uint4*>(ws + ar1 * 32), r1b = *reinterpret_cast<const uint4*>(ws + ar1 * 32 + 16);
+    const uint16_t* ss = reinterpret_cast<const uint16_t*>(smem + L.s_off(ii & 1, 0));
+    const uint16_t* bb = reinterpret_cast<const uint16_t*>(smem + L.s_off(ii & 1, 1));
+    const __half2 s0 = __float2half2_rn(bf16_bits_to_float(ss[ar0 * L.pitch + kt]));
+    const __half2 b0 = __float2half2_rn(bf16_bits_to_float(bb[ar0 * L.pitch + kt]));
+    const __half2 s1 = __float2half2_rn(bf16_bits_to_float(ss[ar1 * L.pitch + kt]));
+    const __half2 b1 = __float2half2_rn(bf16_bits_to_float(bb[ar1 * L.pitch + kt]));
+    const uint32_t w0[8] = {r0a.x, r0a.y, r0a.z, r0a.w, r0b.x, r0b.y, r0b.z, r0b.w};
+    const uint32_t w1[8] = {r1a.x, r1a.y, r1a.z, r1a.w, r1b.x, r1b.y, r1b.z, r1b.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {  // k slice j: words 2j (k 16j .. 16j + 7) and 2j + 1
+      ac[j][0] = expand_pair(w0[2 * j], sel, s0, b0);
+      ac[j][1] = expand_pair(w1[2 * j], sel, s1, b1);
+      ac[j][2] = expand_pair(w0[2 * j + 1], sel, s0, b0);
+      ac[j][3] = expand_pair(w1[2 * j + 1], sel, s1, b1);
+    }
+    wgmma_fence();
+#pragma unroll
+    for (int n = 0; n < kChunks; ++n) fence_regs(acc[n]);
+    const uint32_t bslot = b_base + static_cast<uint32_t>(L.b_off(slot));
+    switch (nch) {  // the tile's 32-row chunks (warpgroup-uniform): no branch between a step's wgmmas
+      case 1: issue<1>(acc, ac, bslot, kt); break;
+      case 2: issue<2>(acc, ac, bslot, kt); break;
+      case 3: issue<3>(acc, ac, bslot, kt); break;
+      case 4: issue<4>(acc, ac, bslot, kt); break;
+      case 5: issue<5>(acc, ac, bslot, kt); break;
+      default: issue<6>(acc, ac, bslot, kt); break;
+    }
+    wgmma_commit();
+#pragma unroll
+    for (int n = 0; n < kChunks; ++n) fence_regs(acc[n]);
+    wgmma_wait<1>();
+    fence_a(prev);
+#pragma unroll
+    for (int n = 0; n < kChunks; ++n) fence_regs(acc[n]);
+    if (gs > 0) mbar_arrive(empty0 + 8 * static_cast<int>((gs - 1) % kStages));
+    ++gs;
+  };
+  for (int item = blockIdx.x; item < items; item += gridDim.x, ++ii) {
+    const Item it = item_of<SWIGLU>(p, item, slices);
+    const int nch = (it.rows + 31) / 32;
+#pragma unroll 1
+    for (int kt = 0; kt < KT; kt += 2) {  // KT is even (launch_grouped_rs): the A sets alternate
+      step(kt, nch, a[0], a[1]);
+      step(kt + 1, nch, a[1], a[0]);
+    }
+    wgmma_wait<0>();
+    fence_a(a[1]);
+#pragma unroll
+    for (int n = 0; n < kChunks; ++n) fence_regs(acc[n]);
+    if (item + static_cast<int>(gridDim.x) >= items) pdl_launch_dependents();
+    // Epilogue: acc[n][4 j + q] row g (gate / feature f), token 32 n + 8 j + 2 c + q; [4 j + 2 + q] row g + 8.
+#pragma unroll
+    for (int n = 0; n < kChunks; ++n) {
+      if (n >= nch) continue;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          const int t = 32 * n + 8 * j + 2 * c + q;
+          if (t >= it.rows) continue;
+          const size_t crow = static_cast<size_t>(it.row0 + t) * p.ldc;
+          if constexpr (SWIGLU) {
+            const int f = it.slice * 64 + 32 * cw + 8 * warp + g;
+            static_cast<__half*>(p.c)[crow + f] = __float2half_rn(siluf_(acc[n][4 * j + q]) * acc[n][4 * j + 2 + q]);
+          } else {
+            const int f = it.slice * 128 + ar0;
+            static_cast<float*>(p.c)[crow + f] = acc[n][4 * j + q];
+            static_cast<float*>(p.c)[crow + f + 8] = acc[n][4 * j + 2 + q];
+          }
+        }
+      }
+    }
+  }
+#else
+  (void)p;  // not an sm_90a pass: no wgmma (launch_grouped_rs refuses to launch, see wgmma_built)
+#endif
+}
+
+}  // namespace
+
+cudaError_t launch_grouped_rs(const TileArgs& a, int max_tiles, bool swiglu, cudaStream_t stream) {
+  const int mats = swiglu ? 2 : 1, per_slice = swiglu ? 64 : 128;
+  bool ok = a.tile_count && max_tiles >= 1 && a.N % per_slice == 0 && a.K % 512 == 0 && a.K <= 4096 && a.c &&
+            a.a && aligned16(a.a) && a.ldc >= a.N && (swiglu || a.out == GemmOut::f32);
+  for (int m = 0; m < mats; ++m) {
+    ok = ok && a.w[m].bits == 4 && a.w[m].cols == a.K && a.w[m].rows == a.N && aligned16(a.w[m].w);
+    if (a.shared_expert >= 0) ok = ok && a.ws[m].bits == 4 && a.ws[m].cols == a.K && a.ws[m].rows == a.N;
+  }
+  if (!ok) return cudaErrorInvalidValue;
+  if (!wgmma_built()) return cudaErrorInvalidDeviceFunction;
+  const RsLayout L(a.K);
+  const size_t smem = L.bytes();
+  if (smem > 232448) return cudaErrorInvalidValue;
+  int sms = 0, dev = 0;
+  CUDA_TRY(cudaGetDevice(&dev));
+  CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const long items = static_cast<long>(max_tiles) * (a.N / per_slice);
+  const dim3 grid(static_cast<unsigned>(std::min<long>(items, sms))), block(kThreads);
+  auto run = [&](auto kernel) {
+    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    return launch_pdl(kernel, grid, block, smem, stream, a);
+  };
+  return swiglu ? run(grouped_rs_kernel<true>) : run(grouped_rs_kernel<false>);
+}
+
+}  // namespace lily::cuda::qgemm_util
