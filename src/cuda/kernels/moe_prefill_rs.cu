@@ -44,6 +44,8 @@ constexpr int kChunks = kRsRows / 32;  // 32-row chunks of a tile (wgmma N = 32 
 constexpr int kStages = 6;             // ring depth
 constexpr int kLag = kStages - 2;      // steps in flight behind the producer's newest
 constexpr int kARows = 128;            // weight rows of an item (2 warpgroups x 64)
+constexpr int kRowsPer = kRsRows / 16;  // activation rows a producer thread copies a stage
+static_assert(kARows == 128, "the producer warpgroup: one weight row a thread for the scales");
 constexpr int kThreads = 256 + 128;  // two consumer warpgroups, one producer warpgroup
 constexpr int kBBytes = kRsRows * 128;  // a stage's activation tile (fp16, 128-byte swizzle)
 constexpr int kWBytes = kARows * 32;    // a stage's packed weights (4-bit, 64 k a row)
@@ -129,12 +131,15 @@ __device__ __forceinline__ void fence_a(uint32_t (&a)[4][4]) {
 }
 
 // A step's wgmmas: each 16-k slice j against the first NCH 32-row chunks of the stage's activation tile.
+// The stage's descriptor is built once: a chunk n and slice j start n 4096 + 32 j bytes further, i.e. (n 4096 +
+// 32 j) >> 4 more in the descriptor's address field (addresses stay below 256 KB: no carry out of the field).
 template <int NCH>
 __device__ __forceinline__ void issue(float (&acc)[kChunks][16], const uint32_t (&a)[4][4], uint32_t bslot, int kt) {
+  const uint64_t d0 = desc_sw128(bslot);
 #pragma unroll
   for (int j = 0; j < 4; ++j)
 #pragma unroll
-    for (int n = 0; n < NCH; ++n) wgmma_rs32(acc[n], a[j], desc_sw128(bslot + n * 32 * 128 + 32 * j), kt > 0 || j > 0);
+    for (int n = 0; n < NCH; ++n) wgmma_rs32(acc[n], a[j], d0 + static_cast<uint64_t>((n * 4096 + 32 * j) >> 4), kt > 0 || j > 0);
 }
 
 __device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
@@ -174,7 +179,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_rs_kernel(const TileArgs 
 
   if (tid >= 256) {
     // ---------------- producer warpgroup
-    const int t = tid - 256;
+    const int t = tid - 256, ch = t & 7, r0 = t >> 3, b_dst = r0 * 128 + ((ch ^ (r0 & 7)) << 4);
     int* const gidx = reinterpret_cast<int*>(smem + L.g_off());
     const uint32_t* wptr[2];
     long gs = 0;
@@ -190,6 +195,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_rs_kernel(const TileArgs 
       producer_sync();  // every producer thread is done with the previous item's gather indices
       for (int r = t; r < it.rows; r += 128) gidx[r] = p.gather ? __ldcg(p.gather + it.row0 + r) : it.row0 + r;
       producer_sync();
+      // This thread's activation copies: chunk ch of rows r0 + 16 i (i < kRowsPer) of the tile, their sources
+      // (nullptr past the tile's rows) and their swizzled place (r & 7 = r0 & 7 for all of them).
+      const __half* src[kRowsPer];
+#pragma unroll
+      for (int i = 0; i < kRowsPer; ++i) {
+        const int r = r0 + 16 * i;
+        src[i] = r < it.rows ? p.a + static_cast<size_t>(gidx[r]) * p.K + ch * 8 : nullptr;
+      }
 #pragma unroll
       for (int i = 0; i < 2; ++i) {  // 16-byte chunk t + 128 i of a stage's weights: row t / 2 + 64 i
         int mat, feature;
@@ -205,25 +218,22 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_rs_kernel(const TileArgs 
         }
         const int slot = static_cast<int>(gs % kStages);
         if (gs >= kStages) mbar_wait(empty0 + 8 * slot, static_cast<uint32_t>(gs / kStages - 1) & 1);
-        if (kt == 0) {  // the item's scales and biases, [row][group] with a padded row pitch
-          const int per_row = gpr / 8;  // 16-byte chunks of a row's groups
-          for (int idx = t; idx < 2 * kARows * per_row; idx += 128) {
-            const int arr = idx / (kARows * per_row), rem = idx % (kARows * per_row);
-            const int ar = rem / per_row, ch = rem % per_row;
-            int mat, feature;
-            weight_row<SWIGLU>(ar, it.slice, mat, feature);
-            const __nv_bfloat16* base = mat ? (arr ? it.w[1].biases : it.w[1].scales)
-                                            : (arr ? it.w[0].biases : it.w[0].scales);
-            cp_async_16(smem + L.s_off(ii & 1, arr) + ar * L.pitch * 2 + ch * 16, base + feature * gpr + ch * 8,
-                        true);
+        if (kt == 0) {  // the item's scales and biases, [row][group] with a padded row pitch: thread t row t
+          int mat, feature;
+          weight_row<SWIGLU>(t, it.slice, mat, feature);
+          const __nv_bfloat16* const sc = (mat ? it.w[1].scales : it.w[0].scales) + feature * gpr;
+          const __nv_bfloat16* const bi = (mat ? it.w[1].biases : it.w[0].biases) + feature * gpr;
+          unsigned char* const ds = smem + L.s_off(ii & 1, 0) + t * L.pitch * 2;
+          unsigned char* const db = smem + L.s_off(ii & 1, 1) + t * L.pitch * 2;
+          for (int c16 = 0; c16 < gpr / 8; ++c16) {  // 16-byte chunks of the row's groups
+            cp_async_16(ds + c16 * 16, sc + c16 * 8, true);
+            cp_async_16(db + c16 * 16, bi + c16 * 8, true);
           }
         }
-        unsigned char* const bs = smem + L.b_off(slot);
-        for (int idx = t; idx < it.rows * 8; idx += 128) {
-          const int r = idx >> 3, ch = idx & 7;
-          cp_async_16(bs + r * 128 + ((ch ^ (r & 7)) << 4),
-                      p.a + static_cast<size_t>(gidx[r]) * p.K + kt * 64 + ch * 8, true);
-        }
+        unsigned char* const bs = smem + L.b_off(slot) + b_dst;
+#pragma unroll
+        for (int i = 0; i < kRowsPer; ++i)
+          if (src[i]) cp_async_16(bs + i * 16 * 128, src[i] + kt * 64, true);
         unsigned char* const ws = smem + L.w_off(slot) + t * 16;
 #pragma unroll
         for (int i = 0; i < 2; ++i) cp_async_16(ws + i * 2048, wptr[i] + kt * 8, true);
