@@ -12,8 +12,9 @@
 //    row's result does not depend on the other rows of its tile, so the output stays deterministic); the
 //    shared expert's rows T k + t gather token t
 //  6 grouped swiglu over the routed and shared rows -> act [T k + T, I] fp16; 7 grouped down -> y
-//    [T k + T, H] fp32 (both on qgemm.cu's mma.sync tiles, or with MoePrefillParams::use_wgmma on
-//    qgemm_wgmma.cu's for 4-bit experts: same tile list, operands and epilogues): the routed experts (eq 23)
+//    [T k + T, H] fp32 (on qgemm.cu's mma.sync tiles; for 4-bit experts on moe_prefill_few.cu's few-row tiles
+//    at short prompts, moe_prefill_rs.cu's register-sourced wgmma tiles past 48 rows an expert on sm_90a, or
+//    with MoePrefillParams::use_wgmma qgemm_wgmma.cu's: same tile list, operands and epilogues): the routed experts (eq 23)
 //    and the shared expert (eq 24) in the same two launches, so the shared expert's full tiles share the
 //    grid with the routed ones' partial tiles
 //  8 (only where the shared expert's shapes or bits differ from the routed experts') shared expert as dense
@@ -345,11 +346,17 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   if (p.tile_rows == kRsRows && !rs_ok) return cudaErrorInvalidValue;
   if (p.tile_rows == kRsRows && !wgmma_built()) return cudaErrorInvalidDeviceFunction;
   // Tile rows from the rows an expert gets on average (T k / E). Measured (H200, full geometry, cold
-  // weights, 32-row few-row tiles / 64-row / 128-row tiles, us a layer): T = 256 (8 rows an expert) 323 / 550 /
-  // 736; T = 512 (16) 380 / 618 / 783; T = 1024 (32) 542 / 724 / 889; T = 2048 (64) 923 / 1043 / 1087;
-  // T = 4096 (128) 1721 / 1783 / 1607. Few-row tiles up to 64 rows an expert, 128-row tiles from 96.
+  // weights, us a layer; few-row 32 / 64-row / 128-row / register-sourced 192-row tiles): T = 256 (8 rows an
+  // expert) 322 / 548 / 733 / ~557; T = 1024 (32) 539 / 722 / 886 / ~663; T = 1536 (48) 738 / 871 / 981 / 656;
+  // T = 2048 (64) 923 / 1040 / 1086 / 731; T = 4096 (128) 1613 / 1793 / 1602 / 1047 (~: an earlier version of the
+  // register-sourced kernel, ~11% slower). Few-row tiles up to 40 rows an expert (between the few-row win at 32
+  // and the register-sourced win at 48); past that the register-sourced tiles where they run (sm_90a), else
+  // few-row tiles to 64 rows, 128-row tiles from 96, 64-row ones between.
   const long routed = static_cast<long>(T) * k;
+  const bool rs_auto = rs_ok && routed > 40L * E && wgmma_built();
   const int tile_rows = p.tile_rows ? p.tile_rows
+                        : few_ok && routed <= 40L * E ? kFewRows
+                        : rs_auto                     ? kRsRows
                         : few_ok && routed <= 64L * E ? kFewRows
                         : routed >= 96L * E           ? 128
                                                       : 64;

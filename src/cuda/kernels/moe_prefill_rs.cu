@@ -182,13 +182,16 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_rs_kernel(const TileArgs 
     const int t = tid - 256, ch = t & 7, r0 = t >> 3, b_dst = r0 * 128 + ((ch ^ (r0 & 7)) << 4);
     int* const gidx = reinterpret_cast<int*>(smem + L.g_off());
     const uint32_t* wptr[2];
-    long gs = 0;
+    int gs = 0, slot = 0;  // steps issued; the slot of step gs
+    uint32_t phase = 0;    // (gs / kStages) & 1
     int ii = 0;
     // Stage s's copies landed (this thread's, then all of them through the barrier's count): fence them against
     // the tensor cores' async proxy and release the stage to the consumers.
-    auto publish = [&](long s) {
+    int pslot = 0;  // the stage publish releases next, mod kStages
+    auto publish = [&]() {
       fence_proxy_async();
-      mbar_arrive(full0 + 8 * static_cast<int>(s % kStages));
+      mbar_arrive(full0 + 8 * pslot);
+      pslot = pslot + 1 == kStages ? 0 : pslot + 1;
     };
     for (int item = blockIdx.x; item < items; item += gridDim.x, ++ii) {
       const Item it = item_of<SWIGLU>(p, item, slices);
@@ -209,15 +212,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_rs_kernel(const TileArgs 
         weight_row<SWIGLU>(t / 2 + 64 * i, it.slice, mat, feature);
         wptr[i] = (mat ? it.w[1].w : it.w[0].w) + feature * wpr + (t & 1) * 4;
       }
-      for (int kt = 0; kt < KT; ++kt, ++gs) {
+      for (int kt = 0; kt < KT; ++kt, ++gs, slot = slot + 1 == kStages ? (phase ^= 1, 0) : slot + 1) {
         // First release stage gs - kLag (its copies are kLag groups old), then wait for the slot of stage gs:
         // the consumers never wait on this thread's issue of a later stage.
         if (gs >= kLag) {
           cp_async_wait<kLag - 1>();
-          publish(gs - kLag);
+          publish();  // step gs - kLag
         }
-        const int slot = static_cast<int>(gs % kStages);
-        if (gs >= kStages) mbar_wait(empty0 + 8 * slot, static_cast<uint32_t>(gs / kStages - 1) & 1);
+        if (gs >= kStages) mbar_wait(empty0 + 8 * slot, phase ^ 1);
         if (kt == 0) {  // the item's scales and biases, [row][group] with a padded row pitch: thread t row t
           int mat, feature;
           weight_row<SWIGLU>(t, it.slice, mat, feature);
@@ -241,7 +243,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_rs_kernel(const TileArgs 
       }
     }
     cp_async_wait<0>();
-    for (long s = gs - kLag < 0 ? 0 : gs - kLag; s < gs; ++s) publish(s);
+    for (int s = gs - kLag < 0 ? 0 : gs - kLag; s < gs; ++s) publish();
     return;
   }
 
@@ -252,13 +254,13 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_rs_kernel(const TileArgs 
   const uint32_t b_base = smem_u32(smem);
   float acc[kChunks][16];
   uint32_t a[2][4][4];
-  long gs = 0;
+  int gs = 0, slot = 0, prev_slot = 0;  // steps consumed, the slot of step gs and of step gs - 1
+  uint32_t phase = 0;                   // (gs / kStages) & 1
   int ii = 0;
   // One step: wait for stage gs, expand this thread's A fragments into set `set`, issue the wgmmas, then free the
   // previous stage once its wgmmas (and so its A set, the other one) are done.
   auto step = [&](int kt, int nch, uint32_t (&ac)[4][4], uint32_t (&prev)[4][4]) {
-    const int slot = static_cast<int>(gs % kStages);
-    mbar_wait(full0 + 8 * slot, static_cast<uint32_t>(gs / kStages) & 1);
+    mbar_wait(full0 + 8 * slot, phase);
     const unsigned char* ws = smem + L.w_off(slot);
     const uint4 r0a = *reinterpret_cast<const uint4*>(ws + ar0 * 32), r0b = *reinterpret_cast<const uint4*>(ws + ar0 * 32 + 16);
     const uint4 r1a = *reinterpret_cast<const uint4*>(ws + ar1 * 32), r1b = *reinterpret_cast<const uint4*>(ws + ar1 * 32 + 16);
@@ -296,8 +298,10 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_rs_kernel(const TileArgs 
     fence_a(prev);
 #pragma unroll
     for (int n = 0; n < kChunks; ++n) fence_regs(acc[n]);
-    if (gs > 0) mbar_arrive(empty0 + 8 * static_cast<int>((gs - 1) % kStages));
+    if (gs > 0) mbar_arrive(empty0 + 8 * prev_slot);
     ++gs;
+    prev_slot = slot;
+    if (++slot == kStages) slot = 0, phase ^= 1;
   };
   for (int item = blockIdx.x; item < items; item += gridDim.x, ++ii) {
     const Item it = item_of<SWIGLU>(p, item, slices);
