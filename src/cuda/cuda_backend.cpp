@@ -39,7 +39,7 @@ std::string KernelPaths::describe(const std::string& device) const {
   char line[320];
   std::snprintf(line, sizeof line,
                 "cuda: %s sm_%d%d (%s), prefill: %s, attention: %s, decode: %s, gated norm in %s, top-k in %s",
-                device.c_str(), cc_major, cc_minor, code, wgmma ? "wgmma (MoE from 4096 rows)" : "mma.sync",
+                device.c_str(), cc_major, cc_minor, code, wgmma ? "wgmma (MoE: register-sourced tiles)" : "mma.sync",
                 attn_wgmma ? "wgmma" : "mma.sync", sm90_code ? "PDL chain" : "stream order",
                 gdn_norm_in_step ? "gdn_step" : "out_proj", moe_select_in_experts ? "experts" : "moe_route");
   return line;

@@ -135,7 +135,6 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
     MoePrefillParams moe{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,
                          L.shared_up, L.shared_down, ph_.ptr, L.post_norm, eps, T, k, pscratch_.ptr,
                          pscratch_.bytes()};
-    moe.use_wgmma = wgmma && T >= kMoeWgmmaMinRows;
     const double moe_flops = 2.0 * rows * H *
                              (3.0 * k * c.moe_intermediate_size + 3.0 * c.shared_expert_intermediate_size +
                               c.num_experts + 1);

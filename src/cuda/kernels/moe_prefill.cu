@@ -13,8 +13,8 @@
 //    shared expert's rows T k + t gather token t
 //  6 grouped swiglu over the routed and shared rows -> act [T k + T, I] fp16; 7 grouped down -> y
 //    [T k + T, H] fp32 (on qgemm.cu's mma.sync tiles; for 4-bit experts on moe_prefill_few.cu's few-row tiles
-//    at short prompts, moe_prefill_rs.cu's register-sourced wgmma tiles past 48 rows an expert on sm_90a, or
-//    with MoePrefillParams::use_wgmma qgemm_wgmma.cu's: same tile list, operands and epilogues): the routed experts (eq 23)
+//    at short prompts and moe_prefill_rs.cu's register-sourced wgmma tiles from 40 rows an expert on sm_90a:
+//    same tile list, operands and epilogues): the routed experts (eq 23)
 //    and the shared expert (eq 24) in the same two launches, so the shared expert's full tiles share the
 //    grid with the routed ones' partial tiles
 //  8 (only where the shared expert's shapes or bits differ from the routed experts') shared expert as dense
@@ -346,17 +346,16 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   if (p.tile_rows == kRsRows && !rs_ok) return cudaErrorInvalidValue;
   if (p.tile_rows == kRsRows && !wgmma_built()) return cudaErrorInvalidDeviceFunction;
   // Tile rows from the rows an expert gets on average (T k / E). Measured (H200, full geometry, cold
-  // weights, us a layer; few-row 32 / 64-row / 128-row / register-sourced 192-row tiles): T = 256 (8 rows an
-  // expert) 322 / 548 / 733 / ~557; T = 1024 (32) 539 / 722 / 886 / ~663; T = 1536 (48) 738 / 871 / 981 / 656;
-  // T = 2048 (64) 923 / 1040 / 1086 / 731; T = 4096 (128) 1613 / 1793 / 1602 / 1047 (~: an earlier version of the
-  // register-sourced kernel, ~11% slower). Few-row tiles up to 40 rows an expert (between the few-row win at 32
-  // and the register-sourced win at 48); past that the register-sourced tiles where they run (sm_90a), else
-  // few-row tiles to 64 rows, 128-row tiles from 96, 64-row ones between.
+  // weights, us a layer; few-row 32 / 64-row / 128-row / register-sourced 192-row tiles): T = 1024 (32 rows an
+  // expert) 544 / 728 / 895 / 587; T = 1280 (40) 642 / 808 / 947 / 624; T = 1536 (48) 738 / 871 / 981 / 656;
+  // T = 2048 (64) 923 / 1040 / 1086 / 731; T = 4096 (128) 1613 / 1793 / 1602 / 1047; at T = 256 (8) the few-row
+  // tiles take 322 (register-sourced ~557). Few-row tiles below 40 rows an expert; from 40 the register-sourced
+  // tiles where they run (sm_90a), else few-row tiles to 64 rows, 128-row tiles from 96, 64-row ones between.
   const long routed = static_cast<long>(T) * k;
-  const bool rs_auto = rs_ok && routed > 40L * E && wgmma_built();
+  const bool rs_auto = rs_ok && routed >= 40L * E && wgmma_built();
   const int tile_rows = p.tile_rows ? p.tile_rows
-                        : few_ok && routed <= 40L * E ? kFewRows
-                        : rs_auto                     ? kRsRows
+                        : few_ok && routed < 40L * E ? kFewRows
+                        : rs_auto                    ? kRsRows
                         : few_ok && routed <= 64L * E ? kFewRows
                         : routed >= 96L * E           ? 128
                                                       : 64;
@@ -391,20 +390,10 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   g.tile_rows = s.tile_rows;
   g.gather = s.token_of;
   g.ws[0] = p.shared_gate_proj, g.ws[1] = p.shared_up, g.shared_expert = fold ? E : -1;
-  // use_wgmma: the same tile list, operands and epilogues on the Hopper wgmma kernel (4-bit experts only).
   auto grouped = [&](const TileArgs& t, int bits, bool swiglu) {
     if (tile_rows == kFewRows) return launch_grouped_few(t, tiles, swiglu, stream);
     if (tile_rows == kRsRows) return launch_grouped_rs(t, tiles, swiglu, stream);
-    if (!p.use_wgmma || bits != 4) {
-      return launch_grouped(t, bits, tile_rows, tiles, swiglu, stream);
-    }
-    WgmmaGroupedParams wp;
-    wp.w[0] = t.w[0], wp.w[1] = t.w[1], wp.ws[0] = t.ws[0], wp.ws[1] = t.ws[1];
-    wp.shared_expert = t.shared_expert, wp.a = t.a, wp.gather = t.gather;
-    wp.tile_count = t.tile_count, wp.tile_expert = t.tile_expert, wp.tile_row0 = t.tile_row0;
-    wp.tile_rows = t.tile_rows, wp.max_tiles = tiles, wp.tile_rows_max = tile_rows, wp.swiglu = swiglu;
-    wp.c = t.c, wp.ldc = t.ldc;
-    return qgemm_wgmma_grouped(wp, stream);
+    return launch_grouped(t, bits, tile_rows, tiles, swiglu, stream);
   };
   CUDA_TRY(grouped(g, p.gate.bits, true));
   TileArgs d = g;

@@ -9,9 +9,6 @@
 
 namespace lily::cuda {
 
-// The row count from which the backend runs moe_prefill's grouped GEMMs on wgmma (where built).
-inline constexpr int kMoeWgmmaMinRows = 4096;
-
 // MoePrefillParams::tile_rows for the register-sourced wgmma tiles (qgemm_util::kRsRows).
 inline constexpr int kMoeRsTileRows = 192;
 
@@ -33,10 +30,6 @@ struct MoePrefillParams {
   // weights in registers on sm_90a; 4-bit, shared expert folded in, H and I multiples of 512); 0 picks from
   // T * top_k / E
   int tile_rows = 0;
-  // true: the grouped expert GEMMs on the Hopper wgmma kernel (qgemm_wgmma_grouped; 4-bit expert matrices, only
-  // where wgmma_built(), else cudaErrorInvalidDeviceFunction); other bits stay on mma.sync. The backend sets it
-  // from kMoeWgmmaMinRows rows (H200, whole prefill: 4K +2.0%, 16K +2.1%, 64K +1.5%, but 1K -3.7%).
-  bool use_wgmma = false;
 };
 
 // Scratch moe_prefill needs for T rows (linear in T; the caller bounds T by chunking).

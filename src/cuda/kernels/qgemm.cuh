@@ -60,28 +60,6 @@ cudaError_t qgemm(const QGemmParams& p, cudaStream_t stream);
 cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream);
 cudaError_t qgemm_swiglu(const QGemmSwigluParams& p, cudaStream_t stream);
 
-// moe_prefill's grouped expert GEMM on wgmma (qgemm_wgmma.cu; moe_prefill calls it for 4-bit experts when
-// MoePrefillParams::use_wgmma is set): blocks along x are the entries of the device-side tile list, A rows
-// are gathered, W is matrix tile_expert of the stacked w (or ws for tile-list expert shared_expert).
-// swiglu: c = fp16 act [rows, ldc] = silu(A gate^T) * (A up^T) (w[0] gate, w[1] up); else c = f32 [rows, ldc]
-// = A w[0]^T. 128-row tiles (two consumer warpgroups of 64 rows) or 64-row (each consumer half the columns).
-struct WgmmaGroupedParams {
-  QMatrix w[2];  // stacked [E, N, K] (rows = N); both 4-bit
-  QMatrix ws[2];
-  int shared_expert = -1;
-  const __half* a = nullptr;  // [rows, K]
-  const int* gather = nullptr;
-  const int* tile_count = nullptr;
-  const int* tile_expert = nullptr;
-  const int* tile_row0 = nullptr;
-  const int* tile_rows = nullptr;
-  int max_tiles = 0;       // grid size (the longest possible list)
-  int tile_rows_max = 128;  // 64 or 128: the tile map's rows a tile
-  bool swiglu = false;
-  void* c = nullptr;
-  int ldc = 0;
-};
-cudaError_t qgemm_wgmma_grouped(const WgmmaGroupedParams& p, cudaStream_t stream);
 
 // out[t, :] = fp16(in[t, :] / RMS(in[t, :]) * w) for T rows of n (eqs 1-2 multiplier form; the A operand of a
 // prefill GEMM).

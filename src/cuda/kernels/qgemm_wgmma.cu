@@ -1,12 +1,11 @@
-// qgemm on Hopper warpgroup MMA (qgemm.cuh: QGemmParams::use_wgmma for the dense mode, MoePrefillParams::
-// use_wgmma for moe_prefill's grouped expert GEMMs). Needs the sm_90a target (CMAKE_CUDA_ARCHITECTURES 90a, the
-// project default): in a pass for any other target the kernel compiles to nothing and the launchers return
-// cudaErrorInvalidDeviceFunction.
+// qgemm on Hopper warpgroup MMA (qgemm.cuh: QGemmParams::use_wgmma; the prefill's dense projections). Needs the
+// sm_90a target (CMAKE_CUDA_ARCHITECTURES 90a, the project default): in a pass for any other target the kernel
+// compiles to nothing and the launcher returns cudaErrorInvalidDeviceFunction.
 //
-// C[M, N] = A[M, K] . W[N, K]^T, A fp16 row-major, W an MLX 4- or 8-bit QMatrix; one block computes a BM x BN
-// tile of the fp16 W tile's rows (BM = 128, or 64 for the grouped mode's small experts; BN = 256, or 128 for
-// dense grids too small to fill the SMs), K in steps of 64 (one quantisation group). Warpgroups (128 threads):
-//  - the producer warpgroup: cp.async brings the A tile (BM x 64 fp16) and the packed W tile (BN x 64 x
+// C[M, N] = A[M, K] . W[N, K]^T, A fp16 row-major, W an MLX 4- or 8-bit QMatrix; one block computes a 128 x BN
+// tile (BN = 256, or 128 for grids too small to fill the SMs: qgemm_util::wgmma_dense_wide), K in steps of 64
+// (one quantisation group). Warpgroups (128 threads):
+//  - the producer warpgroup: cp.async brings the A tile (128 x 64 fp16) and the packed W tile (BN x 64 x
 //    bits/8 bytes) of step kt + kLead into slot (kt + kLead) % KS of a KS-deep ring; then it expands step kt's
 //    packed W into one of KB fp16 tiles (value = scale * q + bias in fp32, rounded once to fp16: the same
 //    arithmetic and rounding as qgemm.cu, so both paths see the same weights), fences the generic-proxy
@@ -15,29 +14,24 @@
 //    registers at launch, ptxas allocates the whole kernel within that, and an m64n256 wgmma needs 154. Letting
 //    the consumers issue the loads, shallower rings and a third fp16 tile were measured and did not win: git
 //    history, lab/2026-11-30.)
-//  - two consumer warpgroups: each waits on full[slot], issues four wgmma.mma_async m64nNWk16 f32.f16.f16
-//    (BM = 128: rows 64 c .. 64 c + 63 of the tile against all BN rows of W, NW = BN; BM = 64: all 64 rows
-//    against W rows NW c .. NW c + NW - 1, NW = BN / 2; both operands read from shared memory through matrix
-//    descriptors), commits them as one group, waits until the previous step's group is done and arrives on
-//    empty[previous slot]. So the dequantisation of step kt + 1 overlaps the wgmma of step kt. One empty
+//  - two consumer warpgroups: each waits on full[slot], issues four wgmma.mma_async m64nBNk16 f32.f16.f16 (rows
+//    64 c .. 64 c + 63 of the tile against all BN rows of W; both operands read from shared memory through
+//    matrix descriptors), commits them as one group, waits until the previous step's group is done and arrives
+//    on empty[previous slot]. So the dequantisation of step kt + 1 overlaps the wgmma of step kt. One empty
 //    barrier frees both the A / packed slot and the fp16 tile of a step: with kLead = KS - KB the slot the
 //    single producer loads at step kt and the fp16 tile it writes at step kt were both last used by step
 //    kt - KB, so it waits once a step.
 // Shared-memory layouts: the A tile and the fp16 W tile are K-major rows of 64 fp16 = 128 bytes with the
 // 128-byte swizzle (16-byte chunk c of row r stored at chunk c ^ (r & 7); tiles 1024-byte aligned) -- the
 // layout of qgemm.cu's swz() -- so one descriptor (start address, stride byte offset 1024 between 8-row
-// groups, leading byte offset unused, swizzle mode 1 = 128B) covers 64 or NW rows, and the k-th 16-column
+// groups, leading byte offset unused, swizzle mode 1 = 128B) covers 64 or BN rows, and the k-th 16-column
 // slice of the step starts 32 k bytes further (the hardware applies the XOR to the address bits).
-// W-tile rows: MATS = 1: row r is W row n0 + r. MATS = 2 (the grouped SwiGLU, gate and up in one tile): each
-// consumer's NW rows are NW / 2 gate rows then the same NW / 2 up rows, so a thread holds gate and up of the
-// same output element NW / 16 n8 blocks apart and the epilogue writes fp16(silu(g) * u) as qgemm.cu does.
-// Accumulators: 64 x NW per consumer warpgroup, NW / 2 fp32 registers a thread, in the mma.sync C-fragment
+// Accumulators: 64 x BN per consumer warpgroup, BN / 2 fp32 registers a thread, in the mma.sync C-fragment
 // order: for n8 block j, d[4j], d[4j + 1] at row 16 warp + lane / 4, columns 8 j + 2 (lane % 4) + {0, 1};
-// d[4j + 2], d[4j + 3] eight rows below. Epilogue as qgemm.cu (f32, f16, add_f32, SwiGLU; tails in M and N).
-// Grouped mode (as qgemm.cu's): blocks along x are the entries of moe_prefill's device-side tile list
-// (expert, first row, rows; blocks past its length exit); A rows gathered through an index array; weights
-// matrix `expert` of the stacked QMatrix, or the shared expert's matrices for tile-list expert shared_expert.
-// FLOPs 2 M N K; bytes as qgemm.cu. Shared memory a step (BM 128, BN = 256, 4-bit): wgmma reads 80 KB (each
+// d[4j + 2], d[4j + 3] eight rows below. Epilogue as qgemm.cu (f32, f16, add_f32; tails in M and N).
+// (Until 2026-12-02 the kernel also ran moe_prefill's grouped expert GEMMs, with 64-row tiles and gate / up in
+// one tile; the register-sourced tiles of moe_prefill_rs.cu replaced it there: git history.)
+// FLOPs 2 M N K; bytes as qgemm.cu. Shared memory a step (BN = 256, 4-bit): wgmma reads 80 KB (each
 // consumer reads A 8 KB and the whole fp16 W tile 32 KB), the producer writes 32 KB of fp16 W and reads 8 KB
 // packed, cp.async writes 24 KB: ~144 KB = ~1150 cycles at 128 B/cycle against 1024 cycles of MMA at the dense
 // fp16 rate (4.2 MFLOP a step at ~4096 FLOP/cycle/SM). Measured 2026-11-30: ~275 TFLOP/s at M 4096
@@ -63,29 +57,30 @@ constexpr int kSmemMax = 232448;  // 227 KB: the largest dynamic shared memory o
 // The mma.sync tiles' arguments (qgemm_util.cuh); k_splits stays 1: the wgmma GEMM does not split K.
 using WgArgs = TileArgs;
 
+constexpr int kBM = 128;  // tile rows: two consumer warpgroups of 64
+
 // Deepest A / packed ring that fits next to KB fp16 W tiles (8 at most).
-constexpr int ring_fit(int BM, int BN, int BITS, int KB) {
-  const int fit = (kSmemMax - 1024 - 256 - KB * BN * 128) / (BM * 128 + BN * kWgGroup * BITS / 8);
+constexpr int ring_fit(int BN, int BITS, int KB) {
+  const int fit = (kSmemMax - 1024 - 256 - KB * BN * 128) / (kBM * 128 + BN * kWgGroup * BITS / 8);
   return fit < 8 ? fit : 8;
 }
 
-template <int BM, int BN, int BITS, int KB, int KS>
+template <int BN, int BITS, int KB, int KS>
 struct WgTile {
   static constexpr int kThreads = 384;
-  static constexpr int NW = BM == 128 ? BN : BN / 2;           // W rows of one consumer's wgmma
+  static constexpr int NW = BN;                                // W rows of one consumer's wgmma
   static constexpr int kPackedRowBytes = kWgGroup * BITS / 8;  // 32 or 64
   static constexpr int kPackedChunks = kPackedRowBytes / 16;   // 2 or 4
-  static constexpr int kABytes = BM * 128;                     // A tile of a step (fp16, swizzled)
+  static constexpr int kABytes = kBM * 128;                    // A tile of a step (fp16, swizzled)
   static constexpr int kPBytes = BN * kPackedRowBytes;         // packed W of a step
   static constexpr int kBBytes = BN * 128;                     // fp16 W tile of a step (swizzled)
   static constexpr int kLead = KS - KB;                        // single producer: loads ahead of the dequant
   static constexpr int kUnits = BN * 2;                        // dequant units: half a row (32 elements)
   static constexpr int kUnitsPerThread = kUnits / 128;
-  static constexpr int kAChunksPerThread = BM * 8 / 128;  // 16-byte chunks of the A tile
+  static constexpr int kAChunksPerThread = kBM * 8 / 128;  // 16-byte chunks of the A tile
   static constexpr int kPChunksPerThread = BN * kPackedChunks / 128;
   static constexpr size_t kSmem =
       1024 + size_t{KS} * (kABytes + kPBytes) + size_t{KB} * kBBytes + size_t{2} * KS * sizeof(uint64_t);
-  static_assert(BM == 128 || BM == 64, "tile rows");
   static_assert(NW == 128 || NW == 256, "wgmma width");
   static_assert(KB >= 2 && KS <= 8 && kSmem <= kSmemMax, "shared memory");
   static_assert(kLead >= 2, "ring depth");
@@ -162,25 +157,15 @@ __device__ __forceinline__ void wgmma_ss<256>(float (&d)[128], uint64_t da, uint
 
 #endif  // LILY_SM90A_PASS
 
-// W-tile row r (0 .. BN - 1) of a block whose output columns start at n0: matrix `mat`, row `col` of it (see
-// the header: MATS = 2 puts each consumer's gate rows, then its up rows).
-template <int NW, int MATS>
-__device__ __forceinline__ void w_row_of(int r, int n0, int& mat, int& col) {
-  constexpr int kPer = NW / MATS;  // output columns of one consumer's slice
-  const int slice = r / NW, rr = r % NW;
-  mat = rr / kPer;
-  col = n0 + slice * kPer + rr % kPer;
-}
-
-template <int BM, int BN, int BITS, int KB, int KS, int MATS>
+template <int BN, int BITS, int KB, int KS>
 __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
 #if defined(LILY_SM90A_PASS)
-  using C = WgTile<BM, BN, BITS, KB, KS>;
+  using C = WgTile<BN, BITS, KB, KS>;
   constexpr int NW = C::NW;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The swizzle pattern repeats every 1024 bytes and the descriptors assume tiles aligned to it.
   unsigned char* const smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  unsigned char* const a_s = smem;                    // KS x [BM rows x 128 B]
+  unsigned char* const a_s = smem;                    // KS x [128 rows x 128 B]
   unsigned char* const b_s = a_s + KS * C::kABytes;   // KB x [BN rows x 128 B]
   unsigned char* const w_s = b_s + KB * C::kBBytes;   // KS x [BN rows x packed bytes]
   uint64_t* const bars = reinterpret_cast<uint64_t*>(w_s + KS * C::kPBytes);
@@ -188,11 +173,11 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
   const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + KS);
 
   const int tid = threadIdx.x, wg = tid >> 7;
-  const int n0 = blockIdx.y * (BN / MATS);
+  const int n0 = blockIdx.y * BN;
   int row0, rows;
-  QMatrix w[MATS];
+  QMatrix w[1];
   pdl_wait();
-  if (!block_rows<BM, MATS>(p, row0, rows, w)) return;  // past the tile list (block-uniform)
+  block_rows<kBM, 1>(p, row0, rows, w);  // dense: rows 128 blockIdx.x .. of p.M
   const int K = p.K, KT = K / kWgGroup;
   if (tid == 0) {
     for (int s = 0; s < KS; ++s) {
@@ -231,11 +216,9 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
     }
 #pragma unroll
     for (int i = 0; i < C::kPChunksPerThread; ++i) {
-      const int id = t + i * 128, r = id / C::kPackedChunks, ch = id % C::kPackedChunks;
-      int mat, col;
-      w_row_of<NW, MATS>(r, n0, mat, col);
+      const int id = t + i * 128, ch = id % C::kPackedChunks, col = n0 + id / C::kPackedChunks;
       l.w_ok[i] = col < p.N;
-      l.w_ptr[i] = l.w_ok[i] ? w[mat].w + col * wpr + ch * 4 : w[0].w;
+      l.w_ptr[i] = l.w_ok[i] ? w[0].w + col * wpr + ch * 4 : w[0].w;
     }
   };
   auto issue_loads = [&](int t, const Loads& l, int kt) {
@@ -257,11 +240,10 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
   auto make_groups = [&](int t, Groups& g) {
 #pragma unroll
     for (int i = 0; i < C::kUnitsPerThread; ++i) {
-      int mat, col;
-      w_row_of<NW, MATS>((t + i * 128) >> 1, n0, mat, col);
+      const int col = n0 + ((t + i * 128) >> 1);
       const bool ok = col < p.N;
-      g.s[i] = ok ? w[mat].scales + col * gpr : nullptr;
-      g.b[i] = ok ? w[mat].biases + col * gpr : nullptr;
+      g.s[i] = ok ? w[0].scales + col * gpr : nullptr;
+      g.b[i] = ok ? w[0].biases + col * gpr : nullptr;
     }
   };
   auto load_scales = [&](const Groups& g, int kt, float(&sc)[C::kUnitsPerThread],
@@ -361,13 +343,12 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
   } else {
     // ---------------- consumers: wgmma and the epilogue
     const int cw = wg - 1;
-    // BM 128: tile rows 64 cw .. + 63 against all W rows; BM 64: all rows against W rows NW cw .. + NW - 1.
-    const int arow0 = BM == 128 ? 64 * cw : 0, slice = BM == 128 ? 0 : cw;
+    const int arow0 = 64 * cw;  // tile rows 64 cw .. + 63 against all W rows
     const bool live = rows > arow0;  // warpgroup-uniform: rows past the tile's skip the tensor cores
     float acc[NW / 2];
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) acc[i] = 0.0f;
-    const uint32_t a_base = smem_u32(a_s) + arow0 * 128, b_base = smem_u32(b_s) + slice * NW * 128;
+    const uint32_t a_base = smem_u32(a_s) + arow0 * 128, b_base = smem_u32(b_s);
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
       const int slot = kt % KS;
@@ -392,8 +373,8 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
 
     // Epilogue: as qgemm.cu (column pairs stored together where the row stride and base allow it).
     const int lane = tid & 31, wq = (tid >> 5) & 3;
-    const bool f32_out = MATS == 1 && p.out != GemmOut::f16;
-    const int ldc = p.ldc, nc0 = n0 + slice * (NW / MATS);
+    const bool f32_out = p.out != GemmOut::f16;
+    const int ldc = p.ldc, nc0 = n0;
     const bool pairs = ldc % 2 == 0 && (reinterpret_cast<uintptr_t>(p.c) & (f32_out ? 7 : 3)) == 0;
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
@@ -401,14 +382,10 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
       if (r >= rows) continue;
       const size_t crow = static_cast<size_t>(row0 + r) * ldc;
 #pragma unroll
-      for (int j = 0; j < NW / 8 / MATS; ++j) {
+      for (int j = 0; j < NW / 8; ++j) {
         const int n = nc0 + 8 * j + 2 * (lane & 3);
         if (n >= p.N) continue;
-        float v[2] = {acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]};
-        if constexpr (MATS == 2) {  // the up value of the same element sits NW / 16 n8 blocks further
-          v[0] = siluf_(v[0]) * acc[4 * (j + NW / 16) + 2 * hr];
-          v[1] = siluf_(v[1]) * acc[4 * (j + NW / 16) + 2 * hr + 1];
-        }
+        const float v[2] = {acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]};
         if (pairs && n + 1 < p.N) {
           if (!f32_out) {
             *reinterpret_cast<__half2*>(static_cast<__half*>(p.c) + crow + n) = __floats2half2_rn(v[0], v[1]);
@@ -438,7 +415,7 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
     }
   }
 #else
-  using C = WgTile<BM, BN, BITS, KB, KS>;  // its constants are used only in the sm_90a pass
+  using C = WgTile<BN, BITS, KB, KS>;  // its constants are used only in the sm_90a pass
   static_assert(C::kUnitsPerThread > 0 && C::kAChunksPerThread > 0 && C::kPChunksPerThread > 0);
   (void)p;  // not an sm_90a pass: no wgmma (the launchers refuse to launch, see wgmma_built)
 #endif
@@ -457,20 +434,16 @@ __global__ void wgmma_probe_kernel(int* out) {
 #endif
 }
 
-template <int BM, int BN, int BITS, int KB, int KS, int MATS>
-cudaError_t launch_wgmma(const WgArgs& a, int x_tiles, cudaStream_t stream) {
-  using C = WgTile<BM, BN, BITS, KB, KS>;
-  const dim3 grid(x_tiles, (a.N + BN / MATS - 1) / (BN / MATS)), block(C::kThreads);
-  if (grid.y > 65535u || x_tiles < 1) return cudaErrorInvalidValue;
-  auto* k = qgemm_wgmma_kernel<BM, BN, BITS, KB, KS, MATS>;
-  CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem)));
-  return launch_pdl(k, grid, block, C::kSmem, stream, a);
-}
-
 // Dense launch with the deepest ring that fits next to KB fp16 tiles.
 template <int BN, int BITS, int KB>
 cudaError_t launch_dense_wgmma(const WgArgs& a, cudaStream_t stream) {
-  return launch_wgmma<128, BN, BITS, KB, ring_fit(128, BN, BITS, KB), 1>(a, (a.M + 127) / 128, stream);
+  constexpr int KS = ring_fit(BN, BITS, KB);
+  using C = WgTile<BN, BITS, KB, KS>;
+  const dim3 grid((a.M + kBM - 1) / kBM, (a.N + BN - 1) / BN), block(C::kThreads);
+  if (grid.y > 65535u) return cudaErrorInvalidValue;
+  auto* k = qgemm_wgmma_kernel<BN, BITS, KB, KS>;
+  CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(C::kSmem)));
+  return launch_pdl(k, grid, block, C::kSmem, stream, a);
 }
 
 }  // namespace
@@ -509,34 +482,6 @@ cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream) {
   // Two fp16 W tiles at 256 columns, three at 128 (the ring takes the rest of shared memory).
   if (w.bits == 8) return wide ? launch_dense_wgmma<256, 8, 2>(a, stream) : launch_dense_wgmma<128, 8, 3>(a, stream);
   return wide ? launch_dense_wgmma<256, 4, 2>(a, stream) : launch_dense_wgmma<128, 4, 3>(a, stream);
-}
-
-cudaError_t qgemm_wgmma_grouped(const WgmmaGroupedParams& p, cudaStream_t stream) {
-  const QMatrix& w = p.w[0];
-  const int mats = p.swiglu ? 2 : 1;
-  bool ok = p.a && p.c && p.tile_count && p.tile_expert && p.tile_row0 && p.tile_rows && p.max_tiles >= 1 &&
-            (p.tile_rows_max == 64 || p.tile_rows_max == 128) && aligned16(p.a) && p.ldc >= w.rows;
-  auto same = [&](const QMatrix& q) {  // 4-bit, the shapes of w
-    return q.w && q.scales && q.biases && q.rows == w.rows && q.cols == w.cols && q.bits == 4 && aligned16(q.w);
-  };
-  for (int m = 0; m < mats; ++m) ok = ok && same(p.w[m]) && (p.shared_expert < 0 || same(p.ws[m]));
-  if (!ok || w.cols < kWgGroup || w.cols % kWgGroup != 0) return cudaErrorInvalidValue;
-  if (!wgmma_built()) return cudaErrorInvalidDeviceFunction;
-  WgArgs a;
-  a.w[0] = p.w[0], a.w[1] = p.w[mats - 1];
-  a.ws[0] = p.ws[0], a.ws[1] = p.ws[mats - 1];
-  a.shared_expert = p.shared_expert;
-  a.a = p.a, a.N = w.rows, a.K = w.cols, a.out = p.swiglu ? GemmOut::f16 : GemmOut::f32, a.c = p.c;
-  a.ldc = p.ldc;
-  a.tile_count = p.tile_count, a.tile_expert = p.tile_expert, a.tile_row0 = p.tile_row0;
-  a.tile_rows = p.tile_rows, a.gather = p.gather;
-  constexpr int kRing = ring_fit(128, 256, 4, 2);
-  if (p.tile_rows_max == 128) {
-    return p.swiglu ? launch_wgmma<128, 256, 4, 2, kRing, 2>(a, p.max_tiles, stream)
-                    : launch_wgmma<128, 256, 4, 2, kRing, 1>(a, p.max_tiles, stream);
-  }
-  return p.swiglu ? launch_wgmma<64, 256, 4, 2, ring_fit(64, 256, 4, 2), 2>(a, p.max_tiles, stream)
-                  : launch_wgmma<64, 256, 4, 2, ring_fit(64, 256, 4, 2), 1>(a, p.max_tiles, stream);
 }
 
 }  // namespace lily::cuda

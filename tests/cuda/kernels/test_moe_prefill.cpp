@@ -1,5 +1,6 @@
-// moe_prefill (moe_prefill.cu) against CPU references on fresh random MLX-quantized weights, on both expert-GEMM
-// paths (mma.sync and, on a Hopper GPU with sm_90a code, wgmma), and its timings (print only).
+// moe_prefill (moe_prefill.cu) against CPU references on fresh random MLX-quantized weights, on each expert-GEMM
+// path (qgemm.cu's mma.sync tiles, the few-row tiles and, on a Hopper GPU with sm_90a code, the register-sourced
+// wgmma tiles), and its timings (print only).
 //
 // Tolerances as test_qgemm.cpp; in the MoE block the GPU's fp16 x may differ from the reference's by an ulp where x
 // sits at a rounding midpoint (bounded per element below), and the expert activation is rounded to fp16 (2^-11
@@ -52,8 +53,8 @@ struct MoeModel {
   }
 };
 
-// h after moe_prefill for the rows h (T = h.size() / H), tile_rows and the expert GEMMs' path as given.
-std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int tile_rows = 0, bool wgmma = false) {
+// h after moe_prefill for the rows h (T = h.size() / H) and tile_rows as given (0: moe_prefill's choice).
+std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int tile_rows = 0) {
   const int T = static_cast<int>(h.size() / m.H);
   DeviceBuffer<float> d_h(h), d_norm(m.norm_w);
   const size_t bytes = moe_prefill_scratch_bytes(T, m.H, m.I, m.I, m.E, m.k);
@@ -63,7 +64,6 @@ std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int t
   p.shared_gate_proj = m.q_sg, p.shared_up = m.q_su, p.shared_down = m.q_sd;
   p.h = d_h.get(), p.norm_w = d_norm.get(), p.eps = kEps, p.T = T, p.top_k = m.k;
   p.scratch = scratch.get(), p.scratch_bytes = bytes, p.tile_rows = tile_rows;
-  p.use_wgmma = wgmma;
   EXPECT_EQ(moe_prefill(p, nullptr), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return d_h.download();
@@ -162,12 +162,12 @@ std::vector<int> rows_to_check(int T, int spread) {
   return rows;
 }
 
-void check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int tile_rows = 0, bool wgmma = false) {
+void check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int tile_rows = 0) {
   const int T = static_cast<int>(h.size() / m.H);
   SCOPED_TRACE(testing::Message() << "H " << m.H << " E " << m.E << " I " << m.I << " k " << m.k << " T " << T
-                                  << " tile_rows " << tile_rows << (wgmma ? " wgmma" : ""));
-  const std::vector<float> got = run_moe(m, h, tile_rows, wgmma);
-  const std::vector<float> again = run_moe(m, h, tile_rows, wgmma);
+                                  << " tile_rows " << tile_rows);
+  const std::vector<float> got = run_moe(m, h, tile_rows);
+  const std::vector<float> again = run_moe(m, h, tile_rows);
   EXPECT_TRUE(got == again) << "moe_prefill must be deterministic";
   int checked = 0, skipped = 0;
   double worst = 0;
@@ -176,9 +176,9 @@ void check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int t
     (check_moe_row(m, &h[off], &got[off], t, worst) ? checked : skipped)++;
   }
   std::printf(
-      "moe_prefill%s H %d E %d T %d tile_rows %d: %d rows checked, %d skipped (k-th/(k+1)-th logit within "
+      "moe_prefill H %d E %d T %d tile_rows %d: %d rows checked, %d skipped (k-th/(k+1)-th logit within "
       "the error), largest |error| / tolerance %.3f\n",
-      wgmma ? " (wgmma)" : "", m.H, m.E, T, tile_rows, checked, skipped, worst);
+      m.H, m.E, T, tile_rows, checked, skipped, worst);
   EXPECT_GT(checked, 0);
 }
 
@@ -293,74 +293,11 @@ TEST(CudaMoePrefillRs, AgainstCpu) {
   check_moe(uneven, h, 8, kMoeRsTileRows);
 }
 
-// moe_prefill with use_wgmma (the grouped expert GEMMs on qgemm_wgmma.cu) against the mma.sync path on the same
-// inputs and against the CPU. Both paths multiply the same fp16 operands (the same dequantised weights, the
-// same gathered rows, the same tile list) with fp32 accumulation of the same k16 products in the same k order,
-// and the dense wgmma GEMM came out bit-identical to mma.sync end to end on the H200 (docs/PERF_NOTES.md,
-// 2026-11-30), so a bit-identical h is expected; it is printed, not asserted (the order of the additions
-// inside one k16 product is the hardware's). Asserted: the CPU reference's tolerances and determinism
-// (check_moe).
-void compare_moe_paths(const MoeModel& m, const std::vector<float>& h, int spread, int tile_rows) {
-  check_moe(m, h, spread, tile_rows, true);
-  const std::vector<float> a = run_moe(m, h, tile_rows, false);
-  const std::vector<float> b = run_moe(m, h, tile_rows, true);
-  ASSERT_EQ(a.size(), b.size());
-  size_t same = 0;
-  double worst = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    same += a[i] == b[i];
-    worst = std::max(worst, std::fabs(static_cast<double>(a[i]) - b[i]));
-  }
-  std::printf("  wgmma vs mma.sync, T %zu tile_rows %d: %zu of %zu elements of h bit-identical%s, largest "
-              "|difference| %.3g\n",
-              h.size() / m.H, tile_rows, same, a.size(), same == a.size() ? " (all)" : "", worst);
-}
-
-TEST(CudaMoePrefillWgmma, TinyAndSmallGeometry) {
-  SKIP_WITHOUT_GPU();
-  SKIP_WITHOUT_HOPPER();
-  MoeModel tiny(128, 16, 64, 4, 900);  // I = 64: half of each 128-column tile past N; K = I = 64: one step
-  tiny.upload();
-  for (int T : {1, 65, 300})
-    for (int tile_rows : {0, 64, 128})
-      compare_moe_paths(tiny, random_vector(static_cast<size_t>(T) * tiny.H, 1901 + T), 24, tile_rows);
-  MoeModel small(1024, 32, 256, 8, 1000);
-  small.upload();
-  for (int T : {65, 700}) compare_moe_paths(small, random_vector(static_cast<size_t>(T) * small.H, 2001 + T), 12, 0);
-}
-
-TEST(CudaMoePrefillWgmma, FullGeometry) {
-  SKIP_WITHOUT_GPU();
-  SKIP_WITHOUT_HOPPER();
-  MoeModel m(2048, 256, 512, 8, 1100);
-  m.upload();
-  // The seeds of CudaMoePrefill.FullGeometry: with 2102 the single row of T = 1 has its 8th and 9th router logits
-  // within the error bound, so no row could be checked against the CPU (the H200 run of 2026-11-30).
-  for (int T : {1, 65, 4096}) {
-    const std::vector<float> h = random_vector(static_cast<size_t>(T) * m.H, 1101 + T);
-    for (int tile_rows : {64, 128}) compare_moe_paths(m, h, T > 100 ? 16 : 4, tile_rows);
-  }
-}
-
-// The uneven loads and ties of OneExpertTakesEveryRowAndTies: expert 7 takes every row (32 or 64 full tiles at
-// 4,096 rows), most experts none (their tile-list entries do not exist), ties broken by the lower index.
-TEST(CudaMoePrefillWgmma, OneExpertTakesEveryRowAndTies) {
-  SKIP_WITHOUT_GPU();
-  SKIP_WITHOUT_HOPPER();
-  MoeModel m(2048, 256, 512, 8, 1300);
-  const std::vector<float> h = plant_uneven(m, 4096);
-  m.upload();
-  for (int T : {1, 65, 4096}) {
-    const std::vector<float> ht(h.begin(), h.begin() + static_cast<size_t>(T) * m.H);
-    for (int tile_rows : {64, 128}) compare_moe_paths(m, ht, T > 100 ? 8 : 4, tile_rows);
-  }
-}
-
 // ---- timings (print only)
 // ----------------------------------------------------------------------------------------
 
 // One moe_prefill layer at full geometry (E 256, H 2048, I 512, k 8), cold weights, CUDA-graph replay: us.
-double moe_layer_us(const DeviceBuffer<uint16_t>& pool, int T, int tile_rows, bool wgmma) {
+double moe_layer_us(const DeviceBuffer<uint16_t>& pool, int T, int tile_rows) {
   const int E = 256, H = 2048, I = 512, k = 8;
   const size_t bytes = moe_prefill_scratch_bytes(T, H, I, I, E, k);
   DeviceBuffer<unsigned char> scratch(bytes);
@@ -381,7 +318,6 @@ double moe_layer_us(const DeviceBuffer<uint16_t>& pool, int T, int tile_rows, bo
         p.shared_down = bench_qmatrix(pool, H, I, 4, base + 7);
         p.h = h.get(), p.norm_w = norm_w.get(), p.T = T, p.top_k = k;
         p.scratch = scratch.get(), p.scratch_bytes = bytes, p.tile_rows = tile_rows;
-        p.use_wgmma = wgmma;
         return moe_prefill(p, st);
       },
       3, 3);
@@ -407,7 +343,7 @@ TEST(CudaMoePrefillBench, FullGeometry) {
   for (int T : Ts) {
     for (const int tile_rows : {0, 32, 64, 128, kMoeRsTileRows}) {
       if (tile_rows == kMoeRsTileRows && !wgmma_built()) continue;
-      const double us = moe_layer_us(pool, T, tile_rows, false);
+      const double us = moe_layer_us(pool, T, tile_rows);
       const double flops = 2.0 * T * (k + 1) * 3.0 * H * I;  // routed + shared expert
       std::printf(
           "  T %5d tile_rows %3d%s: %9.1f us  %6.2f us/token  experts %6.1f TFLOP/s (%4.1f%% of 790)\n", T,
@@ -441,27 +377,6 @@ TEST(CudaMoePrefillBench, FullGeometry) {
         "%8.1f us "
         "%6.1f TFLOP/s\n",
         T * k, us_in, 4.0 * T * k * I * H / (us_in * 1e6), us_out, 2.0 * T * k * I * H / (us_out * 1e6));
-  }
-}
-
-// moe_prefill per layer on both expert-GEMM paths (MoePrefillParams::use_wgmma), print only. The expert
-// FLOP rate counts the routed and shared experts' GEMMs against the whole layer's time (routing, gather and
-// combine included), as CudaMoePrefillBench.FullGeometry does.
-TEST(CudaMoePrefillBench, WgmmaVsMmaSync) {
-  SKIP_WITHOUT_GPU();
-  SKIP_WITHOUT_HOPPER();
-  const int H = 2048, I = 512, k = 8;
-  const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
-  std::printf("\nmoe_prefill per layer, full geometry, cold weights, CUDA-graph replay: mma.sync | wgmma\n");
-  for (int T : {512, 1024, 4096}) {
-    for (int tile_rows : {0, 64, 128}) {
-      const double flops = 2.0 * T * (k + 1) * 3.0 * H * I;
-      const double us_m = moe_layer_us(pool, T, tile_rows, false);
-      const double us_w = moe_layer_us(pool, T, tile_rows, true);
-      std::printf("  T %5d tile_rows %3d%s: %8.1f us %6.1f TFLOP/s | %8.1f us %6.1f TFLOP/s (%4.2fx)\n", T, tile_rows,
-                  tile_rows ? "" : " (auto)", us_m, flops / (us_m * 1e6), us_w, flops / (us_w * 1e6),
-                  us_w > 0 ? us_m / us_w : 0.0);
-    }
   }
 }
 
