@@ -7,7 +7,7 @@
 // 128 of the down projection. The grid is persistent (one block an SM, items blockIdx.x, + gridDim.x, ...; items
 // of a tile are adjacent, so the tile's activation rows are read from the L2 by consecutive blocks). Block: two
 // consumer warpgroups and one producer warpgroup.
-//  - The producer warpgroup streams each item's K steps (64 k = one quantisation group) through a ring of KS stages:
+//  - The producer warpgroup streams each item's K steps (64 k = one quantisation group) through a ring of kStages stages:
 //    the tile's activation rows (gathered: row r of the tile is A row gather[row0 + r]) as a K-major tile in the
 //    128-byte swizzle the wgmma descriptor reads, and the 128 weight rows' packed nibbles (32 bytes a row); at an
 //    item's first step also the rows' bf16 scales and biases of every group (double-buffered by item parity).
@@ -25,6 +25,9 @@
 //    registers alternate between two sets by step parity: a step's set is still read by its wgmmas until the
 //    next step's wgmma.wait_group 1, after which the consumers arrive on empty[previous stage].
 // FLOPs 2 rows N K; bytes N K / 2 (+ N K / 16 scales and biases) from memory, rows K 2 from the L2 per block.
+// Measured (H200, full geometry, docs/PERF_NOTES.md "2026-12-02 (third session)"): a layer's moe_prefill at
+// T = 1024 / 1280 / 1536 / 2048 / 4096 takes 587 / 624 / 656 / 731 / 1047 us on these tiles (few-row tiles: 544 /
+// 642 / 738 / 923 / 1732; 128-row tiles at 4096: 1602); moe_prefill picks them from 40 rows an expert.
 #include <cuda_fp16.h>
 
 #include <algorithm>

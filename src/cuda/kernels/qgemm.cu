@@ -467,7 +467,8 @@ cudaError_t qgemm(const QGemmParams& p, cudaStream_t stream) {
   }
   // Row tail: where the rows past the last multiple of 128 would add a round of blocks (1,025 rows of gdn_out: 144
   // tiles of 128 x 128 on 132 SMs, twice the time of 1,024 rows), the full 128-row tiles run as one GEMM and the
-  // tail rows as another (split-K when there is scratch): each row's result is the same sum either way.
+  // tail rows as another (split-K when there is scratch: the tail rows' sums in another order, within the same
+  // fp32 tolerance).
   const int tail = qgemm_row_tail(p.M, p.w, p.use_wgmma && wgmma_built()), head = p.M - tail;
   if (tail) {
     QGemmParams h = p, t = p;
