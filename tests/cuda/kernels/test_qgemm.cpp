@@ -135,9 +135,8 @@ TEST(CudaQgemm, SplitKMatchesCpu) {
 // (qgemm_row_tail): the wgmma grid of gdn_out's shape (N 2048: 1,024 rows are 128 tiles, 1,025 are 144) and an
 // mma.sync grid (N 3840: 240 blocks of 264 places at 1,024 rows, 270 at 1,025), every output mode, with and
 // without split-K scratch for the tail.
-TEST(CudaQgemm, RowTailMatchesCpu) {
-  SKIP_WITHOUT_GPU();
-  uint32_t seed = 1500;
+// The rule alone (host code: runs without a GPU too).
+TEST(CudaQgemm, RowTailRule) {
   QMatrix w;
   w.cols = 256, w.bits = 4;
   w.rows = 2048;
@@ -146,8 +145,16 @@ TEST(CudaQgemm, RowTailMatchesCpu) {
   EXPECT_EQ(qgemm_row_tail(1024, w, true), 0);
   EXPECT_EQ(qgemm_row_tail(1025, w, false), 0);  // 144 mma.sync blocks fit the 264 places
   EXPECT_EQ(qgemm_row_tail(100, w, true), 0);
+  EXPECT_EQ(qgemm_row_tail(4097, w, true), 0);  // 33 x 8 wide tiles: 264 blocks, 2 rounds like 4,096's 256
   w.rows = 3840;
   EXPECT_EQ(qgemm_row_tail(1025, w, false), 1);
+  w.rows = 12352;  // gdn_in: 8 x 49 wide tiles = 392 (3 rounds), 9 x 49 = 441 (4)
+  EXPECT_EQ(qgemm_row_tail(1027, w, true), 3);
+}
+
+TEST(CudaQgemm, RowTailMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 1500;
   int mode = 0;
   for (int bits : {4, 8}) {
     for (int M : {1025, 1090, 1151}) {
