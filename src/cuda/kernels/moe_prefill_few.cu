@@ -33,8 +33,6 @@ constexpr int kWarps = 4;
 constexpr int kNT = kFewRows / 8;  // mma N tiles of 8 rows
 constexpr int kGroupWords = 8;     // 4-bit words of a 64-element group row
 
-__device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
-__device__ __forceinline__ __half2 bits_h2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
 
 // The four fp16 pairs (q_i, q_{i+4}) of a word of 8 nibbles, as scale * q + bias.
 __device__ __forceinline__ void expand_word(uint32_t w, __half2 s, __half2 b, uint32_t (&o)[4]) {

@@ -108,9 +108,6 @@ __device__ __forceinline__ void weight_row(int ar, int slice, int& mat, int& fea
 }
 
 #if defined(LILY_SM90A_PASS)
-// The producer warpgroup's named barrier.
-__device__ __forceinline__ void producer_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
-
 // D[64, 32] (+)= A[64, 16] . B[32, 16]^T: A from registers (the mma.sync A fragment layout per warp), B K-major
 // in shared memory (descriptor db); scale_d 0 overwrites D.
 __device__ __forceinline__ void wgmma_rs32(float (&d)[16], const uint32_t (&a)[4], uint64_t db, int scale_d) {
@@ -144,9 +141,6 @@ __device__ __forceinline__ void issue(float (&acc)[kChunks][16], const uint32_t 
 #pragma unroll
     for (int n = 0; n < NCH; ++n) wgmma_rs32(acc[n], a[j], d0 + static_cast<uint64_t>((n * 4096 + 32 * j) >> 4), kt > 0 || j > 0);
 }
-
-__device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
-__device__ __forceinline__ __half2 bits_h2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
 
 // Elements 2c, 2c + 1 of a word of 8 nibbles (its byte c: sel picks it into bytes 0 and 2) as fp16
 // scale * q + bias.
@@ -198,9 +192,9 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_rs_kernel(const TileArgs 
     };
     for (int item = blockIdx.x; item < items; item += gridDim.x, ++ii) {
       const Item it = item_of<SWIGLU>(p, item, slices);
-      producer_sync();  // every producer thread is done with the previous item's gather indices
+      producer_bar_sync();  // every producer thread is done with the previous item's gather indices
       for (int r = t; r < it.rows; r += 128) gidx[r] = p.gather ? __ldcg(p.gather + it.row0 + r) : it.row0 + r;
-      producer_sync();
+      producer_bar_sync();
       // This thread's activation copies: chunk ch of rows r0 + 16 i (i < kRowsPer) of the tile, their sources
       // (nullptr past the tile's rows) and their swizzled place (r & 7 = r0 & 7 for all of them).
       const __half* src[kRowsPer];

@@ -88,11 +88,6 @@ struct WgTile {
 };
 
 #if defined(LILY_SM90A_PASS)
-// The producer warpgroup's named barrier.
-__device__ __forceinline__ void producer_bar_sync() {
-  asm volatile("bar.sync 1, 128;" ::: "memory");
-}
-
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db);
 

@@ -1,6 +1,7 @@
-// Hopper (sm_90a) device helpers shared by the warpgroup-MMA kernels (qgemm_wgmma.cu, attn_prefill_wgmma.cu):
-// mbarriers (CTA scope), the generic -> async proxy fence, the wgmma fence / commit / wait wrappers, the register
-// fence around asynchronous accumulators and the descriptor of a K-major operand in the 128-byte swizzled layout.
+// Hopper (sm_90a) device helpers shared by the warpgroup-MMA kernels (qgemm_wgmma.cu, moe_prefill_rs.cu,
+// attn_prefill_wgmma.cu): mbarriers (CTA scope), the generic -> async proxy fence, the producer warpgroup's named
+// barrier, the wgmma fence / commit / wait wrappers, the register fence around asynchronous accumulators and the
+// descriptor of a K-major operand in the 128-byte swizzled layout.
 // Use them only inside `#if defined(LILY_SM90A_PASS)`: the instructions exist in an sm_90a device pass only (the
 // kernels compile to nothing elsewhere and their launchers refuse to launch, see wgmma_built). In their own
 // namespace so that they never collide with other kernels' helpers.
@@ -50,6 +51,10 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
+
+// The producer warpgroup's named barrier (barrier 1, the 128 threads of one warpgroup; barrier 0 is
+// __syncthreads).
+__device__ __forceinline__ void producer_bar_sync() { asm volatile("bar.sync 1, 128;" ::: "memory"); }
 
 // ---- wgmma
 __device__ __forceinline__ void wgmma_fence() {
