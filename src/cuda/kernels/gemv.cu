@@ -1,24 +1,26 @@
-// Row-parallel quantized GEMV for batch-1 decode: y = W x (+ residual), W an MLX QMatrix [rows, cols] used in
-// its checkpoint layout (no repacking), x built from `in` by an optional prologue (gemv.cuh).
+// Row-parallel quantized GEMV for decode: y = W x (+ residual) for 1 .. 8 activation rows, W an MLX QMatrix
+// [rows, cols] used in its checkpoint layout (no repacking), x built from `in` by an optional prologue (gemv.cuh).
 //
-// Memory-bound: moves rows * (cols * bits / 8 + cols / 16) bytes (weights + bf16 scales and biases per group
-// of 64); target >= 85% of 4.27 TB/s on large matrices (lm_head [248320, 2048]: 286 MB, 67 us at the floor).
+// Memory-bound at one row: moves rows * (cols * bits / 8 + cols / 16) bytes (weights + bf16 scales and biases per
+// group of 64); target >= 85% of 4.27 TB/s on large matrices (lm_head [248320, 2048]: 286 MB, 67 us at the floor).
 //
-// 4-bit, cols in {512, 1024, 2048, 4096}: a chunk is 8192 weights = 8192 / cols consecutive rows (4 KiB of
+// 4-bit, cols 2048 / 4096, scales and biases 16-byte aligned (every large matrix of the model): gemv_mma_kernel,
+// the weights on the tensor cores (mma.sync, the activation rows on the N side), so that 8 rows cost about what
+// one does; one kernel for any row count, so a row's result does not depend on the others (see mma:: below).
+// 4-bit, cols in {512, 1024}: a chunk is 8192 weights = 8192 / cols consecutive rows (4 KiB of
 // packed weights + 256 B of scales + 256 B of biases, all contiguous). A group of L = min(32, cols / 32 / V)
-// lanes covers a row with V 16-byte vectors per lane (V = 2 from cols 2048 up): cols 512 puts two rows in a warp
-// (half-warps), cols 4096 gives 4 vectors per lane. A lane always handles the same vector positions of a row,
+// lanes covers a row with V 16-byte vectors per lane. A lane always handles the same vector positions of a row,
 // so its 32-float slices of x are read from shared memory once per chunk for all the chunk's rows; the partial
 // sums of the chunk's P row-passes are reduced by one reduce-scatter butterfly. Dequantisation: quant_dot.cuh.
 //  gemv_q4_async_kernel (scales/biases 16-byte aligned): each warp streams its chunks through a 2-stage ring in
-//    shared memory with cp.async (no registers held by loads in flight: ~147 KB in flight per SM), issued
-//    before the prologue and, with programmatic dependent launch, before the previous kernel has finished.
-//  gemv_q4_kernel (any alignment): the same chunks loaded straight into registers, 8 x 16 B per lane.
-// The grid is persistent (one block per SM or fewer; warps grid-stride over chunks), so the prologue (the norm
-// of `in`) runs once per block, overlapped with the first chunks' weight loads. The residual of a lane's next
-// output row is loaded a chunk ahead (the first with the prologue's inputs), never after the dot product.
+//    shared memory with cp.async (no registers held by loads in flight), issued before the prologue and, with
+//    programmatic dependent launch, before the previous kernel has finished.
+//  gemv_q4_kernel (any alignment, any of the four widths): the same chunks loaded straight into registers.
+// The grids are persistent (one block per SM or fewer), so the prologue (the norm of `in`) runs once per block,
+// overlapped with the first weight loads. Several rows on these kernels: one launch per row (gemv_rows).
 // Other widths and 8-bit (gemv_generic_kernel): a warp per row, x from shared memory; for small matrices.
 #include "cuda/kernels/gemv.cuh"
+#include "cuda/kernels/qgemm_util.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 
 #include <algorithm>
@@ -124,20 +126,14 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_async_kernel(c
 }
 
 // ---- several rows (gemv_rows) ---------------------------------------------------------------------------------
-// The asynchronous kernel with n_rows <= kMaxBatchRows activation rows: x_s holds every row's padded x, a chunk's
-// weights are read from the stage once per group of 4 rows and the dot products, reductions and stores are the
-// single-row kernel's per row, so each row is bit-identical to gemv() alone. Compute grows with the rows (~2.6
-// instructions per weight and row), the weight traffic does not; the rows' FMA chains are independent, so a
-// compile-time row count lets them interleave (a runtime count with a branch per row ran at ~5-10 weight-rows a
-// clock per SM, 2026-12-02).
-
 constexpr int kRowsMax = kMaxBatchRows;
 
-// The prologue for every row. rms_norm and none: block_load_x's fast path (the launcher checks its conditions)
-// with the loads of all rows first; per row the same per-thread terms (the zero terms of absent vectors left
-// out: adding +0 changes nothing) and block_sum's reduction order (warp sums, then warps in order).
-__device__ void build_x_rows(const GemvParams& p, float* x_s, float* red_s) {
-  const int n = p.n_rows, cols = p.m.cols, n_vecs = cols / 4, xf = xpad_floats(cols);
+// The prologue for every row (row r at x_s + r xf), each row's x bit-identical to build_x of that row alone.
+// rms_norm and none: block_load_x's fast path (the launcher checks its conditions) with the loads of all rows
+// first; per row the same per-thread terms (the zero terms of absent vectors left out: adding +0 changes nothing)
+// and block_sum's reduction order (warp sums, then warps in order).
+__device__ void build_x_rows(const GemvParams& p, float* x_s, float* red_s, int xf) {
+  const int n = p.n_rows, cols = p.m.cols, n_vecs = cols / 4;
   if (p.prologue == GemvPrologue::gated_rms_norm) {
     for (int r = 0; r < n; ++r)
       block_load_x_gated(p.in + static_cast<size_t>(r) * p.in_stride, p.gate_z + static_cast<size_t>(r) * p.z_stride,
@@ -207,96 +203,210 @@ __device__ void build_x_rows(const GemvParams& p, float* x_s, float* red_s) {
   __syncthreads();
 }
 
-// dot_stage for rows r0 and r0 + 1 (G = 2, no branches: the rows' FMA chains interleave): the stage's weights of
-// a vector are read and decoded once for both rows (dot_q4_vec2), each row's sums as dot_stage's.
-template <int COLS, int G>
-__device__ __forceinline__ void dot_stage_rows(const char* stage, const float* x_s, int lane,
-                                               float (&part)[G][Q4Layout<COLS>::kPasses]) {
-  using Lay = Q4Layout<COLS>;
-  constexpr int XF = xpad_floats(COLS);
-  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
-  const unsigned short* s_s = reinterpret_cast<const unsigned short*>(stage + kChunkWeightBytes);
-  const unsigned short* b_s = s_s + kChunkScaleBytes / 2;
+// ---- the tensor-core kernel: 4-bit, cols 2048 / 4096, 1 .. 8 activation rows ---------------------------------
+// y[n] = W x[n] for the launch's n_rows activation rows on mma.sync m16n8k16: the weights are the A operand (16
+// rows x 16 k a fragment), the activation rows the N side (8 an mma: lane group g = lane / 4 feeds row g of x).
+// A unit is 16 weight rows x 512 columns (4 KiB of nibbles + 8 groups of bf16 scales and biases, kUnitStageBytes);
+// a team of COLS / 512 warps takes one 16-row group, warp `part` of the team its columns 512 part .. +511, and
+// streams its units through a 2-stage cp.async ring (issued before pdl_wait, as the one-row kernel did).
+//  - A: a thread's 16 nibbles of a group row are k = 16c .. 16c + 15 (c = lane & 3), expanded by one LOP3 a pair
+//    to 1024 + q as fp16 (exact; qgemm_util biased_pairs), in the k order of moe_prefill_few.cu (the pair
+//    (q_i, q_{i+4}) of a word; B takes x_i and x_{i+4}): the dot product over a fragment is the same sum in
+//    another order.
+//  - B: x as fp16 (round to nearest) from the prologue's fp32 x in shared memory, 4 LDS.128 + 8 packs a group.
+//  - Per group (64 k = 4 mmas from zero) the scale and bias go on the fp32 result, not on the weights:
+//    sum_k (s q_k + b) x_k = s acc + (b - 1024 s) xsum, acc = sum_k (1024 + q_k) x_k and xsum the sum of the
+//    group's fp16 x (exact in fp32, once per block). The groups accumulate in order in fp32; the team's parts are
+//    summed in order by the team's first warp through shared memory.
+// Every row's arithmetic is the same whatever n_rows is (an mma's column depends only on its own B column; the
+// block size depends only on the matrix), so a row's result is bit-identical alone or beside others.
+// Error against exact arithmetic: x rounded to fp16 (2^-11 relative a term), the rest fp32.
+namespace mma {
+
+using qgemm_util::biased_pairs;
+using qgemm_util::mma_f16;
+using qgemm_util::pack_f16;
+
+constexpr int kUnitRows = 16;
+constexpr int kPartCols = 512;
+constexpr int kPartGroups = kPartCols / 64;
+constexpr int kUnitWeightBytes = kUnitRows * kPartCols / 2;                             // 4096
+constexpr int kUnitStageBytes = kUnitWeightBytes + 2 * kUnitRows * kPartGroups * 2;     // + scales, biases: 4608
+constexpr int kStages = 2;
+constexpr int kRows = kMaxBatchRows;  // mma N: 8
+
+// x rows in shared memory, floats apart: the padded row (xpad_floats) + 8, so rows n and n + 1 of a quarter
+// warp's 16-byte loads fall on other banks.
+__host__ __device__ constexpr int x_row_floats(int cols) { return xpad_floats(cols) + 8; }
+
+// Shared memory of a block of `warps` warps for n_rows rows: x [n_rows][x_row_floats], xsum [groups][8], the
+// team reduction [warps][128] floats, the rings (8 rows at 2,048 columns and 16 warps: 226 KiB).
+__host__ __device__ constexpr size_t smem_bytes(int cols, int n_rows, int warps) {
+  return (static_cast<size_t>(n_rows) * x_row_floats(cols) + static_cast<size_t>(cols / 64) * kRows +
+          static_cast<size_t>(warps) * 128) * sizeof(float) +
+         static_cast<size_t>(warps) * kStages * kUnitStageBytes;
+}
+
+// Copies unit (row group rg, column part `part`) of m into `stage`: weights [group][row][32 bytes] (a thread's
+// 8 bytes of a group row without bank conflicts), then scales [row][8] and biases [row][8]. Rows past the end are
+// zero-filled (zero scales and biases: they contribute 0).
+template <int COLS>
+__device__ __forceinline__ void issue_unit(const QMatrix& m, int rg, int part, int lane, char* stage) {
+  const char* w = reinterpret_cast<const char*>(m.w);
 #pragma unroll
-  for (int r = 0; r < G; ++r)
+  for (int it = 0; it < 8; ++it) {
+    const int piece = it * 32 + lane, r = piece >> 4, pir = piece & 15;  // 16 pieces of 16 bytes a row
+    const int row = rg * kUnitRows + r;
+    const bool valid = row < m.rows;
+    const char* src = w + static_cast<size_t>(valid ? row : 0) * (COLS / 2) + part * (kPartCols / 2) + pir * 16;
+    cp_async_16(stage + ((pir >> 1) * kUnitRows + r) * 32 + (pir & 1) * 16, src, valid);
+  }
+  const int r = lane & 15, row = rg * kUnitRows + r;
+  const bool valid = row < m.rows;
+  const __nv_bfloat16* src = (lane < 16 ? m.scales : m.biases) +
+                             static_cast<size_t>(valid ? row : 0) * (COLS / 64) + part * kPartGroups;
+  cp_async_16(stage + kUnitWeightBytes + (lane < 16 ? 0 : kUnitRows * 16) + r * 16, src, valid);
+}
+
+// out[0..3] += this warp's unit: rows g, g + 8 of the unit x activation rows 2c, 2c + 1 (the C fragment).
+template <int COLS>
+__device__ __forceinline__ void dot_unit(const char* stage, const float* x_s, const float* xsum_s, int part, int n,
+                                         int lane, float (&out)[4]) {
+  constexpr int XF = x_row_floats(COLS);
+  const int g = lane >> 2, c = lane & 3;
+  const uint16_t* s_s = reinterpret_cast<const uint16_t*>(stage + kUnitWeightBytes);
+  const uint16_t* b_s = s_s + kUnitRows * kPartGroups;
 #pragma unroll
-    for (int pass = 0; pass < Lay::kPasses; ++pass) part[r][pass] = 0.0f;
-#pragma unroll
-  for (int v = 0; v < Lay::kVecsPerLane; ++v) {
-    const int vec = v * Lay::kLanesPerRow + j;
-    uint4 w[Lay::kPasses];
-    unsigned short sb[Lay::kPasses], bb[Lay::kPasses];
-#pragma unroll
-    for (int pass = 0; pass < Lay::kPasses; ++pass) {
-      const int r = pass * Lay::kRowsPerPass + sub;
-      w[pass] = *reinterpret_cast<const uint4*>(stage + (r * Lay::kVecsPerRow + vec) * 16);
-      const int g = r * (COLS / 64) + vec / 2;
-      sb[pass] = s_s[g], bb[pass] = b_s[g];
+  for (int j = 0; j < kPartGroups; ++j) {
+    const int G = part * kPartGroups + j;
+    const char* slot = stage + j * kUnitRows * 32;
+    const uint2 qa = *reinterpret_cast<const uint2*>(slot + g * 32 + 8 * c);
+    const uint2 qb = *reinterpret_cast<const uint2*>(slot + (g + 8) * 32 + 8 * c);
+    uint32_t b[4][2] = {};
+    if (g < n) {  // activation row g of the launch (the others are zero columns)
+      const float4* xp = reinterpret_cast<const float4*>(x_s + g * XF + xpad(64 * G + 16 * c));
+      const float4 f0 = xp[0], f1 = xp[1], f2 = xp[2], f3 = xp[3];
+      b[0][0] = pack_f16(f0.x, f1.x), b[0][1] = pack_f16(f0.y, f1.y);
+      b[1][0] = pack_f16(f0.z, f1.z), b[1][1] = pack_f16(f0.w, f1.w);
+      b[2][0] = pack_f16(f2.x, f3.x), b[2][1] = pack_f16(f2.y, f3.y);
+      b[3][0] = pack_f16(f2.z, f3.z), b[3][1] = pack_f16(f2.w, f3.w);
     }
-    static_assert(G == 2, "rows in pairs: dot_q4_vec2");
-    float x0[32], x1[32];
-    const float x_sum0 = load_x_vec(x_s, vec, x0), x_sum1 = load_x_vec(x_s + XF, vec, x1);
+    uint32_t ea[4], eb[4], fa[4], fb[4];
+    biased_pairs(qa.x, ea), biased_pairs(qb.x, eb), biased_pairs(qa.y, fa), biased_pairs(qb.y, fb);
+    const uint32_t a[4][4] = {{ea[0], eb[0], ea[1], eb[1]},
+                              {ea[2], eb[2], ea[3], eb[3]},
+                              {fa[0], fb[0], fa[1], fb[1]},
+                              {fa[2], fb[2], fa[3], fb[3]}};
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int pass = 0; pass < Lay::kPasses; ++pass) {
-      float d0, d1;
-      dot_q4_vec2(w[pass], x0, x1, d0, d1);
-      part[0][pass] += q4_group_term(d0, x_sum0, sb[pass], bb[pass]);
-      part[1][pass] += q4_group_term(d1, x_sum1, sb[pass], bb[pass]);
-    }
+    for (int s = 0; s < 4; ++s) mma_f16(acc, a[s], b[s][0], b[s][1]);
+    const float sa = bf16_bits_to_float(s_s[g * kPartGroups + j]);
+    const float sb = bf16_bits_to_float(s_s[(g + 8) * kPartGroups + j]);
+    const float ba = fmaf(-1024.0f, sa, bf16_bits_to_float(b_s[g * kPartGroups + j]));
+    const float bb = fmaf(-1024.0f, sb, bf16_bits_to_float(b_s[(g + 8) * kPartGroups + j]));
+    const float2 xs = *reinterpret_cast<const float2*>(xsum_s + G * kRows + 2 * c);
+    out[0] = fmaf(sa, acc[0], fmaf(ba, xs.x, out[0]));
+    out[1] = fmaf(sa, acc[1], fmaf(ba, xs.y, out[1]));
+    out[2] = fmaf(sb, acc[2], fmaf(bb, xs.x, out[2]));
+    out[3] = fmaf(sb, acc[3], fmaf(bb, xs.y, out[3]));
   }
 }
 
-// R rows of shared memory for x (the launch's n_rows <= R are real; the others compute and are not written).
-template <int COLS, int R>
-__global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_rows_kernel(const __grid_constant__ GemvParams p) {
+__device__ __forceinline__ void team_sync(int team, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(team + 1), "r"(threads) : "memory");
+}
+
+template <int COLS>
+__global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const __grid_constant__ GemvParams p) {
   const trace::BlockTrace trace_block(trace::kGemv);
-  using Lay = Q4Layout<COLS>;
-  constexpr int XF = xpad_floats(COLS);
-  constexpr int G = 2;  // rows a pass over the stage (4 spilled at 128 registers a thread)
+  constexpr int kParts = COLS / kPartCols;  // warps of a team
+  constexpr int XF = x_row_floats(COLS), kGroups = COLS / 64;
   extern __shared__ __align__(16) char smem[];
   __shared__ float red_s[32 * kRowsMax];
   const int n = p.n_rows;
-  float* x_s = reinterpret_cast<float*>(smem);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-  char* ring = smem + static_cast<size_t>(R) * XF * sizeof(float) + warp * kStages * kStageBytes;
-  const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
-  const int first = blockIdx.x * n_warps + warp, stride = gridDim.x * n_warps;
+  const int teams = n_warps / kParts, team = warp / kParts, part = warp % kParts;
+  float* x_s = reinterpret_cast<float*>(smem);  // [n][XF]
+  float* xsum_s = x_s + n * XF;                 // [group][kRows]
+  float* acc_s = xsum_s + kGroups * kRows;      // [warp][128]
+  char* ring = reinterpret_cast<char*>(acc_s + n_warps * 128) + warp * kStages * kUnitStageBytes;
+  const int n_rg = (p.m.rows + kUnitRows - 1) / kUnitRows;
+  const int rg0 = blockIdx.x * teams + team, rg_stride = gridDim.x * teams;
 
   pdl_launch_dependents();
 #pragma unroll
-  for (int k = 0; k < kStages; ++k) {
-    if (first + k * stride < n_chunks) issue_chunk<COLS>(p.m, first + k * stride, lane, ring + k * kStageBytes);
+  for (int k = 0; k < kStages; ++k) {  // weights first: they do not depend on the previous kernel
+    if (rg0 + k * rg_stride < n_rg) issue_unit<COLS>(p.m, rg0 + k * rg_stride, part, lane, ring + k * kUnitStageBytes);
     cp_async_commit();
   }
   pdl_wait();
-  build_x_rows(p, x_s, red_s);
+  if (n == 1) {
+    build_x(p, x_s, red_s);
+  } else {
+    build_x_rows(p, x_s, red_s, XF);
+  }
+  // The groups' sums of fp16 x: a warp a (row, group), two elements a lane, the warp's butterfly (a fixed order).
+  for (int i = threadIdx.x; i < kGroups * kRows; i += blockDim.x) {
+    if (i % kRows >= n) xsum_s[i] = 0.0f;
+  }
+  for (int it = warp; it < n * kGroups; it += n_warps) {
+    const int r = it / kGroups, G = it % kGroups;
+    const float2 v = *reinterpret_cast<const float2*>(x_s + r * XF + xpad(64 * G + 2 * lane));
+    const float sum = warp_sum(__half2float(__float2half_rn(v.x)) + __half2float(__float2half_rn(v.y)));
+    if (lane == 0) xsum_s[G * kRows + r] = sum;
+  }
+  __syncthreads();
 
-  for (int k = 0, chunk = first; chunk < n_chunks; ++k, chunk += stride) {
-    char* stage = ring + (k % kStages) * kStageBytes;
-    const int row = out_row<COLS>(chunk, lane);
-    const bool writes = writes_row<COLS>(lane) && row < p.m.rows;
-    cp_async_wait<kStages - 1>();
-    __syncwarp();
-#pragma unroll 1
-    for (int r0 = 0; r0 < R; r0 += G) {
-      float res[G];  // issued before the dot products, used after them
+  const int g = lane >> 2, c = lane & 3;
+  for (int k = 0, rg = rg0; rg < n_rg; ++k, rg += rg_stride) {
+    char* stage = ring + (k % kStages) * kUnitStageBytes;
+    // The team's first warp stores rows g, g + 8 x activation rows 2c, 2c + 1; their residuals are loaded first.
+    const int row_a = rg * kUnitRows + g, row_b = row_a + 8;
+    float res[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (part == 0 && p.residual) {
 #pragma unroll
-      for (int r = 0; r < G; ++r)
-        res[r] = p.residual && writes && r0 + r < n ? p.residual[static_cast<size_t>(r0 + r) * p.out_stride + row] : 0.0f;
-      float part[G][Lay::kPasses];
-      dot_stage_rows<COLS, G>(stage, x_s + r0 * XF, lane, part);
-#pragma unroll
-      for (int r = 0; r < G; ++r) {
-        group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part[r], lane);
-        if (writes && r0 + r < n) p.y[static_cast<size_t>(r0 + r) * p.out_stride + row] = res[r] + part[r][0];
+      for (int q = 0; q < 4; ++q) {
+        const int row = q < 2 ? row_a : row_b, col = 2 * c + (q & 1);
+        if (col < n && row < p.m.rows) res[q] = p.residual[static_cast<size_t>(col) * p.out_stride + row];
       }
     }
+    cp_async_wait<kStages - 1>();  // this lane's copies of unit k have landed
+    __syncwarp();                  // ... and every lane's
+    float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    dot_unit<COLS>(stage, x_s, xsum_s, part, n, lane, out);
     __syncwarp();  // the stage is free again
-    if (chunk + kStages * stride < n_chunks) issue_chunk<COLS>(p.m, chunk + kStages * stride, lane, stage);
+    if (rg + kStages * rg_stride < n_rg) issue_unit<COLS>(p.m, rg + kStages * rg_stride, part, lane, stage);
     cp_async_commit();
+    if (part > 0) *reinterpret_cast<float4*>(acc_s + warp * 128 + 4 * lane) = make_float4(out[0], out[1], out[2], out[3]);
+    team_sync(team, kParts * 32);
+    if (part == 0) {
+      float v[4] = {out[0], out[1], out[2], out[3]};
+#pragma unroll
+      for (int q = 1; q < kParts; ++q) {  // the parts in order
+        const float4 o = *reinterpret_cast<const float4*>(acc_s + (warp + q) * 128 + 4 * lane);
+        v[0] += o.x, v[1] += o.y, v[2] += o.z, v[3] += o.w;
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int row = q < 2 ? row_a : row_b, col = 2 * c + (q & 1);
+        if (col < n && row < p.m.rows) p.y[static_cast<size_t>(col) * p.out_stride + row] = res[q] + v[q];
+      }
+    }
+    team_sync(team, kParts * 32);  // the team's slots are free again
   }
   cp_async_wait<0>();
 }
+
+// Warps of a block for m on n_sms SMs: a team (COLS / 512 warps) per 16-row group, about as many units as SMs x
+// warps, 4..16 warps.
+int warps_for(const QMatrix& m, int n_sms) {
+  const int parts = m.cols / kPartCols;
+  const int units = (m.rows + kUnitRows - 1) / kUnitRows * parts;
+  const int w = std::clamp((units + n_sms - 1) / n_sms, 4, kAsyncMaxWarps);
+  return std::min(kAsyncMaxWarps, (w + parts - 1) / parts * parts);
+}
+
+}  // namespace mma
 
 // Any cols (multiple of 512), 4 or 8 bits: a warp per row, lanes stride over the row's 16-byte vectors.
 template <int BITS>
@@ -333,6 +443,22 @@ __global__ void __launch_bounds__(kThreads) gemv_generic_kernel(const __grid_con
 }
 
 // Persistent grid: as many blocks as fit on the device at once, but no more than the work needs.
+int device_sms() {
+  int device = 0, n_sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    return 0;
+  return n_sms;
+}
+
+// Warps of a block of the asynchronous one-row kernel: one block per SM, fewer warps when there are few chunks,
+// so that they spread over all SMs.
+int async_warps(const QMatrix& m, int n_sms) {
+  const int rows_per_chunk = gemv_q4::kChunkWeights / m.cols;
+  const int n_chunks = (m.rows + rows_per_chunk - 1) / rows_per_chunk;
+  return std::clamp((n_chunks + n_sms - 1) / n_sms, 4, kAsyncMaxWarps);
+}
+
 template <class Kernel>
 cudaError_t launch_persistent(Kernel kernel, int work_blocks, size_t smem, const GemvParams& p,
                               cudaStream_t stream) {
@@ -350,18 +476,19 @@ cudaError_t launch_q4(const GemvParams& p, cudaStream_t stream) {
   const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
   const bool aligned = reinterpret_cast<uintptr_t>(p.m.scales) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.m.biases) % 16 == 0;
-  if (!aligned) return launch_persistent(gemv_q4_kernel<COLS>, (n_chunks + kWarps - 1) / kWarps, 0, p, stream);
-  // One block per SM; fewer warps per block when there are few chunks, so that they spread over all SMs.
-  int device = 0, n_sms = 0;
-  CUDA_TRY(cudaGetDevice(&device));
-  CUDA_TRY(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
-  const int warps = gemv_q4_async_threads(p.m, n_sms) / 32;
-  const int blocks = std::max(1, std::min(n_sms, (n_chunks + warps - 1) / warps));
-  const size_t smem = xpad_floats(COLS) * sizeof(float) + static_cast<size_t>(warps) * kStages * kStageBytes;
-  auto kernel = gemv_q4_async_kernel<COLS>;
-  CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                xpad_floats(COLS) * sizeof(float) + kAsyncMaxWarps * kStages * kStageBytes));
-  return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
+  // 2,048 and 4,096 columns with aligned scales take the tensor-core kernel (mma_takes).
+  if constexpr (COLS > 1024) {
+    return launch_persistent(gemv_q4_kernel<COLS>, (n_chunks + kWarps - 1) / kWarps, 0, p, stream);
+  } else {
+    if (!aligned) return launch_persistent(gemv_q4_kernel<COLS>, (n_chunks + kWarps - 1) / kWarps, 0, p, stream);
+    const int warps = async_warps(p.m, device_sms());
+    const int blocks = std::max(1, std::min(device_sms(), (n_chunks + warps - 1) / warps));
+    const size_t smem = xpad_floats(COLS) * sizeof(float) + static_cast<size_t>(warps) * kStages * kStageBytes;
+    auto kernel = gemv_q4_async_kernel<COLS>;
+    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  xpad_floats(COLS) * sizeof(float) + kAsyncMaxWarps * kStages * kStageBytes));
+    return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
+  }
 }
 
 bool valid_params(const GemvParams& p) {
@@ -379,60 +506,40 @@ bool valid_params(const GemvParams& p) {
   return false;
 }
 
-// The several-row launch: R = n_rows rounded up to 2, 4 or 8 rows of x in shared memory beside the single-row
-// block's warps' rings (the same block size, so the same prologue reduction order).
-int rows_instance(int n) { return n <= 2 ? 2 : n <= 4 ? 4 : 8; }
+// Whether the tensor-core kernel takes p (4-bit, 2,048 or 4,096 columns, 16-byte aligned scales and biases; for
+// several rows also the several-row prologue's conditions and the shared memory). Else gemv() takes the one-row
+// kernels and gemv_rows runs gemv() per row: either way a row gets the same arithmetic alone or beside others.
+bool mma_takes(const GemvParams& p, int n_sms) {
+  const QMatrix& m = p.m;
+  if (m.bits != 4 || (m.cols != 2048 && m.cols != 4096) || n_sms < 1) return false;
+  if (reinterpret_cast<uintptr_t>(m.scales) % 16 || reinterpret_cast<uintptr_t>(m.biases) % 16) return false;
+  if (p.n_rows == 1) return true;
+  if (!aligned16(p.in) || p.in_stride % 4) return false;
+  const int warps = mma::warps_for(m, n_sms);
+  if (p.prologue == GemvPrologue::rms_norm && (!aligned16(p.norm_w) || m.cols / 4 > 2 * 32 * warps)) return false;
+  return mma::smem_bytes(m.cols, p.n_rows, warps) + 32 * kRowsMax * sizeof(float) <= 227 * 1024;
+}
 
-template <int COLS, int R>
-cudaError_t launch_q4_rows(const GemvParams& p, cudaStream_t stream) {
-  using Lay = Q4Layout<COLS>;
-  const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
-  int device = 0, n_sms = 0;
-  CUDA_TRY(cudaGetDevice(&device));
-  CUDA_TRY(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
-  const int warps = gemv_q4_async_threads(p.m, n_sms) / 32;
-  const int blocks = std::max(1, std::min(n_sms, (n_chunks + warps - 1) / warps));
-  const size_t smem = static_cast<size_t>(R) * xpad_floats(COLS) * sizeof(float) +
-                      static_cast<size_t>(warps) * kStages * kStageBytes;
-  auto kernel = gemv_q4_rows_kernel<COLS, R>;
+template <int COLS>
+cudaError_t launch_mma(const GemvParams& p, int n_sms, cudaStream_t stream) {
+  const int warps = mma::warps_for(p.m, n_sms), teams = warps / (COLS / mma::kPartCols);
+  const int n_rg = (p.m.rows + mma::kUnitRows - 1) / mma::kUnitRows;
+  const int blocks = std::max(1, std::min(n_sms, (n_rg + teams - 1) / teams));
+  const size_t smem = mma::smem_bytes(COLS, p.n_rows, warps);
+  auto kernel = mma::gemv_mma_kernel<COLS>;
   CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
 }
 
-template <int COLS>
-cudaError_t launch_q4_rows(const GemvParams& p, cudaStream_t stream) {
-  switch (rows_instance(p.n_rows)) {
-    case 2: return launch_q4_rows<COLS, 2>(p, stream);
-    case 4: return launch_q4_rows<COLS, 4>(p, stream);
-    default: return launch_q4_rows<COLS, 8>(p, stream);
-  }
-}
-
-// Whether the several-row kernel takes p (else gemv_rows runs gemv() per row).
-bool rows_kernel_takes(const GemvParams& p, int n_sms) {
-  const QMatrix& m = p.m;
-  if (m.bits != 4 || (m.cols != 2048 && m.cols != 4096)) return false;
-  if (reinterpret_cast<uintptr_t>(m.scales) % 16 || reinterpret_cast<uintptr_t>(m.biases) % 16) return false;
-  if (!aligned16(p.in) || p.in_stride % 4) return false;
-  if (p.prologue == GemvPrologue::rms_norm && !aligned16(p.norm_w)) return false;
-  const int threads = gemv_q4_async_threads(m, n_sms);
-  if (p.prologue == GemvPrologue::rms_norm && m.cols / 4 > 2 * threads) return false;
-  const size_t smem = static_cast<size_t>(rows_instance(p.n_rows)) * xpad_floats(m.cols) * sizeof(float) +
-                      static_cast<size_t>(threads / 32) * kStages * kStageBytes;
-  return smem <= 227 * 1024 - 32 * kRowsMax * sizeof(float) - 1024;
-}
-
 }  // namespace
 
-int gemv_q4_async_threads(const QMatrix& m, int n_sms) {
-  const int rows_per_chunk = gemv_q4::kChunkWeights / m.cols;
-  const int n_chunks = (m.rows + rows_per_chunk - 1) / rows_per_chunk;
-  return 32 * std::clamp((n_chunks + n_sms - 1) / n_sms, 4, kAsyncMaxWarps);
-}
-
-cudaError_t gemv(const GemvParams& p, cudaStream_t stream) {
+cudaError_t gemv(const GemvParams& p_in, cudaStream_t stream) {
+  GemvParams p = p_in;
+  p.n_rows = 1;
   if (!valid_params(p)) return cudaErrorInvalidValue;
   if (p.m.bits == 4) {
+    const int n_sms = device_sms();
+    if (mma_takes(p, n_sms)) return p.m.cols == 2048 ? launch_mma<2048>(p, n_sms, stream) : launch_mma<4096>(p, n_sms, stream);
     switch (p.m.cols) {
       case 512: return launch_q4<512>(p, stream);
       case 1024: return launch_q4<1024>(p, stream);
@@ -454,10 +561,8 @@ cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream) {
   one.n_rows = 1;
   if (!valid_params(one)) return cudaErrorInvalidValue;
   if (p.n_rows == 1) return gemv(one, stream);
-  int device = 0, n_sms = 0;
-  CUDA_TRY(cudaGetDevice(&device));
-  CUDA_TRY(cudaDeviceGetAttribute(&n_sms, cudaDevAttrMultiProcessorCount, device));
-  if (rows_kernel_takes(p, n_sms)) return p.m.cols == 2048 ? launch_q4_rows<2048>(p, stream) : launch_q4_rows<4096>(p, stream);
+  const int n_sms = device_sms();
+  if (mma_takes(p, n_sms)) return p.m.cols == 2048 ? launch_mma<2048>(p, n_sms, stream) : launch_mma<4096>(p, n_sms, stream);
   for (int r = 0; r < p.n_rows; ++r) CUDA_TRY(gemv(gemv_row(p, r), stream));
   return cudaSuccess;
 }
