@@ -213,7 +213,8 @@ __device__ void build_x_rows(const GemvParams& p, float* x_s, float* red_s, int 
 //    to 1024 + q as fp16 (exact; qgemm_util biased_pairs), in the k order of moe_prefill_few.cu (the pair
 //    (q_i, q_{i+4}) of a word; B takes x_i and x_{i+4}): the dot product over a fragment is the same sum in
 //    another order.
-//  - B: x as fp16 (round to nearest) from the prologue's fp32 x in shared memory, 4 LDS.128 + 8 packs a group.
+//  - B: x as fp16 (round to nearest), converted once a block from the prologue's fp32 x into the fragments'
+//    order (x16_rows), two LDS.128 a group.
 //  - Per group (64 k = 4 mmas from zero) the scale and bias go on the fp32 result, not on the weights:
 //    sum_k (s q_k + b) x_k = s acc + (b - 1024 s) xsum, acc = sum_k (1024 + q_k) x_k and xsum the sum of the
 //    group's fp16 x (exact in fp32, once per block). The groups accumulate in order in fp32; the team's parts are
@@ -225,90 +226,141 @@ namespace mma {
 
 using qgemm_util::biased_pairs;
 using qgemm_util::mma_f16;
+using qgemm_util::mma_f16_zero;
 using qgemm_util::pack_f16;
 
 constexpr int kUnitRows = 16;
 constexpr int kPartCols = 512;
 constexpr int kPartGroups = kPartCols / 64;
-constexpr int kUnitWeightBytes = kUnitRows * kPartCols / 2;                             // 4096
-constexpr int kUnitStageBytes = kUnitWeightBytes + 2 * kUnitRows * kPartGroups * 2;     // + scales, biases: 4608
-constexpr int kStages = 2;
-constexpr int kRows = kMaxBatchRows;  // mma N: 8
+constexpr int kHalfGroups = kPartGroups / 2;
+// A unit travels as two halves of 4 groups (so that a half's slot is refilled while the other half computes):
+// weights [group][row][32 bytes] (a thread's 8 bytes of a group row without bank conflicts), scales [row][4],
+// biases [row][4].
+constexpr int kHalfWeightBytes = kUnitRows * kHalfGroups * 32;                 // 2048
+constexpr int kHalfBytes = kHalfWeightBytes + 2 * kUnitRows * kHalfGroups * 2;  // 2304
+constexpr int kSlots = 4;                                                       // halves in flight a warp
+constexpr int kRows = kMaxBatchRows;                                            // mma N: 8
 
 // x rows in shared memory, floats apart: the padded row (xpad_floats) + 8, so rows n and n + 1 of a quarter
 // warp's 16-byte loads fall on other banks.
 __host__ __device__ constexpr int x_row_floats(int cols) { return xpad_floats(cols) + 8; }
+// ... and as fp16 B fragments (x16_rows), bytes apart: 16 more than the row, for the same reason.
+__host__ __device__ constexpr int x16_row_bytes(int cols) { return 2 * cols + 16; }
 
 // Shared memory of a block of `warps` warps for n_rows rows: x [n_rows][x_row_floats], xsum [groups][8], the
-// team reduction [warps][128] floats, the rings (8 rows at 2,048 columns and 16 warps: 226 KiB).
+// team reduction [warps][128] floats, the rings (8 rows at 2,048 columns and 16 warps: 225 KiB).
 __host__ __device__ constexpr size_t smem_bytes(int cols, int n_rows, int warps) {
   return (static_cast<size_t>(n_rows) * x_row_floats(cols) + static_cast<size_t>(cols / 64) * kRows +
           static_cast<size_t>(warps) * 128) * sizeof(float) +
-         static_cast<size_t>(warps) * kStages * kUnitStageBytes;
+         static_cast<size_t>(warps) * kSlots * kHalfBytes;
 }
 
-// Copies unit (row group rg, column part `part`) of m into `stage`: weights [group][row][32 bytes] (a thread's
-// 8 bytes of a group row without bank conflicts), then scales [row][8] and biases [row][8]. Rows past the end are
-// zero-filled (zero scales and biases: they contribute 0).
+__device__ __forceinline__ void cp_async_8(void* dst_s, const void* src, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_s));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0) : "memory");
+}
+
+// Copies half h of unit (row group rg, column part `part`) of m into `slot`. Rows past the end are zero-filled
+// (zero scales and biases: they contribute 0).
 template <int COLS>
-__device__ __forceinline__ void issue_unit(const QMatrix& m, int rg, int part, int lane, char* stage) {
-  const char* w = reinterpret_cast<const char*>(m.w);
+__device__ __forceinline__ void issue_half(const QMatrix& m, int rg, int part, int h, int lane, char* slot) {
+  const char* w = reinterpret_cast<const char*>(m.w) + part * (kPartCols / 2) + h * (kHalfGroups * 32);
 #pragma unroll
-  for (int it = 0; it < 8; ++it) {
-    const int piece = it * 32 + lane, r = piece >> 4, pir = piece & 15;  // 16 pieces of 16 bytes a row
+  for (int it = 0; it < 4; ++it) {
+    const int piece = it * 32 + lane, r = piece >> 3, pir = piece & 7;  // 8 pieces of 16 bytes a row
     const int row = rg * kUnitRows + r;
     const bool valid = row < m.rows;
-    const char* src = w + static_cast<size_t>(valid ? row : 0) * (COLS / 2) + part * (kPartCols / 2) + pir * 16;
-    cp_async_16(stage + ((pir >> 1) * kUnitRows + r) * 32 + (pir & 1) * 16, src, valid);
+    cp_async_16(slot + ((pir >> 1) * kUnitRows + r) * 32 + (pir & 1) * 16,
+                w + static_cast<size_t>(valid ? row : 0) * (COLS / 2) + pir * 16, valid);
   }
   const int r = lane & 15, row = rg * kUnitRows + r;
   const bool valid = row < m.rows;
-  const __nv_bfloat16* src = (lane < 16 ? m.scales : m.biases) +
-                             static_cast<size_t>(valid ? row : 0) * (COLS / 64) + part * kPartGroups;
-  cp_async_16(stage + kUnitWeightBytes + (lane < 16 ? 0 : kUnitRows * 16) + r * 16, src, valid);
+  const __nv_bfloat16* src = (lane < 16 ? m.scales : m.biases) + static_cast<size_t>(valid ? row : 0) * (COLS / 64) +
+                             part * kPartGroups + h * kHalfGroups;
+  cp_async_8(slot + kHalfWeightBytes + (lane < 16 ? 0 : kUnitRows * 8) + r * 8, src, valid);
 }
 
-// out[0..3] += this warp's unit: rows g, g + 8 of the unit x activation rows 2c, 2c + 1 (the C fragment).
+// The prologue's fp32 x (rows of x_row_floats, padded) as fp16 B fragments, in place: row r, group G, lane
+// quarter c at x16 + r x16_row_bytes + (4 G + c) 32 bytes holds x_i, x_i+4 pairs of k = 16c .. 16c + 15 in the order
+// the mma steps take them (moe_prefill_few.cu's order), and xsum[G][r] = the group's sum of those fp16 values
+// (each thread its 16 in order, then the group's 4 threads by a butterfly: a fixed order). A thread an item
+// (cols / 16 <= blockDim); row r's fp16 bytes end before fp32 row r + 1 begins and overlap only rows <= r, which
+// are read before the barrier of their own iteration.
 template <int COLS>
-__device__ __forceinline__ void dot_unit(const char* stage, const float* x_s, const float* xsum_s, int part, int n,
-                                         int lane, float (&out)[4]) {
-  constexpr int XF = x_row_floats(COLS);
-  const int g = lane >> 2, c = lane & 3;
-  const uint16_t* s_s = reinterpret_cast<const uint16_t*>(stage + kUnitWeightBytes);
-  const uint16_t* b_s = s_s + kUnitRows * kPartGroups;
-#pragma unroll
-  for (int j = 0; j < kPartGroups; ++j) {
-    const int G = part * kPartGroups + j;
-    const char* slot = stage + j * kUnitRows * 32;
-    const uint2 qa = *reinterpret_cast<const uint2*>(slot + g * 32 + 8 * c);
-    const uint2 qb = *reinterpret_cast<const uint2*>(slot + (g + 8) * 32 + 8 * c);
-    uint32_t b[4][2] = {};
-    if (g < n) {  // activation row g of the launch (the others are zero columns)
-      const float4* xp = reinterpret_cast<const float4*>(x_s + g * XF + xpad(64 * G + 16 * c));
+__device__ __forceinline__ void x16_rows(float* x_s, float* xsum_s, int n) {
+  constexpr int XF = x_row_floats(COLS), kItems = COLS / 16;
+  char* x16 = reinterpret_cast<char*>(x_s);
+  const int i = threadIdx.x, G = i >> 2, c = i & 3;
+  for (int k = threadIdx.x; k < (COLS / 64) * kRows; k += blockDim.x) {
+    if (k % kRows >= n) xsum_s[k] = 0.0f;
+  }
+  for (int r = 0; r < n; ++r) {
+    uint4 u0 = make_uint4(0, 0, 0, 0), u1 = u0;
+    float sum = 0.0f;
+    if (i < kItems) {
+      const float4* xp = reinterpret_cast<const float4*>(x_s + r * XF + 72 * G + 16 * c + 4 * (c >> 1));
       const float4 f0 = xp[0], f1 = xp[1], f2 = xp[2], f3 = xp[3];
-      b[0][0] = pack_f16(f0.x, f1.x), b[0][1] = pack_f16(f0.y, f1.y);
-      b[1][0] = pack_f16(f0.z, f1.z), b[1][1] = pack_f16(f0.w, f1.w);
-      b[2][0] = pack_f16(f2.x, f3.x), b[2][1] = pack_f16(f2.y, f3.y);
-      b[3][0] = pack_f16(f2.z, f3.z), b[3][1] = pack_f16(f2.w, f3.w);
+      u0 = make_uint4(pack_f16(f0.x, f1.x), pack_f16(f0.y, f1.y), pack_f16(f0.z, f1.z), pack_f16(f0.w, f1.w));
+      u1 = make_uint4(pack_f16(f2.x, f3.x), pack_f16(f2.y, f3.y), pack_f16(f2.z, f3.z), pack_f16(f2.w, f3.w));
+      const uint32_t h[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        const float2 v = __half22float2(qgemm_util::bits_h2(h[k]));
+        sum += v.x, sum += v.y;
+      }
     }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    __syncthreads();  // row r's fp32 values are in registers
+    if (i < kItems) {
+      uint4* dst = reinterpret_cast<uint4*>(x16 + r * x16_row_bytes(COLS)) + (4 * G + c) * 2;
+      dst[0] = u0, dst[1] = u1;
+      if (c == 0) xsum_s[G * kRows + r] = sum;
+    }
+  }
+  __syncthreads();
+}
+
+// out[0..3] += half h of this warp's unit: rows g, g + 8 of the unit x activation rows 2c, 2c + 1 (the C
+// fragment). Lanes of activation rows >= n read row n - 1 (their columns are not stored; a column never affects
+// another).
+template <int COLS>
+__device__ __forceinline__ void dot_half(const char* slot, const char* x16_s, const float* xsum_s, int part, int h,
+                                         int n, int lane, float (&out)[4]) {
+  constexpr int X16_BYTES = x16_row_bytes(COLS);
+  const int g = lane >> 2, c = lane & 3, G0 = part * kPartGroups + h * kHalfGroups;
+  const uint16_t* s_s = reinterpret_cast<const uint16_t*>(slot + kHalfWeightBytes) + g * kHalfGroups;
+  const uint16_t* b_s = s_s + kUnitRows * kHalfGroups;
+  const char* w_s = slot + g * 32 + 8 * c;
+  const uint4* x_l = reinterpret_cast<const uint4*>(x16_s + min(g, n - 1) * X16_BYTES) + (G0 * 4 + c) * 2;
+  const float* xs_l = xsum_s + G0 * kRows + 2 * c;
+  float acc[kHalfGroups][4];  // the groups' mma chains first (independent), then the folds in order
+#pragma unroll
+  for (int j = 0; j < kHalfGroups; ++j) {
+    const uint2 qa = *reinterpret_cast<const uint2*>(w_s + j * kUnitRows * 32);
+    const uint2 qb = *reinterpret_cast<const uint2*>(w_s + j * kUnitRows * 32 + 8 * 32);
+    const uint4 u0 = x_l[j * 8], u1 = x_l[j * 8 + 1];
+    const uint32_t b[4][2] = {{u0.x, u0.y}, {u0.z, u0.w}, {u1.x, u1.y}, {u1.z, u1.w}};
     uint32_t ea[4], eb[4], fa[4], fb[4];
     biased_pairs(qa.x, ea), biased_pairs(qb.x, eb), biased_pairs(qa.y, fa), biased_pairs(qb.y, fb);
     const uint32_t a[4][4] = {{ea[0], eb[0], ea[1], eb[1]},
                               {ea[2], eb[2], ea[3], eb[3]},
                               {fa[0], fb[0], fa[1], fb[1]},
                               {fa[2], fb[2], fa[3], fb[3]}};
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    mma_f16_zero(acc[j], a[0], b[0][0], b[0][1]);
 #pragma unroll
-    for (int s = 0; s < 4; ++s) mma_f16(acc, a[s], b[s][0], b[s][1]);
-    const float sa = bf16_bits_to_float(s_s[g * kPartGroups + j]);
-    const float sb = bf16_bits_to_float(s_s[(g + 8) * kPartGroups + j]);
-    const float ba = fmaf(-1024.0f, sa, bf16_bits_to_float(b_s[g * kPartGroups + j]));
-    const float bb = fmaf(-1024.0f, sb, bf16_bits_to_float(b_s[(g + 8) * kPartGroups + j]));
-    const float2 xs = *reinterpret_cast<const float2*>(xsum_s + G * kRows + 2 * c);
-    out[0] = fmaf(sa, acc[0], fmaf(ba, xs.x, out[0]));
-    out[1] = fmaf(sa, acc[1], fmaf(ba, xs.y, out[1]));
-    out[2] = fmaf(sb, acc[2], fmaf(bb, xs.x, out[2]));
-    out[3] = fmaf(sb, acc[3], fmaf(bb, xs.y, out[3]));
+    for (int s = 1; s < 4; ++s) mma_f16(acc[j], a[s], b[s][0], b[s][1]);
+  }
+#pragma unroll
+  for (int j = 0; j < kHalfGroups; ++j) {
+    const float sa = bf16_bits_to_float(s_s[j]), sb = bf16_bits_to_float(s_s[8 * kHalfGroups + j]);
+    const float ba = fmaf(-1024.0f, sa, bf16_bits_to_float(b_s[j]));
+    const float bb = fmaf(-1024.0f, sb, bf16_bits_to_float(b_s[8 * kHalfGroups + j]));
+    const float2 xs = *reinterpret_cast<const float2*>(xs_l + j * kRows);
+    out[0] = fmaf(sa, acc[j][0], fmaf(ba, xs.x, out[0]));
+    out[1] = fmaf(sa, acc[j][1], fmaf(ba, xs.y, out[1]));
+    out[2] = fmaf(sb, acc[j][2], fmaf(bb, xs.x, out[2]));
+    out[3] = fmaf(sb, acc[j][3], fmaf(bb, xs.y, out[3]));
   }
 }
 
@@ -316,27 +368,51 @@ __device__ __forceinline__ void team_sync(int team, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(team + 1), "r"(threads) : "memory");
 }
 
+// The residuals of the C fragment's outputs (rows row_a / row_a + 8 x activation rows 2c, 2c + 1), and the store.
+__device__ __forceinline__ void load_residuals(const GemvParams& p, int row_a, int c, float (&res)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int row = q < 2 ? row_a : row_a + 8, col = 2 * c + (q & 1);
+    res[q] = p.residual && col < p.n_rows && row < p.m.rows ? p.residual[static_cast<size_t>(col) * p.out_stride + row]
+                                                            : 0.0f;
+  }
+}
+__device__ __forceinline__ void store_outputs(const GemvParams& p, int row_a, int c, const float (&res)[4],
+                                              const float (&v)[4]) {
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const int row = q < 2 ? row_a : row_a + 8, col = 2 * c + (q & 1);
+    if (col < p.n_rows && row < p.m.rows) p.y[static_cast<size_t>(col) * p.out_stride + row] = res[q] + v[q];
+  }
+}
+
+// A team of COLS / 512 warps takes a 16-row group, warp `part` of the team its columns 512 part .. +511 (a unit);
+// the team's first warp sums the parts in order through shared memory (two team barriers a group) and stores.
+// (A split where each warp takes a group's columns in order, unit after unit, without barriers, measured the
+// same on lm_head and 1.4x slower on the in projections, 2026-12-02.)
 template <int COLS>
 __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const __grid_constant__ GemvParams p) {
   const trace::BlockTrace trace_block(trace::kGemv);
-  constexpr int kParts = COLS / kPartCols;  // warps of a team
+  constexpr int kParts = COLS / kPartCols;
   constexpr int XF = x_row_floats(COLS), kGroups = COLS / 64;
   extern __shared__ __align__(16) char smem[];
   __shared__ float red_s[32 * kRowsMax];
   const int n = p.n_rows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-  const int teams = n_warps / kParts, team = warp / kParts, part = warp % kParts;
-  float* x_s = reinterpret_cast<float*>(smem);  // [n][XF]
+  const int g = lane >> 2, c = lane & 3;
+  float* x_s = reinterpret_cast<float*>(smem);  // [n][XF] fp32, then fp16 fragments (x16_rows)
   float* xsum_s = x_s + n * XF;                 // [group][kRows]
   float* acc_s = xsum_s + kGroups * kRows;      // [warp][128]
-  char* ring = reinterpret_cast<char*>(acc_s + n_warps * 128) + warp * kStages * kUnitStageBytes;
+  char* ring = reinterpret_cast<char*>(acc_s + n_warps * 128) + warp * kSlots * kHalfBytes;
   const int n_rg = (p.m.rows + kUnitRows - 1) / kUnitRows;
+  const int teams = n_warps / kParts, team = warp / kParts, part = warp % kParts;
   const int rg0 = blockIdx.x * teams + team, rg_stride = gridDim.x * teams;
+  const int n_halves = rg0 < n_rg ? ((n_rg - 1 - rg0) / rg_stride + 1) * 2 : 0;  // half t: unit t / 2, half t % 2
 
   pdl_launch_dependents();
 #pragma unroll
-  for (int k = 0; k < kStages; ++k) {  // weights first: they do not depend on the previous kernel
-    if (rg0 + k * rg_stride < n_rg) issue_unit<COLS>(p.m, rg0 + k * rg_stride, part, lane, ring + k * kUnitStageBytes);
+  for (int t = 0; t < kSlots; ++t) {  // weights first: they do not depend on the previous kernel
+    if (t < n_halves) issue_half<COLS>(p.m, rg0 + (t >> 1) * rg_stride, part, t & 1, lane, ring + t * kHalfBytes);
     cp_async_commit();
   }
   pdl_wait();
@@ -345,64 +421,45 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const 
   } else {
     build_x_rows(p, x_s, red_s, XF);
   }
-  // The groups' sums of fp16 x: a warp a (row, group), two elements a lane, the warp's butterfly (a fixed order).
-  for (int i = threadIdx.x; i < kGroups * kRows; i += blockDim.x) {
-    if (i % kRows >= n) xsum_s[i] = 0.0f;
-  }
-  for (int it = warp; it < n * kGroups; it += n_warps) {
-    const int r = it / kGroups, G = it % kGroups;
-    const float2 v = *reinterpret_cast<const float2*>(x_s + r * XF + xpad(64 * G + 2 * lane));
-    const float sum = warp_sum(__half2float(__float2half_rn(v.x)) + __half2float(__float2half_rn(v.y)));
-    if (lane == 0) xsum_s[G * kRows + r] = sum;
-  }
-  __syncthreads();
+  x16_rows<COLS>(x_s, xsum_s, n);
 
-  const int g = lane >> 2, c = lane & 3;
-  for (int k = 0, rg = rg0; rg < n_rg; ++k, rg += rg_stride) {
-    char* stage = ring + (k % kStages) * kUnitStageBytes;
-    // The team's first warp stores rows g, g + 8 x activation rows 2c, 2c + 1; their residuals are loaded first.
-    const int row_a = rg * kUnitRows + g, row_b = row_a + 8;
-    float res[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    if (part == 0 && p.residual) {
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int row = q < 2 ? row_a : row_b, col = 2 * c + (q & 1);
-        if (col < n && row < p.m.rows) res[q] = p.residual[static_cast<size_t>(col) * p.out_stride + row];
-      }
+  float out[4] = {0.0f, 0.0f, 0.0f, 0.0f}, res[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int t = 0; t < n_halves; ++t) {
+    char* slot = ring + (t % kSlots) * kHalfBytes;
+    const int h = t & 1, rg = rg0 + (t >> 1) * rg_stride, row_a = rg * kUnitRows + g;
+    if (h == 0) {
+      out[0] = out[1] = out[2] = out[3] = 0.0f;
+      if (part == 0) load_residuals(p, row_a, c, res);  // used after the dot products
     }
-    cp_async_wait<kStages - 1>();  // this lane's copies of unit k have landed
-    __syncwarp();                  // ... and every lane's
-    float out[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    dot_unit<COLS>(stage, x_s, xsum_s, part, n, lane, out);
-    __syncwarp();  // the stage is free again
-    if (rg + kStages * rg_stride < n_rg) issue_unit<COLS>(p.m, rg + kStages * rg_stride, part, lane, stage);
+    cp_async_wait<kSlots - 1>();  // this lane's copies of half t have landed
+    __syncwarp();                 // ... and every lane's
+    dot_half<COLS>(slot, reinterpret_cast<const char*>(x_s), xsum_s, part, h, n, lane, out);
+    __syncwarp();  // the slot is free again
+    if (t + kSlots < n_halves)
+      issue_half<COLS>(p.m, rg0 + ((t + kSlots) >> 1) * rg_stride, part, (t + kSlots) & 1, lane, slot);
     cp_async_commit();
-    if (part > 0) *reinterpret_cast<float4*>(acc_s + warp * 128 + 4 * lane) = make_float4(out[0], out[1], out[2], out[3]);
-    team_sync(team, kParts * 32);
-    if (part == 0) {
-      float v[4] = {out[0], out[1], out[2], out[3]};
+    if (h == 1) {
+      if (part > 0) *reinterpret_cast<float4*>(acc_s + warp * 128 + 4 * lane) = make_float4(out[0], out[1], out[2], out[3]);
+      team_sync(team, kParts * 32);
+      if (part == 0) {
+        float v[4] = {out[0], out[1], out[2], out[3]};
 #pragma unroll
-      for (int q = 1; q < kParts; ++q) {  // the parts in order
-        const float4 o = *reinterpret_cast<const float4*>(acc_s + (warp + q) * 128 + 4 * lane);
-        v[0] += o.x, v[1] += o.y, v[2] += o.z, v[3] += o.w;
+        for (int q = 1; q < kParts; ++q) {  // the parts in order
+          const float4 o = *reinterpret_cast<const float4*>(acc_s + (warp + q) * 128 + 4 * lane);
+          v[0] += o.x, v[1] += o.y, v[2] += o.z, v[3] += o.w;
+        }
+        store_outputs(p, row_a, c, res, v);
       }
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int row = q < 2 ? row_a : row_b, col = 2 * c + (q & 1);
-        if (col < n && row < p.m.rows) p.y[static_cast<size_t>(col) * p.out_stride + row] = res[q] + v[q];
-      }
+      team_sync(team, kParts * 32);  // the team's slots are free again
     }
-    team_sync(team, kParts * 32);  // the team's slots are free again
   }
   cp_async_wait<0>();
 }
 
-// Warps of a block for m on n_sms SMs: a team (COLS / 512 warps) per 16-row group, about as many units as SMs x
-// warps, 4..16 warps.
+// Warps of a block: a team (COLS / 512 warps) per 16-row group, about as many units as SMs x warps, 4..16 warps.
 int warps_for(const QMatrix& m, int n_sms) {
-  const int parts = m.cols / kPartCols;
-  const int units = (m.rows + kUnitRows - 1) / kUnitRows * parts;
-  const int w = std::clamp((units + n_sms - 1) / n_sms, 4, kAsyncMaxWarps);
+  const int parts = m.cols / kPartCols, n_rg = (m.rows + kUnitRows - 1) / kUnitRows;
+  const int w = std::clamp((n_rg * parts + n_sms - 1) / n_sms, 4, kAsyncMaxWarps);
   return std::min(kAsyncMaxWarps, (w + parts - 1) / parts * parts);
 }
 
