@@ -230,15 +230,13 @@ using qgemm_util::mma_f16_zero;
 using qgemm_util::pack_f16;
 
 constexpr int kUnitRows = 16;
-constexpr int kPartCols = 512;
-constexpr int kPartGroups = kPartCols / 64;
-constexpr int kHalfGroups = kPartGroups / 2;
+constexpr int kHalfGroups = 4;  // a half: 256 columns
+constexpr int kHalfCols = kHalfGroups * 64;
 // A unit travels as two halves of 4 groups (so that a half's slot is refilled while the other half computes):
 // weights [group][row][32 bytes] (a thread's 8 bytes of a group row without bank conflicts), scales [row][4],
 // biases [row][4].
 constexpr int kHalfWeightBytes = kUnitRows * kHalfGroups * 32;                 // 2048
 constexpr int kHalfBytes = kHalfWeightBytes + 2 * kUnitRows * kHalfGroups * 2;  // 2304
-constexpr int kSlots = 4;                                                       // halves in flight a warp
 constexpr int kRows = kMaxBatchRows;                                            // mma N: 8
 
 // x rows in shared memory, floats apart: the padded row (xpad_floats) + 8, so rows n and n + 1 of a quarter
@@ -249,22 +247,18 @@ __host__ __device__ constexpr int x16_row_bytes(int cols) { return 2 * cols + 16
 
 // Shared memory of a block of `warps` warps for n_rows rows: x [n_rows][x_row_floats], xsum [groups][8], the
 // team reduction [warps][128] floats, the rings (8 rows at 2,048 columns and 16 warps: 225 KiB).
-__host__ __device__ constexpr size_t smem_bytes(int cols, int n_rows, int warps) {
-  return (static_cast<size_t>(n_rows) * x_row_floats(cols) + static_cast<size_t>(cols / 64) * kRows +
-          static_cast<size_t>(warps) * 128) * sizeof(float) +
-         static_cast<size_t>(warps) * kSlots * kHalfBytes;
-}
+
 
 __device__ __forceinline__ void cp_async_8(void* dst_s, const void* src, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_s));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(valid ? 8 : 0) : "memory");
 }
 
-// Copies half h of unit (row group rg, column part `part`) of m into `slot`. Rows past the end are zero-filled
+// Copies half hb (columns 256 hb .. +255) of row group rg of m into `slot`. Rows past the end are zero-filled
 // (zero scales and biases: they contribute 0).
 template <int COLS>
-__device__ __forceinline__ void issue_half(const QMatrix& m, int rg, int part, int h, int lane, char* slot) {
-  const char* w = reinterpret_cast<const char*>(m.w) + part * (kPartCols / 2) + h * (kHalfGroups * 32);
+__device__ __forceinline__ void issue_half(const QMatrix& m, int rg, int hb, int lane, char* slot) {
+  const char* w = reinterpret_cast<const char*>(m.w) + hb * (kHalfCols / 2);
 #pragma unroll
   for (int it = 0; it < 4; ++it) {
     const int piece = it * 32 + lane, r = piece >> 3, pir = piece & 7;  // 8 pieces of 16 bytes a row
@@ -276,59 +270,124 @@ __device__ __forceinline__ void issue_half(const QMatrix& m, int rg, int part, i
   const int r = lane & 15, row = rg * kUnitRows + r;
   const bool valid = row < m.rows;
   const __nv_bfloat16* src = (lane < 16 ? m.scales : m.biases) + static_cast<size_t>(valid ? row : 0) * (COLS / 64) +
-                             part * kPartGroups + h * kHalfGroups;
+                             hb * kHalfGroups;
   cp_async_8(slot + kHalfWeightBytes + (lane < 16 ? 0 : kUnitRows * 8) + r * 8, src, valid);
 }
 
-// The prologue's fp32 x (rows of x_row_floats, padded) as fp16 B fragments, in place: row r, group G, lane
-// quarter c at x16 + r x16_row_bytes + (4 G + c) 32 bytes holds x_i, x_i+4 pairs of k = 16c .. 16c + 15 in the order
-// the mma steps take them (moe_prefill_few.cu's order), and xsum[G][r] = the group's sum of those fp16 values
-// (each thread its 16 in order, then the group's 4 threads by a butterfly: a fixed order). A thread an item
-// (cols / 16 <= blockDim); row r's fp16 bytes end before fp32 row r + 1 begins and overlap only rows <= r, which
-// are read before the barrier of their own iteration.
+// x as fp16 B fragments: row r, group G, lane quarter c at x16 + r x16_row_bytes + (4 G + c) 32 bytes holds the
+// (x_i, x_i+4) pairs of k = 16c .. 16c + 15 in the order the mma steps take them (moe_prefill_few.cu's order), and
+// xsum[G][r] = the group's sum of those fp16 values (each thread its 16 in order, then the group's 4 threads by a
+// butterfly: a fixed order). A thread an item (G, c); cols / 16 <= blockDim.
+struct X16Item {
+  uint4 u0, u1;
+  float sum;
+};
+__device__ __forceinline__ X16Item x16_item(const float4 (&f)[4]) {
+  X16Item it;
+  it.u0 = make_uint4(pack_f16(f[0].x, f[1].x), pack_f16(f[0].y, f[1].y), pack_f16(f[0].z, f[1].z),
+                     pack_f16(f[0].w, f[1].w));
+  it.u1 = make_uint4(pack_f16(f[2].x, f[3].x), pack_f16(f[2].y, f[3].y), pack_f16(f[2].z, f[3].z),
+                     pack_f16(f[2].w, f[3].w));
+  const uint32_t h[8] = {it.u0.x, it.u0.y, it.u0.z, it.u0.w, it.u1.x, it.u1.y, it.u1.z, it.u1.w};
+  it.sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    const float2 v = __half22float2(qgemm_util::bits_h2(h[k]));
+    it.sum += v.x, it.sum += v.y;
+  }
+  it.sum += __shfl_xor_sync(0xffffffffu, it.sum, 1);  // every lane calls (full-warp shuffles)
+  it.sum += __shfl_xor_sync(0xffffffffu, it.sum, 2);
+  return it;
+}
 template <int COLS>
-__device__ __forceinline__ void x16_rows(float* x_s, float* xsum_s, int n) {
-  constexpr int XF = x_row_floats(COLS), kItems = COLS / 16;
-  char* x16 = reinterpret_cast<char*>(x_s);
+__device__ __forceinline__ void x16_store(const X16Item& it, char* x16, float* xsum_s, int r) {
   const int i = threadIdx.x, G = i >> 2, c = i & 3;
+  if (i >= COLS / 16) return;
+  uint4* dst = reinterpret_cast<uint4*>(x16 + r * x16_row_bytes(COLS)) + (4 * G + c) * 2;
+  dst[0] = it.u0, dst[1] = it.u1;
+  if (c == 0) xsum_s[G * kRows + r] = it.sum;
+}
+// The item's 16 fp32 values from a padded prologue row (xpad(64 G + 16 c) = 72 G + 16 c + 4 (c / 2)), or from
+// 16 contiguous floats.
+template <int COLS>
+__device__ __forceinline__ X16Item x16_item_padded(const float* xrow) {
+  const int i = threadIdx.x, G = i >> 2, c = i & 3;
+  float4 f[4] = {};
+  if (i < COLS / 16) {
+    const float4* xp = reinterpret_cast<const float4*>(xrow + 72 * G + 16 * c + 4 * (c >> 1));
+    f[0] = xp[0], f[1] = xp[1], f[2] = xp[2], f[3] = xp[3];
+  }
+  return x16_item(f);
+}
+template <int COLS>
+__device__ __forceinline__ X16Item x16_item_plain(const float* in) {
+  const int i = threadIdx.x;
+  float4 f[4] = {};
+  if (i < COLS / 16) {
+    const float4* xp = reinterpret_cast<const float4*>(in + 16 * i);
+    f[0] = xp[0], f[1] = xp[1], f[2] = xp[2], f[3] = xp[3];
+  }
+  return x16_item(f);
+}
+
+// Where x lives: in place (the prologue's fp32 rows [n][x_row_floats], then the fp16 rows over them: one row, or
+// several with the RMSNorm prologue, whose all-rows build needs every row in fp32) or apart (the fp16 rows
+// [n][x16_row_bytes], then one fp32 staging row: several rows with the gated prologue, built a row at a time,
+// or none, converted straight from the input). The same fp32 values either way, so the same fp16 x.
+__host__ __device__ constexpr bool x_in_place(int n_rows, GemvPrologue prologue) {
+  return n_rows == 1 || prologue == GemvPrologue::rms_norm;
+}
+__host__ __device__ constexpr size_t x_bytes(int cols, int n_rows, GemvPrologue prologue) {
+  return x_in_place(n_rows, prologue) ? static_cast<size_t>(n_rows) * x_row_floats(cols) * sizeof(float)
+                                      : static_cast<size_t>(n_rows) * x16_row_bytes(cols) +
+                                            static_cast<size_t>(x_row_floats(cols)) * sizeof(float);
+}
+
+// The prologue: x16 and xsum for every row. In place, row r's fp16 bytes end before fp32 row r + 1 begins and
+// overlap only rows <= r, which are read before the barrier of their own iteration.
+template <int COLS>
+__device__ void build_x16(const GemvParams& p, char* x_region, float* xsum_s, float* red_s) {
+  constexpr int XF = x_row_floats(COLS);
+  const int n = p.n_rows;
   for (int k = threadIdx.x; k < (COLS / 64) * kRows; k += blockDim.x) {
     if (k % kRows >= n) xsum_s[k] = 0.0f;
   }
-  for (int r = 0; r < n; ++r) {
-    uint4 u0 = make_uint4(0, 0, 0, 0), u1 = u0;
-    float sum = 0.0f;
-    if (i < kItems) {
-      const float4* xp = reinterpret_cast<const float4*>(x_s + r * XF + 72 * G + 16 * c + 4 * (c >> 1));
-      const float4 f0 = xp[0], f1 = xp[1], f2 = xp[2], f3 = xp[3];
-      u0 = make_uint4(pack_f16(f0.x, f1.x), pack_f16(f0.y, f1.y), pack_f16(f0.z, f1.z), pack_f16(f0.w, f1.w));
-      u1 = make_uint4(pack_f16(f2.x, f3.x), pack_f16(f2.y, f3.y), pack_f16(f2.z, f3.z), pack_f16(f2.w, f3.w));
-      const uint32_t h[8] = {u0.x, u0.y, u0.z, u0.w, u1.x, u1.y, u1.z, u1.w};
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        const float2 v = __half22float2(qgemm_util::bits_h2(h[k]));
-        sum += v.x, sum += v.y;
-      }
+  float* x_s = reinterpret_cast<float*>(x_region);
+  if (x_in_place(n, p.prologue)) {
+    if (n == 1) {
+      build_x(p, x_s, red_s);
+    } else {
+      build_x_rows(p, x_s, red_s, XF);
     }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    __syncthreads();  // row r's fp32 values are in registers
-    if (i < kItems) {
-      uint4* dst = reinterpret_cast<uint4*>(x16 + r * x16_row_bytes(COLS)) + (4 * G + c) * 2;
-      dst[0] = u0, dst[1] = u1;
-      if (c == 0) xsum_s[G * kRows + r] = sum;
+    for (int r = 0; r < n; ++r) {
+      const X16Item it = x16_item_padded<COLS>(x_s + r * XF);
+      __syncthreads();  // row r's fp32 values are in registers
+      x16_store<COLS>(it, x_region, xsum_s, r);
+    }
+  } else {
+    float* stage = reinterpret_cast<float*>(x_region + n * x16_row_bytes(COLS));
+    for (int r = 0; r < n; ++r) {
+      if (p.prologue == GemvPrologue::gated_rms_norm) {
+        block_load_x_gated(p.in + static_cast<size_t>(r) * p.in_stride, p.gate_z + static_cast<size_t>(r) * p.z_stride,
+                           p.norm_w, p.head_dim, p.eps, COLS, stage);
+        const X16Item it = x16_item_padded<COLS>(stage);
+        x16_store<COLS>(it, x_region, xsum_s, r);
+        __syncthreads();  // the staging row is free again
+      } else {
+        x16_store<COLS>(x16_item_plain<COLS>(p.in + static_cast<size_t>(r) * p.in_stride), x_region, xsum_s, r);
+      }
     }
   }
   __syncthreads();
 }
 
-// out[0..3] += half h of this warp's unit: rows g, g + 8 of the unit x activation rows 2c, 2c + 1 (the C
-// fragment). Lanes of activation rows >= n read row n - 1 (their columns are not stored; a column never affects
-// another).
+// out[0..3] += half hb of this warp's row group: rows g, g + 8 x activation rows 2c, 2c + 1 (the C fragment).
+// Lanes of activation rows >= n read row n - 1 (their columns are not stored; a column never affects another).
 template <int COLS>
-__device__ __forceinline__ void dot_half(const char* slot, const char* x16_s, const float* xsum_s, int part, int h,
-                                         int n, int lane, float (&out)[4]) {
+__device__ __forceinline__ void dot_half(const char* slot, const char* x16_s, const float* xsum_s, int hb, int n,
+                                         int lane, float (&out)[4]) {
   constexpr int X16_BYTES = x16_row_bytes(COLS);
-  const int g = lane >> 2, c = lane & 3, G0 = part * kPartGroups + h * kHalfGroups;
+  const int g = lane >> 2, c = lane & 3, G0 = hb * kHalfGroups;
   const uint16_t* s_s = reinterpret_cast<const uint16_t*>(slot + kHalfWeightBytes) + g * kHalfGroups;
   const uint16_t* b_s = s_s + kUnitRows * kHalfGroups;
   const char* w_s = slot + g * 32 + 8 * c;
@@ -386,59 +445,58 @@ __device__ __forceinline__ void store_outputs(const GemvParams& p, int row_a, in
   }
 }
 
-// A team of COLS / 512 warps takes a 16-row group, warp `part` of the team its columns 512 part .. +511 (a unit);
-// the team's first warp sums the parts in order through shared memory (two team barriers a group) and stores.
+// A team of COLS / (256 HALVES) warps takes a 16-row group, warp `part` of the team its columns
+// 256 HALVES part .. (a unit of HALVES halves); the team's first warp sums the parts in order through shared
+// memory (two team barriers a group) and stores. HALVES (1 or 2) is chosen by the matrix alone (halves_for).
 // (A split where each warp takes a group's columns in order, unit after unit, without barriers, measured the
 // same on lm_head and 1.4x slower on the in projections, 2026-12-02.)
-template <int COLS>
+template <int COLS, int HALVES, int SLOTS>
 __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const __grid_constant__ GemvParams p) {
   const trace::BlockTrace trace_block(trace::kGemv);
-  constexpr int kParts = COLS / kPartCols;
+  constexpr int kParts = COLS / (kHalfCols * HALVES);
   constexpr int XF = x_row_floats(COLS), kGroups = COLS / 64;
   extern __shared__ __align__(16) char smem[];
   __shared__ float red_s[32 * kRowsMax];
   const int n = p.n_rows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
   const int g = lane >> 2, c = lane & 3;
-  float* x_s = reinterpret_cast<float*>(smem);  // [n][XF] fp32, then fp16 fragments (x16_rows)
-  float* xsum_s = x_s + n * XF;                 // [group][kRows]
-  float* acc_s = xsum_s + kGroups * kRows;      // [warp][128]
-  char* ring = reinterpret_cast<char*>(acc_s + n_warps * 128) + warp * kSlots * kHalfBytes;
+  char* x_region = smem;  // x_bytes: the fp16 fragments (and the prologue's fp32 rows)
+  float* xsum_s = reinterpret_cast<float*>(smem + x_bytes(COLS, n, p.prologue));  // [group][kRows]
+  float* acc_s = xsum_s + kGroups * kRows;                                          // [warp][128]
+  char* ring = reinterpret_cast<char*>(acc_s + n_warps * 128) + warp * SLOTS * kHalfBytes;
   const int n_rg = (p.m.rows + kUnitRows - 1) / kUnitRows;
   const int teams = n_warps / kParts, team = warp / kParts, part = warp % kParts;
   const int rg0 = blockIdx.x * teams + team, rg_stride = gridDim.x * teams;
-  const int n_halves = rg0 < n_rg ? ((n_rg - 1 - rg0) / rg_stride + 1) * 2 : 0;  // half t: unit t / 2, half t % 2
+  // half t of the warp: unit t / HALVES, half t % HALVES of the unit
+  const int n_halves = rg0 < n_rg ? ((n_rg - 1 - rg0) / rg_stride + 1) * HALVES : 0;
 
   pdl_launch_dependents();
 #pragma unroll
-  for (int t = 0; t < kSlots; ++t) {  // weights first: they do not depend on the previous kernel
-    if (t < n_halves) issue_half<COLS>(p.m, rg0 + (t >> 1) * rg_stride, part, t & 1, lane, ring + t * kHalfBytes);
+  for (int t = 0; t < SLOTS; ++t) {  // weights first: they do not depend on the previous kernel
+    if (t < n_halves)
+      issue_half<COLS>(p.m, rg0 + (t / HALVES) * rg_stride, part * HALVES + t % HALVES, lane, ring + t * kHalfBytes);
     cp_async_commit();
   }
   pdl_wait();
-  if (n == 1) {
-    build_x(p, x_s, red_s);
-  } else {
-    build_x_rows(p, x_s, red_s, XF);
-  }
-  x16_rows<COLS>(x_s, xsum_s, n);
+  build_x16<COLS>(p, x_region, xsum_s, red_s);
 
   float out[4] = {0.0f, 0.0f, 0.0f, 0.0f}, res[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int t = 0; t < n_halves; ++t) {
-    char* slot = ring + (t % kSlots) * kHalfBytes;
-    const int h = t & 1, rg = rg0 + (t >> 1) * rg_stride, row_a = rg * kUnitRows + g;
+    char* slot = ring + (t % SLOTS) * kHalfBytes;
+    const int h = t % HALVES, rg = rg0 + (t / HALVES) * rg_stride, row_a = rg * kUnitRows + g;
     if (h == 0) {
       out[0] = out[1] = out[2] = out[3] = 0.0f;
       if (part == 0) load_residuals(p, row_a, c, res);  // used after the dot products
     }
-    cp_async_wait<kSlots - 1>();  // this lane's copies of half t have landed
+    cp_async_wait<SLOTS - 1>();  // this lane's copies of half t have landed
     __syncwarp();                 // ... and every lane's
-    dot_half<COLS>(slot, reinterpret_cast<const char*>(x_s), xsum_s, part, h, n, lane, out);
+    dot_half<COLS>(slot, x_region, xsum_s, part * HALVES + h, n, lane, out);
     __syncwarp();  // the slot is free again
-    if (t + kSlots < n_halves)
-      issue_half<COLS>(p.m, rg0 + ((t + kSlots) >> 1) * rg_stride, part, (t + kSlots) & 1, lane, slot);
+    if (t + SLOTS < n_halves)
+      issue_half<COLS>(p.m, rg0 + ((t + SLOTS) / HALVES) * rg_stride, part * HALVES + (t + SLOTS) % HALVES, lane,
+                       slot);
     cp_async_commit();
-    if (h == 1) {
+    if (h == HALVES - 1) {
       if (part > 0) *reinterpret_cast<float4*>(acc_s + warp * 128 + 4 * lane) = make_float4(out[0], out[1], out[2], out[3]);
       team_sync(team, kParts * 32);
       if (part == 0) {
@@ -456,9 +514,32 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const 
   cp_async_wait<0>();
 }
 
-// Warps of a block: a team (COLS / 512 warps) per 16-row group, about as many units as SMs x warps, 4..16 warps.
+// Halves a unit: 2 (512 columns a warp) where the 512-column units fill 16 warps an SM, else 1 (the out
+// projections: 128 row groups, so more warps share a group's columns and its dot products end sooner).
+int halves_for(const QMatrix& m, int n_sms) {
+  const int n_rg = (m.rows + kUnitRows - 1) / kUnitRows;
+  return n_rg * (m.cols / (2 * kHalfCols)) >= kAsyncMaxWarps * n_sms ? 2 : 1;
+}
+
+// Shared memory of a block of `warps` warps, `slots` halves in flight a warp: x (x_bytes), xsum [groups][8], the
+// team reduction [warps][128] floats, the rings.
+size_t smem_bytes(int cols, int n_rows, GemvPrologue prologue, int warps, int slots) {
+  return x_bytes(cols, n_rows, prologue) +
+         (static_cast<size_t>(cols / 64) * kRows + static_cast<size_t>(warps) * 128) * sizeof(float) +
+         static_cast<size_t>(warps) * slots * kHalfBytes;
+}
+constexpr size_t kSmemMax = 227 * 1024 - 32 * kMaxBatchRows * sizeof(float);  // beside red_s
+
+// Halves in flight a warp: 4, or 2 where 4 do not fit beside x (several rows of 4,096 columns on 16 warps). Only
+// the pipelining depends on it, not the arithmetic.
+int slots_for(const GemvParams& p, int warps) {
+  return smem_bytes(p.m.cols, p.n_rows, p.prologue, warps, 4) <= kSmemMax ? 4 : 2;
+}
+
+// Warps of a block: a team (cols / (256 halves) warps) per 16-row group, about as many units as SMs x warps,
+// 4..16 warps.
 int warps_for(const QMatrix& m, int n_sms) {
-  const int parts = m.cols / kPartCols, n_rg = (m.rows + kUnitRows - 1) / kUnitRows;
+  const int parts = m.cols / (kHalfCols * halves_for(m, n_sms)), n_rg = (m.rows + kUnitRows - 1) / kUnitRows;
   const int w = std::clamp((n_rg * parts + n_sms - 1) / n_sms, 4, kAsyncMaxWarps);
   return std::min(kAsyncMaxWarps, (w + parts - 1) / parts * parts);
 }
@@ -574,18 +655,31 @@ bool mma_takes(const GemvParams& p, int n_sms) {
   if (!aligned16(p.in) || p.in_stride % 4) return false;
   const int warps = mma::warps_for(m, n_sms);
   if (p.prologue == GemvPrologue::rms_norm && (!aligned16(p.norm_w) || m.cols / 4 > 2 * 32 * warps)) return false;
-  return mma::smem_bytes(m.cols, p.n_rows, warps) + 32 * kRowsMax * sizeof(float) <= 227 * 1024;
+  return mma::smem_bytes(m.cols, p.n_rows, p.prologue, warps, 2) <= mma::kSmemMax;
+}
+
+template <int COLS, int HALVES, int SLOTS>
+cudaError_t launch_mma(const GemvParams& p, int warps, int n_sms, cudaStream_t stream) {
+  const int teams = warps / (COLS / (mma::kHalfCols * HALVES));
+  const int n_rg = (p.m.rows + mma::kUnitRows - 1) / mma::kUnitRows;
+  const int blocks = std::max(1, std::min(n_sms, (n_rg + teams - 1) / teams));
+  const size_t smem = mma::smem_bytes(COLS, p.n_rows, p.prologue, warps, SLOTS);
+  auto kernel = mma::gemv_mma_kernel<COLS, HALVES, SLOTS>;
+  CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
+}
+
+template <int COLS, int HALVES>
+cudaError_t launch_mma(const GemvParams& p, int warps, int n_sms, cudaStream_t stream) {
+  return mma::slots_for(p, warps) == 4 ? launch_mma<COLS, HALVES, 4>(p, warps, n_sms, stream)
+                                       : launch_mma<COLS, HALVES, 2>(p, warps, n_sms, stream);
 }
 
 template <int COLS>
 cudaError_t launch_mma(const GemvParams& p, int n_sms, cudaStream_t stream) {
-  const int warps = mma::warps_for(p.m, n_sms), teams = warps / (COLS / mma::kPartCols);
-  const int n_rg = (p.m.rows + mma::kUnitRows - 1) / mma::kUnitRows;
-  const int blocks = std::max(1, std::min(n_sms, (n_rg + teams - 1) / teams));
-  const size_t smem = mma::smem_bytes(COLS, p.n_rows, warps);
-  auto kernel = mma::gemv_mma_kernel<COLS>;
-  CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
+  const int warps = mma::warps_for(p.m, n_sms);
+  return mma::halves_for(p.m, n_sms) == 2 ? launch_mma<COLS, 2>(p, warps, n_sms, stream)
+                                          : launch_mma<COLS, 1>(p, warps, n_sms, stream);
 }
 
 }  // namespace
