@@ -24,6 +24,7 @@
 #include "cuda/kernels/quant_dot.cuh"
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace lily::cuda {
 
@@ -517,6 +518,7 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const 
 // Halves a unit: 2 (512 columns a warp) where the 512-column units fill 16 warps an SM, else 1 (the out
 // projections: 128 row groups, so more warps share a group's columns and its dot products end sooner).
 int halves_for(const QMatrix& m, int n_sms) {
+  if (const char* e = std::getenv("LILY_GEMV_HALVES")) return std::atoi(e) == 1 ? 1 : 2;  // TEMPORARY (measurement)
   const int n_rg = (m.rows + kUnitRows - 1) / kUnitRows;
   return n_rg * (m.cols / (2 * kHalfCols)) >= kAsyncMaxWarps * n_sms ? 2 : 1;
 }
@@ -528,12 +530,20 @@ size_t smem_bytes(int cols, int n_rows, GemvPrologue prologue, int warps, int sl
          (static_cast<size_t>(cols / 64) * kRows + static_cast<size_t>(warps) * 128) * sizeof(float) +
          static_cast<size_t>(warps) * slots * kHalfBytes;
 }
-constexpr size_t kSmemMax = 227 * 1024 - 32 * kMaxBatchRows * sizeof(float);  // beside red_s
+// The dynamic shared memory a block may take on this device beside red_s (227 KiB on Hopper, 163 on A100, 99 on
+// sm_86 / sm_89 / sm_120).
+size_t smem_max() {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return 0;
+  return static_cast<size_t>(optin) - 32 * kMaxBatchRows * sizeof(float);
+}
 
-// Halves in flight a warp: 4, or 2 where 4 do not fit beside x (several rows of 4,096 columns on 16 warps). Only
-// the pipelining depends on it, not the arithmetic.
+// Halves in flight a warp: 4, or 2 where 4 do not fit beside x (several rows of 4,096 columns on 16 warps, or a
+// GPU with less shared memory). Only the pipelining depends on it, not the arithmetic.
 int slots_for(const GemvParams& p, int warps) {
-  return smem_bytes(p.m.cols, p.n_rows, p.prologue, warps, 4) <= kSmemMax ? 4 : 2;
+  return smem_bytes(p.m.cols, p.n_rows, p.prologue, warps, 4) <= smem_max() ? 4 : 2;
 }
 
 // Warps of a block: a team (cols / (256 halves) warps) per 16-row group, about as many units as SMs x warps,
@@ -644,18 +654,19 @@ bool valid_params(const GemvParams& p) {
   return false;
 }
 
-// Whether the tensor-core kernel takes p (4-bit, 2,048 or 4,096 columns, 16-byte aligned scales and biases; for
-// several rows also the several-row prologue's conditions and the shared memory). Else gemv() takes the one-row
-// kernels and gemv_rows runs gemv() per row: either way a row gets the same arithmetic alone or beside others.
+// Whether the tensor-core kernel takes p (4-bit, 2,048 or 4,096 columns, 16-byte aligned scales and biases, the
+// shared memory for n_rows on this GPU; for several rows also the several-row prologue's conditions). Else gemv()
+// takes the register kernel and gemv_rows runs gemv() per row. One row fits wherever several do (x grows with the
+// rows), so a row gets the same kernel, hence the same arithmetic, alone or beside others.
 bool mma_takes(const GemvParams& p, int n_sms) {
   const QMatrix& m = p.m;
   if (m.bits != 4 || (m.cols != 2048 && m.cols != 4096) || n_sms < 1) return false;
   if (reinterpret_cast<uintptr_t>(m.scales) % 16 || reinterpret_cast<uintptr_t>(m.biases) % 16) return false;
+  const int warps = mma::warps_for(m, n_sms);
+  if (mma::smem_bytes(m.cols, p.n_rows, p.prologue, warps, 2) > mma::smem_max()) return false;
   if (p.n_rows == 1) return true;
   if (!aligned16(p.in) || p.in_stride % 4) return false;
-  const int warps = mma::warps_for(m, n_sms);
-  if (p.prologue == GemvPrologue::rms_norm && (!aligned16(p.norm_w) || m.cols / 4 > 2 * 32 * warps)) return false;
-  return mma::smem_bytes(m.cols, p.n_rows, p.prologue, warps, 2) <= mma::kSmemMax;
+  return p.prologue != GemvPrologue::rms_norm || (aligned16(p.norm_w) && m.cols / 4 <= 2 * 32 * warps);
 }
 
 template <int COLS, int HALVES, int SLOTS>
