@@ -206,15 +206,15 @@ __device__ void build_x_rows(const GemvParams& p, float* x_s, float* red_s, int 
 // ---- the tensor-core kernel: 4-bit, cols 2048 / 4096, 1 .. 8 activation rows ---------------------------------
 // y[n] = W x[n] for the launch's n_rows activation rows on mma.sync m16n8k16: the weights are the A operand (16
 // rows x 16 k a fragment), the activation rows the N side (8 an mma: lane group g = lane / 4 feeds row g of x).
-// A unit is 16 weight rows x 512 columns (4 KiB of nibbles + 8 groups of bf16 scales and biases, kUnitStageBytes);
-// a team of COLS / 512 warps takes one 16-row group, warp `part` of the team its columns 512 part .. +511, and
-// streams its units through a 2-stage cp.async ring (issued before pdl_wait, as the one-row kernel did).
+// A team of warps takes one 16-row group, warp `part` of the team 256 or 512 of its columns (halves_for), and
+// streams them in halves (16 rows x 256 columns: 2 KiB of nibbles + 4 groups of bf16 scales and biases) through
+// a per-warp cp.async ring of 2 or 4 halves (issued before pdl_wait, as the one-row kernel did).
 //  - A: a thread's 16 nibbles of a group row are k = 16c .. 16c + 15 (c = lane & 3), expanded by one LOP3 a pair
 //    to 1024 + q as fp16 (exact; qgemm_util biased_pairs), in the k order of moe_prefill_few.cu (the pair
 //    (q_i, q_{i+4}) of a word; B takes x_i and x_{i+4}): the dot product over a fragment is the same sum in
 //    another order.
 //  - B: x as fp16 (round to nearest), converted once a block from the prologue's fp32 x into the fragments'
-//    order (x16_rows), two LDS.128 a group.
+//    order (build_x16), two LDS.128 a group.
 //  - Per group (64 k = 4 mmas from zero) the scale and bias go on the fp32 result, not on the weights:
 //    sum_k (s q_k + b) x_k = s acc + (b - 1024 s) xsum, acc = sum_k (1024 + q_k) x_k and xsum the sum of the
 //    group's fp16 x (exact in fp32, once per block). The groups accumulate in order in fp32; the team's parts are
@@ -242,7 +242,7 @@ constexpr int kRows = kMaxBatchRows;                                            
 // x rows in shared memory, floats apart: the padded row (xpad_floats) + 8, so rows n and n + 1 of a quarter
 // warp's 16-byte loads fall on other banks.
 __host__ __device__ constexpr int x_row_floats(int cols) { return xpad_floats(cols) + 8; }
-// ... and as fp16 B fragments (x16_rows), bytes apart: 16 more than the row, for the same reason.
+// ... and as fp16 B fragments (build_x16), bytes apart: 16 more than the row, for the same reason.
 __host__ __device__ constexpr int x16_row_bytes(int cols) { return 2 * cols + 16; }
 
 // Shared memory of a block of `warps` warps for n_rows rows: x [n_rows][x_row_floats], xsum [groups][8], the

@@ -69,6 +69,20 @@ double row_tolerance(const HostQMatrix& hm, int r, const std::vector<float>& x, 
   return fp16_x ? 2e-5 * abs_sum + x16 + 2e-6 * offset_sum + fixed : 2e-5 * abs_sum + fixed;
 }
 
+// c's launch parameters without the output side (residual, y, rows).
+GemvParams case_params(const GemvCase& c, const QMatrix& m, const float* in, const float* norm_w, const float* z,
+                       int head_dim, float eps) {
+  GemvParams p;
+  p.m = m;
+  p.in = in;
+  p.prologue = c.prologue;
+  p.norm_w = norm_w;
+  p.gate_z = z;
+  p.head_dim = head_dim;
+  p.eps = eps;
+  return p;
+}
+
 void run_case(const GemvCase& c, uint32_t seed, int head_dim = 128) {
   SCOPED_TRACE(testing::Message() << "rows " << c.rows << " cols " << c.cols << " bits " << c.bits
                                   << " prologue " << static_cast<int>(c.prologue) << " residual "
@@ -82,14 +96,7 @@ void run_case(const GemvCase& c, uint32_t seed, int head_dim = 128) {
   const std::vector<float> residual = random_vector(c.rows, seed + 4);
 
   DeviceBuffer<float> d_in(in), d_norm(norm_w), d_z(z), d_y(residual);
-  GemvParams p;
-  p.m = hm.upload();
-  p.in = d_in.get();
-  p.prologue = c.prologue;
-  p.norm_w = d_norm.get();
-  p.gate_z = d_z.get();
-  p.head_dim = head_dim;
-  p.eps = eps;
+  GemvParams p = case_params(c, hm.upload(), d_in.get(), d_norm.get(), d_z.get(), head_dim, eps);
   p.residual = c.residual ? d_y.get() : nullptr;  // residual aliases y: y = y + W x
   p.y = d_y.get();
   ASSERT_CUDA(gemv(p, nullptr));
@@ -204,14 +211,7 @@ void run_rows_case(const GemvCase& c, int n, uint32_t seed) {
   const std::vector<float> in = random_vector(n * in_stride, seed + 1), z = random_vector(n * in_stride, seed + 3);
   const std::vector<float> residual = random_vector(n * out_stride, seed + 4);
   DeviceBuffer<float> d_in(in), d_norm(norm_w), d_z(z), d_y(residual), d_one(residual);
-  GemvParams p;
-  p.m = hm.upload();
-  p.in = d_in.get();
-  p.prologue = c.prologue;
-  p.norm_w = d_norm.get();
-  p.gate_z = d_z.get();
-  p.head_dim = head_dim;
-  p.eps = eps;
+  GemvParams p = case_params(c, hm.upload(), d_in.get(), d_norm.get(), d_z.get(), head_dim, eps);
   p.n_rows = n;
   p.in_stride = in_stride, p.z_stride = in_stride, p.out_stride = out_stride;
   p.residual = c.residual ? d_y.get() : nullptr;
