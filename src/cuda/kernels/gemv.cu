@@ -449,7 +449,7 @@ __device__ __forceinline__ void store_outputs(const GemvParams& p, int row_a, in
 // 256 HALVES part .. (a unit of HALVES halves); the team's first warp sums the parts in order through shared
 // memory (two team barriers a group) and stores. HALVES (1 or 2) is chosen by the matrix alone (halves_for).
 // (A split where each warp takes a group's columns in order, unit after unit, without barriers, measured the
-// same on lm_head and 1.4x slower on the in projections, 2026-12-02.)
+// same on lm_head and 1.3x / 1.6x slower on gdn_in / attn_in, 2026-12-02.)
 template <int COLS, int HALVES, int SLOTS>
 __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const __grid_constant__ GemvParams p) {
   const trace::BlockTrace trace_block(trace::kGemv);
