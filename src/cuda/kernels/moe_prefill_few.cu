@@ -37,11 +37,9 @@ constexpr int kGroupWords = 8;     // 4-bit words of a 64-element group row
 // The four fp16 pairs (q_i, q_{i+4}) of a word of 8 nibbles, as scale * q + bias.
 __device__ __forceinline__ void expand_word(uint32_t w, __half2 s, __half2 b, uint32_t (&o)[4]) {
   const __half2 k1024 = __float2half2_rn(1024.0f);
+  biased_pairs(w, o);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t v = ((w >> (4 * i)) & 0x000F000Fu) | 0x64006400u;  // 1024 + q_i, 1024 + q_{i+4}
-    o[i] = h2_bits(__hfma2(__hsub2(bits_h2(v), k1024), s, b));
-  }
+  for (int i = 0; i < 4; ++i) o[i] = h2_bits(__hfma2(__hsub2(bits_h2(o[i]), k1024), s, b));
 }
 
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "cuda/kernels/common.cuh"
+#include "cuda/kernels/qgemm.cuh"  // GemmOut
 
 namespace lily::cuda::qgemm_util {
 
@@ -76,6 +77,16 @@ __device__ __forceinline__ float byte_as_float(uint32_t v) {
 // An fp16 pair as its 32 bits and back (the mma fragments' register form).
 __device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 __device__ __forceinline__ __half2 bits_h2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
+
+// The four fp16 pairs (1024 + q_i, 1024 + q_{i+4}) of a word of 8 nibbles (exact: q sits in the mantissa of
+// 1024), one LOP3 a pair: the pair order of the few-row kernel's nibble expansion (moe_prefill_few.cu).
+// (The AND and OR in one LOP3 by inline PTX: with both constants as immediates the compiler emits two.)
+__device__ __forceinline__ void biased_pairs(uint32_t w, uint32_t (&o)[4]) {
+  const uint32_t mask = 0x000F000Fu, magic = 0x64006400u;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(o[i]) : "r"(w >> (4 * i)), "r"(mask), "r"(magic));
+}
 
 __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
