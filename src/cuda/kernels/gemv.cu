@@ -31,6 +31,16 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kAsyncMaxWarps = 16;
 
+// The dynamic shared memory a block may opt in to on the current device (227 KiB on Hopper, 163 on A100, 99 on
+// sm_86 / sm_89 / sm_120).
+size_t device_smem_optin() {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return 48 * 1024;
+  return static_cast<size_t>(optin);
+}
+
 using namespace gemv_q4;  // the 4-bit chunk helpers (gemv.cuh)
 
 // Where this block's x comes from (gemv.cuh prologues).
@@ -359,8 +369,7 @@ cudaError_t launch_q4(const GemvParams& p, cudaStream_t stream) {
   const int blocks = std::max(1, std::min(n_sms, (n_chunks + warps - 1) / warps));
   const size_t smem = xpad_floats(COLS) * sizeof(float) + static_cast<size_t>(warps) * kStages * kStageBytes;
   auto kernel = gemv_q4_async_kernel<COLS>;
-  CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                xpad_floats(COLS) * sizeof(float) + kAsyncMaxWarps * kStages * kStageBytes));
+  CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
 }
 
@@ -419,7 +428,7 @@ bool rows_kernel_takes(const GemvParams& p, int n_sms) {
   if (p.prologue == GemvPrologue::rms_norm && m.cols / 4 > 2 * threads) return false;
   const size_t smem = static_cast<size_t>(rows_instance(p.n_rows)) * xpad_floats(m.cols) * sizeof(float) +
                       static_cast<size_t>(threads / 32) * kStages * kStageBytes;
-  return smem <= 227 * 1024 - 32 * kRowsMax * sizeof(float) - 1024;
+  return smem <= device_smem_optin() - 32 * kRowsMax * sizeof(float) - 1024;
 }
 
 }  // namespace
@@ -427,7 +436,11 @@ bool rows_kernel_takes(const GemvParams& p, int n_sms) {
 int gemv_q4_async_threads(const QMatrix& m, int n_sms) {
   const int rows_per_chunk = gemv_q4::kChunkWeights / m.cols;
   const int n_chunks = (m.rows + rows_per_chunk - 1) / rows_per_chunk;
-  return 32 * std::clamp((n_chunks + n_sms - 1) / n_sms, 4, kAsyncMaxWarps);
+  // No more warps than the device's shared memory holds rings for (16 on Hopper; 9 at 2,048 columns on the
+  // 99 KB of sm_86 / sm_89 / sm_120, whose launch with 16 failed).
+  const size_t room = device_smem_optin() - 1024 - xpad_floats(m.cols) * sizeof(float);
+  const int fit = static_cast<int>(std::min<size_t>(kAsyncMaxWarps, room / (kStages * kStageBytes)));
+  return 32 * std::clamp((n_chunks + n_sms - 1) / n_sms, 4, std::max(4, fit));
 }
 
 cudaError_t gemv(const GemvParams& p, cudaStream_t stream) {
