@@ -437,7 +437,8 @@ int gemv_q4_async_threads(const QMatrix& m, int n_sms) {
   const int rows_per_chunk = gemv_q4::kChunkWeights / m.cols;
   const int n_chunks = (m.rows + rows_per_chunk - 1) / rows_per_chunk;
   // No more warps than the device's shared memory holds rings for (16 on Hopper; 9 at 2,048 columns on the
-  // 99 KB of sm_86 / sm_89 / sm_120, whose launch with 16 failed).
+  // 99 KB of sm_86 / sm_89 / sm_120, whose launch with 16 failed), beside x and 1 KiB for red_s and the driver's
+  // per-block reserve (as rows_kernel_takes counts it).
   const size_t room = device_smem_optin() - 1024 - xpad_floats(m.cols) * sizeof(float);
   const int fit = static_cast<int>(std::min<size_t>(kAsyncMaxWarps, room / (kStages * kStageBytes)));
   return 32 * std::clamp((n_chunks + n_sms - 1) / n_sms, 4, std::max(4, fit));
