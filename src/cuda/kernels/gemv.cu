@@ -33,6 +33,16 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kAsyncMaxWarps = 16;
 
+// The dynamic shared memory a block may opt in to on the current device (227 KiB on Hopper, 163 on A100, 99 on
+// sm_86 / sm_89 / sm_120).
+size_t device_smem_optin() {
+  int device = 0, optin = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
+    return 48 * 1024;
+  return static_cast<size_t>(optin);
+}
+
 using namespace gemv_q4;  // the 4-bit chunk helpers (gemv.cuh)
 
 // Where this block's x comes from (gemv.cuh prologues).
@@ -532,13 +542,7 @@ size_t smem_bytes(int cols, int n_rows, GemvPrologue prologue, int warps, int sl
 }
 // The dynamic shared memory a block may take on this device beside red_s (227 KiB on Hopper, 163 on A100, 99 on
 // sm_86 / sm_89 / sm_120).
-size_t smem_max() {
-  int device = 0, optin = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess)
-    return 0;
-  return static_cast<size_t>(optin) - 32 * kMaxBatchRows * sizeof(float);
-}
+size_t smem_max() { return device_smem_optin() - 32 * kMaxBatchRows * sizeof(float); }
 
 // Halves in flight a warp: 4, or 2 where 4 do not fit beside x (several rows of 4,096 columns on 16 warps, or a
 // GPU with less shared memory). Only the pipelining depends on it, not the arithmetic.
@@ -600,11 +604,14 @@ int device_sms() {
 }
 
 // Warps of a block of the asynchronous one-row kernel: one block per SM, fewer warps when there are few chunks,
-// so that they spread over all SMs.
+// so that they spread over all SMs; no more than the device's shared memory holds rings for beside x and 1 KiB
+// for red_s and the driver's per-block reserve (16 on Hopper; 99 KB GPUs refused 16 at 2,048 columns).
 int async_warps(const QMatrix& m, int n_sms) {
   const int rows_per_chunk = gemv_q4::kChunkWeights / m.cols;
   const int n_chunks = (m.rows + rows_per_chunk - 1) / rows_per_chunk;
-  return std::clamp((n_chunks + n_sms - 1) / n_sms, 4, kAsyncMaxWarps);
+  const size_t room = device_smem_optin() - 1024 - xpad_floats(m.cols) * sizeof(float);
+  const int fit = static_cast<int>(std::min<size_t>(kAsyncMaxWarps, room / (kStages * kStageBytes)));
+  return std::clamp((n_chunks + n_sms - 1) / n_sms, 4, std::max(4, fit));
 }
 
 template <class Kernel>
@@ -633,8 +640,7 @@ cudaError_t launch_q4(const GemvParams& p, cudaStream_t stream) {
     const int blocks = std::max(1, std::min(device_sms(), (n_chunks + warps - 1) / warps));
     const size_t smem = xpad_floats(COLS) * sizeof(float) + static_cast<size_t>(warps) * kStages * kStageBytes;
     auto kernel = gemv_q4_async_kernel<COLS>;
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  xpad_floats(COLS) * sizeof(float) + kAsyncMaxWarps * kStages * kStageBytes));
+    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
   }
 }
