@@ -135,84 +135,6 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_async_kernel(c
   cp_async_wait<0>();
 }
 
-// ---- several rows (gemv_rows) ---------------------------------------------------------------------------------
-constexpr int kRowsMax = kMaxBatchRows;
-
-// The prologue for every row (row r at x_s + r xf), each row's x bit-identical to build_x of that row alone.
-// rms_norm and none: block_load_x's fast path (the launcher checks its conditions) with the loads of all rows
-// first; per row the same per-thread terms (the zero terms of absent vectors left out: adding +0 changes nothing)
-// and block_sum's reduction order (warp sums, then warps in order).
-__device__ void build_x_rows(const GemvParams& p, float* x_s, float* red_s, int xf) {
-  const int n = p.n_rows, cols = p.m.cols, n_vecs = cols / 4;
-  if (p.prologue == GemvPrologue::gated_rms_norm) {
-    for (int r = 0; r < n; ++r)
-      block_load_x_gated(p.in + static_cast<size_t>(r) * p.in_stride, p.gate_z + static_cast<size_t>(r) * p.z_stride,
-                         p.norm_w, p.head_dim, p.eps, cols, x_s + r * xf);
-    return;
-  }
-  const float* norm_w = p.prologue == GemvPrologue::rms_norm ? p.norm_w : nullptr;
-  if (!norm_w) {
-    for (int i = threadIdx.x; i < n_vecs; i += blockDim.x) {
-#pragma unroll
-      for (int r = 0; r < kRowsMax; ++r) {
-        if (r < n) {
-          const float4 v = reinterpret_cast<const float4*>(p.in + static_cast<size_t>(r) * p.in_stride)[i];
-          *reinterpret_cast<float4*>(x_s + r * xf + xpad(4 * i)) = v;
-        }
-      }
-    }
-    __syncthreads();
-    return;
-  }
-  constexpr int kVecs = 2;  // per thread and row (the launcher: n_vecs <= 2 * blockDim)
-  float4 v[kRowsMax][kVecs], w[kVecs];
-  float ss[kRowsMax];
-#pragma unroll
-  for (int t = 0; t < kVecs; ++t) {
-    const int i = threadIdx.x + t * blockDim.x;
-    w[t] = i < n_vecs ? reinterpret_cast<const float4*>(norm_w)[i] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-  }
-#pragma unroll
-  for (int r = 0; r < kRowsMax; ++r) {
-#pragma unroll
-    for (int t = 0; t < kVecs; ++t) {
-      const int i = threadIdx.x + t * blockDim.x;
-      v[r][t] = r < n && i < n_vecs ? reinterpret_cast<const float4*>(p.in + static_cast<size_t>(r) * p.in_stride)[i]
-                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < kRowsMax; ++r) {
-    ss[r] = 0.0f;
-#pragma unroll
-    for (int t = 0; t < kVecs; ++t) {
-      if (threadIdx.x + t * blockDim.x < n_vecs) ss[r] += x4_sum_squares(v[r][t]);
-    }
-  }
-  // block_sum for every row at once
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
-#pragma unroll
-  for (int r = 0; r < kRowsMax; ++r) ss[r] = r < n ? warp_sum(ss[r]) : 0.0f;
-  if (lane == 0) {
-#pragma unroll
-    for (int r = 0; r < kRowsMax; ++r) red_s[r * 32 + warp] = ss[r];
-  }
-  __syncthreads();
-#pragma unroll
-  for (int r = 0; r < kRowsMax; ++r) {
-    if (r >= n) continue;
-    float total = 0.0f;
-    for (int k = 0; k < n_warps; ++k) total += red_s[r * 32 + k];
-    const float inv_rms = rsqrtf(total / static_cast<float>(cols) + p.eps);
-#pragma unroll
-    for (int t = 0; t < kVecs; ++t) {
-      const int i = threadIdx.x + t * blockDim.x;
-      if (i < n_vecs) *reinterpret_cast<float4*>(x_s + r * xf + xpad(4 * i)) = x4_normalised(v[r][t], inv_rms, w[t]);
-    }
-  }
-  __syncthreads();
-}
-
 // ---- the tensor-core kernel: 4-bit, cols 2048 / 4096, 1 .. 8 activation rows ---------------------------------
 // y[n] = W x[n] for the launch's n_rows activation rows on mma.sync m16n8k16: the weights are the A operand (16
 // rows x 16 k a fragment), the activation rows the N side (8 an mma: lane group g = lane / 4 feeds row g of x).
@@ -220,23 +142,21 @@ __device__ void build_x_rows(const GemvParams& p, float* x_s, float* red_s, int 
 // streams them in halves (16 rows x 256 columns: 2 KiB of nibbles + 4 groups of bf16 scales and biases) through
 // a per-warp cp.async ring of 2 or 4 halves (issued before pdl_wait, as the one-row kernel did).
 //  - A: a thread's 16 nibbles of a group row are k = 16c .. 16c + 15 (c = lane & 3), expanded by one LOP3 a pair
-//    to 1024 + q as fp16 (exact; qgemm_util biased_pairs), in the k order of moe_prefill_few.cu (the pair
-//    (q_i, q_{i+4}) of a word; B takes x_i and x_{i+4}): the dot product over a fragment is the same sum in
-//    another order.
-//  - B: x as fp16 (round to nearest), converted once a block from the prologue's fp32 x into the fragments'
-//    order (build_x16), two LDS.128 a group.
-//  - Per group (64 k = 4 mmas from zero) the scale and bias go on the fp32 result, not on the weights:
-//    sum_k (s q_k + b) x_k = s acc + (b - 1024 s) xsum, acc = sum_k (1024 + q_k) x_k and xsum the sum of the
-//    group's fp16 x (exact in fp32, once per block). The groups accumulate in order in fp32; the team's parts are
-//    summed in order by the team's first warp through shared memory.
+//    (expand_word) to fp16 1024 + q, or 1024 + 16 q for every second pair (exact; one shift a word instead of
+//    three), in the k order of moe_prefill_few.cu (the pair (q_i, q_{i+4}) of a word; B takes x_i and x_{i+4}):
+//    the dot product over a fragment is the same sum in another order.
+//  - B: x as fp16 (round to nearest; x / 16 where A holds 16 q), built once a block straight from the inputs in
+//    the fragments' order (build_x16), two LDS.128 a group.
+//  - Per group (64 k = 4 mmas) the scale and bias go on the fp32 result, not on the weights:
+//    sum_k (s q_k + b) x_k = s acc + b xs, where acc starts at -1024 sum_k x'_k (x' the B values), so that it ends
+//    at sum_k q_k x_k, and xs = sum_k x_k (both sums fp32, once a block). The groups accumulate in order in fp32;
+//    the team's parts are summed in order by the team's first warp through shared memory.
 // Every row's arithmetic is the same whatever n_rows is (an mma's column depends only on its own B column; the
 // block size depends only on the matrix), so a row's result is bit-identical alone or beside others.
 // Error against exact arithmetic: x rounded to fp16 (2^-11 relative a term), the rest fp32.
 namespace mma {
 
-using qgemm_util::biased_pairs;
 using qgemm_util::mma_f16;
-using qgemm_util::mma_f16_zero;
 using qgemm_util::pack_f16;
 
 constexpr int kUnitRows = 16;
@@ -249,15 +169,9 @@ constexpr int kHalfWeightBytes = kUnitRows * kHalfGroups * 32;                 /
 constexpr int kHalfBytes = kHalfWeightBytes + 2 * kUnitRows * kHalfGroups * 2;  // 2304
 constexpr int kRows = kMaxBatchRows;                                            // mma N: 8
 
-// x rows in shared memory, floats apart: the padded row (xpad_floats) + 8, so rows n and n + 1 of a quarter
-// warp's 16-byte loads fall on other banks.
-__host__ __device__ constexpr int x_row_floats(int cols) { return xpad_floats(cols) + 8; }
-// ... and as fp16 B fragments (build_x16), bytes apart: 16 more than the row, for the same reason.
+// x rows as fp16 B fragments (build_x16) in shared memory, bytes apart: 16 more than the row, so rows n and n + 1
+// of a quarter warp's 16-byte loads fall on other banks.
 __host__ __device__ constexpr int x16_row_bytes(int cols) { return 2 * cols + 16; }
-
-// Shared memory of a block of `warps` warps for n_rows rows: x [n_rows][x_row_floats], xsum [groups][8], the
-// team reduction [warps][128] floats, the rings (8 rows at 2,048 columns and 16 warps: 225 KiB).
-
 
 __device__ __forceinline__ void cp_async_8(void* dst_s, const void* src, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_s));
@@ -285,151 +199,189 @@ __device__ __forceinline__ void issue_half(const QMatrix& m, int rg, int hb, int
 }
 
 // x as fp16 B fragments: row r, group G, lane quarter c at x16 + r x16_row_bytes + (4 G + c) 32 bytes holds the
-// (x_i, x_i+4) pairs of k = 16c .. 16c + 15 in the order the mma steps take them (moe_prefill_few.cu's order), and
-// xsum[G][r] = the group's sum of those fp16 values (each thread its 16 in order, then the group's 4 threads by a
-// butterfly: a fixed order). A thread an item (G, c); cols / 16 <= blockDim.
+// pairs (x_i, x_{i+4}) of k = 16c .. 16c + 15 in the order the mma steps take them (moe_prefill_few.cu's order);
+// each step's second pair (i = 1, 3 of a word: the nibbles expand_word puts at 1024 + 16 q) as x / 16. So the mma
+// of (1024 + m q) by those values x' is sum_k q_k xe_k + 1024 sum_k x'_k, with xe = m x' the effective x (x16
+// rounded, its factor 16 restored). Per group and row: xe_s = 1024 sum x' (the accumulator starts at -xe_s) and
+// xs_s = sum xe (the bias's sum), each thread its 16 values, then the group's 4 threads by a butterfly (fixed order).
 struct X16Item {
   uint4 u0, u1;
-  float sum;
+  float xs, xe;
 };
 __device__ __forceinline__ X16Item x16_item(const float4 (&f)[4]) {
+  constexpr float kSixteenth = 0.0625f;
   X16Item it;
-  it.u0 = make_uint4(pack_f16(f[0].x, f[1].x), pack_f16(f[0].y, f[1].y), pack_f16(f[0].z, f[1].z),
-                     pack_f16(f[0].w, f[1].w));
-  it.u1 = make_uint4(pack_f16(f[2].x, f[3].x), pack_f16(f[2].y, f[3].y), pack_f16(f[2].z, f[3].z),
-                     pack_f16(f[2].w, f[3].w));
-  const uint32_t h[8] = {it.u0.x, it.u0.y, it.u0.z, it.u0.w, it.u1.x, it.u1.y, it.u1.z, it.u1.w};
-  it.sum = 0.0f;
+  it.u0 = make_uint4(pack_f16(f[0].x, f[1].x), pack_f16(f[0].y * kSixteenth, f[1].y * kSixteenth),
+                     pack_f16(f[0].z, f[1].z), pack_f16(f[0].w * kSixteenth, f[1].w * kSixteenth));
+  it.u1 = make_uint4(pack_f16(f[2].x, f[3].x), pack_f16(f[2].y * kSixteenth, f[3].y * kSixteenth),
+                     pack_f16(f[2].z, f[3].z), pack_f16(f[2].w * kSixteenth, f[3].w * kSixteenth));
+  const uint32_t lo[4] = {it.u0.x, it.u0.z, it.u1.x, it.u1.z}, hi[4] = {it.u0.y, it.u0.w, it.u1.y, it.u1.w};
+  float s_lo = 0.0f, s_hi = 0.0f;
 #pragma unroll
-  for (int k = 0; k < 8; ++k) {
-    const float2 v = __half22float2(qgemm_util::bits_h2(h[k]));
-    it.sum += v.x, it.sum += v.y;
+  for (int k = 0; k < 4; ++k) {
+    const float2 a = __half22float2(qgemm_util::bits_h2(lo[k])), b = __half22float2(qgemm_util::bits_h2(hi[k]));
+    s_lo += a.x, s_lo += a.y, s_hi += b.x, s_hi += b.y;
   }
-  it.sum += __shfl_xor_sync(0xffffffffu, it.sum, 1);  // every lane calls (full-warp shuffles)
-  it.sum += __shfl_xor_sync(0xffffffffu, it.sum, 2);
+#pragma unroll
+  for (int m = 1; m <= 2; m <<= 1) {  // every lane calls (full-warp shuffles)
+    s_lo += __shfl_xor_sync(0xffffffffu, s_lo, m);
+    s_hi += __shfl_xor_sync(0xffffffffu, s_hi, m);
+  }
+  it.xs = s_lo + 16.0f * s_hi;
+  it.xe = 1024.0f * (s_lo + s_hi);
   return it;
 }
 template <int COLS>
-__device__ __forceinline__ void x16_store(const X16Item& it, char* x16, float* xsum_s, int r) {
-  const int i = threadIdx.x, G = i >> 2, c = i & 3;
-  if (i >= COLS / 16) return;
-  uint4* dst = reinterpret_cast<uint4*>(x16 + r * x16_row_bytes(COLS)) + (4 * G + c) * 2;
+__device__ __forceinline__ void x16_store(const X16Item& it, int i, char* x16, float* xs_s, float* xe_s, int r) {
+  uint4* dst = reinterpret_cast<uint4*>(x16 + r * x16_row_bytes(COLS)) + 2 * i;
   dst[0] = it.u0, dst[1] = it.u1;
-  if (c == 0) xsum_s[G * kRows + r] = it.sum;
+  if ((i & 3) == 0) xs_s[(i >> 2) * kRows + r] = it.xs, xe_s[(i >> 2) * kRows + r] = it.xe;
 }
-// The item's 16 fp32 values from a padded prologue row (xpad(64 G + 16 c) = 72 G + 16 c + 4 (c / 2)), or from
-// 16 contiguous floats.
-template <int COLS>
-__device__ __forceinline__ X16Item x16_item_padded(const float* xrow) {
-  const int i = threadIdx.x, G = i >> 2, c = i & 3;
-  float4 f[4] = {};
-  if (i < COLS / 16) {
-    const float4* xp = reinterpret_cast<const float4*>(xrow + 72 * G + 16 * c + 4 * (c >> 1));
-    f[0] = xp[0], f[1] = xp[1], f[2] = xp[2], f[3] = xp[3];
-  }
-  return x16_item(f);
-}
-template <int COLS>
-__device__ __forceinline__ X16Item x16_item_plain(const float* in) {
-  const int i = threadIdx.x;
-  float4 f[4] = {};
-  if (i < COLS / 16) {
-    const float4* xp = reinterpret_cast<const float4*>(in + 16 * i);
-    f[0] = xp[0], f[1] = xp[1], f[2] = xp[2], f[3] = xp[3];
-  }
-  return x16_item(f);
+__device__ __forceinline__ void load16(const float* src, float4 (&f)[4]) {
+  const float4* s4 = reinterpret_cast<const float4*>(src);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) f[q] = s4[q];
 }
 
-// Where x lives: in place (the prologue's fp32 rows [n][x_row_floats], then the fp16 rows over them: one row, or
-// several with the RMSNorm prologue, whose all-rows build needs every row in fp32) or apart (the fp16 rows
-// [n][x16_row_bytes], then one fp32 staging row: several rows with the gated prologue, built a row at a time,
-// or none, converted straight from the input). The same fp32 values either way, so the same fp16 x.
-__host__ __device__ constexpr bool x_in_place(int n_rows, GemvPrologue prologue) {
-  return n_rows == 1 || prologue == GemvPrologue::rms_norm;
-}
-__host__ __device__ constexpr size_t x_bytes(int cols, int n_rows, GemvPrologue prologue) {
-  return x_in_place(n_rows, prologue) ? static_cast<size_t>(n_rows) * x_row_floats(cols) * sizeof(float)
-                                      : static_cast<size_t>(n_rows) * x16_row_bytes(cols) +
-                                            static_cast<size_t>(x_row_floats(cols)) * sizeof(float);
+// Whether build_x16 takes p's prologue: 16-byte aligned rows, and for the gated one heads of 16 L columns with L a
+// power of two <= 32 (a head is L adjacent lanes).
+bool x16_takes(const GemvParams& p) {
+  if (!aligned16(p.in) || (p.n_rows > 1 && p.in_stride % 4)) return false;
+  switch (p.prologue) {
+    case GemvPrologue::none: return true;
+    case GemvPrologue::rms_norm: return aligned16(p.norm_w);
+    case GemvPrologue::gated_rms_norm: {
+      const int lanes = p.head_dim / 16;
+      return aligned16(p.norm_w) && aligned16(p.gate_z) && (p.n_rows == 1 || p.z_stride % 4 == 0) &&
+             p.head_dim % 16 == 0 && lanes <= 32 && (lanes & (lanes - 1)) == 0;
+    }
+  }
+  return false;
 }
 
-// The prologue: x16 and xsum for every row. In place, row r's fp16 bytes end before fp32 row r + 1 begins and
-// overlap only rows <= r, which are read before the barrier of their own iteration.
+// The prologue: x16, xs_s and xe_s for every row, straight from the inputs in registers (no fp32 copy in shared
+// memory). Thread i takes the items i, i + blockDim, ... (item i: the 16 columns 16 i ..; group i / 4, quarter
+// i % 4). A row's values depend only on that row and the block size (the matrix's), so a row gets the same bits
+// alone or beside others.
+//  rms_norm (eqs 1-2): the sum of squares a thread over its items in order, warp sums, then the warps in order.
+//  gated_rms_norm (eq 19): a head of head_dim = 16 L columns is L adjacent lanes, summed by shuffles.
 template <int COLS>
-__device__ void build_x16(const GemvParams& p, char* x_region, float* xsum_s, float* red_s) {
-  constexpr int XF = x_row_floats(COLS);
-  const int n = p.n_rows;
+__device__ void build_x16(const GemvParams& p, char* x16, float* xs_s, float* xe_s, float* red_s) {
+  constexpr int kItems = COLS / 16;  // a multiple of 32: the item loops are warp-uniform
+  const int n = p.n_rows, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
   for (int k = threadIdx.x; k < (COLS / 64) * kRows; k += blockDim.x) {
-    if (k % kRows >= n) xsum_s[k] = 0.0f;
+    if (k % kRows >= n) xs_s[k] = xe_s[k] = 0.0f;
   }
-  float* x_s = reinterpret_cast<float*>(x_region);
-  if (x_in_place(n, p.prologue)) {
-    if (n == 1) {
-      build_x(p, x_s, red_s);
-    } else {
-      build_x_rows(p, x_s, red_s, XF);
-    }
+  if (p.prologue == GemvPrologue::rms_norm) {
     for (int r = 0; r < n; ++r) {
-      const X16Item it = x16_item_padded<COLS>(x_s + r * XF);
-      __syncthreads();  // row r's fp32 values are in registers
-      x16_store<COLS>(it, x_region, xsum_s, r);
-    }
-  } else {
-    float* stage = reinterpret_cast<float*>(x_region + n * x16_row_bytes(COLS));
-    for (int r = 0; r < n; ++r) {
-      if (p.prologue == GemvPrologue::gated_rms_norm) {
-        block_load_x_gated(p.in + static_cast<size_t>(r) * p.in_stride, p.gate_z + static_cast<size_t>(r) * p.z_stride,
-                           p.norm_w, p.head_dim, p.eps, COLS, stage);
-        const X16Item it = x16_item_padded<COLS>(stage);
-        x16_store<COLS>(it, x_region, xsum_s, r);
-        __syncthreads();  // the staging row is free again
-      } else {
-        x16_store<COLS>(x16_item_plain<COLS>(p.in + static_cast<size_t>(r) * p.in_stride), x_region, xsum_s, r);
+      float ss = 0.0f;
+      for (int i = threadIdx.x; i < kItems; i += blockDim.x) {
+        float4 f[4];
+        load16(p.in + static_cast<size_t>(r) * p.in_stride + 16 * i, f);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) ss += x4_sum_squares(f[q]);
       }
+      ss = warp_sum(ss);
+      if (lane == 0) red_s[r * 32 + warp] = ss;
+    }
+    __syncthreads();
+  }
+  for (int r = 0; r < n; ++r) {
+    const float* in = p.in + static_cast<size_t>(r) * p.in_stride;
+    float inv_rms = 1.0f;
+    if (p.prologue == GemvPrologue::rms_norm) {
+      float total = 0.0f;
+      for (int k = 0; k < n_warps; ++k) total += red_s[r * 32 + k];
+      inv_rms = rsqrtf(total / static_cast<float>(COLS) + p.eps);
+    }
+    for (int i = threadIdx.x; i < kItems; i += blockDim.x) {
+      float4 f[4];
+      load16(in + 16 * i, f);
+      if (p.prologue == GemvPrologue::rms_norm) {
+        float4 w[4];
+        load16(p.norm_w + 16 * i, w);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) f[q] = x4_normalised(f[q], inv_rms, w[q]);
+      } else if (p.prologue == GemvPrologue::gated_rms_norm) {
+        float4 z[4], w[4];
+        load16(p.gate_z + static_cast<size_t>(r) * p.z_stride + 16 * i, z);
+        load16(p.norm_w + ((16 * i) & (p.head_dim - 1)), w);
+        float ss = 0.0f;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) ss += x4_sum_squares(f[q]);
+        for (int m = 1; m < p.head_dim / 16; m <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+        const float inv = rsqrtf(ss / static_cast<float>(p.head_dim) + p.eps);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          f[q] = make_float4(w[q].x * (f[q].x * inv) * silu_fast(z[q].x), w[q].y * (f[q].y * inv) * silu_fast(z[q].y),
+                             w[q].z * (f[q].z * inv) * silu_fast(z[q].z), w[q].w * (f[q].w * inv) * silu_fast(z[q].w));
+        }
+      }
+      x16_store<COLS>(x16_item(f), i, x16, xs_s, xe_s, r);
     }
   }
   __syncthreads();
 }
 
+// The four fp16 pairs of a word of 8 nibbles in the B order above: (1024 + q0, 1024 + q4), (1024 + 16 q1,
+// 1024 + 16 q5), (1024 + q2, 1024 + q6), (1024 + 16 q3, 1024 + 16 q7) (exact: 1024 + 16 q < 2048), one LOP3 a
+// pair and one shift a word.
+__device__ __forceinline__ void expand_word(uint32_t w, uint32_t (&o)[4]) {
+  constexpr uint32_t kLo = 0x000F000Fu, kHi = 0x00F000F0u;
+  const uint32_t w8 = w >> 8;
+  o[0] = qgemm_util::and_or(w, kLo, qgemm_util::kF16Magic1024);
+  o[1] = qgemm_util::and_or(w, kHi, qgemm_util::kF16Magic1024);
+  o[2] = qgemm_util::and_or(w8, kLo, qgemm_util::kF16Magic1024);
+  o[3] = qgemm_util::and_or(w8, kHi, qgemm_util::kF16Magic1024);
+}
+
+// bf16 j (0..3) of 4 packed in a uint2, as a float.
+template <int j>
+__device__ __forceinline__ float bf16_of(uint2 v) {
+  const uint32_t w = j < 2 ? v.x : v.y;
+  return __uint_as_float(j % 2 == 0 ? w << 16 : w & 0xFFFF0000u);
+}
+
 // out[0..3] += half hb of this warp's row group: rows g, g + 8 x activation rows 2c, 2c + 1 (the C fragment).
 // Lanes of activation rows >= n read row n - 1 (their columns are not stored; a column never affects another).
 template <int COLS>
-__device__ __forceinline__ void dot_half(const char* slot, const char* x16_s, const float* xsum_s, int hb, int n,
-                                         int lane, float (&out)[4]) {
+__device__ __forceinline__ void dot_half(const char* slot, const char* x16_s, const float* xs_s, const float* xe_s,
+                                         int hb, int n, int lane, float (&out)[4]) {
   constexpr int X16_BYTES = x16_row_bytes(COLS);
   const int g = lane >> 2, c = lane & 3, G0 = hb * kHalfGroups;
-  const uint16_t* s_s = reinterpret_cast<const uint16_t*>(slot + kHalfWeightBytes) + g * kHalfGroups;
-  const uint16_t* b_s = s_s + kUnitRows * kHalfGroups;
+  const uint2* sb_s = reinterpret_cast<const uint2*>(slot + kHalfWeightBytes);  // [row] 4 scales, then [row] 4 biases
   const char* w_s = slot + g * 32 + 8 * c;
   const uint4* x_l = reinterpret_cast<const uint4*>(x16_s + min(g, n - 1) * X16_BYTES) + (G0 * 4 + c) * 2;
-  const float* xs_l = xsum_s + G0 * kRows + 2 * c;
   float acc[kHalfGroups][4];  // the groups' mma chains first (independent), then the folds in order
 #pragma unroll
   for (int j = 0; j < kHalfGroups; ++j) {
     const uint2 qa = *reinterpret_cast<const uint2*>(w_s + j * kUnitRows * 32);
     const uint2 qb = *reinterpret_cast<const uint2*>(w_s + j * kUnitRows * 32 + 8 * 32);
     const uint4 u0 = x_l[j * 8], u1 = x_l[j * 8 + 1];
+    const float2 xe = *reinterpret_cast<const float2*>(xe_s + (G0 + j) * kRows + 2 * c);
     const uint32_t b[4][2] = {{u0.x, u0.y}, {u0.z, u0.w}, {u1.x, u1.y}, {u1.z, u1.w}};
     uint32_t ea[4], eb[4], fa[4], fb[4];
-    biased_pairs(qa.x, ea), biased_pairs(qb.x, eb), biased_pairs(qa.y, fa), biased_pairs(qb.y, fb);
+    expand_word(qa.x, ea), expand_word(qb.x, eb), expand_word(qa.y, fa), expand_word(qb.y, fb);
     const uint32_t a[4][4] = {{ea[0], eb[0], ea[1], eb[1]},
                               {ea[2], eb[2], ea[3], eb[3]},
                               {fa[0], fb[0], fa[1], fb[1]},
                               {fa[2], fb[2], fa[3], fb[3]}};
-    mma_f16_zero(acc[j], a[0], b[0][0], b[0][1]);
+    acc[j][0] = -xe.x, acc[j][1] = -xe.y, acc[j][2] = -xe.x, acc[j][3] = -xe.y;
 #pragma unroll
-    for (int s = 1; s < 4; ++s) mma_f16(acc[j], a[s], b[s][0], b[s][1]);
+    for (int s = 0; s < 4; ++s) mma_f16(acc[j], a[s], b[s][0], b[s][1]);
   }
+  const uint2 sa = sb_s[g], sb = sb_s[g + 8], ba = sb_s[kUnitRows + g], bb = sb_s[kUnitRows + g + 8];
+  const float ssa[4] = {bf16_of<0>(sa), bf16_of<1>(sa), bf16_of<2>(sa), bf16_of<3>(sa)};
+  const float ssb[4] = {bf16_of<0>(sb), bf16_of<1>(sb), bf16_of<2>(sb), bf16_of<3>(sb)};
+  const float sba[4] = {bf16_of<0>(ba), bf16_of<1>(ba), bf16_of<2>(ba), bf16_of<3>(ba)};
+  const float sbb[4] = {bf16_of<0>(bb), bf16_of<1>(bb), bf16_of<2>(bb), bf16_of<3>(bb)};
 #pragma unroll
   for (int j = 0; j < kHalfGroups; ++j) {
-    const float sa = bf16_bits_to_float(s_s[j]), sb = bf16_bits_to_float(s_s[8 * kHalfGroups + j]);
-    const float ba = fmaf(-1024.0f, sa, bf16_bits_to_float(b_s[j]));
-    const float bb = fmaf(-1024.0f, sb, bf16_bits_to_float(b_s[8 * kHalfGroups + j]));
-    const float2 xs = *reinterpret_cast<const float2*>(xs_l + j * kRows);
-    out[0] = fmaf(sa, acc[j][0], fmaf(ba, xs.x, out[0]));
-    out[1] = fmaf(sa, acc[j][1], fmaf(ba, xs.y, out[1]));
-    out[2] = fmaf(sb, acc[j][2], fmaf(bb, xs.x, out[2]));
-    out[3] = fmaf(sb, acc[j][3], fmaf(bb, xs.y, out[3]));
+    const float2 xs = *reinterpret_cast<const float2*>(xs_s + (G0 + j) * kRows + 2 * c);
+    out[0] = fmaf(ssa[j], acc[j][0], fmaf(sba[j], xs.x, out[0]));
+    out[1] = fmaf(ssa[j], acc[j][1], fmaf(sba[j], xs.y, out[1]));
+    out[2] = fmaf(ssb[j], acc[j][2], fmaf(sbb[j], xs.x, out[2]));
+    out[3] = fmaf(ssb[j], acc[j][3], fmaf(sbb[j], xs.y, out[3]));
   }
 }
 
@@ -464,15 +416,16 @@ template <int COLS, int HALVES, int SLOTS>
 __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const __grid_constant__ GemvParams p) {
   const trace::BlockTrace trace_block(trace::kGemv);
   constexpr int kParts = COLS / (kHalfCols * HALVES);
-  constexpr int XF = x_row_floats(COLS), kGroups = COLS / 64;
+  constexpr int kGroups = COLS / 64;
   extern __shared__ __align__(16) char smem[];
-  __shared__ float red_s[32 * kRowsMax];
+  __shared__ float red_s[32 * kRows];
   const int n = p.n_rows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
   const int g = lane >> 2, c = lane & 3;
-  char* x_region = smem;  // x_bytes: the fp16 fragments (and the prologue's fp32 rows)
-  float* xsum_s = reinterpret_cast<float*>(smem + x_bytes(COLS, n, p.prologue));  // [group][kRows]
-  float* acc_s = xsum_s + kGroups * kRows;                                          // [warp][128]
+  char* x16_s = smem;                                                             // [n][x16_row_bytes]
+  float* xs_s = reinterpret_cast<float*>(smem + static_cast<size_t>(n) * x16_row_bytes(COLS));  // [group][kRows]
+  float* xe_s = xs_s + kGroups * kRows;                                                          // [group][kRows]
+  float* acc_s = xe_s + kGroups * kRows;                                                         // [warp][128]
   char* ring = reinterpret_cast<char*>(acc_s + n_warps * 128) + warp * SLOTS * kHalfBytes;
   const int n_rg = (p.m.rows + kUnitRows - 1) / kUnitRows;
   const int teams = n_warps / kParts, team = warp / kParts, part = warp % kParts;
@@ -488,7 +441,7 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const 
     cp_async_commit();
   }
   pdl_wait();
-  build_x16<COLS>(p, x_region, xsum_s, red_s);
+  build_x16<COLS>(p, x16_s, xs_s, xe_s, red_s);
 
   float out[4] = {0.0f, 0.0f, 0.0f, 0.0f}, res[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int t = 0; t < n_halves; ++t) {
@@ -500,7 +453,7 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const 
     }
     cp_async_wait<SLOTS - 1>();  // this lane's copies of half t have landed
     __syncwarp();                 // ... and every lane's
-    dot_half<COLS>(slot, x_region, xsum_s, part * HALVES + h, n, lane, out);
+    dot_half<COLS>(slot, x16_s, xs_s, xe_s, part * HALVES + h, n, lane, out);
     __syncwarp();  // the slot is free again
     if (t + SLOTS < n_halves)
       issue_half<COLS>(p.m, rg0 + ((t + SLOTS) / HALVES) * rg_stride, part * HALVES + (t + SLOTS) % HALVES, lane,
@@ -533,11 +486,11 @@ int halves_for(const QMatrix& m, int n_sms) {
   return n_rg * (m.cols / (2 * kHalfCols)) >= kAsyncMaxWarps * n_sms ? 2 : 1;
 }
 
-// Shared memory of a block of `warps` warps, `slots` halves in flight a warp: x (x_bytes), xsum [groups][8], the
-// team reduction [warps][128] floats, the rings.
-size_t smem_bytes(int cols, int n_rows, GemvPrologue prologue, int warps, int slots) {
-  return x_bytes(cols, n_rows, prologue) +
-         (static_cast<size_t>(cols / 64) * kRows + static_cast<size_t>(warps) * 128) * sizeof(float) +
+// Shared memory of a block of `warps` warps, `slots` halves in flight a warp: x16 [n_rows][x16_row_bytes], xs and
+// xe [groups][8], the team reduction [warps][128] floats, the rings.
+size_t smem_bytes(int cols, int n_rows, int warps, int slots) {
+  return static_cast<size_t>(n_rows) * x16_row_bytes(cols) +
+         (static_cast<size_t>(cols / 64) * 2 * kRows + static_cast<size_t>(warps) * 128) * sizeof(float) +
          static_cast<size_t>(warps) * slots * kHalfBytes;
 }
 // The dynamic shared memory a block may take on this device beside red_s (227 KiB on Hopper, 163 on A100, 99 on
@@ -547,7 +500,7 @@ size_t smem_max() { return device_smem_optin() - 32 * kMaxBatchRows * sizeof(flo
 // Halves in flight a warp: 4, or 2 where 4 do not fit beside x (several rows of 4,096 columns on 16 warps, or a
 // GPU with less shared memory). Only the pipelining depends on it, not the arithmetic.
 int slots_for(const GemvParams& p, int warps) {
-  return smem_bytes(p.m.cols, p.n_rows, p.prologue, warps, 4) <= smem_max() ? 4 : 2;
+  return smem_bytes(p.m.cols, p.n_rows, warps, 4) <= smem_max() ? 4 : 2;
 }
 
 // Warps of a block: a team (cols / (256 halves) warps) per 16-row group, about as many units as SMs x warps,
@@ -661,18 +614,15 @@ bool valid_params(const GemvParams& p) {
 }
 
 // Whether the tensor-core kernel takes p (4-bit, 2,048 or 4,096 columns, 16-byte aligned scales and biases, the
-// shared memory for n_rows on this GPU; for several rows also the several-row prologue's conditions). Else gemv()
-// takes the register kernel and gemv_rows runs gemv() per row. One row fits wherever several do (x grows with the
-// rows), so a row gets the same kernel, hence the same arithmetic, alone or beside others.
+// prologue's conditions (x16_takes), the shared memory for n_rows on this GPU). Else gemv() takes the register
+// kernel and gemv_rows runs gemv() per row. A row alone passes wherever its batch does (its pointers are the
+// batch's rows, and x grows with the rows), so it gets the same kernel, hence the same arithmetic.
 bool mma_takes(const GemvParams& p, int n_sms) {
   const QMatrix& m = p.m;
   if (m.bits != 4 || (m.cols != 2048 && m.cols != 4096) || n_sms < 1) return false;
   if (reinterpret_cast<uintptr_t>(m.scales) % 16 || reinterpret_cast<uintptr_t>(m.biases) % 16) return false;
-  const int warps = mma::warps_for(m, n_sms);
-  if (mma::smem_bytes(m.cols, p.n_rows, p.prologue, warps, 2) > mma::smem_max()) return false;
-  if (p.n_rows == 1) return true;
-  if (!aligned16(p.in) || p.in_stride % 4) return false;
-  return p.prologue != GemvPrologue::rms_norm || (aligned16(p.norm_w) && m.cols / 4 <= 2 * 32 * warps);
+  if (!mma::x16_takes(p)) return false;
+  return mma::smem_bytes(m.cols, p.n_rows, mma::warps_for(m, n_sms), 2) <= mma::smem_max();
 }
 
 template <int COLS, int HALVES, int SLOTS>
@@ -680,7 +630,7 @@ cudaError_t launch_mma(const GemvParams& p, int warps, int n_sms, cudaStream_t s
   const int teams = warps / (COLS / (mma::kHalfCols * HALVES));
   const int n_rg = (p.m.rows + mma::kUnitRows - 1) / mma::kUnitRows;
   const int blocks = std::max(1, std::min(n_sms, (n_rg + teams - 1) / teams));
-  const size_t smem = mma::smem_bytes(COLS, p.n_rows, p.prologue, warps, SLOTS);
+  const size_t smem = mma::smem_bytes(COLS, p.n_rows, warps, SLOTS);
   auto kernel = mma::gemv_mma_kernel<COLS, HALVES, SLOTS>;
   CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);

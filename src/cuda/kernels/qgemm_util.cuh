@@ -67,15 +67,6 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], const uint32_t (&a)[4], u
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// c = a . b (mma_f16 from a zero accumulator, without zeroing c first).
-__device__ __forceinline__ void mma_f16_zero(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%10, %10, %10, %10};"
-      : "=f"(c[0]), "=f"(c[1]), "=f"(c[2]), "=f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
-}
-
 // Byte i of v (0..255) as a float, exactly: the low mantissa byte of 2^23, minus 2^23. (quant_dot.cuh's
 // nibble_as_float puts the byte at bits 16..23, where a code >= 128 would reach the exponent.)
 template <int i>
@@ -87,14 +78,21 @@ __device__ __forceinline__ float byte_as_float(uint32_t v) {
 __device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 __device__ __forceinline__ __half2 bits_h2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
 
+// The fp16 pair 1024 + v: v's bits in the mantissa of 1024 (exact for v < 1024).
+constexpr uint32_t kF16Magic1024 = 0x64006400u;
+
+// (w & mask) | magic in one LOP3 (inline PTX: with both constants as immediates the compiler emits two).
+__device__ __forceinline__ uint32_t and_or(uint32_t w, uint32_t mask, uint32_t magic) {
+  uint32_t o;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(o) : "r"(w), "r"(mask), "r"(magic));
+  return o;
+}
+
 // The four fp16 pairs (1024 + q_i, 1024 + q_{i+4}) of a word of 8 nibbles (exact: q sits in the mantissa of
-// 1024), one LOP3 a pair: the pair order of the tensor-core kernels' nibble expansion (moe_prefill_few.cu, gemv.cu).
-// (The AND and OR in one LOP3 by inline PTX: with both constants as immediates the compiler emits two.)
+// 1024), one LOP3 a pair: the pair order of the few-row kernel's nibble expansion (moe_prefill_few.cu).
 __device__ __forceinline__ void biased_pairs(uint32_t w, uint32_t (&o)[4]) {
-  const uint32_t mask = 0x000F000Fu, magic = 0x64006400u;
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(o[i]) : "r"(w >> (4 * i)), "r"(mask), "r"(magic));
+  for (int i = 0; i < 4; ++i) o[i] = and_or(w >> (4 * i), 0x000F000Fu, kF16Magic1024);
 }
 
 __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {

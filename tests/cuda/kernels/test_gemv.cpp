@@ -54,8 +54,9 @@ double reference_row(const HostQMatrix& hm, int r, const std::vector<float>& x, 
 // 1e-5 of the sum of |terms| (worst case ~ cols * 2^-24 = 2.4e-4 for fully adversarial signs, typical ~ 1e-6);
 // the prologue adds rsqrtf/__expf errors of ~1e-6 relative. The tensor-core kernel rounds x to fp16: term k
 // moves by w_k x_k d_k with independent |d_k| <= 2^-11, whose sum has a standard deviation <= 2^-11 / sqrt(3)
-// of the l2 norm of the terms (6 of those here); and it takes the bias through sum_k (1024 + q) x_k - 1024 xsum
-// in fp32 (a few 2^-24 of 1024 |scale| |x| a term: 2e-6 of that sum). A wrong nibble, group or row is >> this.
+// of the l2 norm of the terms (6 of those here); and it takes the codes through sum_k (1024 + m q) x'_k from an
+// fp32 accumulator at -1024 sum_k x'_k (a few 2^-24 of 1024 |scale| |x| a term: 2e-6 of that sum). A wrong
+// nibble, group or row is >> this.
 double row_tolerance(const HostQMatrix& hm, int r, const std::vector<float>& x, double residual, bool fp16_x) {
   double abs_sum = 0.0, sq_sum = 0.0, offset_sum = 0.0;
   for (int col = 0; col < hm.cols; ++col) {
