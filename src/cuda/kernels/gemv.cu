@@ -172,6 +172,12 @@ constexpr int kRows = kMaxBatchRows;                                            
 // x rows as fp16 B fragments (build_x16) in shared memory, bytes apart: 16 more than the row, so rows n and n + 1
 // of a quarter warp's 16-byte loads fall on other banks.
 __host__ __device__ constexpr int x16_row_bytes(int cols) { return 2 * cols + 16; }
+// ... all rows, rounded up to 128 bytes: the regions after them (and the rings) 128-byte aligned. (At 16 bytes
+// off, one row's lm_head took 123.7 us against 86.4 for two rows, whose offset was 32: MIO and scoreboard
+// stalls on the ring's and the sums' loads, ncu 2026-12-03.)
+__host__ __device__ constexpr size_t x16_bytes(int cols, int n_rows) {
+  return (static_cast<size_t>(n_rows) * x16_row_bytes(cols) + 127) / 128 * 128;
+}
 
 __device__ __forceinline__ void cp_async_8(void* dst_s, const void* src, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_s));
@@ -278,6 +284,7 @@ __device__ void build_x16(const GemvParams& p, char* x16, float* xs_s, float* xe
       for (int i = threadIdx.x; i < kItems; i += blockDim.x) {
         float4 f[4];
         load16(p.in + static_cast<size_t>(r) * p.in_stride + 16 * i, f);
+        if (r == 0) asm volatile("prefetch.global.L1 [%0];" ::"l"(p.norm_w + 16 * i));  // read after the barrier
 #pragma unroll
         for (int q = 0; q < 4; ++q) ss += x4_sum_squares(f[q]);
       }
@@ -409,7 +416,8 @@ __device__ __forceinline__ void store_outputs(const GemvParams& p, int row_a, in
 
 // A team of COLS / (256 HALVES) warps takes a 16-row group, warp `part` of the team its columns
 // 256 HALVES part .. (a unit of HALVES halves); the team's first warp sums the parts in order through shared
-// memory (two team barriers a group) and stores. HALVES (1 or 2) is chosen by the matrix alone (halves_for).
+// memory (one team barrier a unit, the parts double-buffered) and stores. HALVES (1 or 2) is chosen by the
+// matrix alone (halves_for).
 // (A split where each warp takes a group's columns in order, unit after unit, without barriers, measured the
 // same on lm_head and 1.3x / 1.6x slower on gdn_in / attn_in, 2026-12-02.)
 template <int COLS, int HALVES, int SLOTS>
@@ -422,11 +430,11 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const 
   const int n = p.n_rows;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
   const int g = lane >> 2, c = lane & 3;
-  char* x16_s = smem;                                                             // [n][x16_row_bytes]
-  float* xs_s = reinterpret_cast<float*>(smem + static_cast<size_t>(n) * x16_row_bytes(COLS));  // [group][kRows]
-  float* xe_s = xs_s + kGroups * kRows;                                                          // [group][kRows]
-  float* acc_s = xe_s + kGroups * kRows;                                                         // [warp][128]
-  char* ring = reinterpret_cast<char*>(acc_s + n_warps * 128) + warp * SLOTS * kHalfBytes;
+  char* x16_s = smem;                                                  // [n][x16_row_bytes]
+  float* xs_s = reinterpret_cast<float*>(smem + x16_bytes(COLS, n));  // [group][kRows]
+  float* xe_s = xs_s + kGroups * kRows;                               // [group][kRows]
+  float* acc_s = xe_s + kGroups * kRows;                              // [2][warp][128]: units alternate
+  char* ring = reinterpret_cast<char*>(acc_s + 2 * n_warps * 128) + warp * SLOTS * kHalfBytes;
   const int n_rg = (p.m.rows + kUnitRows - 1) / kUnitRows;
   const int teams = n_warps / kParts, team = warp / kParts, part = warp % kParts;
   const int rg0 = blockIdx.x * teams + team, rg_stride = gridDim.x * teams;
@@ -460,18 +468,20 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const 
                        slot);
     cp_async_commit();
     if (h == HALVES - 1) {
-      if (part > 0) *reinterpret_cast<float4*>(acc_s + warp * 128 + 4 * lane) = make_float4(out[0], out[1], out[2], out[3]);
+      // One barrier a unit: unit u's parts go to buffer u % 2, which its first warp read for unit u - 2 before it
+      // reached unit u - 1's barrier, which the other parts passed before writing unit u's.
+      float* parts_s = acc_s + ((t / HALVES) & 1) * n_warps * 128;
+      if (part > 0) *reinterpret_cast<float4*>(parts_s + warp * 128 + 4 * lane) = make_float4(out[0], out[1], out[2], out[3]);
       team_sync(team, kParts * 32);
       if (part == 0) {
         float v[4] = {out[0], out[1], out[2], out[3]};
 #pragma unroll
         for (int q = 1; q < kParts; ++q) {  // the parts in order
-          const float4 o = *reinterpret_cast<const float4*>(acc_s + (warp + q) * 128 + 4 * lane);
+          const float4 o = *reinterpret_cast<const float4*>(parts_s + (warp + q) * 128 + 4 * lane);
           v[0] += o.x, v[1] += o.y, v[2] += o.z, v[3] += o.w;
         }
         store_outputs(p, row_a, c, res, v);
       }
-      team_sync(team, kParts * 32);  // the team's slots are free again
     }
   }
   cp_async_wait<0>();
@@ -486,11 +496,11 @@ int halves_for(const QMatrix& m, int n_sms) {
   return n_rg * (m.cols / (2 * kHalfCols)) >= kAsyncMaxWarps * n_sms ? 2 : 1;
 }
 
-// Shared memory of a block of `warps` warps, `slots` halves in flight a warp: x16 [n_rows][x16_row_bytes], xs and
-// xe [groups][8], the team reduction [warps][128] floats, the rings.
+// Shared memory of a block of `warps` warps, `slots` halves in flight a warp: x16 (x16_bytes), xs and xe
+// [groups][8], the team reduction [2][warps][128] floats, the rings.
 size_t smem_bytes(int cols, int n_rows, int warps, int slots) {
-  return static_cast<size_t>(n_rows) * x16_row_bytes(cols) +
-         (static_cast<size_t>(cols / 64) * 2 * kRows + static_cast<size_t>(warps) * 128) * sizeof(float) +
+  return x16_bytes(cols, n_rows) +
+         (static_cast<size_t>(cols / 64) * 2 * kRows + static_cast<size_t>(warps) * 2 * 128) * sizeof(float) +
          static_cast<size_t>(warps) * slots * kHalfBytes;
 }
 // The dynamic shared memory a block may take on this device beside red_s (227 KiB on Hopper, 163 on A100, 99 on
