@@ -471,7 +471,8 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const 
       // One barrier a unit: unit u's parts go to buffer u % 2, which its first warp read for unit u - 2 before it
       // reached unit u - 1's barrier, which the other parts passed before writing unit u's.
       float* parts_s = acc_s + ((t / HALVES) & 1) * n_warps * 128;
-      if (part > 0) *reinterpret_cast<float4*>(parts_s + warp * 128 + 4 * lane) = make_float4(out[0], out[1], out[2], out[3]);
+      if (part > 0)
+        *reinterpret_cast<float4*>(parts_s + warp * 128 + 4 * lane) = make_float4(out[0], out[1], out[2], out[3]);
       team_sync(team, kParts * 32);
       if (part == 0) {
         float v[4] = {out[0], out[1], out[2], out[3]};
