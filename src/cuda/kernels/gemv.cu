@@ -320,10 +320,7 @@ __device__ void build_x16(const GemvParams& p, char* x16, float* xs_s, float* xe
         for (int m = 1; m < p.head_dim / 16; m <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
         const float inv = rsqrtf(ss / static_cast<float>(p.head_dim) + p.eps);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          f[q] = make_float4(w[q].x * (f[q].x * inv) * silu_fast(z[q].x), w[q].y * (f[q].y * inv) * silu_fast(z[q].y),
-                             w[q].z * (f[q].z * inv) * silu_fast(z[q].z), w[q].w * (f[q].w * inv) * silu_fast(z[q].w));
-        }
+        for (int q = 0; q < 4; ++q) f[q] = x4_gated(f[q], inv, w[q], z[q]);
       }
       x16_store<COLS>(x16_item(f), i, x16, xs_s, xe_s, r);
     }
