@@ -24,7 +24,6 @@
 #include "cuda/kernels/quant_dot.cuh"
 
 #include <algorithm>
-#include <cstdlib>
 
 namespace lily::cuda {
 
@@ -492,10 +491,6 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const 
 // 5.65, lm_head 105.4 / 85.4 / 85.0.
 int halves_for(const QMatrix& m, int n_sms) {
   const int n_rg = (m.rows + kUnitRows - 1) / kUnitRows;
-  if (const char* e = std::getenv("LILY_GEMV_HALVES")) {  // TEMPORARY measurement knob: 1, 2 or 4 for 2,048 columns
-    const int h = std::atoi(e);
-    if (m.cols == 2048 && (h == 1 || h == 2 || h == 4)) return h;
-  }
   return n_rg * (m.cols / (2 * kHalfCols)) >= kAsyncMaxWarps * n_sms ? 2 : 1;
 }
 
@@ -658,11 +653,8 @@ cudaError_t launch_mma(const GemvParams& p, int warps, int n_sms, cudaStream_t s
 template <int COLS>
 cudaError_t launch_mma(const GemvParams& p, int n_sms, cudaStream_t stream) {
   const int warps = mma::warps_for(p.m, n_sms);
-  switch (mma::halves_for(p.m, n_sms)) {
-    case 4: return launch_mma<COLS, 4>(p, warps, n_sms, stream);
-    case 2: return launch_mma<COLS, 2>(p, warps, n_sms, stream);
-    default: return launch_mma<COLS, 1>(p, warps, n_sms, stream);
-  }
+  return mma::halves_for(p.m, n_sms) == 2 ? launch_mma<COLS, 2>(p, warps, n_sms, stream)
+                                          : launch_mma<COLS, 1>(p, warps, n_sms, stream);
 }
 
 }  // namespace
