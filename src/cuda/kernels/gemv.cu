@@ -194,7 +194,7 @@ __device__ __forceinline__ void issue_half(const QMatrix& m, int rg, int hb, int
     const int piece = it * 32 + lane, r = piece >> 3, pir = piece & 7;  // 8 pieces of 16 bytes a row
     const int row = rg * kUnitRows + r;
     const bool valid = row < m.rows;
-    cp_async_16(slot + ((pir >> 1) * kUnitRows + r) * 32 + (pir & 1) * 16,
+    cp_async_16(slot + r * 128 + ((pir ^ (r & 7)) * 16),  // a row's 128 bytes together, 16-byte pieces swizzled
                 w + static_cast<size_t>(valid ? row : 0) * (COLS / 2) + pir * 16, valid);
   }
   const int r = lane & 15, row = rg * kUnitRows + r;
@@ -354,13 +354,14 @@ __device__ __forceinline__ void dot_half(const char* slot, const char* x16_s, co
   constexpr int X16_BYTES = x16_row_bytes(COLS);
   const int g = lane >> 2, c = lane & 3, G0 = hb * kHalfGroups;
   const uint2* sb_s = reinterpret_cast<const uint2*>(slot + kHalfWeightBytes);  // [row] 4 scales, then [row] 4 biases
-  const char* w_s = slot + g * 32 + 8 * c;
+  const char* w_s = slot + g * 128 + 8 * (c & 1);
   const uint4* x_l = reinterpret_cast<const uint4*>(x16_s + min(g, n - 1) * X16_BYTES) + (G0 * 4 + c) * 2;
   float acc[kHalfGroups][4];  // the groups' mma chains first (independent), then the folds in order
 #pragma unroll
   for (int j = 0; j < kHalfGroups; ++j) {
-    const uint2 qa = *reinterpret_cast<const uint2*>(w_s + j * kUnitRows * 32);
-    const uint2 qb = *reinterpret_cast<const uint2*>(w_s + j * kUnitRows * 32 + 8 * 32);
+    const int piece = ((2 * j + (c >> 1)) ^ g) * 16;  // rows g and g + 8 share the swizzle
+    const uint2 qa = *reinterpret_cast<const uint2*>(w_s + piece);
+    const uint2 qb = *reinterpret_cast<const uint2*>(w_s + 8 * 128 + piece);
     const uint4 u0 = x_l[j * 8], u1 = x_l[j * 8 + 1];
     const float2 xe = *reinterpret_cast<const float2*>(xe_s + (G0 + j) * kRows + 2 * c);
     const uint32_t b[4][2] = {{u0.x, u0.y}, {u0.z, u0.w}, {u1.x, u1.y}, {u1.z, u1.w}};
