@@ -75,9 +75,10 @@ struct SpeculativeRequest {
 };
 using EmitFn = std::function<bool(int32_t id, float logprob, std::vector<TokenLogprob> top)>;
 
-// What the costs imply (lily bench --mode verify): speculative decoding with K drafts a round, each accepted with probability `accept` independently of the others
-// until the first rejection: a round emits (1 - a^(K+1)) / (1 - a) tokens (the accepted drafts and one token
-// sampled by the verification) in K draft steps and one verification of 1+K rows.
+// What the costs imply (lily bench --mode verify): speculative decoding with K drafts a round, each accepted with
+// probability `accept` independently of the others until the first rejection: a round emits (1 - a^(K+1)) / (1 - a)
+// tokens (the accepted drafts and one token sampled by the verification) in K draft steps and one verification of
+// 1+K rows.
 struct SpeculativeProjection {
   double tokens_per_round = 0;  // at `accept`
   double speedup = 0;           // tokens per unit of time against plain decoding
