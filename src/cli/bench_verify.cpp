@@ -115,11 +115,12 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
       const int K = r - 1;
       if (K < 1) continue;
       const double be = break_even_acceptance(K, base, d, v);
+      const bool never = be >= 1.0;  // not even a = 1 wins
       const double x815 = speculative_projection(K, 0.815, base, d, v).speedup;
       const double x88 = speculative_projection(K, 0.88, base, d, v).speedup;
-      const bool never = speculative_projection(K, 1.0, base, d, v).speedup < 1;  // not even a = 1 wins
-      std::printf("%8s %4d %14s %16.2f %16.2f\n", "", K, never ? "none" : std::to_string(be).substr(0, 5).c_str(),
-                  x815, x88);
+      char be_text[16] = "none";
+      if (!never) std::snprintf(be_text, sizeof be_text, "%.3f", be);
+      std::printf("%8s %4d %14s %16.2f %16.2f\n", "", K, be_text, x815, x88);
       out["projection"].push_back({{"context", ctx}, {"k", K}, {"verify_ms", v}, {"decode_ms", base},
                                    {"draft_ms", d}, {"draft_assumed", assumed},
                                    {"break_even_acceptance", never ? nlohmann::json() : nlohmann::json(be)},
