@@ -97,6 +97,8 @@ class CudaBackend final : public CudaBench {
   std::string device_name() const override { return device_name_; }
   std::string kernel_paths() const override { return paths_.describe(device_name_); }
   GraphCaptureStats graph_capture_stats() const override { return capture_stats_; }
+  Status mtp_head_for_test(std::span<const int32_t> tokens, const std::vector<float>& hidden,
+                           std::vector<float>* logits, std::vector<float>* out_hidden) override;
 
  private:
   Status choose_paths(const cudaDeviceProp& prop);
@@ -125,9 +127,16 @@ class CudaBackend final : public CudaBench {
   Status prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof, int split = 0,
                        CudaCheckpoint* cp = nullptr);
   Status prefill_gdn_mixer(CudaSequence& s, size_t l, int T, Profiler* prof, int split, CudaCheckpoint* cp);
+  Status prefill_attention(const DeviceLayer& L, __nv_bfloat16* k, __nv_bfloat16* v, int T, int pos0, Profiler* prof);
+  Status prefill_layer(const DeviceLayer& L, int T, const std::function<Status()>& mixer, Profiler* prof);
   Status prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits, Profiler* prof,
                  int64_t split = 0, CudaCheckpoint* cp = nullptr);
   Status copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, int layer);
+  // cuda_mtp.cpp: the MTP head over R <= prefill_chunk rows (tokens on the device, the main model's final-norm
+  // rows `hidden` [R, H]), its KV k / v at positions pos0 ..; out_hidden [R, H] gets its normalised output, logits
+  // (optional) [V] the last row's. model_->mtp must be uploaded and the prefill scratch allocated.
+  Status mtp_rows(const int* tokens, const float* hidden, int R, __nv_bfloat16* k, __nv_bfloat16* v, int pos0,
+                  float* out_hidden, float* logits, Profiler* prof);
   // cuda_bench.cpp
   Status warm_up_decode(CudaSequence& s, const DeviceSampling& greedy);
   // cuda_backend.cpp
@@ -169,6 +178,7 @@ class CudaBackend final : public CudaBench {
   // Prefill scratch, sized by options_.prefill_chunk rows (allocated on the first prefill).
   DeviceArray<float> ph_, pproj_, plogits_;
   DeviceArray<__half> pxb_, pob_;  // fp16 A operands of the prefill GEMMs
+  DeviceArray<__half> mtp_cat_;    // the MTP head's fc operand [rows, 2H] (cuda_mtp.cpp)
   DeviceArray<unsigned char> pscratch_;
   size_t prefill_bytes_ = 0;
   GraphCaptureStats capture_stats_;
