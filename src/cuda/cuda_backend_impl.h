@@ -191,6 +191,7 @@ class CudaBackend final : public CudaBench {
   // rows as sequences (views of the verified sequence's KV cache and of these states).
   DeviceArray<int> verify_pos_;
   DeviceBlock verify_states_;
+  uint64_t verify_owner_ = 0;  // the id of the sequence whose rows verify_states_ holds
   std::vector<std::unique_ptr<CudaSequence>> verify_views_;
 };
 

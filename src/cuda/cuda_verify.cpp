@@ -8,7 +8,9 @@
 // the plain decode of the same tokens gives at that position, bit for bit.
 // accept_verified(n) keeps rows [0, n): the position goes back to base + n and, for n < R, the state of row n - 1
 // is copied over the sequence's (one copy of its recurrent region); the KV rows past it are dead (attention reads
-// up to the position).
+// up to the position). The backend has one set of state buffers: a verification of another sequence before the
+// accept takes them over, and then only all rows can be kept (refused otherwise; the engine verifies one sequence
+// at a time).
 #include "cuda/cuda_backend_impl.h"
 
 namespace lily::cuda {
@@ -85,6 +87,7 @@ Status CudaBackend::forward_verify(SequenceState& base, std::span<const int32_t>
   CUDA_RETURN(cudaStreamSynchronize(stream_), "verification step");
   s->verify_base = s->n, s->verify_rows = R;
   s->n += R;
+  verify_owner_ = s->id;
   return ok_status();
 }
 
@@ -94,6 +97,10 @@ Status CudaBackend::accept_verified(SequenceState& base, int64_t n_keep) {
   if (s->verify_base < 0) return invalid_argument("accept_verified without a forward_verify before it");
   if (n_keep < 1 || n_keep > s->verify_rows)
     return invalid_argument("accept_verified: %lld rows kept of %d verified", (long long)n_keep, s->verify_rows);
+  // One set of state buffers serves the backend: a later verification of another sequence took them over.
+  if (n_keep < s->verify_rows && s->id != verify_owner_)
+    return invalid_argument("accept_verified: the states of this sequence's verified rows were overwritten by another "
+                            "sequence's verification; only all %d rows can be kept", s->verify_rows);
   if (n_keep < s->verify_rows && s->layout.recurrent_bytes > 0) {
     const unsigned char* kept =
         static_cast<const unsigned char*>(verify_states_.ptr) + static_cast<size_t>(n_keep - 1) * s->layout.recurrent_bytes;

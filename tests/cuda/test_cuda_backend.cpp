@@ -460,6 +460,17 @@ void expect_verify_equals_plain(const std::string& preset, int rows) {
   }
   std::printf("[%s] verify %d rows: each row and the continuation after keeping 1..%d equal the plain forwards\n",
               preset.c_str(), rows, rows);
+  // Two sequences' verifications interleaved: the first's kept states are gone, so only all its rows can be kept.
+  {
+    auto a = prefilled(), c = prefilled();
+    ASSERT_TRUE(b.forward_verify(*a, verified, &l).ok());
+    ASSERT_TRUE(b.forward_verify(*c, verified, &l).ok());
+    if (rows > 1) {
+      EXPECT_FALSE(b.accept_verified(*a, 1).ok());
+    }
+    EXPECT_TRUE(b.accept_verified(*a, rows).ok());
+    EXPECT_TRUE(b.accept_verified(*c, 1).ok());
+  }
   auto s = prefilled();
   std::vector<int32_t> too_many(static_cast<size_t>(cuda::kMaxBatchRows + 1), 1);
   EXPECT_FALSE(b.forward_verify(*s, too_many, &l).ok());
