@@ -106,9 +106,9 @@ class CudaBackend final : public CudaBench {
   Status fit_context();
   // cuda_decode.cpp: one step of 1 to kMaxBatchRows rows (distinct sequences); sampling empty or one per row.
   // chained: the rows are successive positions of one sequence (verification, cuda_verify.cpp): the Gated
-  // DeltaNet layers step row after row, each on a copy of the state the row before left (rows[R - 1] holding the
-  // sequence's own state, which row 0 starts from), and no kernel reads a sequence's state or KV rows ahead of
-  // its wait (rows before r are written in the same step).
+  // DeltaNet layers step row after row, each from the state the row before left into its own (GdnStepParams
+  // S_out / ring_out; rows[R - 1] holds the sequence's own state, which row 0 starts from), and no kernel reads a
+  // sequence's state or KV rows ahead of its wait (rows before r are written in the same step).
   Status enqueue_step(std::span<CudaSequence* const> rows, int n_splits, std::span<const DeviceSampling> sampling,
                       Profiler* prof, bool chained = false);
   Status enqueue_gdn_layer(std::span<CudaSequence* const> rows, size_t l, bool chained, Profiler* prof);

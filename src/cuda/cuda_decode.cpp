@@ -26,14 +26,6 @@ GemvParams gemv_of(const QMatrix& m, const float* in, GemvPrologue prologue, con
   return p;
 }
 
-// Layer l's recurrent state (conv ring and S) of src into dst.
-cudaError_t copy_layer_state(const CudaSequence& src, CudaSequence& dst, size_t l, cudaStream_t stream) {
-  const cudaError_t e = cudaMemcpyAsync(dst.conv[l]->ptr, src.conv[l]->ptr, dst.conv[l]->bytes(),
-                                        cudaMemcpyDeviceToDevice, stream);
-  if (e != cudaSuccess) return e;
-  return cudaMemcpyAsync(dst.S[l]->ptr, src.S[l]->ptr, dst.S[l]->bytes(), cudaMemcpyDeviceToDevice, stream);
-}
-
 }  // namespace
 
 Status CudaBackend::enqueue_gdn_layer(std::span<CudaSequence* const> rows, size_t l, bool chained, Profiler* prof) {
@@ -53,18 +45,18 @@ Status CudaBackend::enqueue_gdn_layer(std::span<CudaSequence* const> rows, size_
     g[r] = GdnStepParams{proj, s.conv[l]->ptr, L.conv_w, L.A_log, L.dt_bias, s.S[l]->ptr, s.pos.ptr,
                          c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                          c.linear_value_head_dim, c.linear_conv_kernel_dim, gdn_o_.ptr + r * st.gdn_o};
-    // S, the conv ring and pos are written by no kernel before it in a step (chained: the copy before it does)
+    // S, the conv ring and pos are written by no kernel before it in a step (chained: the row before writes them)
     g[r].prefetch_state = !chained;
     if (fused_norm) g[r].gate_z = proj + c.linear_conv_dim(), g[r].norm_w = L.gdn_norm, g[r].eps = eps;
   }
   if (!chained) {
     STEP_OP("gdn_step", 2.0 * rows[0]->S[l]->bytes(), dispatch::gdn_step_rows(g, R, stream_));
   } else {
-    for (int r = 0; r < R; ++r) {  // row r from the state row r - 1 left; row 0 from the sequence's (rows[R - 1])
-      const CudaSequence& src = *rows[(r + R - 1) % R];
+    for (int r = 0; r < R; ++r) {  // row r from the state row r - 1 left into its own; row 0 from the sequence's
+      const CudaSequence& src = *rows[(r + R - 1) % R];  // (which rows[R - 1] holds, and writes last)
       if (&src != rows[r]) {
-        STEP_OP("gdn_state_copy", 2.0 * (rows[r]->conv[l]->bytes() + rows[r]->S[l]->bytes()),
-                copy_layer_state(src, *rows[r], l, stream_));
+        g[r].S = src.S[l]->ptr, g[r].conv_ring = src.conv[l]->ptr;
+        g[r].S_out = rows[r]->S[l]->ptr, g[r].ring_out = rows[r]->conv[l]->ptr;
       }
       STEP_OP("gdn_step", 2.0 * rows[r]->S[l]->bytes(), dispatch::gdn_step_rows(&g[r], 1, stream_));
     }

@@ -2,8 +2,9 @@
 // one sequence as one several-row decode step (cuda_decode.cpp, `chained`). Row r is a view of the sequence at
 // position n + r: it shares the sequence's KV cache (attn_prep writes every row's K / V before attn_decode reads,
 // so row r sees the rows before it) and has its own recurrent state, which the Gated DeltaNet layers fill row after
-// row from the state the row before left. Rows 0 .. R - 2 keep theirs in verify_states_ until accept_verified; the
-// last row steps on the sequence's own state. The GEMVs and the MoE read their weights once for all rows, and every
+// row from the state the row before left (gdn_step reads it and writes the row's own: GdnStepParams S_out /
+// ring_out, no copies). Rows 0 .. R - 2 keep theirs in verify_states_ until accept_verified; the last row writes
+// the sequence's own state (read by no row of the step after row 0). The GEMVs and the MoE read their weights once for all rows, and every
 // row's arithmetic is the one-row step's (the several-row kernels' batch invariance), so row r's logits are those
 // the plain decode of the same tokens gives at that position, bit for bit.
 // accept_verified(n) keeps rows [0, n): the position goes back to base + n and, for n < R, the state of row n - 1
