@@ -5,6 +5,7 @@
 #include <cstdio>
 
 #include "engine/backend_factory.h"
+#include "engine/speculative.h"
 #include "model/synth.h"
 
 namespace lily::cli {
@@ -77,6 +78,8 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
       RETURN_IF_ERROR(backend->forward(*seq, part, LogitsRows::none, nullptr));
     }
     int32_t tok = 17;
+    std::vector<std::pair<int, double>> verify_ms;  // (rows, ms)
+    double draft_ms = 0;
     auto record = [&](const std::string& call, const std::vector<double>& ms, double base) {
       const double m = median(ms);
       std::printf("%8lld %12s %10.3f %10.2f\n", (long long)ctx, call.c_str(), m, base > 0 ? m / base : 1.0);
@@ -94,11 +97,34 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
         RETURN_IF_ERROR(backend->forward_verify(*seq, rows, &logits));
         return backend->accept_verified(*seq, 1);
       }));
-      record((verify ? "verify " : "forward ") + std::to_string(r), ms, base);
+      verify_ms.emplace_back(r, record((verify ? "verify " : "forward ") + std::to_string(r), ms, base));
     }
     if (drafts) {
       ASSIGN_OR_RETURN(std::vector<double> ms, time_calls(o.reps, [&] { return backend->mtp_draft(*seq, tok, &logits); }));
-      record("mtp draft", ms, base);
+      draft_ms = record("mtp draft", ms, base);
+    }
+    // What the measured costs imply for K = rows - 1 drafts (bench_verify.h). Without a head to time, a draft is
+    // assumed to cost 0.1 decode step (one decoder layer and the lm_head of a ~40-layer step).
+    const bool assumed = !drafts;
+    const double d = drafts ? draft_ms : 0.1 * base;
+    std::printf("%8lld projection (%s draft %.3f ms; acceptance a per draft, independent; published: 88%% for "
+                "one draft, 81.5%% each for two):\n",
+                (long long)ctx, assumed ? "assumed" : "measured", d);
+    std::printf("%8s %4s %14s %16s %16s\n", "", "K", "break-even a", "x at a = 0.815", "x at a = 0.88");
+    for (const auto& [r, v] : verify_ms) {
+      const int K = r - 1;
+      if (K < 1) continue;
+      const double be = break_even_acceptance(K, base, d, v);
+      const double x815 = speculative_projection(K, 0.815, base, d, v).speedup;
+      const double x88 = speculative_projection(K, 0.88, base, d, v).speedup;
+      const bool never = speculative_projection(K, 1.0, base, d, v).speedup < 1;  // not even a = 1 wins
+      std::printf("%8s %4d %14s %16.2f %16.2f\n", "", K, never ? "none" : std::to_string(be).substr(0, 5).c_str(),
+                  x815, x88);
+      out["projection"].push_back({{"context", ctx}, {"k", K}, {"verify_ms", v}, {"decode_ms", base},
+                                   {"draft_ms", d}, {"draft_assumed", assumed},
+                                   {"break_even_acceptance", never ? nlohmann::json() : nlohmann::json(be)},
+                                   {"speedup_at_0_815", x815}, {"speedup_at_0_88", x88},
+                                   {"verify_call", verify ? "forward_verify" : "forward"}});
     }
   }
   return ok_status();
