@@ -8,6 +8,7 @@
 //    decode after a chunked prefill equal to decode after a single prefill, a prompt longer than a chunk;
 //  - several-row steps (forward_batch, decode_batch_on_device) equal to each row's one-row step, to the bit;
 //  - the MTP head's arithmetic on the prefill kernels against the CPU reference's;
+//  - speculative verification (forward_verify, accept_verified) equal to plain one-token forwards, to the bit;
 //  - the kernel paths chosen at start (by the device code in the binary) and the context that fits.
 #include <gtest/gtest.h>
 
@@ -472,6 +473,88 @@ TEST(CudaBackend, MtpHeadMatchesCpu) {
   SKIP_WITHOUT_GPU();
   for (int R : {1, 3}) expect_mtp_head_matches_cpu("tiny", R);
   for (int R : {1, 4, 65}) expect_mtp_head_matches_cpu("full4", R);
+// Speculative verification (forward_verify / accept_verified): the 1+K rows of one sequence in one several-row step
+// give each row, to the bit, the logits the plain one-token forwards of the same tokens give; accept_verified(n)
+// leaves the sequence where n plain forwards leave it (the next forwards equal the plain ones', to the bit), for
+// every n; misuse is refused and changes nothing.
+void expect_verify_equals_plain(const std::string& preset, int rows) {
+  auto w = synth_model(preset);
+  auto made = cuda::make_cuda_backend(w, {4096});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  Backend& b = **made;
+  const int64_t V = w->config.vocab_size;
+  const std::vector<int32_t> prompt = random_tokens(45, static_cast<int>(V), 300 + rows);
+  const std::vector<int32_t> fed = random_tokens(rows + 3, static_cast<int>(V), 400 + rows);
+  auto prefilled = [&] {
+    auto s = b.new_sequence();
+    EXPECT_TRUE(b.forward(*s, prompt, LogitsRows::none, nullptr).ok());
+    return s;
+  };
+  // Plain: one token a forward, every fed token.
+  std::vector<float> plain, l;
+  {
+    auto s = prefilled();
+    for (int32_t t : fed) {
+      ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(&t, 1), LogitsRows::last, &l).ok());
+      plain.insert(plain.end(), l.begin(), l.end());
+    }
+  }
+  const std::span<const int32_t> verified(fed.data(), static_cast<size_t>(rows));
+  for (int keep = 1; keep <= rows; ++keep) {
+    auto s = prefilled();
+    Status st = b.forward_verify(*s, verified, &l);
+    ASSERT_TRUE(st.ok()) << st.message();
+    ASSERT_EQ(l.size(), static_cast<size_t>(rows * V));
+    EXPECT_EQ(s->n_tokens(), static_cast<int64_t>(prompt.size()) + rows);
+    size_t differing = 0;
+    for (int r = 0; r < rows; ++r) differing += std::memcmp(&l[r * V], &plain[r * V], V * sizeof(float)) != 0;
+    EXPECT_EQ(differing, 0u) << preset << ": " << rows << " verified rows";
+    // Pending rows: every other call is refused, the sequence unchanged.
+    EXPECT_FALSE(b.forward(*s, std::span<const int32_t>(&fed[0], 1), LogitsRows::last, &l).ok());
+    EXPECT_FALSE(b.forward_verify(*s, verified, &l).ok());
+    EXPECT_FALSE(b.accept_verified(*s, 0).ok());
+    EXPECT_FALSE(b.accept_verified(*s, rows + 1).ok());
+    ASSERT_TRUE(b.accept_verified(*s, keep).ok());
+    EXPECT_EQ(s->n_tokens(), static_cast<int64_t>(prompt.size()) + keep);
+    EXPECT_FALSE(b.accept_verified(*s, 1).ok());  // nothing pending any more
+    // Continue from the kept rows: the plain logits of the tokens after them.
+    differing = 0;
+    for (size_t t = static_cast<size_t>(keep); t < fed.size(); ++t) {
+      ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(&fed[t], 1), LogitsRows::last, &l).ok());
+      differing += std::memcmp(l.data(), &plain[t * V], V * sizeof(float)) != 0;
+    }
+    EXPECT_EQ(differing, 0u) << preset << ": after keeping " << keep << " of " << rows;
+  }
+  std::printf("[%s] verify %d rows: each row and the continuation after keeping 1..%d equal the plain forwards\n",
+              preset.c_str(), rows, rows);
+  // Two sequences' verifications interleaved: the first's kept states are gone, so only all its rows can be kept.
+  {
+    auto a = prefilled(), c = prefilled();
+    ASSERT_TRUE(b.forward_verify(*a, verified, &l).ok());
+    ASSERT_TRUE(b.forward_verify(*c, verified, &l).ok());
+    if (rows > 1) {
+      EXPECT_FALSE(b.accept_verified(*a, 1).ok());
+    }
+    EXPECT_TRUE(b.accept_verified(*a, rows).ok());
+    EXPECT_TRUE(b.accept_verified(*c, 1).ok());
+  }
+  auto s = prefilled();
+  std::vector<int32_t> too_many(static_cast<size_t>(cuda::kMaxBatchRows + 1), 1);
+  EXPECT_FALSE(b.forward_verify(*s, too_many, &l).ok());
+  EXPECT_FALSE(b.forward_verify(*s, {}, &l).ok());
+  std::vector<int32_t> bad = {1, static_cast<int32_t>(V)};
+  EXPECT_FALSE(b.forward_verify(*s, bad, &l).ok());
+  EXPECT_EQ(s->n_tokens(), static_cast<int64_t>(prompt.size()));
+}
+
+TEST(CudaBackend, VerifyRowsEqualPlainForwardsTiny) {
+  SKIP_WITHOUT_GPU();
+  for (int rows : {1, 2, 4}) expect_verify_equals_plain("tiny", rows);
+}
+
+TEST(CudaBackend, VerifyRowsEqualPlainForwardsFull) {
+  SKIP_WITHOUT_GPU();
+  for (int rows : {2, 4}) expect_verify_equals_plain("full4", rows);
 }
 
 std::vector<uint8_t> saved(const SequenceState& s) {
