@@ -473,6 +473,8 @@ TEST(CudaBackend, MtpHeadMatchesCpu) {
   SKIP_WITHOUT_GPU();
   for (int R : {1, 3}) expect_mtp_head_matches_cpu("tiny", R);
   for (int R : {1, 4, 65}) expect_mtp_head_matches_cpu("full4", R);
+}
+
 // Speculative verification (forward_verify / accept_verified): the 1+K rows of one sequence in one several-row step
 // give each row, to the bit, the logits the plain one-token forwards of the same tokens give; accept_verified(n)
 // leaves the sequence where n plain forwards leave it (the next forwards equal the plain ones', to the bit), for
