@@ -5,6 +5,9 @@
 #include <cstdio>
 
 #include "engine/backend_factory.h"
+#ifdef LILY_HAVE_CUDA
+#include "cuda/cuda_bench.h"
+#endif
 #include "engine/speculative.h"
 #include "model/synth.h"
 
@@ -99,14 +102,23 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
       }));
       verify_ms.emplace_back(r, record((verify ? "verify " : "forward ") + std::to_string(r), ms, base));
     }
+    bool head_timed = false;  // the head's step timed outside mtp_draft (a backend with the arithmetic only)
     if (drafts) {
       ASSIGN_OR_RETURN(std::vector<double> ms, time_calls(o.reps, [&] { return backend->mtp_draft(*seq, tok, &logits); }));
       draft_ms = record("mtp draft", ms, base);
+    } else {
+#ifdef LILY_HAVE_CUDA
+      if (auto* cb = dynamic_cast<cuda::CudaBench*>(backend.get()); cb && weights->mtp) {
+        Result<double> t = cb->time_mtp_draft(ctx, o.reps);
+        if (t.ok()) draft_ms = record("mtp head step", {*t}, base), head_timed = true;
+        else if (t.status().code() != ErrorCode::unsupported) return t.status();
+      }
+#endif
     }
     // What the measured costs imply for K = rows - 1 drafts (bench_verify.h). Without a head to time, a draft is
     // assumed to cost 0.1 decode step (one decoder layer and the lm_head of a ~40-layer step).
-    const bool assumed = !drafts;
-    const double d = drafts ? draft_ms : 0.1 * base;
+    const bool assumed = !drafts && !head_timed;
+    const double d = assumed ? 0.1 * base : draft_ms;
     std::printf("%8lld projection (%s draft %.3f ms; acceptance a per draft, independent; published: 88%% for "
                 "one draft, 81.5%% each for two):\n",
                 (long long)ctx, assumed ? "assumed" : "measured", d);

@@ -189,6 +189,9 @@ Result<std::unique_ptr<Checkpoint>> CudaBackend::load_checkpoint(ByteReader& in)
 Result<CudaSequence*> CudaBackend::check_sequence(SequenceState& base, int64_t new_tokens) {
   auto* s = dynamic_cast<CudaSequence*>(&base);
   if (!s || s->owner != this) return invalid_argument("sequence state is not from this CUDA backend");
+  if (s->verify_base >= 0)
+    return invalid_argument("the sequence has %d verified rows pending: accept_verified must say which to keep first",
+                            s->verify_rows);
   if (s->n + new_tokens > s->capacity)
     return error(ErrorCode::out_of_range, "%lld tokens exceed the KV capacity of %lld (--ctx-size)",
                  (long long)(s->n + new_tokens), (long long)s->capacity);

@@ -122,6 +122,7 @@ Status CudaSequence::restore(const Checkpoint& base) {
   CUDA_RETURN(cudaMemcpyAsync(pos.ptr, &host_pos, sizeof(int), cudaMemcpyHostToDevice, 0), "restore");
   CUDA_RETURN(cudaStreamSynchronize(0), "restore");
   n = cp->n;
+  verify_base = -1, verify_rows = 0;
   return ok_status();
 }
 

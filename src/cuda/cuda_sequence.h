@@ -137,6 +137,10 @@ class CudaSequence final : public SequenceState {
   std::vector<std::optional<DeviceSpan<__nv_bfloat16>>> k, v;
   std::vector<std::optional<DeviceSpan<float>>> conv, S;
   GraphMap graphs;
+  // Between forward_verify and accept_verified (cuda_verify.cpp): the position of the first verified row and how
+  // many there are; -1 / 0 otherwise (no other call takes the sequence meanwhile).
+  int64_t verify_base = -1;
+  int verify_rows = 0;
 
   CudaSequence() = default;
   CudaSequence(const CudaSequence&) = delete;

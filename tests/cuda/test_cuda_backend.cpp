@@ -7,6 +7,8 @@
 //  - the prefill path: chunked prompts against the CPU reference and against the token-by-token decode path,
 //    decode after a chunked prefill equal to decode after a single prefill, a prompt longer than a chunk;
 //  - several-row steps (forward_batch, decode_batch_on_device) equal to each row's one-row step, to the bit;
+//  - the MTP head's arithmetic on the prefill kernels against the CPU reference's;
+//  - speculative verification (forward_verify, accept_verified) equal to plain one-token forwards, to the bit;
 //  - the kernel paths chosen at start (by the device code in the binary) and the context that fits.
 #include <gtest/gtest.h>
 
@@ -18,7 +20,9 @@
 #include <cuda_runtime.h>
 #include <random>
 
+#include "cpu/blocks.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/ops.h"
 #include "cuda/cuda_bench.h"
 #include "engine/session_file.h"
 #include "cuda/kernels/common.cuh"
@@ -403,6 +407,156 @@ TEST(CudaBackend, SeveralRowStepsEqualOneRowStepsFull) {
 TEST(CudaBackend, SeveralRowStepsEqualOneRowStepsTiny) {
   SKIP_WITHOUT_GPU();
   expect_rows_equal_alone("tiny", 3);
+}
+
+// The MTP head (eq 26) on the CUDA prefill kernels against the CPU reference's arithmetic (cpu_backend.cpp
+// mtp_run over a fresh head KV): R rows of tokens and random final-norm hidden rows; the head's normalised output
+// rows and the last row's logits within the prefill path's bound (fp16 GEMM operands).
+void expect_mtp_head_matches_cpu(const std::string& preset, int R) {
+  auto w = synth_model(preset);
+  ASSERT_TRUE(w->mtp.has_value()) << preset << " has no MTP head";
+  auto made = cuda::make_cuda_bench(w, {4096});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  const ModelConfig& c = w->config;
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  const std::vector<int32_t> tokens = random_tokens(R, static_cast<int>(V), 500 + R);
+  std::vector<float> hidden(static_cast<size_t>(R * H));
+  std::mt19937 rng(600 + R);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (float& x : hidden) x = nd(rng);
+  std::vector<float> logits, out;
+  Status st = (*made)->mtp_head_for_test(tokens, hidden, &logits, &out);
+  ASSERT_TRUE(st.ok()) << st.message();
+  // The CPU reference: mtp_run's steps.
+  const MtpWeights& m = *w->mtp;
+  ThreadPool pool(2);
+  const cpu::TraceFn no_trace;
+  std::vector<float> e(R * H), cat(R * 2 * H), h(R * H), x(R * H), y(R * H), ref_out(R * H), ref_logits(V);
+  cpu::embed(w->embed_tokens, tokens.data(), R, e.data());
+  for (int r = 0; r < R; ++r) {
+    cpu::rms_norm(&e[r * H], m.pre_fc_norm_embedding.data(), 1, H, c.rms_norm_eps, &cat[r * 2 * H]);
+    cpu::rms_norm(&hidden[r * H], m.pre_fc_norm_hidden.data(), 1, H, c.rms_norm_eps, &cat[r * 2 * H + H]);
+  }
+  cpu::matmul(pool, m.fc, cat.data(), R, h.data());
+  cpu::Context ctx{pool, c, no_trace, c.num_hidden_layers};
+  cpu::LayerState kv;
+  cpu::rms_norm(h.data(), m.layer.input_norm.data(), R, H, c.rms_norm_eps, x.data());
+  cpu::attention_block(ctx, m.layer.attn, x.data(), R, 0, kv, y.data());
+  for (int64_t i = 0; i < R * H; ++i) h[i] += y[i];
+  cpu::rms_norm(h.data(), m.layer.post_attention_norm.data(), R, H, c.rms_norm_eps, x.data());
+  cpu::moe_block(ctx, m.layer.moe, x.data(), R, y.data());
+  for (int64_t i = 0; i < R * H; ++i) h[i] += y[i];
+  cpu::rms_norm(h.data(), m.norm.data(), R, H, c.rms_norm_eps, ref_out.data());
+  cpu::matmul(pool, w->lm_head, &ref_out[(R - 1) * H], 1, ref_logits.data());
+  auto rel = [](const std::vector<float>& ref, const std::vector<float>& got) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double d = double(got[i]) - ref[i];
+      num += d * d, den += double(ref[i]) * ref[i];
+    }
+    return std::sqrt(num / std::max(den, 1e-30));
+  };
+  const double e_out = rel(ref_out, out), e_logits = rel(ref_logits, logits);
+  std::printf("[%s] MTP head, %d rows: output rel error %.2e, last-row logits %.2e, top-1 %s\n", preset.c_str(), R,
+              e_out, e_logits, argmax(logits.data(), V) == argmax(ref_logits.data(), V) ? "equal" : "differs");
+  EXPECT_LE(e_out, 2e-2);
+  EXPECT_LE(e_logits, 2e-2);
+  // Refusals: hidden rows of the wrong size, a token outside the vocabulary.
+  std::vector<float> short_hidden(hidden.begin(), hidden.end() - 1);
+  EXPECT_FALSE((*made)->mtp_head_for_test(tokens, short_hidden, &logits, &out).ok());
+  std::vector<int32_t> bad = tokens;
+  bad[0] = static_cast<int32_t>(V);
+  EXPECT_FALSE((*made)->mtp_head_for_test(bad, hidden, &logits, &out).ok());
+}
+
+TEST(CudaBackend, MtpHeadMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  for (int R : {1, 3}) expect_mtp_head_matches_cpu("tiny", R);
+  for (int R : {1, 4, 65}) expect_mtp_head_matches_cpu("full4", R);
+}
+
+// Speculative verification (forward_verify / accept_verified): the 1+K rows of one sequence in one several-row step
+// give each row, to the bit, the logits the plain one-token forwards of the same tokens give; accept_verified(n)
+// leaves the sequence where n plain forwards leave it (the next forwards equal the plain ones', to the bit), for
+// every n; misuse is refused and changes nothing.
+void expect_verify_equals_plain(const std::string& preset, int rows) {
+  auto w = synth_model(preset);
+  auto made = cuda::make_cuda_backend(w, {4096});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  Backend& b = **made;
+  const int64_t V = w->config.vocab_size;
+  const std::vector<int32_t> prompt = random_tokens(45, static_cast<int>(V), 300 + rows);
+  const std::vector<int32_t> fed = random_tokens(rows + 3, static_cast<int>(V), 400 + rows);
+  auto prefilled = [&] {
+    auto s = b.new_sequence();
+    EXPECT_TRUE(b.forward(*s, prompt, LogitsRows::none, nullptr).ok());
+    return s;
+  };
+  // Plain: one token a forward, every fed token.
+  std::vector<float> plain, l;
+  {
+    auto s = prefilled();
+    for (int32_t t : fed) {
+      ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(&t, 1), LogitsRows::last, &l).ok());
+      plain.insert(plain.end(), l.begin(), l.end());
+    }
+  }
+  const std::span<const int32_t> verified(fed.data(), static_cast<size_t>(rows));
+  for (int keep = 1; keep <= rows; ++keep) {
+    auto s = prefilled();
+    Status st = b.forward_verify(*s, verified, &l);
+    ASSERT_TRUE(st.ok()) << st.message();
+    ASSERT_EQ(l.size(), static_cast<size_t>(rows * V));
+    EXPECT_EQ(s->n_tokens(), static_cast<int64_t>(prompt.size()) + rows);
+    size_t differing = 0;
+    for (int r = 0; r < rows; ++r) differing += std::memcmp(&l[r * V], &plain[r * V], V * sizeof(float)) != 0;
+    EXPECT_EQ(differing, 0u) << preset << ": " << rows << " verified rows";
+    // Pending rows: every other call is refused, the sequence unchanged.
+    EXPECT_FALSE(b.forward(*s, std::span<const int32_t>(&fed[0], 1), LogitsRows::last, &l).ok());
+    EXPECT_FALSE(b.forward_verify(*s, verified, &l).ok());
+    EXPECT_FALSE(b.accept_verified(*s, 0).ok());
+    EXPECT_FALSE(b.accept_verified(*s, rows + 1).ok());
+    ASSERT_TRUE(b.accept_verified(*s, keep).ok());
+    EXPECT_EQ(s->n_tokens(), static_cast<int64_t>(prompt.size()) + keep);
+    EXPECT_FALSE(b.accept_verified(*s, 1).ok());  // nothing pending any more
+    // Continue from the kept rows: the plain logits of the tokens after them.
+    differing = 0;
+    for (size_t t = static_cast<size_t>(keep); t < fed.size(); ++t) {
+      ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(&fed[t], 1), LogitsRows::last, &l).ok());
+      differing += std::memcmp(l.data(), &plain[t * V], V * sizeof(float)) != 0;
+    }
+    EXPECT_EQ(differing, 0u) << preset << ": after keeping " << keep << " of " << rows;
+  }
+  std::printf("[%s] verify %d rows: each row and the continuation after keeping 1..%d equal the plain forwards\n",
+              preset.c_str(), rows, rows);
+  // Two sequences' verifications interleaved: the first's kept states are gone, so only all its rows can be kept.
+  {
+    auto a = prefilled(), c = prefilled();
+    ASSERT_TRUE(b.forward_verify(*a, verified, &l).ok());
+    ASSERT_TRUE(b.forward_verify(*c, verified, &l).ok());
+    if (rows > 1) {
+      EXPECT_FALSE(b.accept_verified(*a, 1).ok());
+    }
+    EXPECT_TRUE(b.accept_verified(*a, rows).ok());
+    EXPECT_TRUE(b.accept_verified(*c, 1).ok());
+  }
+  auto s = prefilled();
+  std::vector<int32_t> too_many(static_cast<size_t>(cuda::kMaxBatchRows + 1), 1);
+  EXPECT_FALSE(b.forward_verify(*s, too_many, &l).ok());
+  EXPECT_FALSE(b.forward_verify(*s, {}, &l).ok());
+  std::vector<int32_t> bad = {1, static_cast<int32_t>(V)};
+  EXPECT_FALSE(b.forward_verify(*s, bad, &l).ok());
+  EXPECT_EQ(s->n_tokens(), static_cast<int64_t>(prompt.size()));
+}
+
+TEST(CudaBackend, VerifyRowsEqualPlainForwardsTiny) {
+  SKIP_WITHOUT_GPU();
+  for (int rows : {1, 2, 4}) expect_verify_equals_plain("tiny", rows);
+}
+
+TEST(CudaBackend, VerifyRowsEqualPlainForwardsFull) {
+  SKIP_WITHOUT_GPU();
+  for (int rows : {2, 4}) expect_verify_equals_plain("full4", rows);
 }
 
 std::vector<uint8_t> saved(const SequenceState& s) {
