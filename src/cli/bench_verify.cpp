@@ -48,7 +48,17 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
   bo.cuda_options = o.cuda_options;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(weights, bo));
   const bool drafts = backend->has_mtp();
-  if (drafts) RETURN_IF_ERROR(backend->enable_mtp());
+  // The decode baseline runs on a sequence made before the head is enabled: with it, every forward also has the
+  // head read the row (what speculative decoding's own plain steps pay, not what decoding without it costs).
+  std::unique_ptr<SequenceState> plain;
+  std::unique_ptr<Checkpoint> plain_start;
+  if (drafts) {
+    plain = backend->new_sequence();
+    if (!plain) return error(ErrorCode::out_of_range, "no memory for the decode baseline's sequence");
+    plain_start = plain->checkpoint();
+    if (!plain_start) return error(ErrorCode::out_of_range, "no memory for a checkpoint");
+    RETURN_IF_ERROR(backend->enable_mtp());
+  }
   // A backend without forward_verify yet (CUDA) is timed on a plain forward of the same rows with every row's
   // logits: what verification costs before the per-row state copies, through that backend's multi-row path.
   std::vector<float> probe;
@@ -72,13 +82,24 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
     if (ctx < 1 || ctx + timed > backend->max_context())
       return invalid_argument("--contexts %lld: from 1 to what the backend holds, less the timed tokens", (long long)ctx);
     auto seq = backend->new_sequence();
+    if (!seq) return error(ErrorCode::out_of_range, "no memory for a sequence of context %lld", (long long)ctx);
     std::vector<int32_t> prompt(static_cast<size_t>(ctx));
     for (int64_t i = 0; i < ctx; ++i) prompt[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 13) % V);
     const int64_t piece = backend->preferred_prefill_tokens();
-    for (int64_t p = 0; p < ctx; p += piece) {
-      auto part = std::span<const int32_t>(prompt).subspan(static_cast<size_t>(p),
-                                                           static_cast<size_t>(std::min(piece, ctx - p)));
-      RETURN_IF_ERROR(backend->forward(*seq, part, LogitsRows::none, nullptr));
+    auto prefill = [&](SequenceState& s) -> Status {
+      for (int64_t p = 0; p < ctx; p += piece) {
+        auto part = std::span<const int32_t>(prompt).subspan(static_cast<size_t>(p),
+                                                             static_cast<size_t>(std::min(piece, ctx - p)));
+        RETURN_IF_ERROR(backend->forward(s, part, LogitsRows::none, nullptr));
+      }
+      return ok_status();
+    };
+    RETURN_IF_ERROR(prefill(*seq));
+    SequenceState* decode_seq = seq.get();
+    if (plain) {
+      RETURN_IF_ERROR(plain->restore(*plain_start));
+      RETURN_IF_ERROR(prefill(*plain));
+      decode_seq = plain.get();
     }
     int32_t tok = 17;
     std::vector<std::pair<int, double>> verify_ms;  // (rows, ms)
@@ -90,7 +111,7 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
       return m;
     };
     ASSIGN_OR_RETURN(std::vector<double> decode, time_calls(o.reps, [&] {
-      return backend->forward(*seq, std::span<const int32_t>(&tok, 1), LogitsRows::last, &logits);
+      return backend->forward(*decode_seq, std::span<const int32_t>(&tok, 1), LogitsRows::last, &logits);
     }));
     const double base = record("decode", decode, 0);
     for (int r : o.rows) {

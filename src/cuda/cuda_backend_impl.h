@@ -81,6 +81,10 @@ class CudaBackend final : public CudaBench {
                                 std::span<const DeviceSampling> sampling, std::vector<int32_t>* next) override;
   Status forward_verify(SequenceState& seq, std::span<const int32_t> tokens, std::vector<float>* logits) override;
   Status accept_verified(SequenceState& seq, int64_t n_keep) override;
+  // cuda_mtp.cpp: the head needs the prefill kernels (mtp_rows).
+  bool has_mtp() const override;
+  Status enable_mtp() override;
+  Status mtp_draft(SequenceState& seq, int32_t token, std::vector<float>* logits) override;
   Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq, std::span<const int32_t> tokens,
                                                               int64_t split, LogitsRows rows,
                                                               std::vector<float>* logits) override;
@@ -148,6 +152,13 @@ class CudaBackend final : public CudaBench {
   // (optional) [V] the last row's. model_->mtp must be uploaded and the prefill scratch allocated.
   Status mtp_rows(const int* tokens, const float* hidden, int R, __nv_bfloat16* k, __nv_bfloat16* v, int pos0,
                   float* out_hidden, float* logits, Profiler* prof);
+  // The head's state around the main forwards of a sequence with it (s.mtp_on): mtp_prepare before one (drafts
+  // dropped; at most max_pending rows left pending), mtp_read_rows after each plain forward's T rows (residual rows
+  // [T, H] and their tokens on the device), mtp_append_verified after a verification's graph.
+  Status mtp_prepare(CudaSequence& s, int max_pending);
+  Status mtp_read_rows(CudaSequence& s, const float* residual, int T, const int* tokens, Profiler* prof,
+                       CudaCheckpoint* cp = nullptr, int cp_row = -1);
+  Status mtp_append_verified(CudaSequence& s, std::span<const int32_t> tokens);
   // cuda_verify.cpp: verify_views_[0 .. R) as the rows of a verification of s (R <= kMaxBatchRows).
   Status bind_verify_views(CudaSequence& s, int R);
   // cuda_bench.cpp
@@ -157,6 +168,9 @@ class CudaBackend final : public CudaBench {
   Status check_tokens(std::span<const int32_t> tokens) const;
   Status upload_tokens(std::span<const int32_t> ids);
 
+  // Device memory left for the runtime beside the weights, one sequence and the scratch: the CUDA context's own
+  // allocations grow with graphs and modules (measured ~0.3-0.5 GB on the H200 after the first captures).
+  static constexpr size_t kRuntimeReserve = size_t{1} << 30;
   static constexpr int kMaxSplits = 256;
   static constexpr int kRingSize = 1024;
   static constexpr int kSampleScratch = 2 * 1024 * 64;
@@ -192,6 +206,12 @@ class CudaBackend final : public CudaBench {
   DeviceArray<float> ph_, pproj_, plogits_;
   DeviceArray<__half> pxb_, pob_;  // fp16 A operands of the prefill GEMMs
   DeviceArray<__half> mtp_cat_;    // the MTP head's fc operand [rows, 2H] (cuda_mtp.cpp)
+  // With the head enabled (enable_mtp): a plain forward chunk's final-norm rows after the pending one
+  // [prefill_chunk + 1, H], and the tokens a draft or the head's catch-up reads [kMtpPendingRows].
+  bool mtp_on_ = false;
+  DeviceArray<float> mtp_hidden_;
+  DeviceArray<int> mtp_tokens_;
+  bool context_auto_ = false;  // --ctx-size auto: enable_mtp fits the context again
   DeviceArray<unsigned char> pscratch_;
   size_t prefill_bytes_ = 0;
   GraphCaptureStats capture_stats_;

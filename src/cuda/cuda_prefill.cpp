@@ -178,7 +178,8 @@ Status CudaBackend::copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, in
 }
 
 // Prefills the T tokens in tokens_ (device) in chunks; logits of the rows asked for go to the host. With cp, the
-// recurrent state after the first `split` rows (0 < split < T) is copied into it on the way.
+// recurrent state after the first `split` rows (0 < split < T) is copied into it on the way. With the MTP head,
+// each chunk's rows are then read by it (mtp_read_rows: the residual rows are still in ph_).
 Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits,
                             Profiler* prof, int64_t split, CudaCheckpoint* cp) {
   RETURN_IF_ERROR(ensure_prefill_scratch());
@@ -191,6 +192,8 @@ Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::ve
     const int in_chunk = cp && split > off && split < off + Tc ? static_cast<int>(split - off) : 0;
     RETURN_IF_ERROR(prefill_chunk(s, tokens_.ptr + off, Tc, prof, in_chunk, cp));
     if (cp && split == off + Tc) RETURN_IF_ERROR(copy_recurrent(s, *cp, -1));  // the split is a chunk boundary
+    // The checkpoint's pending row for the head: the row before the split (the last a forward up to it reads).
+    const int cp_row = cp && split - 1 >= off && split - 1 < off + Tc ? static_cast<int>(split - 1 - off) : -1;
     if (rows == LogitsRows::all) {  // the lm_head for every row, kHeadRows at a time
       for (int r = 0; r < Tc; r += kHeadRows) {
         const int R = std::min(kHeadRows, Tc - r);
@@ -208,6 +211,7 @@ Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::ve
       CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_),
                   "logits");
     }
+    if (s.mtp_on) RETURN_IF_ERROR(mtp_read_rows(s, ph_.ptr, Tc, tokens_.ptr + off, prof, cp, cp_row));
   }
   CUDA_RETURN(set_position(s.pos.ptr, static_cast<int>(s.n), stream_), "position");
   return ok_status();
@@ -228,6 +232,7 @@ Result<std::unique_ptr<Checkpoint>> CudaBackend::forward_with_checkpoint(Sequenc
   const int64_t V = config().vocab_size;
   std::unique_ptr<CudaCheckpoint> cp = s->empty_checkpoint(s->n + split);
   RETURN_IF_ERROR(upload_tokens(tokens));
+  if (s->mtp_on) RETURN_IF_ERROR(mtp_prepare(*s, 1));
   if (rows != LogitsRows::none) logits->resize(static_cast<size_t>((rows == LogitsRows::all ? T : 1) * V));
   RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr, cp ? split : 0, cp.get()));
   CUDA_RETURN(cudaStreamSynchronize(stream_), "prefill");

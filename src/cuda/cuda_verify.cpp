@@ -60,6 +60,8 @@ Status CudaBackend::forward_verify(SequenceState& base, std::span<const int32_t>
     return invalid_argument("forward_verify: %zu rows; the CUDA backend verifies 1 to %d", tokens.size(), kMaxBatchRows);
   ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, R));
   RETURN_IF_ERROR(check_tokens(tokens));
+  static_assert(SequenceLayout::kMtpPendingRows >= 1 + kMaxBatchRows, "one verification after a pending row");
+  if (s->mtp_on) RETURN_IF_ERROR(mtp_prepare(*s, SequenceLayout::kMtpPendingRows - R));
   RETURN_IF_ERROR(bind_verify_views(*s, R));
   std::vector<CudaSequence*> rows;
   for (int r = 0; r < R; ++r) rows.push_back(verify_views_[static_cast<size_t>(r)].get());
@@ -80,6 +82,7 @@ Status CudaBackend::forward_verify(SequenceState& base, std::span<const int32_t>
                      return ok_status();
                    }));
   CUDA_RETURN(cudaGraphLaunch(g, stream_), "graph launch");
+  if (s->mtp_on) RETURN_IF_ERROR(mtp_append_verified(*s, tokens));  // after the graph: the same graph either way
   const size_t V = static_cast<size_t>(config().vocab_size);
   logits->resize(static_cast<size_t>(R) * V);
   CUDA_RETURN(cudaMemcpy2DAsync(logits->data(), V * sizeof(float), logits_.ptr, strides_.logits * sizeof(float),
@@ -113,6 +116,13 @@ Status CudaBackend::accept_verified(SequenceState& base, int64_t n_keep) {
   CUDA_RETURN(cudaStreamSynchronize(stream_), "accept_verified");
   s->n = host_pos;
   s->verify_base = -1, s->verify_rows = 0;
+  if (s->mtp_on) {  // the pending rows of the rejected positions go too (mtp_n + P = n before the verification)
+    const int64_t P = s->n - s->mtp_n;
+    if (P < 1 || P > s->mtp_rows)
+      return error(ErrorCode::internal, "accept_verified: %lld MTP rows to keep of %d", (long long)P, s->mtp_rows);
+    s->mtp_rows = static_cast<int>(P);
+    s->mtp_tokens.resize(static_cast<size_t>(P - 1));
+  }
   return ok_status();
 }
 

@@ -9,6 +9,8 @@
 //  - several-row steps (forward_batch, decode_batch_on_device) equal to each row's one-row step, to the bit;
 //  - the MTP head's arithmetic on the prefill kernels against the CPU reference's;
 //  - speculative verification (forward_verify, accept_verified) equal to plain one-token forwards, to the bit;
+//  - the MTP head's draft (enable_mtp, mtp_draft) against the CPU backend's after the same calls, greedy
+//    speculative decoding (K = 1, 3) token for token the plain loop's, the head's state through checkpoints;
 //  - the kernel paths chosen at start (by the device code in the binary) and the context that fits.
 #include <gtest/gtest.h>
 
@@ -24,7 +26,9 @@
 #include "cpu/cpu_backend.h"
 #include "cpu/ops.h"
 #include "cuda/cuda_bench.h"
+#include "engine/sampler.h"
 #include "engine/session_file.h"
+#include "engine/speculative.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/trace.cuh"
 #include "model/synth.h"
@@ -557,6 +561,254 @@ TEST(CudaBackend, VerifyRowsEqualPlainForwardsTiny) {
 TEST(CudaBackend, VerifyRowsEqualPlainForwardsFull) {
   SKIP_WITHOUT_GPU();
   for (int rows : {2, 4}) expect_verify_equals_plain("full4", rows);
+}
+
+// The MTP head's state and draft (enable_mtp / mtp_draft) against the CPU backend's: the same calls on both - a
+// prompt (in chunks of 64 rows on CUDA: the head reads each chunk's rows), a first draft from the pending row, a
+// chained draft, a verification of the token and the drafts with two rows kept, a draft from the two pending rows
+// a plain forward after a verification (the head reads the pending rows), a draft again - and each draft's logits
+// within the prefill path's bound (relative error <= 2e-2) with the same top-1. Misuse is refused.
+void expect_mtp_draft_matches_cpu(const std::string& preset) {
+  auto w = synth_model(preset);
+  ASSERT_TRUE(w->mtp.has_value()) << preset << " has no MTP head";
+  CpuBackend cpu(w);
+  ASSERT_TRUE(cpu.enable_mtp().ok());
+  auto made = cuda::make_cuda_backend(w, {4096, 64});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  Backend& gpu = **made;
+  ASSERT_TRUE(gpu.has_mtp());
+  {  // before enable_mtp: a sequence without the head's state
+    auto s = gpu.new_sequence();
+    std::vector<float> l;
+    EXPECT_EQ(gpu.mtp_draft(*s, 1, &l).code(), ErrorCode::invalid_argument);
+  }
+  Status enabled = gpu.enable_mtp();
+  ASSERT_TRUE(enabled.ok()) << enabled.message();
+  const int64_t V = w->config.vocab_size;
+  const std::vector<int32_t> prompt = random_tokens(150, static_cast<int>(V), 700);
+  auto cs = cpu.new_sequence(), gs = gpu.new_sequence();
+  std::vector<float> cl, gl;
+  EXPECT_EQ(gpu.mtp_draft(*gs, 1, &gl).code(), ErrorCode::invalid_argument) << "nothing forwarded yet";
+  int drafts = 0;
+  // One draft on both from `token`; returns the CPU's argmax (the next token both are fed).
+  auto draft = [&](int32_t token, const char* what) {
+    Status a = cpu.mtp_draft(*cs, token, &cl), b = gpu.mtp_draft(*gs, token, &gl);
+    EXPECT_TRUE(a.ok()) << a.message();
+    EXPECT_TRUE(b.ok()) << b.message();
+    const Agreement ag = compare_logits(cl, gl, V);
+    std::printf("[%s] mtp_draft (%s): relative logit error %.3g, top-1 %s\n", preset.c_str(), what, ag.rel,
+                ag.top1 == 1.0 ? "equal" : "differs");
+    EXPECT_LE(ag.rel, 2e-2) << what;
+    EXPECT_EQ(ag.top1, 1.0) << what;
+    ++drafts;
+    return argmax(cl.data(), V);
+  };
+  ASSERT_TRUE(cpu.forward(*cs, prompt, LogitsRows::last, &cl).ok());
+  ASSERT_TRUE(gpu.forward(*gs, prompt, LogitsRows::last, &gl).ok());
+  const int32_t t0 = argmax(cl.data(), V);
+  const int32_t d1 = draft(t0, "first, from the prompt's last row");
+  const int32_t d2 = draft(d1, "chained");
+  // Verify [t0, d1, d2] and keep two rows: the head then drafts from the two pending rows after t0's position.
+  const std::vector<int32_t> rows = {t0, d1, d2};
+  ASSERT_TRUE(cpu.forward_verify(*cs, rows, &cl).ok());
+  ASSERT_TRUE(gpu.forward_verify(*gs, rows, &gl).ok());
+  EXPECT_EQ(gpu.mtp_draft(*gs, 1, &gl).code(), ErrorCode::invalid_argument) << "between verify and accept";
+  ASSERT_TRUE(cpu.accept_verified(*cs, 2).ok());
+  ASSERT_TRUE(gpu.accept_verified(*gs, 2).ok());
+  const int32_t x = (d2 + 1) % static_cast<int32_t>(V);  // the token sampled after the two kept rows
+  const int32_t d3 = draft(x, "from two pending rows after a verification");
+  draft(d3, "chained after that");
+  // A verification without drafts, then a plain forward: the head reads the pending rows first.
+  const std::vector<int32_t> rows2 = {x, d3};
+  ASSERT_TRUE(cpu.forward_verify(*cs, rows2, &cl).ok());
+  ASSERT_TRUE(gpu.forward_verify(*gs, rows2, &gl).ok());
+  ASSERT_TRUE(cpu.accept_verified(*cs, 2).ok());
+  ASSERT_TRUE(gpu.accept_verified(*gs, 2).ok());
+  const int32_t y = (d3 + 7) % static_cast<int32_t>(V);
+  ASSERT_TRUE(cpu.forward(*cs, std::span<const int32_t>(&y, 1), LogitsRows::last, &cl).ok());
+  ASSERT_TRUE(gpu.forward(*gs, std::span<const int32_t>(&y, 1), LogitsRows::last, &gl).ok());
+  draft(argmax(cl.data(), V), "after a plain forward");
+  EXPECT_EQ(drafts, 5);
+  EXPECT_EQ(gs->n_tokens(), cs->n_tokens());
+  EXPECT_EQ(gpu.mtp_draft(*gs, static_cast<int32_t>(V), &gl).code(), ErrorCode::invalid_argument);
+  // A sequence with the head samples on the host only.
+  EXPECT_EQ(gpu.generate_on_device(*gs, 1, {}, 1, [](int32_t) { return true; }).code(), ErrorCode::unsupported);
+}
+
+TEST(CudaBackend, MtpDraftMatchesCpuTiny) {
+  SKIP_WITHOUT_GPU();
+  expect_mtp_draft_matches_cpu("tiny");
+}
+
+TEST(CudaBackend, MtpDraftMatchesCpuFull) {
+  SKIP_WITHOUT_GPU();
+  expect_mtp_draft_matches_cpu("full4");
+}
+
+// Greedy speculative decoding (engine/speculative.h's loop, K = 1 and 3) on CUDA gives token for token the plain
+// greedy loop's tokens (the prompt but its last token prefilled, then one-token forwards): verification rows are
+// the decode step's to the bit, and the head only proposes.
+void expect_speculative_greedy_equals_plain(const std::string& preset, int n_tokens) {
+  auto w = synth_model(preset);
+  const int64_t V = w->config.vocab_size;
+  const std::vector<int32_t> prompt = random_tokens(37, static_cast<int>(V), 800);
+  std::vector<int32_t> plain;
+  {
+    auto made = cuda::make_cuda_backend(w, {4096});
+    ASSERT_TRUE(made.ok()) << made.status().message();
+    Backend& b = **made;
+    auto s = b.new_sequence();
+    ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(prompt).first(prompt.size() - 1), LogitsRows::none,
+                          nullptr).ok());
+    int32_t next = prompt.back();
+    std::vector<float> l;
+    for (int i = 0; i < n_tokens; ++i) {
+      ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(&next, 1), LogitsRows::last, &l).ok());
+      next = argmax(l.data(), V);
+      plain.push_back(next);
+    }
+  }
+  auto made = cuda::make_cuda_backend(w, {4096});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  Backend& b = **made;
+  ASSERT_TRUE(b.enable_mtp().ok());
+  for (int k : {1, 3}) {
+    auto s = b.new_sequence();
+    ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(prompt).first(prompt.size() - 1), LogitsRows::none,
+                          nullptr).ok());
+    SamplingParams p;
+    p.temperature = 0;
+    Sampler target(p);
+    SplitMix64 rng(speculative_seed(target.seed()));
+    std::vector<int32_t> history = prompt;
+    SpeculativeRequest r{&history, prompt.size(), {}, 0, n_tokens, k, nullptr};
+    SpeculativeCounts counts;
+    Status st = speculative_decode(
+        b, *s, target, rng, r,
+        [&](int32_t id, float, std::vector<TokenLogprob>) {
+          history.push_back(id);
+          return static_cast<int>(history.size() - prompt.size()) < n_tokens;
+        },
+        counts);
+    ASSERT_TRUE(st.ok()) << st.message();
+    const std::vector<int32_t> spec(history.begin() + static_cast<std::ptrdiff_t>(prompt.size()), history.end());
+    std::printf("[%s] speculative mtp:%d greedy, %d tokens: %s the plain loop's; %lld drafted, %lld accepted over "
+                "%lld steps\n",
+                preset.c_str(), k, n_tokens, spec == plain ? "equal to" : "DIFFERENT from",
+                (long long)counts.drafted, (long long)counts.accepted, (long long)counts.steps);
+    EXPECT_EQ(spec, plain) << "mtp:" << k;
+    EXPECT_GT(counts.drafted, 0);
+  }
+}
+
+TEST(CudaBackend, SpeculativeGreedyEqualsPlainTiny) {
+  SKIP_WITHOUT_GPU();
+  expect_speculative_greedy_equals_plain("tiny", 40);
+}
+
+TEST(CudaBackend, SpeculativeGreedyEqualsPlainFull) {
+  SKIP_WITHOUT_GPU();
+  expect_speculative_greedy_equals_plain("full4", 40);
+}
+
+// The head's state through checkpoint / restore / clone (as the CPU backend's): a checkpoint before a draft, one
+// after a draft (its draft entries are not part of it: no draft chains from it), a clone with pending rows and
+// forward_with_checkpoint's checkpoint (the state a forward up to the split leaves) all replay the same draft and
+// verification logits; the sequence's bytes count the head's state.
+TEST(CudaBackend, MtpStateThroughCheckpointRestoreClone) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("tiny");
+  auto made = cuda::make_cuda_backend(w, {2048});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  Backend& b = **made;
+  auto plain_seq = b.new_sequence();
+  ASSERT_TRUE(b.enable_mtp().ok());
+  const int64_t V = w->config.vocab_size;
+  const std::vector<int32_t> prompt = random_tokens(30, static_cast<int>(V), 900);
+  auto s = b.new_sequence();
+  EXPECT_GT(s->bytes(), plain_seq->bytes()) << "the head's KV and rows";
+  std::vector<float> l;
+  ASSERT_TRUE(b.forward(*s, prompt, LogitsRows::last, &l).ok());
+  const int32_t t0 = argmax(l.data(), V);
+  auto same = [&](const std::vector<float>& a, const std::vector<float>& c, const char* what) {
+    ASSERT_EQ(a.size(), c.size()) << what;
+    const Agreement ag = compare_logits(a, c, V);
+    const bool bits = std::memcmp(a.data(), c.data(), a.size() * sizeof(float)) == 0;
+    std::printf("[tiny] %s: %s (relative error %.3g)\n", what, bits ? "bit-identical" : "differs", ag.rel);
+    EXPECT_LE(ag.rel, 1e-5) << what;
+  };
+  // draft(t0), draft(d1), verify [t0, d1, d2], keep 2, draft(x): the draft and verification logits.
+  struct Run {
+    std::vector<float> d1, d2, verified, d3;
+  };
+  // drafted: the first draft's logits when it was made already.
+  auto run = [&](SequenceState& q, const std::vector<float>* drafted) {
+    Run r;
+    if (drafted) {
+      r.d1 = *drafted;
+    } else {
+      EXPECT_TRUE(b.mtp_draft(q, t0, &r.d1).ok());
+    }
+    const int32_t d1 = argmax(r.d1.data(), V);
+    EXPECT_TRUE(b.mtp_draft(q, d1, &r.d2).ok());
+    const std::vector<int32_t> rows = {t0, d1, argmax(r.d2.data(), V)};
+    EXPECT_TRUE(b.forward_verify(q, rows, &r.verified).ok());
+    EXPECT_TRUE(b.accept_verified(q, 2).ok());
+    EXPECT_TRUE(b.mtp_draft(q, (rows[2] + 3) % static_cast<int32_t>(V), &r.d3).ok());
+    return r;
+  };
+  auto cp_before = s->checkpoint();
+  ASSERT_TRUE(cp_before);
+  const Run a = run(*s, nullptr);
+  ASSERT_TRUE(s->restore(*cp_before).ok());
+  const Run c = run(*s, nullptr);
+  same(a.d1, c.d1, "restored before the drafts: first draft");
+  same(a.d2, c.d2, "restored before the drafts: chained draft");
+  same(a.verified, c.verified, "restored before the drafts: verification");
+  same(a.d3, c.d3, "restored before the drafts: draft after the verification");
+  // A checkpoint after the first draft: it keeps the entry the draft wrote at the last position (its token is the
+  // next one the sequence consumes) but not the chained row, so no draft chains from it.
+  ASSERT_TRUE(s->restore(*cp_before).ok());
+  std::vector<float> d1;
+  ASSERT_TRUE(b.mtp_draft(*s, t0, &d1).ok());
+  auto cp_draft = s->checkpoint();
+  ASSERT_TRUE(cp_draft);
+  const Run e = run(*s, &d1);
+  ASSERT_TRUE(s->restore(*cp_draft).ok());
+  EXPECT_EQ(b.mtp_draft(*s, argmax(d1.data(), V), &l).code(), ErrorCode::invalid_argument);
+  // Replays from the restored state: the verification and the draft after it.
+  const std::vector<int32_t> rows = {t0, argmax(d1.data(), V), argmax(e.d2.data(), V)};
+  std::vector<float> verified, d3;
+  ASSERT_TRUE(b.forward_verify(*s, rows, &verified).ok());
+  ASSERT_TRUE(b.accept_verified(*s, 2).ok());
+  ASSERT_TRUE(b.mtp_draft(*s, (rows[2] + 3) % static_cast<int32_t>(V), &d3).ok());
+  same(e.verified, verified, "restored after a draft: verification");
+  same(e.d3, d3, "restored after a draft: draft after the verification");
+  // A clone with two pending rows drafts as the original.
+  ASSERT_TRUE(s->restore(*cp_before).ok());
+  (void)run(*s, nullptr);
+  const std::vector<int32_t> rows3 = {5, 6, 7};
+  ASSERT_TRUE(b.forward_verify(*s, rows3, &l).ok());
+  ASSERT_TRUE(b.accept_verified(*s, 2).ok());
+  auto twin = s->clone();
+  ASSERT_TRUE(twin);
+  std::vector<float> x1, x2;
+  ASSERT_TRUE(b.mtp_draft(*s, 9, &x1).ok());
+  ASSERT_TRUE(b.mtp_draft(*twin, 9, &x2).ok());
+  same(x1, x2, "clone with pending rows: draft");
+  // forward_with_checkpoint's checkpoint at the split against a forward up to the split and a checkpoint.
+  auto one = b.new_sequence(), two = b.new_sequence();
+  auto fwc = b.forward_with_checkpoint(*one, prompt, 20, LogitsRows::none, nullptr);
+  ASSERT_TRUE(fwc.ok() && *fwc) << fwc.status().message();
+  ASSERT_TRUE(b.forward(*two, std::span<const int32_t>(prompt).first(20), LogitsRows::none, nullptr).ok());
+  ASSERT_TRUE(one->restore(**fwc).ok());
+  ASSERT_TRUE(b.mtp_draft(*one, prompt[20], &x1).ok());
+  ASSERT_TRUE(b.mtp_draft(*two, prompt[20], &x2).ok());
+  const Agreement ag = compare_logits(x2, x1, V);
+  std::printf("[tiny] forward_with_checkpoint's checkpoint: draft relative error %.3g against a forward to the "
+              "split\n", ag.rel);
+  EXPECT_LE(ag.rel, 2e-2);  // the head read the rows in other groupings (one chunk against two)
+  EXPECT_EQ(ag.top1, 1.0);
 }
 
 std::vector<uint8_t> saved(const SequenceState& s) {
