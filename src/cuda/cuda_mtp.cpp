@@ -128,12 +128,7 @@ bool CudaBackend::has_mtp() const {
 // The head's weights, its scratch (the prefill scratch, the fc operand and the rows of one plain forward chunk) and
 // the context again: a sequence now also holds the head's KV cache (one more attention layer) and pending rows.
 Status CudaBackend::enable_mtp() {
-  if (!weights_->mtp)
-    return error(ErrorCode::not_found,
-                 "%s has no multi-token-prediction head (no mtp.* tensors), which --speculative mtp:K drafts with; "
-                 "an mlx-lm conversion drops it: convert the Hugging Face checkpoint with `lily quantize`, which "
-                 "keeps it, or load the head from the Hugging Face checkpoint with --mtp-from DIR",
-                 weights_->dir.c_str());
+  if (!weights_->mtp) return weights_->missing_mtp_error();
   if (!prefill_supported())
     return error(ErrorCode::unsupported,
                  "the CUDA backend's MTP head runs on the prefill kernels, which %s",
