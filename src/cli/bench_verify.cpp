@@ -5,6 +5,10 @@
 #include <cstdio>
 
 #include "engine/backend_factory.h"
+#ifdef LILY_HAVE_CUDA
+#include "cuda/cuda_bench.h"
+#endif
+#include "engine/speculative.h"
 #include "model/synth.h"
 
 namespace lily::cli {
@@ -44,7 +48,17 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
   bo.cuda_options = o.cuda_options;
   ASSIGN_OR_RETURN(std::unique_ptr<Backend> backend, make_backend(weights, bo));
   const bool drafts = backend->has_mtp();
-  if (drafts) RETURN_IF_ERROR(backend->enable_mtp());
+  // The decode baseline runs on a sequence made before the head is enabled: with it, every forward also has the
+  // head read the row (what speculative decoding's own plain steps pay, not what decoding without it costs).
+  std::unique_ptr<SequenceState> plain;
+  std::unique_ptr<Checkpoint> plain_start;
+  if (drafts) {
+    plain = backend->new_sequence();
+    if (!plain) return error(ErrorCode::out_of_range, "no memory for the decode baseline's sequence");
+    plain_start = plain->checkpoint();
+    if (!plain_start) return error(ErrorCode::out_of_range, "no memory for a checkpoint");
+    RETURN_IF_ERROR(backend->enable_mtp());
+  }
   // A backend without forward_verify yet (CUDA) is timed on a plain forward of the same rows with every row's
   // logits: what verification costs before the per-row state copies, through that backend's multi-row path.
   std::vector<float> probe;
@@ -68,15 +82,28 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
     if (ctx < 1 || ctx + timed > backend->max_context())
       return invalid_argument("--contexts %lld: from 1 to what the backend holds, less the timed tokens", (long long)ctx);
     auto seq = backend->new_sequence();
+    if (!seq) return error(ErrorCode::out_of_range, "no memory for a sequence of context %lld", (long long)ctx);
     std::vector<int32_t> prompt(static_cast<size_t>(ctx));
     for (int64_t i = 0; i < ctx; ++i) prompt[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 13) % V);
     const int64_t piece = backend->preferred_prefill_tokens();
-    for (int64_t p = 0; p < ctx; p += piece) {
-      auto part = std::span<const int32_t>(prompt).subspan(static_cast<size_t>(p),
-                                                           static_cast<size_t>(std::min(piece, ctx - p)));
-      RETURN_IF_ERROR(backend->forward(*seq, part, LogitsRows::none, nullptr));
+    auto prefill = [&](SequenceState& s) -> Status {
+      for (int64_t p = 0; p < ctx; p += piece) {
+        auto part = std::span<const int32_t>(prompt).subspan(static_cast<size_t>(p),
+                                                             static_cast<size_t>(std::min(piece, ctx - p)));
+        RETURN_IF_ERROR(backend->forward(s, part, LogitsRows::none, nullptr));
+      }
+      return ok_status();
+    };
+    RETURN_IF_ERROR(prefill(*seq));
+    SequenceState* decode_seq = seq.get();
+    if (plain) {
+      RETURN_IF_ERROR(plain->restore(*plain_start));
+      RETURN_IF_ERROR(prefill(*plain));
+      decode_seq = plain.get();
     }
     int32_t tok = 17;
+    std::vector<std::pair<int, double>> verify_ms;  // (rows, ms)
+    double draft_ms = 0;
     auto record = [&](const std::string& call, const std::vector<double>& ms, double base) {
       const double m = median(ms);
       std::printf("%8lld %12s %10.3f %10.2f\n", (long long)ctx, call.c_str(), m, base > 0 ? m / base : 1.0);
@@ -84,7 +111,7 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
       return m;
     };
     ASSIGN_OR_RETURN(std::vector<double> decode, time_calls(o.reps, [&] {
-      return backend->forward(*seq, std::span<const int32_t>(&tok, 1), LogitsRows::last, &logits);
+      return backend->forward(*decode_seq, std::span<const int32_t>(&tok, 1), LogitsRows::last, &logits);
     }));
     const double base = record("decode", decode, 0);
     for (int r : o.rows) {
@@ -94,11 +121,44 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
         RETURN_IF_ERROR(backend->forward_verify(*seq, rows, &logits));
         return backend->accept_verified(*seq, 1);
       }));
-      record((verify ? "verify " : "forward ") + std::to_string(r), ms, base);
+      verify_ms.emplace_back(r, record((verify ? "verify " : "forward ") + std::to_string(r), ms, base));
     }
+    bool head_timed = false;  // the head's step timed outside mtp_draft (a backend with the arithmetic only)
     if (drafts) {
       ASSIGN_OR_RETURN(std::vector<double> ms, time_calls(o.reps, [&] { return backend->mtp_draft(*seq, tok, &logits); }));
-      record("mtp draft", ms, base);
+      draft_ms = record("mtp draft", ms, base);
+    } else {
+#ifdef LILY_HAVE_CUDA
+      if (auto* cb = dynamic_cast<cuda::CudaBench*>(backend.get()); cb && weights->mtp) {
+        Result<double> t = cb->time_mtp_draft(ctx, o.reps);
+        if (t.ok()) draft_ms = record("mtp head step", {*t}, base), head_timed = true;
+        else if (t.status().code() != ErrorCode::unsupported) return t.status();
+      }
+#endif
+    }
+    // What the measured costs imply for K = rows - 1 drafts (bench_verify.h). Without a head to time, a draft is
+    // assumed to cost 0.1 decode step (one decoder layer and the lm_head of a ~40-layer step).
+    const bool assumed = !drafts && !head_timed;
+    const double d = assumed ? 0.1 * base : draft_ms;
+    std::printf("%8lld projection (%s draft %.3f ms; acceptance a per draft, independent; published: 88%% for "
+                "one draft, 81.5%% each for two):\n",
+                (long long)ctx, assumed ? "assumed" : "measured", d);
+    std::printf("%8s %4s %14s %16s %16s\n", "", "K", "break-even a", "x at a = 0.815", "x at a = 0.88");
+    for (const auto& [r, v] : verify_ms) {
+      const int K = r - 1;
+      if (K < 1) continue;
+      const double be = break_even_acceptance(K, base, d, v);
+      const bool never = be >= 1.0;  // not even a = 1 wins
+      const double x815 = speculative_projection(K, 0.815, base, d, v).speedup;
+      const double x88 = speculative_projection(K, 0.88, base, d, v).speedup;
+      char be_text[16] = "none";
+      if (!never) std::snprintf(be_text, sizeof be_text, "%.3f", be);
+      std::printf("%8s %4d %14s %16.2f %16.2f\n", "", K, be_text, x815, x88);
+      out["projection"].push_back({{"context", ctx}, {"k", K}, {"verify_ms", v}, {"decode_ms", base},
+                                   {"draft_ms", d}, {"draft_assumed", assumed},
+                                   {"break_even_acceptance", never ? nlohmann::json() : nlohmann::json(be)},
+                                   {"speedup_at_0_815", x815}, {"speedup_at_0_88", x88},
+                                   {"verify_call", verify ? "forward_verify" : "forward"}});
     }
   }
   return ok_status();

@@ -189,12 +189,7 @@ std::unique_ptr<SequenceState> CpuBackend::new_sequence() {
 }
 
 Status CpuBackend::enable_mtp() {
-  if (!weights_->mtp)
-    return error(ErrorCode::not_found,
-                 "%s has no multi-token-prediction head (no mtp.* tensors), which --speculative mtp:K drafts with; "
-                 "an mlx-lm conversion drops it: convert the Hugging Face checkpoint with `lily quantize`, which "
-                 "keeps it, or load the head from the Hugging Face checkpoint with --mtp-from DIR",
-                 weights_->dir.c_str());
+  if (!weights_->mtp) return weights_->missing_mtp_error();
   mtp_on_ = true;
   return ok_status();
 }

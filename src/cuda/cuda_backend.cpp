@@ -12,9 +12,14 @@ namespace lily::cuda {
 
 namespace {
 
-// Device memory left for the runtime beside the weights, one sequence and the scratch: the CUDA context's own
-// allocations grow with graphs and modules (measured ~0.3-0.5 GB on the H200 after the first captures).
-constexpr size_t kRuntimeReserve = size_t{1} << 30;
+// The device loop feeds each sampled token straight back and never has the token a step consumed on the host,
+// which the MTP head pairs with that step's final-norm row: sequences with the head sample on the host (the engine
+// puts every request of a speculative engine there).
+Status mtp_on_device_refused() {
+  return error(ErrorCode::unsupported,
+               "device-side sampling of a sequence carrying the MTP head's state: speculative decoding samples on "
+               "the host");
+}
 
 // The expert kernels may select the experts from the router logits themselves (moe.cuh) where the fast MoE kernels
 // serve this geometry (their launchers' shapes, up to 256 experts); else moe_route selects.
@@ -82,6 +87,7 @@ Status CudaBackend::fit_context() {
   f.sequence = sequence_bytes(config());
   const int64_t model_max = config().max_position_embeddings;
   if (options_.max_context == CudaBackendOptions::kContextAuto) {
+    context_auto_ = true;
     options_.max_context = max_context_that_fits(f, model_max);
     if (options_.max_context < 1) return check_context_fits(f, 1, model_max, device_name_);
     return ok_status();
@@ -167,7 +173,7 @@ size_t CudaBackend::device_bytes_in_use() const {
 std::unique_ptr<SequenceState> CudaBackend::new_sequence() {
   auto s = std::make_unique<CudaSequence>();
   s->owner = this;
-  if (!s->allocate(config(), options_.max_context).ok()) return nullptr;
+  if (!s->allocate(config(), options_.max_context, mtp_on_).ok()) return nullptr;
   return s;
 }
 
@@ -180,7 +186,7 @@ Result<std::unique_ptr<SequenceState>> CudaBackend::load_sequence(ByteReader& in
 
 Result<std::unique_ptr<Checkpoint>> CudaBackend::load_checkpoint(ByteReader& in) {
   std::unique_ptr<CudaCheckpoint> cp =
-      CudaCheckpoint::allocate(SequenceLayout::of(config(), options_.max_context), 0);
+      CudaCheckpoint::allocate(SequenceLayout::of(config(), options_.max_context, mtp_on_), 0);
   if (!cp) return error(ErrorCode::out_of_range, "no device memory for another checkpoint");
   RETURN_IF_ERROR(cp->load(in));
   return std::unique_ptr<Checkpoint>(std::move(cp));
@@ -189,6 +195,9 @@ Result<std::unique_ptr<Checkpoint>> CudaBackend::load_checkpoint(ByteReader& in)
 Result<CudaSequence*> CudaBackend::check_sequence(SequenceState& base, int64_t new_tokens) {
   auto* s = dynamic_cast<CudaSequence*>(&base);
   if (!s || s->owner != this) return invalid_argument("sequence state is not from this CUDA backend");
+  if (s->verify_base >= 0)
+    return invalid_argument("the sequence has %d verified rows pending: accept_verified must say which to keep first",
+                            s->verify_rows);
   if (s->n + new_tokens > s->capacity)
     return error(ErrorCode::out_of_range, "%lld tokens exceed the KV capacity of %lld (--ctx-size)",
                  (long long)(s->n + new_tokens), (long long)s->capacity);
@@ -218,6 +227,7 @@ Status CudaBackend::forward(SequenceState& base, std::span<const int32_t> tokens
   const int64_t V = config().vocab_size;
   RETURN_IF_ERROR(upload_tokens(tokens));
   if (rows != LogitsRows::none) logits->resize(static_cast<size_t>((rows == LogitsRows::all ? T : 1) * V));
+  if (s->mtp_on) RETURN_IF_ERROR(mtp_prepare(*s, 1));
   if (T > 1 && prefill_supported()) {
     RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr));
     CUDA_RETURN(cudaStreamSynchronize(stream_), "prefill");
@@ -231,6 +241,7 @@ Status CudaBackend::forward(SequenceState& base, std::span<const int32_t> tokens
       float* dst = logits->data() + (rows == LogitsRows::all ? t * V : 0);
       CUDA_RETURN(cudaMemcpyAsync(dst, logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_), "logits");
     }
+    if (s->mtp_on) RETURN_IF_ERROR(mtp_read_rows(*s, h_.ptr, 1, tokens_.ptr + t, nullptr));
   }
   CUDA_RETURN(cudaStreamSynchronize(stream_), "forward");
   return ok_status();
@@ -239,6 +250,7 @@ Status CudaBackend::forward(SequenceState& base, std::span<const int32_t> tokens
 Status CudaBackend::generate_on_device(SequenceState& base, int32_t first, const DeviceSampling& sampling, int max_new,
                                        const std::function<bool(int32_t)>& on_token) {
   ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, max_new));
+  if (s->mtp_on) return mtp_on_device_refused();
   if (first < 0 || first >= config().vocab_size) return invalid_argument("token id %d is outside the vocabulary", first);
   if (sampling.top_k > 64) return invalid_argument("device sampling supports top_k <= 64, got %d", sampling.top_k);
   CUDA_RETURN(cudaMemcpy(token_in_.ptr, &first, sizeof(int), cudaMemcpyHostToDevice), "token");
@@ -298,6 +310,9 @@ Status CudaBackend::run_rows(std::span<CudaSequence* const> rows, std::span<cons
 Status CudaBackend::forward_batch(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
                                   std::vector<float>* logits) {
   ASSIGN_OR_RETURN(std::vector<CudaSequence*> rows, check_rows(seqs, tokens));
+  // The head reads each row's final-norm row after its step (forward): rows with it step one at a time.
+  if (std::any_of(rows.begin(), rows.end(), [](const CudaSequence* s) { return s->mtp_on; }))
+    return Backend::forward_batch(seqs, tokens, logits);
   const size_t V = static_cast<size_t>(config().vocab_size);
   logits->resize(rows.size() * V);
   for (size_t first = 0; first < rows.size(); first += kMaxBatchRows) {
@@ -318,6 +333,8 @@ Status CudaBackend::decode_batch_on_device(std::span<SequenceState* const> seqs,
   if (sampling.size() != seqs.size())
     return invalid_argument("decode_batch_on_device: %zu sequences, %zu samplings", seqs.size(), sampling.size());
   ASSIGN_OR_RETURN(std::vector<CudaSequence*> rows, check_rows(seqs, tokens));
+  for (const CudaSequence* s : rows)
+    if (s->mtp_on) return mtp_on_device_refused();
   for (size_t i = 0; i < sampling.size(); ++i)
     if (sampling[i].top_k > 64)
       return invalid_argument("row %zu: device sampling supports top_k <= 64, got %d", i, sampling[i].top_k);

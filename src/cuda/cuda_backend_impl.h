@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <functional>
 #include <list>
 #include <memory>
 #include <span>
@@ -78,6 +79,12 @@ class CudaBackend final : public CudaBench {
                        std::vector<float>* logits) override;
   Status decode_batch_on_device(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
                                 std::span<const DeviceSampling> sampling, std::vector<int32_t>* next) override;
+  Status forward_verify(SequenceState& seq, std::span<const int32_t> tokens, std::vector<float>* logits) override;
+  Status accept_verified(SequenceState& seq, int64_t n_keep) override;
+  // cuda_mtp.cpp: the head needs the prefill kernels (mtp_rows).
+  bool has_mtp() const override;
+  Status enable_mtp() override;
+  Status mtp_draft(SequenceState& seq, int32_t token, std::vector<float>* logits) override;
   Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq, std::span<const int32_t> tokens,
                                                               int64_t split, LogitsRows rows,
                                                               std::vector<float>* logits) override;
@@ -97,15 +104,23 @@ class CudaBackend final : public CudaBench {
   std::string device_name() const override { return device_name_; }
   std::string kernel_paths() const override { return paths_.describe(device_name_); }
   GraphCaptureStats graph_capture_stats() const override { return capture_stats_; }
+  Status mtp_head_for_test(std::span<const int32_t> tokens, const std::vector<float>& hidden,
+                           std::vector<float>* logits, std::vector<float>* out_hidden) override;
+  Result<double> time_mtp_draft(int64_t context, int reps) override;
 
  private:
   Status choose_paths(const cudaDeviceProp& prop);
   Status fit_context();
   // cuda_decode.cpp: one step of 1 to kMaxBatchRows rows (distinct sequences); sampling empty or one per row.
+  // chained: the rows are successive positions of one sequence (verification, cuda_verify.cpp): the Gated
+  // DeltaNet layers step row after row, each from the state the row before left into its own (GdnStepParams
+  // S_out / ring_out; rows[R - 1] holds the sequence's own state, which row 0 starts from), and no kernel reads a
+  // sequence's state or KV rows ahead of its wait (rows before r are written in the same step).
   Status enqueue_step(std::span<CudaSequence* const> rows, int n_splits, std::span<const DeviceSampling> sampling,
-                      Profiler* prof);
-  Status enqueue_gdn_layer(std::span<CudaSequence* const> rows, size_t l, Profiler* prof);
-  Status enqueue_attention_layer(std::span<CudaSequence* const> rows, size_t l, int n_splits, Profiler* prof);
+                      Profiler* prof, bool chained = false);
+  Status enqueue_gdn_layer(std::span<CudaSequence* const> rows, size_t l, bool chained, Profiler* prof);
+  Status enqueue_attention_layer(std::span<CudaSequence* const> rows, size_t l, int n_splits, bool chained,
+                                 Profiler* prof);
   Status enqueue_moe_block(int rows, size_t l, Profiler* prof);
   // cuda_backend.cpp: the checks of a several-row call (distinct sequences of this backend with room for a token,
   // tokens in the vocabulary), then one step of up to kMaxBatchRows rows without a graph.
@@ -115,8 +130,10 @@ class CudaBackend final : public CudaBench {
   // cuda_graph.cpp
   Result<cudaGraphExec_t> graph_for(CudaSequence& s, const DeviceSampling* sampling);
   Result<cudaGraphExec_t> rows_graph_for(std::span<CudaSequence* const> rows, std::span<const DeviceSampling> sampling);
-  Result<std::unique_ptr<GraphExec>> capture(std::span<CudaSequence* const> rows, int n_splits,
-                                             std::span<const DeviceSampling> sampling);
+  Result<std::unique_ptr<GraphExec>> capture(const std::function<Status()>& enqueue);
+  // The backend's graph under `key` (row_graphs_, least recently used out first), captured from `enqueue` when
+  // there is none.
+  Result<cudaGraphExec_t> row_graph(const std::string& key, const std::function<Status()>& enqueue);
   Status run_step(CudaSequence& s, const DeviceSampling* sampling);
   // cuda_prefill.cpp
   bool prefill_supported() const;
@@ -125,9 +142,25 @@ class CudaBackend final : public CudaBench {
   Status prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof, int split = 0,
                        CudaCheckpoint* cp = nullptr);
   Status prefill_gdn_mixer(CudaSequence& s, size_t l, int T, Profiler* prof, int split, CudaCheckpoint* cp);
+  Status prefill_attention(const DeviceLayer& L, __nv_bfloat16* k, __nv_bfloat16* v, int T, int pos0, Profiler* prof);
+  Status prefill_layer(const DeviceLayer& L, int T, const std::function<Status()>& mixer, Profiler* prof);
   Status prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits, Profiler* prof,
                  int64_t split = 0, CudaCheckpoint* cp = nullptr);
   Status copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, int layer);
+  // cuda_mtp.cpp: the MTP head over R <= prefill_chunk rows (tokens on the device, the main model's final-norm
+  // rows `hidden` [R, H]), its KV k / v at positions pos0 ..; out_hidden [R, H] gets its normalised output, logits
+  // (optional) [V] the last row's. model_->mtp must be uploaded and the prefill scratch allocated.
+  Status mtp_rows(const int* tokens, const float* hidden, int R, __nv_bfloat16* k, __nv_bfloat16* v, int pos0,
+                  float* out_hidden, float* logits, Profiler* prof);
+  // The head's state around the main forwards of a sequence with it (s.mtp_on): mtp_prepare before one (drafts
+  // dropped; at most max_pending rows left pending), mtp_read_rows after each plain forward's T rows (residual rows
+  // [T, H] and their tokens on the device), mtp_append_verified after a verification's graph.
+  Status mtp_prepare(CudaSequence& s, int max_pending);
+  Status mtp_read_rows(CudaSequence& s, const float* residual, int T, const int* tokens, Profiler* prof,
+                       CudaCheckpoint* cp = nullptr, int cp_row = -1);
+  Status mtp_append_verified(CudaSequence& s, std::span<const int32_t> tokens);
+  // cuda_verify.cpp: verify_views_[0 .. R) as the rows of a verification of s (R <= kMaxBatchRows).
+  Status bind_verify_views(CudaSequence& s, int R);
   // cuda_bench.cpp
   Status warm_up_decode(CudaSequence& s, const DeviceSampling& greedy);
   // cuda_backend.cpp
@@ -135,6 +168,9 @@ class CudaBackend final : public CudaBench {
   Status check_tokens(std::span<const int32_t> tokens) const;
   Status upload_tokens(std::span<const int32_t> ids);
 
+  // Device memory left for the runtime beside the weights, one sequence and the scratch: the CUDA context's own
+  // allocations grow with graphs and modules (measured ~0.3-0.5 GB on the H200 after the first captures).
+  static constexpr size_t kRuntimeReserve = size_t{1} << 30;
   static constexpr int kMaxSplits = 256;
   static constexpr int kRingSize = 1024;
   static constexpr int kSampleScratch = 2 * 1024 * 64;
@@ -169,11 +205,25 @@ class CudaBackend final : public CudaBench {
   // Prefill scratch, sized by options_.prefill_chunk rows (allocated on the first prefill).
   DeviceArray<float> ph_, pproj_, plogits_;
   DeviceArray<__half> pxb_, pob_;  // fp16 A operands of the prefill GEMMs
+  DeviceArray<__half> mtp_cat_;    // the MTP head's fc operand [rows, 2H] (cuda_mtp.cpp)
+  // With the head enabled (enable_mtp): a plain forward chunk's final-norm rows after the pending one
+  // [prefill_chunk + 1, H], and the tokens a draft or the head's catch-up reads [kMtpPendingRows].
+  bool mtp_on_ = false;
+  DeviceArray<float> mtp_hidden_;
+  DeviceArray<int> mtp_tokens_;
+  bool context_auto_ = false;  // --ctx-size auto: enable_mtp fits the context again
   DeviceArray<unsigned char> pscratch_;
   size_t prefill_bytes_ = 0;
   GraphCaptureStats capture_stats_;
   // Several-row step graphs by key (split count, each row's sequence id and sampling mode), most recent first.
   std::list<std::pair<std::string, std::unique_ptr<GraphExec>>> row_graphs_;
+  // Verification (cuda_verify.cpp): the rows' positions, the recurrent state after each row but the last
+  // (kMaxBatchRows - 1 copies of a sequence's recurrent region, allocated on the first verification), and the
+  // rows as sequences (views of the verified sequence's KV cache and of these states).
+  DeviceArray<int> verify_pos_;
+  DeviceBlock verify_states_;
+  uint64_t verify_owner_ = 0;  // the id of the sequence whose rows verify_states_ holds
+  std::vector<std::unique_ptr<CudaSequence>> verify_views_;
 };
 
 }  // namespace lily::cuda

@@ -60,6 +60,8 @@ Status CudaBackend::set_context_for_bench(SequenceState& base, int64_t n) {
     CUDA_RETURN(cudaMemcpy(s->v[l]->ptr, host.data(), count * 2, cudaMemcpyHostToDevice), "bench kv");
   }
   s->n = n;
+  s->mtp_n = n, s->mtp_rows = 0, s->mtp_chained = false;  // the head starts over here (as after a load)
+  s->mtp_tokens.clear();
   int p = static_cast<int>(n);
   CUDA_RETURN(cudaMemcpy(s->pos.ptr, &p, sizeof(int), cudaMemcpyHostToDevice), "bench pos");
   return ok_status();

@@ -2,6 +2,7 @@
 // and the CUDA tests use them; the server and the engine see only Backend (cuda_backend.h).
 #pragma once
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -64,6 +65,14 @@ class CudaBench : public Backend {
   // The kernel paths chosen at start (the line printed then: "cuda: <GPU> sm_XY, prefill: ...").
   virtual std::string kernel_paths() const = 0;
   virtual GraphCaptureStats graph_capture_stats() const = 0;
+  // The MTP head (cuda_mtp.cpp) over R rows at positions 0 .. R-1 of a fresh KV cache of its own: token ids and
+  // the main model's final-norm rows `hidden` [R, H] in; the last row's logits [V] and the head's normalised
+  // output rows [R, H] out (for the op test against the CPU reference).
+  virtual Status mtp_head_for_test(std::span<const int32_t> tokens, const std::vector<float>& hidden,
+                                   std::vector<float>* logits, std::vector<float>* out_hidden) = 0;
+  // Milliseconds of one draft step of the MTP head (one row, its KV holding `context` rows, the lm_head
+  // included): the median of `reps` calls after one warm-up; unsupported without a head.
+  virtual Result<double> time_mtp_draft(int64_t context, int reps) = 0;
 };
 
 Result<std::unique_ptr<CudaBench>> make_cuda_bench(std::shared_ptr<const ModelWeights> weights,

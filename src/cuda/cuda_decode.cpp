@@ -28,7 +28,7 @@ GemvParams gemv_of(const QMatrix& m, const float* in, GemvPrologue prologue, con
 
 }  // namespace
 
-Status CudaBackend::enqueue_gdn_layer(std::span<CudaSequence* const> rows, size_t l, Profiler* prof) {
+Status CudaBackend::enqueue_gdn_layer(std::span<CudaSequence* const> rows, size_t l, bool chained, Profiler* prof) {
   const ModelConfig& c = config();
   const DeviceLayer& L = model_->layers[l];
   const RowStrides& st = strides_;
@@ -45,10 +45,22 @@ Status CudaBackend::enqueue_gdn_layer(std::span<CudaSequence* const> rows, size_
     g[r] = GdnStepParams{proj, s.conv[l]->ptr, L.conv_w, L.A_log, L.dt_bias, s.S[l]->ptr, s.pos.ptr,
                          c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
                          c.linear_value_head_dim, c.linear_conv_kernel_dim, gdn_o_.ptr + r * st.gdn_o};
-    g[r].prefetch_state = true;  // S, the conv ring and pos are written by no kernel before it in a step
+    // S, the conv ring and pos are written by no kernel before it in a step (chained: the row before writes them)
+    g[r].prefetch_state = !chained;
     if (fused_norm) g[r].gate_z = proj + c.linear_conv_dim(), g[r].norm_w = L.gdn_norm, g[r].eps = eps;
   }
-  STEP_OP("gdn_step", 2.0 * rows[0]->S[l]->bytes(), dispatch::gdn_step_rows(g, R, stream_));
+  if (!chained) {
+    STEP_OP("gdn_step", 2.0 * rows[0]->S[l]->bytes(), dispatch::gdn_step_rows(g, R, stream_));
+  } else {
+    for (int r = 0; r < R; ++r) {  // row r from the state row r - 1 left into its own; row 0 from the sequence's
+      const CudaSequence& src = *rows[(r + R - 1) % R];  // (which rows[R - 1] holds, and writes last)
+      if (&src != rows[r]) {
+        g[r].S = src.S[l]->ptr, g[r].conv_ring = src.conv[l]->ptr;
+        g[r].S_out = rows[r]->S[l]->ptr, g[r].ring_out = rows[r]->conv[l]->ptr;
+      }
+      STEP_OP("gdn_step", 2.0 * rows[r]->S[l]->bytes(), dispatch::gdn_step_rows(&g[r], 1, stream_));
+    }
+  }
   const GemvPrologue out_prologue = fused_norm ? GemvPrologue::none : GemvPrologue::gated_rms_norm;
   GemvParams out = gemv_of(L.gdn_out, gdn_o_.ptr, out_prologue, L.gdn_norm, eps, h_.ptr, h_.ptr, R, st.gdn_o, st.h);
   out.gate_z = proj_.ptr + c.linear_conv_dim(), out.head_dim = c.linear_value_head_dim;
@@ -58,7 +70,7 @@ Status CudaBackend::enqueue_gdn_layer(std::span<CudaSequence* const> rows, size_
 }
 
 Status CudaBackend::enqueue_attention_layer(std::span<CudaSequence* const> rows, size_t l, int n_splits,
-                                            Profiler* prof) {
+                                            bool chained, Profiler* prof) {
   const ModelConfig& c = config();
   const DeviceLayer& L = model_->layers[l];
   const RowStrides& st = strides_;
@@ -83,7 +95,9 @@ Status CudaBackend::enqueue_attention_layer(std::span<CudaSequence* const> rows,
     dec[r] = AttnDecodeParams{q, s.k[l]->ptr, s.v[l]->ptr, c.num_attention_heads, c.num_key_value_heads,
                               c.head_dim, s.pos.ptr, n_splits, 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
                               part_o, part_ml};
-    dec[r].prefetch_cache = true;  // rows < pos and pos itself are written by no kernel before attn_prep in a step
+    // rows < pos and pos itself are written by no kernel before attn_prep in a step (chained: attn_prep writes the
+    // rows of the rows before r)
+    dec[r].prefetch_cache = !chained;
     comb[r] = AttnCombineParams{part_o, part_ml, n_splits, c.num_attention_heads, c.head_dim, proj,
                                 attn_out_.ptr + r * st.attn_out};
   }
@@ -140,7 +154,7 @@ Status CudaBackend::enqueue_moe_block(int R, size_t l, Profiler* prof) {
 // sequence's pos. sampling: empty (the logits stay in logits_) or one per row (row r's next token goes to
 // token_in_[r] and its ring).
 Status CudaBackend::enqueue_step(std::span<CudaSequence* const> rows, int n_splits,
-                                 std::span<const DeviceSampling> sampling, Profiler* prof) {
+                                 std::span<const DeviceSampling> sampling, Profiler* prof, bool chained) {
   const ModelConfig& c = config();
   const DeviceModel& m = *model_;
   const RowStrides& st = strides_;
@@ -153,8 +167,8 @@ Status CudaBackend::enqueue_step(std::span<CudaSequence* const> rows, int n_spli
     STEP_OP("embed", R * m.embed.bytes() / m.embed.rows, embed_rows(m.embed, token_in_.ptr, R, h_.ptr, stream_));
   }
   for (size_t l = 0; l < m.layers.size(); ++l) {
-    if (m.layers[l].type == LayerType::linear_attention) RETURN_IF_ERROR(enqueue_gdn_layer(rows, l, prof));
-    else RETURN_IF_ERROR(enqueue_attention_layer(rows, l, n_splits, prof));
+    if (m.layers[l].type == LayerType::linear_attention) RETURN_IF_ERROR(enqueue_gdn_layer(rows, l, chained, prof));
+    else RETURN_IF_ERROR(enqueue_attention_layer(rows, l, n_splits, chained, prof));
     RETURN_IF_ERROR(enqueue_moe_block(R, l, prof));
   }
   const GemvParams head = gemv_of(m.lm_head, h_.ptr, GemvPrologue::rms_norm, m.final_norm, c.rms_norm_eps, nullptr,

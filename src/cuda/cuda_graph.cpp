@@ -9,13 +9,12 @@ namespace lily::cuda {
 
 // The sample kernel reads the request's numbers (temperature, top-k/p, min-p, seed) from sample_knobs_, written
 // before the steps run, so one graph per mode serves every request. At most kMaxGraphs a sequence.
-Result<std::unique_ptr<GraphExec>> CudaBackend::capture(std::span<CudaSequence* const> rows, int n_splits,
-                                                        std::span<const DeviceSampling> sampling) {
+Result<std::unique_ptr<GraphExec>> CudaBackend::capture(const std::function<Status()>& enqueue) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
   cudaGraph_t graph = nullptr;
   CUDA_RETURN(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin capture");
-  Status st = enqueue_step(rows, n_splits, sampling, nullptr);
+  Status st = enqueue();
   cudaError_t end = cudaStreamEndCapture(stream_, &graph);
   RETURN_IF_ERROR(st);
   CUDA_RETURN(end, "end capture");
@@ -38,8 +37,9 @@ Result<cudaGraphExec_t> CudaBackend::graph_for(CudaSequence& s, const DeviceSamp
   if (it != s.graphs.end()) return it->second->exec;
   if (s.graphs.size() >= kMaxGraphs) s.graphs.clear();  // none is in flight: every caller synchronised
   CudaSequence* rows[] = {&s};
+  const auto sampling = sp ? std::span<const DeviceSampling>(sp, 1) : std::span<const DeviceSampling>();
   ASSIGN_OR_RETURN(std::unique_ptr<GraphExec> exec,
-                   capture(rows, n_splits, sp ? std::span<const DeviceSampling>(sp, 1) : std::span<const DeviceSampling>()));
+                   capture([&] { return enqueue_step(rows, n_splits, sampling, nullptr); }));
   cudaGraphExec_t e = exec->exec;
   s.graphs[key] = std::move(exec);
   return e;
@@ -59,12 +59,16 @@ Result<cudaGraphExec_t> CudaBackend::rows_graph_for(std::span<CudaSequence* cons
       key += "/" + std::to_string(sample_mode(sp.temperature, sp.top_k, sp.top_p, sp.min_p));
     }
   }
+  return row_graph(key, [&] { return enqueue_step(rows, n_splits, sampling, nullptr); });
+}
+
+Result<cudaGraphExec_t> CudaBackend::row_graph(const std::string& key, const std::function<Status()>& enqueue) {
   for (auto it = row_graphs_.begin(); it != row_graphs_.end(); ++it) {
     if (it->first != key) continue;
     row_graphs_.splice(row_graphs_.begin(), row_graphs_, it);
     return row_graphs_.front().second->exec;
   }
-  ASSIGN_OR_RETURN(std::unique_ptr<GraphExec> exec, capture(rows, n_splits, sampling));
+  ASSIGN_OR_RETURN(std::unique_ptr<GraphExec> exec, capture(enqueue));
   row_graphs_.emplace_front(key, std::move(exec));
   if (row_graphs_.size() > kMaxRowGraphs) row_graphs_.pop_back();  // none is in flight: every caller synchronised
   return row_graphs_.front().second->exec;

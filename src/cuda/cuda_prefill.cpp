@@ -97,48 +97,67 @@ Status CudaBackend::prefill_gdn_mixer(CudaSequence& s, size_t l, int T, Profiler
   return ok_status();
 }
 
+// An attention layer's mixer over T rows: pproj_ (q|k|v) to pob_ by flash attention against k / v, which get the
+// rows' keys and values at positions pos0 .. pos0+T-1.
+Status CudaBackend::prefill_attention(const DeviceLayer& L, __nv_bfloat16* k, __nv_bfloat16* v, int T, int pos0,
+                                      Profiler* prof) {
+  const ModelConfig& c = config();
+  const float eps = c.rms_norm_eps;
+  const double rows = T;
+  AttnPrefillParams a{pproj_.ptr, T, pos0, L.q_norm, L.k_norm, c.num_attention_heads, c.num_key_value_heads,
+                      c.head_dim, c.rotary_dim(), static_cast<float>(c.rope_theta), eps,
+                      1.0f / std::sqrt(static_cast<float>(c.head_dim)), k, v, pob_.ptr, pscratch_.ptr,
+                      pscratch_.bytes()};
+  if (paths_.attn_wgmma) a.variant = 1;
+  const double attended = rows * pos0 + rows * (rows + 1) / 2;  // causal: row t attends pos0 + t + 1 rows
+  STEP_OP("attn_prefill", 0, attn_prefill(a, stream_), 4.0 * c.num_attention_heads * c.head_dim * attended);
+  return ok_status();
+}
+
+// One layer over the T rows of the residual stream ph_: the input norm to fp16, the in projection to pproj_,
+// `mixer` (pproj_ to pob_), the out projection added to ph_, then the MoE block.
+Status CudaBackend::prefill_layer(const DeviceLayer& L, int T, const std::function<Status()>& mixer, Profiler* prof) {
+  const ModelConfig& c = config();
+  const float eps = c.rms_norm_eps;
+  const int H = c.hidden_size, k = c.num_experts_per_tok;
+  const double rows = T;
+  const bool wgmma = paths_.wgmma, gdn = L.type == LayerType::linear_attention;
+  STEP_OP("rms_norm", rows * H * 6, rms_norm_rows(ph_.ptr, L.input_norm, T, H, eps, pxb_.ptr, stream_));
+  const QMatrix& in = gdn ? L.gdn_in : L.attn_in;
+  const QMatrix& out = gdn ? L.gdn_out : L.attn_out;
+  QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0, wgmma, pscratch_.ptr, pscratch_.bytes()};
+  STEP_OP(gdn ? "qgemm gdn_in" : "qgemm attn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
+  RETURN_IF_ERROR(mixer());
+  QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0, wgmma, pscratch_.ptr, pscratch_.bytes()};
+  STEP_OP(gdn ? "qgemm gdn_out" : "qgemm attn_out", out.bytes(), qgemm(gout, stream_),
+          2.0 * rows * out.rows * out.cols);
+  MoePrefillParams moe{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,
+                       L.shared_up, L.shared_down, ph_.ptr, L.post_norm, eps, T, k, pscratch_.ptr, pscratch_.bytes()};
+  const double moe_flops = 2.0 * rows * H *
+                           (3.0 * k * c.moe_intermediate_size + 3.0 * c.shared_expert_intermediate_size +
+                            c.num_experts + 1);
+  STEP_OP("moe_prefill", 0, moe_prefill(moe, stream_), moe_flops);
+  return ok_status();
+}
+
 // One chunk of T <= prefill_chunk rows at positions s.n .. s.n+T-1: the residual stream ph_ [T, H] in fp32, each
 // block's input normalised to fp16 for the tensor-core GEMMs (fp16, not bf16: its 2^-11 rounding keeps the prefill
 // within the decode path's accuracy; normalised activations stay far from its 65504 range). Leaves the final
 // residual rows in ph_ for the lm_head.
 Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof, int split,
                                   CudaCheckpoint* cp) {
-  const ModelConfig& c = config();
   const DeviceModel& m = *model_;
-  const float eps = c.rms_norm_eps;
-  const int H = c.hidden_size, pos0 = static_cast<int>(s.n), k = c.num_experts_per_tok;
+  const int pos0 = static_cast<int>(s.n);
   const double rows = T;
-  const bool wgmma = paths_.wgmma;
   STEP_OP("embed", rows * m.embed.bytes() / m.embed.rows, embed_rows(m.embed, tokens, T, ph_.ptr, stream_));
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const DeviceLayer& L = m.layers[l];
-    const bool gdn = L.type == LayerType::linear_attention;
-    STEP_OP("rms_norm", rows * H * 6, rms_norm_rows(ph_.ptr, L.input_norm, T, H, eps, pxb_.ptr, stream_));
-    const QMatrix& in = gdn ? L.gdn_in : L.attn_in;
-    const QMatrix& out = gdn ? L.gdn_out : L.attn_out;
-    QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0, wgmma, pscratch_.ptr, pscratch_.bytes()};
-    STEP_OP(gdn ? "qgemm gdn_in" : "qgemm attn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
-    if (gdn) {
-      RETURN_IF_ERROR(prefill_gdn_mixer(s, l, T, prof, split, cp));
+    if (L.type == LayerType::linear_attention) {
+      RETURN_IF_ERROR(prefill_layer(L, T, [&] { return prefill_gdn_mixer(s, l, T, prof, split, cp); }, prof));
     } else {
-      AttnPrefillParams a{pproj_.ptr, T, pos0, L.q_norm, L.k_norm, c.num_attention_heads, c.num_key_value_heads,
-                          c.head_dim, c.rotary_dim(), static_cast<float>(c.rope_theta), eps,
-                          1.0f / std::sqrt(static_cast<float>(c.head_dim)), s.k[l]->ptr, s.v[l]->ptr, pob_.ptr,
-                          pscratch_.ptr, pscratch_.bytes()};
-      if (paths_.attn_wgmma) a.variant = 1;
-      const double attended = rows * pos0 + rows * (rows + 1) / 2;  // causal: row t attends pos0 + t + 1 rows
-      STEP_OP("attn_prefill", 0, attn_prefill(a, stream_), 4.0 * c.num_attention_heads * c.head_dim * attended);
+      RETURN_IF_ERROR(prefill_layer(L, T, [&] { return prefill_attention(L, s.k[l]->ptr, s.v[l]->ptr, T, pos0, prof); },
+                                    prof));
     }
-    QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0, wgmma, pscratch_.ptr, pscratch_.bytes()};
-    STEP_OP(gdn ? "qgemm gdn_out" : "qgemm attn_out", out.bytes(), qgemm(gout, stream_),
-            2.0 * rows * out.rows * out.cols);
-    MoePrefillParams moe{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,
-                         L.shared_up, L.shared_down, ph_.ptr, L.post_norm, eps, T, k, pscratch_.ptr,
-                         pscratch_.bytes()};
-    const double moe_flops = 2.0 * rows * H *
-                             (3.0 * k * c.moe_intermediate_size + 3.0 * c.shared_expert_intermediate_size +
-                              c.num_experts + 1);
-    STEP_OP("moe_prefill", 0, moe_prefill(moe, stream_), moe_flops);
   }
   s.n += T;
   return ok_status();
@@ -159,7 +178,8 @@ Status CudaBackend::copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, in
 }
 
 // Prefills the T tokens in tokens_ (device) in chunks; logits of the rows asked for go to the host. With cp, the
-// recurrent state after the first `split` rows (0 < split < T) is copied into it on the way.
+// recurrent state after the first `split` rows (0 < split < T) is copied into it on the way. With the MTP head,
+// each chunk's rows are then read by it (mtp_read_rows: the residual rows are still in ph_).
 Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits,
                             Profiler* prof, int64_t split, CudaCheckpoint* cp) {
   RETURN_IF_ERROR(ensure_prefill_scratch());
@@ -172,6 +192,8 @@ Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::ve
     const int in_chunk = cp && split > off && split < off + Tc ? static_cast<int>(split - off) : 0;
     RETURN_IF_ERROR(prefill_chunk(s, tokens_.ptr + off, Tc, prof, in_chunk, cp));
     if (cp && split == off + Tc) RETURN_IF_ERROR(copy_recurrent(s, *cp, -1));  // the split is a chunk boundary
+    // The checkpoint's pending row for the head: the row before the split (the last a forward up to it reads).
+    const int cp_row = cp && split - 1 >= off && split - 1 < off + Tc ? static_cast<int>(split - 1 - off) : -1;
     if (rows == LogitsRows::all) {  // the lm_head for every row, kHeadRows at a time
       for (int r = 0; r < Tc; r += kHeadRows) {
         const int R = std::min(kHeadRows, Tc - r);
@@ -189,6 +211,7 @@ Status CudaBackend::prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::ve
       CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_),
                   "logits");
     }
+    if (s.mtp_on) RETURN_IF_ERROR(mtp_read_rows(s, ph_.ptr, Tc, tokens_.ptr + off, prof, cp, cp_row));
   }
   CUDA_RETURN(set_position(s.pos.ptr, static_cast<int>(s.n), stream_), "position");
   return ok_status();
@@ -209,6 +232,7 @@ Result<std::unique_ptr<Checkpoint>> CudaBackend::forward_with_checkpoint(Sequenc
   const int64_t V = config().vocab_size;
   std::unique_ptr<CudaCheckpoint> cp = s->empty_checkpoint(s->n + split);
   RETURN_IF_ERROR(upload_tokens(tokens));
+  if (s->mtp_on) RETURN_IF_ERROR(mtp_prepare(*s, 1));
   if (rows != LogitsRows::none) logits->resize(static_cast<size_t>((rows == LogitsRows::all ? T : 1) * V));
   RETURN_IF_ERROR(prefill(*s, T, rows, logits, nullptr, cp ? split : 0, cp.get()));
   CUDA_RETURN(cudaStreamSynchronize(stream_), "prefill");

@@ -23,7 +23,7 @@ DeviceSpan<T> span_at(const DeviceBlock& block, size_t off, size_t n) {
 
 }  // namespace
 
-SequenceLayout SequenceLayout::of(const ModelConfig& c, int64_t capacity) {
+SequenceLayout SequenceLayout::of(const ModelConfig& c, int64_t capacity, bool mtp) {
   SequenceLayout L;
   L.conv_n = static_cast<size_t>(c.linear_conv_kernel_dim) * c.linear_conv_dim();
   L.S_n = static_cast<size_t>(c.linear_num_value_heads) * c.linear_key_head_dim * c.linear_value_head_dim;
@@ -46,6 +46,14 @@ SequenceLayout SequenceLayout::of(const ModelConfig& c, int64_t capacity) {
     L.off_a[l] = at, at += align_up(L.kv_n * sizeof(__nv_bfloat16));
     L.off_b[l] = at, at += align_up(L.kv_n * sizeof(__nv_bfloat16));
   }
+  if (mtp) {
+    L.mtp = true;
+    L.hidden = static_cast<size_t>(c.hidden_size);
+    L.mtp_k_off = at, at += align_up(L.kv_n * sizeof(__nv_bfloat16));
+    L.mtp_v_off = at, at += align_up(L.kv_n * sizeof(__nv_bfloat16));
+    L.mtp_pending_off = at, at += align_up(L.mtp_pending_bytes());
+    L.mtp_chain_off = at, at += align_up(L.hidden * sizeof(float));
+  }
   L.total_bytes = at;
   return L;
 }
@@ -65,12 +73,18 @@ void CudaSequence::bind_views() {
     }
   }
   pos = span_at<int>(storage, L.pos_off, 1);
+  mtp_on = L.mtp;
+  if (!L.mtp) return;
+  mtp_k = span_at<__nv_bfloat16>(storage, L.mtp_k_off, L.kv_n);
+  mtp_v = span_at<__nv_bfloat16>(storage, L.mtp_v_off, L.kv_n);
+  mtp_pending = span_at<float>(storage, L.mtp_pending_off, SequenceLayout::kMtpPendingRows * L.hidden);
+  mtp_chain = span_at<float>(storage, L.mtp_chain_off, L.hidden);
 }
 
-Status CudaSequence::allocate(const ModelConfig& c, int64_t cap) {
+Status CudaSequence::allocate(const ModelConfig& c, int64_t cap, bool mtp) {
   capacity = cap;
   n = 0;
-  layout = SequenceLayout::of(c, cap);
+  layout = SequenceLayout::of(c, cap, mtp);
   RETURN_IF_ERROR(storage.alloc(layout.total_bytes));
   bind_views();
   // Everything zero (the KV rows past the position included).
@@ -82,7 +96,10 @@ Status CudaSequence::allocate(const ModelConfig& c, int64_t cap) {
 std::unique_ptr<CudaCheckpoint> CudaCheckpoint::allocate(const SequenceLayout& L, int64_t at) {
   auto cp = std::make_unique<CudaCheckpoint>();
   cp->n = at;
-  if (!cp->storage.alloc(L.recurrent_bytes).ok()) return nullptr;
+  cp->recurrent_bytes = L.recurrent_bytes;
+  if (!cp->storage.alloc(L.recurrent_bytes + L.mtp_pending_bytes()).ok()) return nullptr;
+  if (L.mtp)  // the recurrent region's size is a multiple of kAlign
+    cp->mtp_pending = span_at<float>(cp->storage, L.recurrent_bytes, L.mtp_pending_bytes() / sizeof(float));
   cp->conv.assign(L.attention.size(), std::nullopt);
   cp->S.assign(L.attention.size(), std::nullopt);
   for (size_t l = 0; l < L.attention.size(); ++l) {
@@ -98,30 +115,59 @@ std::unique_ptr<CudaCheckpoint> CudaSequence::empty_checkpoint(int64_t at) const
 }
 
 std::unique_ptr<Checkpoint> CudaSequence::checkpoint() const {
-  auto cp = empty_checkpoint(n);  // every byte is written by the copy: no clearing
+  auto cp = empty_checkpoint(n);  // every byte used is written by the copies: no clearing
   if (!cp) return nullptr;
-  if (layout.recurrent_bytes > 0 && (cudaMemcpyAsync(cp->storage.ptr, storage.ptr, layout.recurrent_bytes,
-                                                     cudaMemcpyDeviceToDevice, 0) != cudaSuccess ||
-                                     cudaStreamSynchronize(0) != cudaSuccess))
-    return nullptr;
+  bool ok = layout.recurrent_bytes == 0 || cudaMemcpyAsync(cp->storage.ptr, storage.ptr, layout.recurrent_bytes,
+                                                           cudaMemcpyDeviceToDevice, 0) == cudaSuccess;
+  if (mtp_on) {  // as the CPU backend: draft entries (positions >= n) are not part of the sequence
+    cp->mtp_on = true;
+    cp->mtp_n = std::min(mtp_n, n);
+    if (mtp_n <= n) {
+      cp->mtp_rows = mtp_rows;
+      cp->mtp_tokens = mtp_tokens;
+      if (mtp_rows > 0)
+        ok = ok && cudaMemcpyAsync(cp->mtp_pending.ptr, mtp_pending.ptr, mtp_rows * layout.hidden * sizeof(float),
+                                   cudaMemcpyDeviceToDevice, 0) == cudaSuccess;
+    }
+  }
+  if (!ok || cudaStreamSynchronize(0) != cudaSuccess) return nullptr;
   return cp;
 }
 
 Status CudaSequence::restore(const Checkpoint& base) {
   auto* cp = dynamic_cast<const CudaCheckpoint*>(&base);
-  if (!cp || cp->conv.size() != conv.size() || cp->storage.bytes != layout.recurrent_bytes)
+  if (!cp || cp->conv.size() != conv.size() || cp->recurrent_bytes != layout.recurrent_bytes)
     return invalid_argument("checkpoint is not from this backend/model");
   if (cp->n > n)
     return invalid_argument("checkpoint at %lld is past the sequence end %lld", (long long)cp->n,
                             (long long)n);
+  // A checkpoint without the head's part (loaded from disk, or from a sequence without the head) restarts the
+  // head at the checkpoint's position with no pending rows: its drafts are poor until it has read a few rows,
+  // but the position invariant mtp_n + P = n holds (accept_verified relies on it).
+  const bool cp_mtp = mtp_on && cp->mtp_on && cp->mtp_pending.ptr;
+  const int64_t cp_mtp_n = cp_mtp ? cp->mtp_n : cp->n;
+  if (mtp_on && cp_mtp && cp_mtp_n > mtp_n)
+    return invalid_argument("checkpoint's MTP head state (%lld positions) is past the sequence's (%lld)",
+                            (long long)cp_mtp_n, (long long)mtp_n);
   if (layout.recurrent_bytes > 0)
     CUDA_RETURN(
         cudaMemcpyAsync(storage.ptr, cp->storage.ptr, layout.recurrent_bytes, cudaMemcpyDeviceToDevice, 0),
         "restore");
+  if (cp_mtp && cp->mtp_rows > 0)
+    CUDA_RETURN(cudaMemcpyAsync(mtp_pending.ptr, cp->mtp_pending.ptr, cp->mtp_rows * layout.hidden * sizeof(float),
+                                cudaMemcpyDeviceToDevice, 0),
+                "restore");
   const int host_pos = static_cast<int>(cp->n);  // the KV cache is truncated by the position alone
   CUDA_RETURN(cudaMemcpyAsync(pos.ptr, &host_pos, sizeof(int), cudaMemcpyHostToDevice, 0), "restore");
   CUDA_RETURN(cudaStreamSynchronize(0), "restore");
   n = cp->n;
+  verify_base = -1, verify_rows = 0;
+  if (mtp_on) {  // the head's KV is truncated by its length alone
+    mtp_n = cp_mtp_n;
+    mtp_rows = cp_mtp ? cp->mtp_rows : 0;
+    mtp_tokens = cp_mtp ? cp->mtp_tokens : std::vector<int32_t>{};
+    mtp_chained = false;
+  }
   return ok_status();
 }
 
@@ -138,6 +184,7 @@ std::unique_ptr<SequenceState> CudaSequence::clone() const {
   s->layout = layout;
   if (!s->storage.alloc(layout.total_bytes).ok()) return nullptr;
   s->bind_views();
+  s->mtp_n = mtp_n, s->mtp_rows = mtp_rows, s->mtp_tokens = mtp_tokens, s->mtp_chained = mtp_chained;
   // The KV rows past n stay zero as in a fresh sequence; the recurrent region, pos and the used rows are
   // copied.
   auto* dst = static_cast<unsigned char*>(s->storage.ptr);
@@ -145,14 +192,22 @@ std::unique_ptr<SequenceState> CudaSequence::clone() const {
   bool ok =
       cudaMemsetAsync(dst, 0, layout.total_bytes, 0) == cudaSuccess &&
       cudaMemcpyAsync(dst, src, layout.pos_off + sizeof(int), cudaMemcpyDeviceToDevice, 0) == cudaSuccess;
-  const size_t used =
-      layout.kv_n / static_cast<size_t>(capacity) * static_cast<size_t>(n) * sizeof(__nv_bfloat16);
-  for (size_t l = 0; l < k.size() && ok; ++l) {
-    if (!layout.attention[l] || used == 0) continue;
-    ok = cudaMemcpyAsync(dst + layout.off_a[l], src + layout.off_a[l], used, cudaMemcpyDeviceToDevice, 0) ==
-             cudaSuccess &&
-         cudaMemcpyAsync(dst + layout.off_b[l], src + layout.off_b[l], used, cudaMemcpyDeviceToDevice, 0) ==
-             cudaSuccess;
+  const size_t row_bytes = layout.kv_n / static_cast<size_t>(capacity) * sizeof(__nv_bfloat16);
+  const size_t used = row_bytes * static_cast<size_t>(n);
+  auto copy = [&](size_t off, size_t bytes) {
+    ok = ok &&
+         (bytes == 0 || cudaMemcpyAsync(dst + off, src + off, bytes, cudaMemcpyDeviceToDevice, 0) == cudaSuccess);
+  };
+  for (size_t l = 0; l < k.size(); ++l) {
+    if (!layout.attention[l]) continue;
+    copy(layout.off_a[l], used);
+    copy(layout.off_b[l], used);
+  }
+  if (mtp_on) {  // the head's entries (a draft's too), its pending rows and chained row, as the CPU's clone
+    copy(layout.mtp_k_off, row_bytes * static_cast<size_t>(mtp_n));
+    copy(layout.mtp_v_off, row_bytes * static_cast<size_t>(mtp_n));
+    copy(layout.mtp_pending_off, mtp_rows * layout.hidden * sizeof(float));
+    copy(layout.mtp_chain_off, mtp_chained ? layout.hidden * sizeof(float) : 0);
   }
   if (!ok || cudaStreamSynchronize(0) != cudaSuccess) return nullptr;
   return s;
@@ -191,7 +246,7 @@ Status load_region(ByteReader& in, void* device, size_t expect, const char* what
 // backend's stream is idle between calls (see the header).
 Status CudaCheckpoint::save(ByteWriter& out) const {
   out.pod<int64_t>(n);
-  return save_region(out, storage.ptr, storage.bytes, "checkpoint recurrent state");
+  return save_region(out, storage.ptr, recurrent_bytes, "checkpoint recurrent state");
 }
 
 Status CudaSequence::save(ByteWriter& out) const {
@@ -225,6 +280,7 @@ Status CudaSequence::load(ByteReader& in) {
   const int host_pos = static_cast<int>(at);
   CUDA_RETURN(cudaMemcpy(pos.ptr, &host_pos, sizeof(int), cudaMemcpyHostToDevice), "load position");
   n = at;
+  mtp_n = at;  // the head's state is not saved: it starts over here (see restore)
   return ok_status();
 }
 
@@ -232,7 +288,7 @@ Status CudaCheckpoint::load(ByteReader& in) {
   int64_t at = 0;
   RETURN_IF_ERROR(in.pod(&at, "checkpoint position"));
   if (at < 0) return format_error("checkpoint position %lld", (long long)at);
-  RETURN_IF_ERROR(load_region(in, storage.ptr, storage.bytes, "checkpoint recurrent state"));
+  RETURN_IF_ERROR(load_region(in, storage.ptr, recurrent_bytes, "checkpoint recurrent state"));
   n = at;
   return ok_status();
 }

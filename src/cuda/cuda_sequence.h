@@ -8,10 +8,15 @@
 // each array 256-byte aligned. A checkpoint is one allocation holding a copy of the recurrent region (one
 // device-to-device copy, the same offsets), so checkpoint and restore are one copy each.
 //
+// With the MTP head enabled (CudaBackend::enable_mtp) the block ends with the head's state (cuda_mtp.cpp):
+//   [... | mtp k, v (the head's attention layer, the same capacity) | pending rows [kMtpPendingRows, H] | chain [H]]
+// and a checkpoint's block has room for the pending rows after its recurrent region.
+//
 // Saved (the session cache's disk tier): n, the recurrent region's bytes as they are (the layout is a
 // function of the model, so the same offsets on load), then the KV rows [0, n) of each attention layer; a
 // checkpoint is n and its recurrent region. The KV rows are bf16 as on the device, so a saved CUDA sequence
-// loads only into the CUDA backend (the file names its backend).
+// loads only into the CUDA backend (the file names its backend). The head's state is not saved (as on the CPU
+// backend): a loaded sequence or checkpoint has none, and the head starts over at its position.
 //
 // Copies run on the legacy default stream, then the host waits for them: the backend's own stream is
 // non-blocking (no implicit ordering with stream 0) and has finished every kernel touching a sequence when
@@ -50,6 +55,14 @@ struct DeviceArray {
     return ok_status();
   }
   size_t bytes() const { return n * sizeof(T); }
+  // At least `count` elements: a new, cleared array when this one is shorter (cudaFree waits for the device, so no
+  // kernel still reads the old one).
+  Status reserve(size_t count) {
+    if (ptr && count <= n) return ok_status();
+    cudaFree(ptr);
+    ptr = nullptr;
+    return alloc(count);
+  }
 };
 
 // One untyped device allocation owned by RAII, not cleared (the owner decides what to zero).
@@ -96,22 +109,38 @@ using GraphMap = std::map<std::string, std::unique_ptr<GraphExec>>;
 // so two sequences of one backend (and their checkpoints) share it.
 struct SequenceLayout {
   static constexpr size_t kAlign = 256;
+  // Pending main-model rows the MTP head's state holds: one verification (up to kMaxBatchRows rows) after an
+  // accepted one; past that the head reads the ready rows first (cuda_mtp.cpp mtp_prepare).
+  static constexpr int kMtpPendingRows = 16;
   std::vector<bool> attention;           // per layer: attention (k/v) or Gated DeltaNet (conv/S)
   std::vector<size_t> off_a, off_b;      // per layer: k and v, or conv and S
   size_t conv_n = 0, S_n = 0, kv_n = 0;  // elements per array
   size_t recurrent_bytes = 0;            // [0, recurrent_bytes): every conv and S
   size_t pos_off = 0, total_bytes = 0;
-  static SequenceLayout of(const ModelConfig& c, int64_t capacity);
+  // The MTP head's arrays (mtp: enabled): its k and v (kv_n each), the pending rows and the chained row.
+  bool mtp = false;
+  size_t hidden = 0;  // H
+  size_t mtp_k_off = 0, mtp_v_off = 0, mtp_pending_off = 0, mtp_chain_off = 0;
+  size_t mtp_pending_bytes() const { return mtp ? kMtpPendingRows * hidden * sizeof(float) : 0; }
+  static SequenceLayout of(const ModelConfig& c, int64_t capacity, bool mtp = false);
 };
 
 class CudaCheckpoint final : public Checkpoint {
  public:
   int64_t n = 0;
-  DeviceBlock storage;                                    // a copy of the sequence's recurrent region
+  DeviceBlock storage;                                    // the sequence's recurrent region (then the mtp rows)
+  size_t recurrent_bytes = 0;                             // [0, recurrent_bytes) of storage
   std::vector<std::optional<DeviceSpan<float>>> conv, S;  // views into storage (Gated DeltaNet layers)
+  // The MTP head's part (mtp_on: written from a sequence with the head): its KV length and the pending rows
+  // [mtp_rows, H] (in storage after the recurrent region) with their tokens, as the CPU backend's checkpoint.
+  bool mtp_on = false;
+  int64_t mtp_n = 0;
+  int mtp_rows = 0;
+  DeviceSpan<float> mtp_pending;  // room for kMtpPendingRows rows (null without the head)
+  std::vector<int32_t> mtp_tokens;
   int64_t n_tokens() const override { return n; }
   size_t bytes() const override {
-    size_t b = 0;
+    size_t b = mtp_pending.bytes() + mtp_tokens.size() * sizeof(int32_t);
     for (auto& c : conv) b += c ? c->bytes() : 0;
     for (auto& s : S) b += s ? s->bytes() : 0;
     return b;
@@ -137,6 +166,20 @@ class CudaSequence final : public SequenceState {
   std::vector<std::optional<DeviceSpan<__nv_bfloat16>>> k, v;
   std::vector<std::optional<DeviceSpan<float>>> conv, S;
   GraphMap graphs;
+  // Between forward_verify and accept_verified (cuda_verify.cpp): the position of the first verified row and how
+  // many there are; -1 / 0 otherwise (no other call takes the sequence meanwhile).
+  int64_t verify_base = -1;
+  int verify_rows = 0;
+  // The MTP head's state (layout.mtp; cuda_mtp.cpp), the CPU backend's MtpState on the device: its KV entry at
+  // position i is computed from the token at i+1 and the main model's final-norm row at i, so the head runs one
+  // position behind; the rows of positions mtp_n .. n-1 wait in mtp_pending until the token after each is known.
+  bool mtp_on = false;
+  int64_t mtp_n = 0;                     // head KV entries 0 .. mtp_n-1 (past n: a draft's)
+  int mtp_rows = 0;                      // P: rows [P, H] in mtp_pending, positions mtp_n .. mtp_n+P-1
+  std::vector<int32_t> mtp_tokens;       // the tokens at positions mtp_n+1 .. mtp_n+P-1 (P-1 of them)
+  bool mtp_chained = false;              // mtp_chain holds the head's output of the last draft step
+  DeviceSpan<__nv_bfloat16> mtp_k, mtp_v;
+  DeviceSpan<float> mtp_pending, mtp_chain;  // [kMtpPendingRows, H], [H]
 
   CudaSequence() = default;
   CudaSequence(const CudaSequence&) = delete;
@@ -148,6 +191,8 @@ class CudaSequence final : public SequenceState {
     for (auto& x : k) b += x ? 2 * x->bytes() : 0;
     for (auto& x : conv) b += x ? x->bytes() : 0;
     for (auto& x : S) b += x ? x->bytes() : 0;
+    if (mtp_on)
+      b += 2 * mtp_k.bytes() + mtp_pending.bytes() + mtp_chain.bytes() + mtp_tokens.size() * sizeof(int32_t);
     return b;
   }
   std::unique_ptr<Checkpoint> checkpoint() const override;
@@ -157,13 +202,13 @@ class CudaSequence final : public SequenceState {
   Status restore(const Checkpoint& base) override;
   std::unique_ptr<SequenceState> clone() const override;
   Status save(ByteWriter& out) const override;
-  // A fresh, zeroed sequence of `cap` tokens.
-  Status allocate(const ModelConfig& c, int64_t cap);
+  // A fresh, zeroed sequence of `cap` tokens (with the MTP head's state when `mtp`).
+  Status allocate(const ModelConfig& c, int64_t cap, bool mtp = false);
   Status load(ByteReader& in);  // fills this fresh sequence (allocate()) from what save() wrote
 
  private:
   static uint64_t next_id();
-  void bind_views();  // k, v, conv, S, pos from layout and storage
+  void bind_views();  // k, v, conv, S, pos (and the head's arrays) from layout and storage
 };
 
 }  // namespace lily::cuda

@@ -84,44 +84,63 @@ Result<QMatrix> DeviceModel::upload_rows(const std::vector<Linear>& parts, int b
 Result<std::unique_ptr<DeviceModel>> DeviceModel::upload(const ModelWeights& w) {
   std::unique_ptr<DeviceModel> d(new DeviceModel());
   d->config = w.config;
-  const ModelConfig& c = w.config;
   ASSIGN_OR_RETURN(d->embed, d->upload_rows({w.embed_tokens}, 4));
   ASSIGN_OR_RETURN(d->lm_head, d->upload_rows({w.lm_head}, 4));
   ASSIGN_OR_RETURN(d->final_norm, d->upload_floats(w.final_norm));
   for (const LayerWeights& lw : w.layers) {
-    DeviceLayer dl;
-    dl.type = lw.type;
-    ASSIGN_OR_RETURN(dl.input_norm, d->upload_floats(lw.input_norm));
-    ASSIGN_OR_RETURN(dl.post_norm, d->upload_floats(lw.post_attention_norm));
-    if (lw.type == LayerType::linear_attention) {
-      const DeltaNetWeights& g = lw.gdn;
-      ASSIGN_OR_RETURN(dl.gdn_in, d->upload_rows({g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a}, 4));
-      ASSIGN_OR_RETURN(dl.gdn_out, d->upload_rows({g.out_proj}, 4));
-      ASSIGN_OR_RETURN(dl.conv_w, d->upload_floats(g.conv1d));
-      ASSIGN_OR_RETURN(dl.A_log, d->upload_floats(g.A_log));
-      ASSIGN_OR_RETURN(dl.dt_bias, d->upload_floats(g.dt_bias));
-      ASSIGN_OR_RETURN(dl.gdn_norm, d->upload_floats(g.norm));
-    } else {
-      const AttentionWeights& a = lw.attn;
-      ASSIGN_OR_RETURN(dl.attn_in, d->upload_rows({a.q_proj, a.k_proj, a.v_proj}, 4));
-      ASSIGN_OR_RETURN(dl.attn_out, d->upload_rows({a.o_proj}, 4));
-      ASSIGN_OR_RETURN(dl.q_norm, d->upload_floats(a.q_norm));
-      ASSIGN_OR_RETURN(dl.k_norm, d->upload_floats(a.k_norm));
-    }
-    const MoeWeights& m = lw.moe;
-    ASSIGN_OR_RETURN(dl.router, d->upload_rows({m.router}, 8));
-    ASSIGN_OR_RETURN(dl.shared_gate_row, d->upload_rows({m.shared_expert_gate}, 8));
-    ASSIGN_OR_RETURN(dl.expert_gate, d->upload_rows(m.expert_gate, 4));
-    ASSIGN_OR_RETURN(dl.expert_up, d->upload_rows(m.expert_up, 4));
-    ASSIGN_OR_RETURN(dl.expert_down, d->upload_rows(m.expert_down, 4));
-    dl.expert_gate.rows = dl.expert_up.rows = c.moe_intermediate_size;  // stacked: per-expert rows
-    dl.expert_down.rows = c.hidden_size;
-    ASSIGN_OR_RETURN(dl.shared_gate, d->upload_rows({m.shared_gate}, 4));
-    ASSIGN_OR_RETURN(dl.shared_up, d->upload_rows({m.shared_up}, 4));
-    ASSIGN_OR_RETURN(dl.shared_down, d->upload_rows({m.shared_down}, 4));
+    ASSIGN_OR_RETURN(DeviceLayer dl, d->upload_layer(lw));
     d->layers.push_back(dl);
   }
   return d;
+}
+
+Result<DeviceLayer> DeviceModel::upload_layer(const LayerWeights& lw) {
+  const ModelConfig& c = config;
+  DeviceLayer dl;
+  dl.type = lw.type;
+  ASSIGN_OR_RETURN(dl.input_norm, upload_floats(lw.input_norm));
+  ASSIGN_OR_RETURN(dl.post_norm, upload_floats(lw.post_attention_norm));
+  if (lw.type == LayerType::linear_attention) {
+    const DeltaNetWeights& g = lw.gdn;
+    ASSIGN_OR_RETURN(dl.gdn_in, upload_rows({g.in_proj_qkv, g.in_proj_z, g.in_proj_b, g.in_proj_a}, 4));
+    ASSIGN_OR_RETURN(dl.gdn_out, upload_rows({g.out_proj}, 4));
+    ASSIGN_OR_RETURN(dl.conv_w, upload_floats(g.conv1d));
+    ASSIGN_OR_RETURN(dl.A_log, upload_floats(g.A_log));
+    ASSIGN_OR_RETURN(dl.dt_bias, upload_floats(g.dt_bias));
+    ASSIGN_OR_RETURN(dl.gdn_norm, upload_floats(g.norm));
+  } else {
+    const AttentionWeights& a = lw.attn;
+    ASSIGN_OR_RETURN(dl.attn_in, upload_rows({a.q_proj, a.k_proj, a.v_proj}, 4));
+    ASSIGN_OR_RETURN(dl.attn_out, upload_rows({a.o_proj}, 4));
+    ASSIGN_OR_RETURN(dl.q_norm, upload_floats(a.q_norm));
+    ASSIGN_OR_RETURN(dl.k_norm, upload_floats(a.k_norm));
+  }
+  const MoeWeights& m = lw.moe;
+  ASSIGN_OR_RETURN(dl.router, upload_rows({m.router}, 8));
+  ASSIGN_OR_RETURN(dl.shared_gate_row, upload_rows({m.shared_expert_gate}, 8));
+  ASSIGN_OR_RETURN(dl.expert_gate, upload_rows(m.expert_gate, 4));
+  ASSIGN_OR_RETURN(dl.expert_up, upload_rows(m.expert_up, 4));
+  ASSIGN_OR_RETURN(dl.expert_down, upload_rows(m.expert_down, 4));
+  dl.expert_gate.rows = dl.expert_up.rows = c.moe_intermediate_size;  // stacked: per-expert rows
+  dl.expert_down.rows = c.hidden_size;
+  ASSIGN_OR_RETURN(dl.shared_gate, upload_rows({m.shared_gate}, 4));
+  ASSIGN_OR_RETURN(dl.shared_up, upload_rows({m.shared_up}, 4));
+  ASSIGN_OR_RETURN(dl.shared_down, upload_rows({m.shared_down}, 4));
+  return dl;
+}
+
+Status DeviceModel::upload_mtp(const MtpWeights& m) {
+  if (mtp) return ok_status();
+  DeviceMtp h;
+  ASSIGN_OR_RETURN(h.fc, upload_rows({m.fc}, 4));
+  ASSIGN_OR_RETURN(h.pre_fc_norm_embedding, upload_floats(m.pre_fc_norm_embedding));
+  ASSIGN_OR_RETURN(h.pre_fc_norm_hidden, upload_floats(m.pre_fc_norm_hidden));
+  ASSIGN_OR_RETURN(h.norm, upload_floats(m.norm));
+  ASSIGN_OR_RETURN(h.layer, upload_layer(m.layer));
+  if (h.layer.type != LayerType::full_attention)
+    return error(ErrorCode::format, "the MTP head's layer is not full attention");
+  mtp = h;
+  return ok_status();
 }
 
 size_t DeviceModel::decode_weight_bytes() const {

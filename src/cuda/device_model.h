@@ -6,6 +6,7 @@
 // shared-expert gates 8-bit), with MLX's quantizer. Norms and small vectors are fp32.
 #pragma once
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "cuda/kernels/common.cuh"
@@ -24,9 +25,18 @@ struct DeviceLayer {
   QMatrix router, shared_gate_row, expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down;
 };
 
+// The multi-token-prediction head (eq 26), uploaded by upload_mtp (enable_mtp): fc [H, 2H] over
+// [ZN(embedding); ZN(hidden)], one full-attention MoE decoder layer, its final norm; embed and lm_head are shared.
+struct DeviceMtp {
+  QMatrix fc;
+  float *pre_fc_norm_embedding = nullptr, *pre_fc_norm_hidden = nullptr, *norm = nullptr;
+  DeviceLayer layer;
+};
+
 class DeviceModel {
  public:
   static Result<std::unique_ptr<DeviceModel>> upload(const ModelWeights& w);
+  Status upload_mtp(const MtpWeights& m);  // once; fills `mtp`
   ~DeviceModel();
   DeviceModel(const DeviceModel&) = delete;
   DeviceModel& operator=(const DeviceModel&) = delete;
@@ -35,6 +45,7 @@ class DeviceModel {
   QMatrix embed, lm_head;
   float* final_norm = nullptr;
   std::vector<DeviceLayer> layers;
+  std::optional<DeviceMtp> mtp;
   size_t bytes = 0;  // device memory held
   // Bytes one decode step must read for weights (active experts only) at this geometry.
   size_t decode_weight_bytes() const;
@@ -43,6 +54,7 @@ class DeviceModel {
   DeviceModel() = default;
   Result<float*> upload_floats(const std::vector<float>& v);
   Result<QMatrix> upload_rows(const std::vector<Linear>& parts, int bits_if_dense);
+  Result<DeviceLayer> upload_layer(const LayerWeights& lw);
   std::vector<void*> allocations_;
 };
 

@@ -52,9 +52,9 @@ Result<LoadedModel> load_model(const ModelLoadOptions& o, const std::function<vo
     Status st = backend->enable_mtp();
     if (st.code() == ErrorCode::unsupported)
       return error(ErrorCode::unsupported,
-                   "--speculative mtp:%d: the %s backend does not implement speculative decoding yet (the CPU "
-                   "backend does: --backend cpu); run without --speculative",
-                   o.engine.speculative_tokens, backend->name());
+                   "--speculative mtp:%d: the %s backend cannot draft with the MTP head here (%s); the CPU "
+                   "backend can (--backend cpu), or run without --speculative",
+                   o.engine.speculative_tokens, backend->name(), st.message().c_str());
     RETURN_IF_ERROR(st);
   }
   tell("loading the tokenizer");

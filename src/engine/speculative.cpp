@@ -56,6 +56,25 @@ DraftVerdict accept_or_resample(std::span<const float> p, std::span<const float>
   return {false, draw_from(any ? std::span<const float>(residual) : p, u_resample)};
 }
 
+SpeculativeProjection speculative_projection(int k, double accept, double decode_ms, double draft_ms,
+                                             double verify_ms) {
+  SpeculativeProjection p;
+  double term = 1;
+  for (int i = 0; i <= k; ++i) p.tokens_per_round += term, term *= accept;
+  p.speedup = p.tokens_per_round * decode_ms / (k * draft_ms + verify_ms);
+  return p;
+}
+
+double break_even_acceptance(int k, double decode_ms, double draft_ms, double verify_ms) {
+  if (speculative_projection(k, 1.0, decode_ms, draft_ms, verify_ms).speedup < 1) return 1.0;
+  double lo = 0, hi = 1;  // the speed-up grows with the acceptance
+  for (int it = 0; it < 60; ++it) {
+    const double mid = 0.5 * (lo + hi);
+    (speculative_projection(k, mid, decode_ms, draft_ms, verify_ms).speedup < 1 ? lo : hi) = mid;
+  }
+  return hi;
+}
+
 uint64_t speculative_seed(uint64_t sampler_seed) {
   return sampler_seed ^ 0x5be0cd19137e2179ull;  // a stream of its own: the sampler's draws are not disturbed
 }

@@ -75,6 +75,19 @@ struct SpeculativeRequest {
 };
 using EmitFn = std::function<bool(int32_t id, float logprob, std::vector<TokenLogprob> top)>;
 
+// What the costs imply (lily bench --mode verify): speculative decoding with K drafts a round, each accepted with
+// probability `accept` independently of the others until the first rejection: a round emits (1 - a^(K+1)) / (1 - a)
+// tokens (the accepted drafts and one token sampled by the verification) in K draft steps and one verification of
+// 1+K rows.
+struct SpeculativeProjection {
+  double tokens_per_round = 0;  // at `accept`
+  double speedup = 0;           // tokens per unit of time against plain decoding
+};
+SpeculativeProjection speculative_projection(int k, double accept, double decode_ms, double draft_ms,
+                                             double verify_ms);
+// The acceptance in [0, 1] at which the speed-up is 1 (1 when even a = 1 does not win).
+double break_even_acceptance(int k, double decode_ms, double draft_ms, double verify_ms);
+
 // The seed of the loop's own stream of draws for a request whose sampler has `sampler_seed`.
 uint64_t speculative_seed(uint64_t sampler_seed);
 

@@ -309,6 +309,14 @@ Result<ModelWeights> ModelWeights::bind(const ModelConfig& config, std::shared_p
   return m;
 }
 
+Status ModelWeights::missing_mtp_error() const {
+  return error(ErrorCode::not_found,
+               "%s has no multi-token-prediction head (no mtp.* tensors), which --speculative mtp:K drafts with; "
+               "an mlx-lm conversion drops it: convert the Hugging Face checkpoint with `lily quantize`, which keeps "
+               "it, or load the head from the Hugging Face checkpoint with --mtp-from DIR",
+               dir.c_str());
+}
+
 Status ModelWeights::attach_mtp(const std::string& mtp_dir) {
   if (mtp) return invalid_argument("%s has an MTP head of its own; --mtp-from %s is not needed", dir.c_str(), mtp_dir.c_str());
   ASSIGN_OR_RETURN(ModelConfig c, ModelConfig::load(mtp_dir));

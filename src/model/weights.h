@@ -83,6 +83,8 @@ struct ModelWeights {
   // Binds the MTP head from another checkpoint of the same model (e.g. the Hugging Face bf16 one beside an
   // mlx-lm 4-bit directory, which has none): its config must have the same geometry.
   Status attach_mtp(const std::string& mtp_dir);
+  // The error of a backend asked for the head (enable_mtp) when the checkpoint has none: says how to get one.
+  Status missing_mtp_error() const;
   static Result<ModelWeights> bind(const ModelConfig& config, std::shared_ptr<TensorStore> store,
                                    const std::string& dir);
 };

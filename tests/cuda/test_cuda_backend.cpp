@@ -7,6 +7,10 @@
 //  - the prefill path: chunked prompts against the CPU reference and against the token-by-token decode path,
 //    decode after a chunked prefill equal to decode after a single prefill, a prompt longer than a chunk;
 //  - several-row steps (forward_batch, decode_batch_on_device) equal to each row's one-row step, to the bit;
+//  - the MTP head's arithmetic on the prefill kernels against the CPU reference's;
+//  - speculative verification (forward_verify, accept_verified) equal to plain one-token forwards, to the bit;
+//  - the MTP head's draft (enable_mtp, mtp_draft) against the CPU backend's after the same calls, greedy
+//    speculative decoding (K = 1, 3) token for token the plain loop's, the head's state through checkpoints;
 //  - the kernel paths chosen at start (by the device code in the binary) and the context that fits.
 #include <gtest/gtest.h>
 
@@ -18,9 +22,13 @@
 #include <cuda_runtime.h>
 #include <random>
 
+#include "cpu/blocks.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/ops.h"
 #include "cuda/cuda_bench.h"
+#include "engine/sampler.h"
 #include "engine/session_file.h"
+#include "engine/speculative.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/trace.cuh"
 #include "model/synth.h"
@@ -403,6 +411,404 @@ TEST(CudaBackend, SeveralRowStepsEqualOneRowStepsFull) {
 TEST(CudaBackend, SeveralRowStepsEqualOneRowStepsTiny) {
   SKIP_WITHOUT_GPU();
   expect_rows_equal_alone("tiny", 3);
+}
+
+// The MTP head (eq 26) on the CUDA prefill kernels against the CPU reference's arithmetic (cpu_backend.cpp
+// mtp_run over a fresh head KV): R rows of tokens and random final-norm hidden rows; the head's normalised output
+// rows and the last row's logits within the prefill path's bound (fp16 GEMM operands).
+void expect_mtp_head_matches_cpu(const std::string& preset, int R) {
+  auto w = synth_model(preset);
+  ASSERT_TRUE(w->mtp.has_value()) << preset << " has no MTP head";
+  auto made = cuda::make_cuda_bench(w, {4096});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  const ModelConfig& c = w->config;
+  const int64_t H = c.hidden_size, V = c.vocab_size;
+  const std::vector<int32_t> tokens = random_tokens(R, static_cast<int>(V), 500 + R);
+  std::vector<float> hidden(static_cast<size_t>(R * H));
+  std::mt19937 rng(600 + R);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  for (float& x : hidden) x = nd(rng);
+  std::vector<float> logits, out;
+  Status st = (*made)->mtp_head_for_test(tokens, hidden, &logits, &out);
+  ASSERT_TRUE(st.ok()) << st.message();
+  // The CPU reference: mtp_run's steps.
+  const MtpWeights& m = *w->mtp;
+  ThreadPool pool(2);
+  const cpu::TraceFn no_trace;
+  std::vector<float> e(R * H), cat(R * 2 * H), h(R * H), x(R * H), y(R * H), ref_out(R * H), ref_logits(V);
+  cpu::embed(w->embed_tokens, tokens.data(), R, e.data());
+  for (int r = 0; r < R; ++r) {
+    cpu::rms_norm(&e[r * H], m.pre_fc_norm_embedding.data(), 1, H, c.rms_norm_eps, &cat[r * 2 * H]);
+    cpu::rms_norm(&hidden[r * H], m.pre_fc_norm_hidden.data(), 1, H, c.rms_norm_eps, &cat[r * 2 * H + H]);
+  }
+  cpu::matmul(pool, m.fc, cat.data(), R, h.data());
+  cpu::Context ctx{pool, c, no_trace, c.num_hidden_layers};
+  cpu::LayerState kv;
+  cpu::rms_norm(h.data(), m.layer.input_norm.data(), R, H, c.rms_norm_eps, x.data());
+  cpu::attention_block(ctx, m.layer.attn, x.data(), R, 0, kv, y.data());
+  for (int64_t i = 0; i < R * H; ++i) h[i] += y[i];
+  cpu::rms_norm(h.data(), m.layer.post_attention_norm.data(), R, H, c.rms_norm_eps, x.data());
+  cpu::moe_block(ctx, m.layer.moe, x.data(), R, y.data());
+  for (int64_t i = 0; i < R * H; ++i) h[i] += y[i];
+  cpu::rms_norm(h.data(), m.norm.data(), R, H, c.rms_norm_eps, ref_out.data());
+  cpu::matmul(pool, w->lm_head, &ref_out[(R - 1) * H], 1, ref_logits.data());
+  auto rel = [](const std::vector<float>& ref, const std::vector<float>& got) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      const double d = double(got[i]) - ref[i];
+      num += d * d, den += double(ref[i]) * ref[i];
+    }
+    return std::sqrt(num / std::max(den, 1e-30));
+  };
+  const double e_out = rel(ref_out, out), e_logits = rel(ref_logits, logits);
+  std::printf("[%s] MTP head, %d rows: output rel error %.2e, last-row logits %.2e, top-1 %s\n", preset.c_str(), R,
+              e_out, e_logits, argmax(logits.data(), V) == argmax(ref_logits.data(), V) ? "equal" : "differs");
+  EXPECT_LE(e_out, 2e-2);
+  EXPECT_LE(e_logits, 2e-2);
+  // Refusals: hidden rows of the wrong size, a token outside the vocabulary.
+  std::vector<float> short_hidden(hidden.begin(), hidden.end() - 1);
+  EXPECT_FALSE((*made)->mtp_head_for_test(tokens, short_hidden, &logits, &out).ok());
+  std::vector<int32_t> bad = tokens;
+  bad[0] = static_cast<int32_t>(V);
+  EXPECT_FALSE((*made)->mtp_head_for_test(bad, hidden, &logits, &out).ok());
+}
+
+TEST(CudaBackend, MtpHeadMatchesCpu) {
+  SKIP_WITHOUT_GPU();
+  for (int R : {1, 3}) expect_mtp_head_matches_cpu("tiny", R);
+  for (int R : {1, 4, 65}) expect_mtp_head_matches_cpu("full4", R);
+}
+
+// Speculative verification (forward_verify / accept_verified): the 1+K rows of one sequence in one several-row step
+// give each row, to the bit, the logits the plain one-token forwards of the same tokens give; accept_verified(n)
+// leaves the sequence where n plain forwards leave it (the next forwards equal the plain ones', to the bit), for
+// every n; misuse is refused and changes nothing.
+void expect_verify_equals_plain(const std::string& preset, int rows) {
+  auto w = synth_model(preset);
+  auto made = cuda::make_cuda_backend(w, {4096});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  Backend& b = **made;
+  const int64_t V = w->config.vocab_size;
+  const std::vector<int32_t> prompt = random_tokens(45, static_cast<int>(V), 300 + rows);
+  const std::vector<int32_t> fed = random_tokens(rows + 3, static_cast<int>(V), 400 + rows);
+  auto prefilled = [&] {
+    auto s = b.new_sequence();
+    EXPECT_TRUE(b.forward(*s, prompt, LogitsRows::none, nullptr).ok());
+    return s;
+  };
+  // Plain: one token a forward, every fed token.
+  std::vector<float> plain, l;
+  {
+    auto s = prefilled();
+    for (int32_t t : fed) {
+      ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(&t, 1), LogitsRows::last, &l).ok());
+      plain.insert(plain.end(), l.begin(), l.end());
+    }
+  }
+  const std::span<const int32_t> verified(fed.data(), static_cast<size_t>(rows));
+  for (int keep = 1; keep <= rows; ++keep) {
+    auto s = prefilled();
+    Status st = b.forward_verify(*s, verified, &l);
+    ASSERT_TRUE(st.ok()) << st.message();
+    ASSERT_EQ(l.size(), static_cast<size_t>(rows * V));
+    EXPECT_EQ(s->n_tokens(), static_cast<int64_t>(prompt.size()) + rows);
+    size_t differing = 0;
+    for (int r = 0; r < rows; ++r) differing += std::memcmp(&l[r * V], &plain[r * V], V * sizeof(float)) != 0;
+    EXPECT_EQ(differing, 0u) << preset << ": " << rows << " verified rows";
+    // Pending rows: every other call is refused, the sequence unchanged.
+    EXPECT_FALSE(b.forward(*s, std::span<const int32_t>(&fed[0], 1), LogitsRows::last, &l).ok());
+    EXPECT_FALSE(b.forward_verify(*s, verified, &l).ok());
+    EXPECT_FALSE(b.accept_verified(*s, 0).ok());
+    EXPECT_FALSE(b.accept_verified(*s, rows + 1).ok());
+    ASSERT_TRUE(b.accept_verified(*s, keep).ok());
+    EXPECT_EQ(s->n_tokens(), static_cast<int64_t>(prompt.size()) + keep);
+    EXPECT_FALSE(b.accept_verified(*s, 1).ok());  // nothing pending any more
+    // Continue from the kept rows: the plain logits of the tokens after them.
+    differing = 0;
+    for (size_t t = static_cast<size_t>(keep); t < fed.size(); ++t) {
+      ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(&fed[t], 1), LogitsRows::last, &l).ok());
+      differing += std::memcmp(l.data(), &plain[t * V], V * sizeof(float)) != 0;
+    }
+    EXPECT_EQ(differing, 0u) << preset << ": after keeping " << keep << " of " << rows;
+  }
+  std::printf("[%s] verify %d rows: each row and the continuation after keeping 1..%d equal the plain forwards\n",
+              preset.c_str(), rows, rows);
+  // Two sequences' verifications interleaved: the first's kept states are gone, so only all its rows can be kept.
+  {
+    auto a = prefilled(), c = prefilled();
+    ASSERT_TRUE(b.forward_verify(*a, verified, &l).ok());
+    ASSERT_TRUE(b.forward_verify(*c, verified, &l).ok());
+    if (rows > 1) {
+      EXPECT_FALSE(b.accept_verified(*a, 1).ok());
+    }
+    EXPECT_TRUE(b.accept_verified(*a, rows).ok());
+    EXPECT_TRUE(b.accept_verified(*c, 1).ok());
+  }
+  auto s = prefilled();
+  std::vector<int32_t> too_many(static_cast<size_t>(cuda::kMaxBatchRows + 1), 1);
+  EXPECT_FALSE(b.forward_verify(*s, too_many, &l).ok());
+  EXPECT_FALSE(b.forward_verify(*s, {}, &l).ok());
+  std::vector<int32_t> bad = {1, static_cast<int32_t>(V)};
+  EXPECT_FALSE(b.forward_verify(*s, bad, &l).ok());
+  EXPECT_EQ(s->n_tokens(), static_cast<int64_t>(prompt.size()));
+}
+
+TEST(CudaBackend, VerifyRowsEqualPlainForwardsTiny) {
+  SKIP_WITHOUT_GPU();
+  for (int rows : {1, 2, 4}) expect_verify_equals_plain("tiny", rows);
+}
+
+TEST(CudaBackend, VerifyRowsEqualPlainForwardsFull) {
+  SKIP_WITHOUT_GPU();
+  for (int rows : {2, 4}) expect_verify_equals_plain("full4", rows);
+}
+
+// The MTP head's state and draft (enable_mtp / mtp_draft) against the CPU backend's: the same calls on both - a
+// prompt (in chunks of 64 rows on CUDA: the head reads each chunk's rows), a first draft from the pending row, a
+// chained draft, a verification of the token and the drafts with two rows kept, a draft from the two pending rows
+// a plain forward after a verification (the head reads the pending rows), a draft again - and each draft's logits
+// within the prefill path's bound (relative error <= 2e-2) with the same top-1. Misuse is refused.
+void expect_mtp_draft_matches_cpu(const std::string& preset) {
+  auto w = synth_model(preset);
+  ASSERT_TRUE(w->mtp.has_value()) << preset << " has no MTP head";
+  CpuBackend cpu(w);
+  ASSERT_TRUE(cpu.enable_mtp().ok());
+  auto made = cuda::make_cuda_backend(w, {4096, 64});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  Backend& gpu = **made;
+  ASSERT_TRUE(gpu.has_mtp());
+  {  // before enable_mtp: a sequence without the head's state
+    auto s = gpu.new_sequence();
+    std::vector<float> l;
+    EXPECT_EQ(gpu.mtp_draft(*s, 1, &l).code(), ErrorCode::invalid_argument);
+  }
+  Status enabled = gpu.enable_mtp();
+  ASSERT_TRUE(enabled.ok()) << enabled.message();
+  const int64_t V = w->config.vocab_size;
+  const std::vector<int32_t> prompt = random_tokens(150, static_cast<int>(V), 700);
+  auto cs = cpu.new_sequence(), gs = gpu.new_sequence();
+  std::vector<float> cl, gl;
+  EXPECT_EQ(gpu.mtp_draft(*gs, 1, &gl).code(), ErrorCode::invalid_argument) << "nothing forwarded yet";
+  int drafts = 0;
+  // One draft on both from `token`; returns the CPU's argmax (the next token both are fed).
+  auto draft = [&](int32_t token, const char* what) {
+    Status a = cpu.mtp_draft(*cs, token, &cl), b = gpu.mtp_draft(*gs, token, &gl);
+    EXPECT_TRUE(a.ok()) << a.message();
+    EXPECT_TRUE(b.ok()) << b.message();
+    const Agreement ag = compare_logits(cl, gl, V);
+    std::printf("[%s] mtp_draft (%s): relative logit error %.3g, top-1 %s\n", preset.c_str(), what, ag.rel,
+                ag.top1 == 1.0 ? "equal" : "differs");
+    EXPECT_LE(ag.rel, 2e-2) << what;
+    EXPECT_EQ(ag.top1, 1.0) << what;
+    ++drafts;
+    return argmax(cl.data(), V);
+  };
+  ASSERT_TRUE(cpu.forward(*cs, prompt, LogitsRows::last, &cl).ok());
+  ASSERT_TRUE(gpu.forward(*gs, prompt, LogitsRows::last, &gl).ok());
+  const int32_t t0 = argmax(cl.data(), V);
+  const int32_t d1 = draft(t0, "first, from the prompt's last row");
+  const int32_t d2 = draft(d1, "chained");
+  // Verify [t0, d1, d2] and keep two rows: the head then drafts from the two pending rows after t0's position.
+  const std::vector<int32_t> rows = {t0, d1, d2};
+  ASSERT_TRUE(cpu.forward_verify(*cs, rows, &cl).ok());
+  ASSERT_TRUE(gpu.forward_verify(*gs, rows, &gl).ok());
+  EXPECT_EQ(gpu.mtp_draft(*gs, 1, &gl).code(), ErrorCode::invalid_argument) << "between verify and accept";
+  ASSERT_TRUE(cpu.accept_verified(*cs, 2).ok());
+  ASSERT_TRUE(gpu.accept_verified(*gs, 2).ok());
+  const int32_t x = (d2 + 1) % static_cast<int32_t>(V);  // the token sampled after the two kept rows
+  const int32_t d3 = draft(x, "from two pending rows after a verification");
+  draft(d3, "chained after that");
+  // A verification without drafts, then a plain forward: the head reads the pending rows first.
+  const std::vector<int32_t> rows2 = {x, d3};
+  ASSERT_TRUE(cpu.forward_verify(*cs, rows2, &cl).ok());
+  ASSERT_TRUE(gpu.forward_verify(*gs, rows2, &gl).ok());
+  ASSERT_TRUE(cpu.accept_verified(*cs, 2).ok());
+  ASSERT_TRUE(gpu.accept_verified(*gs, 2).ok());
+  const int32_t y = (d3 + 7) % static_cast<int32_t>(V);
+  ASSERT_TRUE(cpu.forward(*cs, std::span<const int32_t>(&y, 1), LogitsRows::last, &cl).ok());
+  ASSERT_TRUE(gpu.forward(*gs, std::span<const int32_t>(&y, 1), LogitsRows::last, &gl).ok());
+  draft(argmax(cl.data(), V), "after a plain forward");
+  EXPECT_EQ(drafts, 5);
+  EXPECT_EQ(gs->n_tokens(), cs->n_tokens());
+  EXPECT_EQ(gpu.mtp_draft(*gs, static_cast<int32_t>(V), &gl).code(), ErrorCode::invalid_argument);
+  // A sequence with the head samples on the host only.
+  EXPECT_EQ(gpu.generate_on_device(*gs, 1, {}, 1, [](int32_t) { return true; }).code(), ErrorCode::unsupported);
+}
+
+TEST(CudaBackend, MtpDraftMatchesCpuTiny) {
+  SKIP_WITHOUT_GPU();
+  expect_mtp_draft_matches_cpu("tiny");
+}
+
+TEST(CudaBackend, MtpDraftMatchesCpuFull) {
+  SKIP_WITHOUT_GPU();
+  expect_mtp_draft_matches_cpu("full4");
+}
+
+// Greedy speculative decoding (engine/speculative.h's loop, K = 1 and 3) on CUDA gives token for token the plain
+// greedy loop's tokens (the prompt but its last token prefilled, then one-token forwards): verification rows are
+// the decode step's to the bit, and the head only proposes.
+void expect_speculative_greedy_equals_plain(const std::string& preset, int n_tokens) {
+  auto w = synth_model(preset);
+  const int64_t V = w->config.vocab_size;
+  const std::vector<int32_t> prompt = random_tokens(37, static_cast<int>(V), 800);
+  std::vector<int32_t> plain;
+  {
+    auto made = cuda::make_cuda_backend(w, {4096});
+    ASSERT_TRUE(made.ok()) << made.status().message();
+    Backend& b = **made;
+    auto s = b.new_sequence();
+    ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(prompt).first(prompt.size() - 1), LogitsRows::none,
+                          nullptr).ok());
+    int32_t next = prompt.back();
+    std::vector<float> l;
+    for (int i = 0; i < n_tokens; ++i) {
+      ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(&next, 1), LogitsRows::last, &l).ok());
+      next = argmax(l.data(), V);
+      plain.push_back(next);
+    }
+  }
+  auto made = cuda::make_cuda_backend(w, {4096});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  Backend& b = **made;
+  ASSERT_TRUE(b.enable_mtp().ok());
+  for (int k : {1, 3}) {
+    auto s = b.new_sequence();
+    ASSERT_TRUE(b.forward(*s, std::span<const int32_t>(prompt).first(prompt.size() - 1), LogitsRows::none,
+                          nullptr).ok());
+    SamplingParams p;
+    p.temperature = 0;
+    Sampler target(p);
+    SplitMix64 rng(speculative_seed(target.seed()));
+    std::vector<int32_t> history = prompt;
+    SpeculativeRequest r{&history, prompt.size(), {}, 0, n_tokens, k, nullptr};
+    SpeculativeCounts counts;
+    Status st = speculative_decode(
+        b, *s, target, rng, r,
+        [&](int32_t id, float, std::vector<TokenLogprob>) {
+          history.push_back(id);
+          return static_cast<int>(history.size() - prompt.size()) < n_tokens;
+        },
+        counts);
+    ASSERT_TRUE(st.ok()) << st.message();
+    const std::vector<int32_t> spec(history.begin() + static_cast<std::ptrdiff_t>(prompt.size()), history.end());
+    std::printf("[%s] speculative mtp:%d greedy, %d tokens: %s the plain loop's; %lld drafted, %lld accepted over "
+                "%lld steps\n",
+                preset.c_str(), k, n_tokens, spec == plain ? "equal to" : "DIFFERENT from",
+                (long long)counts.drafted, (long long)counts.accepted, (long long)counts.steps);
+    EXPECT_EQ(spec, plain) << "mtp:" << k;
+    EXPECT_GT(counts.drafted, 0);
+  }
+}
+
+TEST(CudaBackend, SpeculativeGreedyEqualsPlainTiny) {
+  SKIP_WITHOUT_GPU();
+  expect_speculative_greedy_equals_plain("tiny", 40);
+}
+
+TEST(CudaBackend, SpeculativeGreedyEqualsPlainFull) {
+  SKIP_WITHOUT_GPU();
+  expect_speculative_greedy_equals_plain("full4", 40);
+}
+
+// The head's state through checkpoint / restore / clone (as the CPU backend's): a checkpoint before a draft, one
+// after a draft (its draft entries are not part of it: no draft chains from it), a clone with pending rows and
+// forward_with_checkpoint's checkpoint (the state a forward up to the split leaves) all replay the same draft and
+// verification logits; the sequence's bytes count the head's state.
+TEST(CudaBackend, MtpStateThroughCheckpointRestoreClone) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("tiny");
+  auto made = cuda::make_cuda_backend(w, {2048});
+  ASSERT_TRUE(made.ok()) << made.status().message();
+  Backend& b = **made;
+  auto plain_seq = b.new_sequence();
+  ASSERT_TRUE(b.enable_mtp().ok());
+  const int64_t V = w->config.vocab_size;
+  const std::vector<int32_t> prompt = random_tokens(30, static_cast<int>(V), 900);
+  auto s = b.new_sequence();
+  EXPECT_GT(s->bytes(), plain_seq->bytes()) << "the head's KV and rows";
+  std::vector<float> l;
+  ASSERT_TRUE(b.forward(*s, prompt, LogitsRows::last, &l).ok());
+  const int32_t t0 = argmax(l.data(), V);
+  auto same = [&](const std::vector<float>& a, const std::vector<float>& c, const char* what) {
+    ASSERT_EQ(a.size(), c.size()) << what;
+    const Agreement ag = compare_logits(a, c, V);
+    const bool bits = std::memcmp(a.data(), c.data(), a.size() * sizeof(float)) == 0;
+    std::printf("[tiny] %s: %s (relative error %.3g)\n", what, bits ? "bit-identical" : "differs", ag.rel);
+    EXPECT_LE(ag.rel, 1e-5) << what;
+  };
+  // draft(t0), draft(d1), verify [t0, d1, d2], keep 2, draft(x): the draft and verification logits.
+  struct Run {
+    std::vector<float> d1, d2, verified, d3;
+  };
+  // drafted: the first draft's logits when it was made already.
+  auto run = [&](SequenceState& q, const std::vector<float>* drafted) {
+    Run r;
+    if (drafted) {
+      r.d1 = *drafted;
+    } else {
+      EXPECT_TRUE(b.mtp_draft(q, t0, &r.d1).ok());
+    }
+    const int32_t d1 = argmax(r.d1.data(), V);
+    EXPECT_TRUE(b.mtp_draft(q, d1, &r.d2).ok());
+    const std::vector<int32_t> rows = {t0, d1, argmax(r.d2.data(), V)};
+    EXPECT_TRUE(b.forward_verify(q, rows, &r.verified).ok());
+    EXPECT_TRUE(b.accept_verified(q, 2).ok());
+    EXPECT_TRUE(b.mtp_draft(q, (rows[2] + 3) % static_cast<int32_t>(V), &r.d3).ok());
+    return r;
+  };
+  auto cp_before = s->checkpoint();
+  ASSERT_TRUE(cp_before);
+  const Run a = run(*s, nullptr);
+  ASSERT_TRUE(s->restore(*cp_before).ok());
+  const Run c = run(*s, nullptr);
+  same(a.d1, c.d1, "restored before the drafts: first draft");
+  same(a.d2, c.d2, "restored before the drafts: chained draft");
+  same(a.verified, c.verified, "restored before the drafts: verification");
+  same(a.d3, c.d3, "restored before the drafts: draft after the verification");
+  // A checkpoint after the first draft: it keeps the entry the draft wrote at the last position (its token is the
+  // next one the sequence consumes) but not the chained row, so no draft chains from it.
+  ASSERT_TRUE(s->restore(*cp_before).ok());
+  std::vector<float> d1;
+  ASSERT_TRUE(b.mtp_draft(*s, t0, &d1).ok());
+  auto cp_draft = s->checkpoint();
+  ASSERT_TRUE(cp_draft);
+  const Run e = run(*s, &d1);
+  ASSERT_TRUE(s->restore(*cp_draft).ok());
+  EXPECT_EQ(b.mtp_draft(*s, argmax(d1.data(), V), &l).code(), ErrorCode::invalid_argument);
+  // Replays from the restored state: the verification and the draft after it.
+  const std::vector<int32_t> rows = {t0, argmax(d1.data(), V), argmax(e.d2.data(), V)};
+  std::vector<float> verified, d3;
+  ASSERT_TRUE(b.forward_verify(*s, rows, &verified).ok());
+  ASSERT_TRUE(b.accept_verified(*s, 2).ok());
+  ASSERT_TRUE(b.mtp_draft(*s, (rows[2] + 3) % static_cast<int32_t>(V), &d3).ok());
+  same(e.verified, verified, "restored after a draft: verification");
+  same(e.d3, d3, "restored after a draft: draft after the verification");
+  // A clone with two pending rows drafts as the original.
+  ASSERT_TRUE(s->restore(*cp_before).ok());
+  (void)run(*s, nullptr);
+  const std::vector<int32_t> rows3 = {5, 6, 7};
+  ASSERT_TRUE(b.forward_verify(*s, rows3, &l).ok());
+  ASSERT_TRUE(b.accept_verified(*s, 2).ok());
+  auto twin = s->clone();
+  ASSERT_TRUE(twin);
+  std::vector<float> x1, x2;
+  ASSERT_TRUE(b.mtp_draft(*s, 9, &x1).ok());
+  ASSERT_TRUE(b.mtp_draft(*twin, 9, &x2).ok());
+  same(x1, x2, "clone with pending rows: draft");
+  // forward_with_checkpoint's checkpoint at the split against a forward up to the split and a checkpoint.
+  auto one = b.new_sequence(), two = b.new_sequence();
+  auto fwc = b.forward_with_checkpoint(*one, prompt, 20, LogitsRows::none, nullptr);
+  ASSERT_TRUE(fwc.ok() && *fwc) << fwc.status().message();
+  ASSERT_TRUE(b.forward(*two, std::span<const int32_t>(prompt).first(20), LogitsRows::none, nullptr).ok());
+  ASSERT_TRUE(one->restore(**fwc).ok());
+  ASSERT_TRUE(b.mtp_draft(*one, prompt[20], &x1).ok());
+  ASSERT_TRUE(b.mtp_draft(*two, prompt[20], &x2).ok());
+  const Agreement ag = compare_logits(x2, x1, V);
+  std::printf("[tiny] forward_with_checkpoint's checkpoint: draft relative error %.3g against a forward to the "
+              "split\n", ag.rel);
+  EXPECT_LE(ag.rel, 2e-2);  // the head read the rows in other groupings (one chunk against two)
+  EXPECT_EQ(ag.top1, 1.0);
 }
 
 std::vector<uint8_t> saved(const SequenceState& s) {

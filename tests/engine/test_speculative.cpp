@@ -45,6 +45,23 @@ TEST(SpeculativeParse, AcceptsMtpOneToThreeAndOff) {
   }
 }
 
+// The projection lily bench --mode verify prints: tokens a round (1 - a^(K+1)) / (1 - a), the speed-up against
+// plain decoding, and the acceptance that breaks even (docs/BENCHMARKS.md's worked figures).
+TEST(SpeculativeProjection, TokensSpeedupAndBreakEven) {
+  const SpeculativeProjection one = speculative_projection(1, 0.88, 1.0, 0.1, 1.1);
+  EXPECT_NEAR(one.tokens_per_round, 1.88, 1e-12);
+  EXPECT_NEAR(one.speedup, 1.88 / 1.2, 1e-12);
+  const SpeculativeProjection two = speculative_projection(2, 0.815, 1.0, 0.1, 1.15);
+  EXPECT_NEAR(two.tokens_per_round, 1 + 0.815 + 0.815 * 0.815, 1e-12);
+  EXPECT_NEAR(two.speedup, two.tokens_per_round / 1.35, 1e-12);
+  EXPECT_NEAR(break_even_acceptance(1, 1.0, 0.1, 1.1), 0.2, 1e-9);  // 1 + a = 1.2
+  // K = 2, costs 1.35 decode steps: 1 + a + a^2 = 1.35 at a = (sqrt(2.4) - 1) / 2.
+  EXPECT_NEAR(break_even_acceptance(2, 1.0, 0.1, 1.15), (std::sqrt(2.4) - 1) / 2, 1e-9);
+  // Verification costing 6 decode steps (a forward on a prefill path): not even a = 1 wins with one draft.
+  EXPECT_EQ(break_even_acceptance(1, 1.0, 0.1, 6.0), 1.0);
+  EXPECT_LT(speculative_projection(1, 1.0, 1.0, 0.1, 6.0).speedup, 1.0);
+}
+
 TEST(SpeculativeRule, FixedDrawsFollowTheRatioAndTheResidual) {
   const std::vector<float> p = {0.6f, 0.4f, 0.0f}, q = {0.3f, 0.7f, 0.0f};
   // Draft 0: p/q = 2, always kept.
@@ -409,7 +426,7 @@ TEST(SpeculativeCli, GenerateTakesTheFlagAndRefusesBadValues) {
                             .c_str()),
             0)
       << slurp(table);
-  for (const char* row : {"decode", "verify 1", "verify 3", "mtp draft"})
+  for (const char* row : {"decode", "verify 1", "verify 3", "mtp draft", "projection (measured draft", "break-even"})
     EXPECT_NE(slurp(table).find(row), std::string::npos) << row << " in\n" << slurp(table);
   for (const char* bad : {"mtp:0", "mtp:9", "medusa"}) {
     const fs::path e = out / "bad.err";

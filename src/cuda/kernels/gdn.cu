@@ -83,7 +83,8 @@ __device__ __forceinline__ void load_conv_history(const GdnStepParams& p, int po
   }
 }
 
-// Eq 14: conv + SiLU into q_s / k_s / v_s; the current vector goes to ring slot pos % K (read by no block now).
+// Eq 14: conv + SiLU into q_s / k_s / v_s; the current vector goes to ring slot pos % K (read by no block now), or
+// with ring_out the whole window (history and current vector) to ring_out.
 template <int K>
 __device__ __forceinline__ void conv_step(const GdnStepParams& p, const ConvInputs<K>& in, int pos, float* q_s,
                                           float* k_s, float* v_s) {
@@ -95,7 +96,13 @@ __device__ __forceinline__ void conv_step(const GdnStepParams& p, const ConvInpu
     float acc = 0.0f;
 #pragma unroll
     for (int k = 0; k < K; ++k) acc += in.w[u][k] * in.x[u][k];
-    p.conv_ring[static_cast<size_t>(pos % K) * conv_dim + in.ch[u]] = in.x[u][K - 1];
+    if (p.ring_out) {
+#pragma unroll
+      for (int k = 0; k < K - 1; ++k) p.ring_out[static_cast<size_t>((pos + 1 + k) % K) * conv_dim + in.ch[u]] = in.x[u][k];
+      p.ring_out[static_cast<size_t>(pos % K) * conv_dim + in.ch[u]] = in.x[u][K - 1];
+    } else {
+      p.conv_ring[static_cast<size_t>(pos % K) * conv_dim + in.ch[u]] = in.x[u][K - 1];
+    }
     const float y = gdn_silu(acc);
     if (c < kDk) q_s[c] = y;
     else if (c < 2 * kDk) k_s[c - kDk] = y;
@@ -124,7 +131,9 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
 #if defined(LILY_SM90_PASS)
   if (p.norm_w) asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory");
 #endif
-  float* S = p.S + (static_cast<size_t>(h) * kDk + warp * kRowsPerThread) * p.d_v + j0 + lane;
+  const size_t strip = (static_cast<size_t>(h) * kDk + warp * kRowsPerThread) * p.d_v + j0 + lane;
+  const float* S = p.S + strip;
+  float* S_w = (p.S_out ? p.S_out : p.S) + strip;
   float s_reg[kRowsPerThread];
   ConvInputs<K> in;
   load_conv_weights<K>(p, h, kh, j0, in);
@@ -191,7 +200,7 @@ __global__ void __launch_bounds__(kThreads) gdn_step_kernel(const __grid_constan
   }
   const float e = (v_s[lane] - kv) * beta;
 #pragma unroll
-  for (int r = 0; r < kRowsPerThread; ++r) S[static_cast<size_t>(r) * p.d_v] = s_reg[r] + k_s[warp * kRowsPerThread + r] * e;
+  for (int r = 0; r < kRowsPerThread; ++r) S_w[static_cast<size_t>(r) * p.d_v] = s_reg[r] + k_s[warp * kRowsPerThread + r] * e;
   const float o = sqv + e * kq;
   if (!p.norm_w) {
     if (warp == 0) p.o[col] = o;

@@ -25,6 +25,11 @@ struct GdnStepParams {
   // kernel still in flight writes them (the decode graph: each layer's state is written by its own gdn_step
   // once per step, and pos by advance_position at the end of the previous step).
   bool prefetch_state = false;
+  // Optional: the state after this token goes to S_out and ring_out (all kernel slots: the history read and the
+  // current vector) instead of back into S and conv_ring, which are then only read: a row of a verification
+  // (several positions of one sequence, cuda_verify.cpp) steps from the state the row before left into its own.
+  float* S_out = nullptr;     // [n_v, d_k, d_v], not aliasing S
+  float* ring_out = nullptr;  // [kernel, conv_dim], not aliasing conv_ring
   // Optional eq 19 fused in: with norm_w, o receives x = norm_w * o / RMS(o_head) * silu(z) instead (the input of
   // an out-projection GEMV without prologue). The d_v / 32 blocks of a head run as one thread block cluster and
   // exchange their sums of squares through distributed shared memory; d_v <= 256; only with sm_90 code

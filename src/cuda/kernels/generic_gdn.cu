@@ -9,6 +9,7 @@
 //   eq 18  per column j of S_h [d_k, d_v] (a thread per column, rows looped: coalesced over j):
 //          pass 1: kv = sum_i decay*S[i,j] k_hat[i];  e = (v_j - kv) * beta;
 //          pass 2: S[i,j] = decay*S[i,j] + k_hat[i] e;  o_j = sum_i S[i,j] q_hat[i].
+// With S_out / ring_out (gdn.cuh) the new state goes there and S / the ring are only read.
 // Layout: proj [q|k|v (conv_dim) | z (n_v*d_v) | b (n_v) | a (n_v)], conv ring [K, conv_dim], conv_w [conv_dim, K],
 // S [n_v, d_k, d_v] fp32. Reads S twice and writes it once (the fast kernel: once each): for small geometries.
 #include <cmath>
@@ -32,9 +33,13 @@ __device__ void conv_channels(const GdnStepParams& p, int h, int kh, int pos, fl
     const float* w = p.conv_w + ch * K;
     const float current = p.proj[ch];
     float acc = 0.0f;
-    for (int k = 0; k < K - 1; ++k) acc += w[k] * p.conv_ring[static_cast<size_t>((pos + 1 + k) % K) * conv_dim + ch];
+    for (int k = 0; k < K - 1; ++k) {
+      const float x = p.conv_ring[static_cast<size_t>((pos + 1 + k) % K) * conv_dim + ch];
+      acc += w[k] * x;
+      if (p.ring_out) p.ring_out[static_cast<size_t>((pos + 1 + k) % K) * conv_dim + ch] = x;  // the window moves
+    }
     acc += w[K - 1] * current;
-    p.conv_ring[static_cast<size_t>(pos % K) * conv_dim + ch] = current;
+    (p.ring_out ? p.ring_out : p.conv_ring)[static_cast<size_t>(pos % K) * conv_dim + ch] = current;
     const float y = gen::silu_exact(acc);
     if (c < dk) q_s[c] = y;
     else if (c < 2 * dk) k_s[c - dk] = y;
@@ -71,16 +76,17 @@ __global__ void __launch_bounds__(gen::kThreads) gdn_step_generic_kernel(const _
   const float decay = expf(-expf(p.A_log[h]) * softplus);
 
   // Eq 18, a thread per column.
-  float* S = p.S + static_cast<size_t>(h) * dk * dv;
+  const float* S = p.S + static_cast<size_t>(h) * dk * dv;
+  float* S_w = (p.S_out ? p.S_out : p.S) + static_cast<size_t>(h) * dk * dv;  // gdn.cuh: S_out
   for (int j = threadIdx.x; j < dv; j += blockDim.x) {
     float kv = 0.0f;
     for (int i = 0; i < dk; ++i) kv += (decay * S[static_cast<size_t>(i) * dv + j]) * k_s[i];
     const float e = (v_s[j] - kv) * beta;
     float o = 0.0f;
     for (int i = 0; i < dk; ++i) {
-      float* s = S + static_cast<size_t>(i) * dv + j;
-      const float s_new = decay * *s + k_s[i] * e;
-      *s = s_new;
+      const size_t at = static_cast<size_t>(i) * dv + j;
+      const float s_new = decay * S[at] + k_s[i] * e;
+      S_w[at] = s_new;
       o += s_new * q_s[i];
     }
     p.o[static_cast<size_t>(h) * dv + j] = o;

@@ -26,6 +26,7 @@
 // fp16(silu(g) * u).
 //
 #include <algorithm>
+#include <type_traits>
 
 #include <cuda_fp16.h>
 
@@ -330,17 +331,20 @@ cudaError_t launch_tiles(const TileArgs& a, int bits, int x_tiles, cudaStream_t 
 // ---- rms_norm_rows
 // -------------------------------------------------------------------------------------------
 
+template <class Out>
 struct NormArgs {
   const float* in;
   const float* w;
   int n;
   float eps;
-  __half* out;
+  Out* out;
+  int out_stride;  // elements between output rows
 };
 
 // One block per row: sum of squares in fp32 (per-thread partials, warp and block sums), then
-// fp16(x / RMS * w).
-__global__ void __launch_bounds__(256) rms_norm_rows_kernel(const NormArgs p) {
+// fp16(x / RMS * w) (or fp32).
+template <class Out>
+__global__ void __launch_bounds__(256) rms_norm_rows_kernel(const NormArgs<Out> p) {
   __shared__ float part_s[8];
   pdl_wait();
   const float* in = p.in + static_cast<size_t>(blockIdx.x) * p.n;
@@ -354,8 +358,12 @@ __global__ void __launch_bounds__(256) rms_norm_rows_kernel(const NormArgs p) {
   for (int i = 0; i < 8; ++i) total += part_s[i];
   const float inv = rsqrtf(total / p.n + p.eps);
   pdl_launch_dependents();
-  __half* out = p.out + static_cast<size_t>(blockIdx.x) * p.n;
-  for (int i = threadIdx.x; i < p.n; i += 256) out[i] = __float2half_rn(in[i] * inv * p.w[i]);
+  Out* out = p.out + static_cast<size_t>(blockIdx.x) * p.out_stride;
+  for (int i = threadIdx.x; i < p.n; i += 256) {
+    const float y = in[i] * inv * p.w[i];
+    if constexpr (std::is_same_v<Out, __half>) out[i] = __float2half_rn(y);
+    else out[i] = y;
+  }
 }
 
 }  // namespace
@@ -508,9 +516,16 @@ cudaError_t qgemm_swiglu(const QGemmSwigluParams& p, cudaStream_t stream) {
 }
 
 cudaError_t rms_norm_rows(const float* in, const float* w, int T, int n, float eps, __half* out,
-                          cudaStream_t stream) {
+                          cudaStream_t stream, int out_stride) {
+  if (!in || !w || !out || T < 1 || n < 1 || (out_stride != 0 && out_stride < n)) return cudaErrorInvalidValue;
+  return launch_pdl(rms_norm_rows_kernel<__half>, dim3(T), dim3(256), 0, stream,
+                    NormArgs<__half>{in, w, n, eps, out, out_stride ? out_stride : n});
+}
+
+cudaError_t rms_norm_rows_f32(const float* in, const float* w, int T, int n, float eps, float* out,
+                              cudaStream_t stream) {
   if (!in || !w || !out || T < 1 || n < 1) return cudaErrorInvalidValue;
-  return launch_pdl(rms_norm_rows_kernel, dim3(T), dim3(256), 0, stream, NormArgs{in, w, n, eps, out});
+  return launch_pdl(rms_norm_rows_kernel<float>, dim3(T), dim3(256), 0, stream, NormArgs<float>{in, w, n, eps, out, n});
 }
 
 }  // namespace lily::cuda
