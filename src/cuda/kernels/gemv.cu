@@ -24,6 +24,7 @@
 #include "cuda/kernels/quant_dot.cuh"
 
 #include <algorithm>
+#include <cstdlib>
 
 namespace lily::cuda {
 
@@ -134,6 +135,183 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_async_kernel(c
   }
   cp_async_wait<0>();
 }
+
+// ---- several rows (gemv_rows) ---------------------------------------------------------------------------------
+// The asynchronous kernel with n_rows <= kMaxBatchRows activation rows: x_s holds every row's padded x, a chunk's
+// weights are read from the stage once per group of 4 rows and the dot products, reductions and stores are the
+// single-row kernel's per row, so each row is bit-identical to gemv() alone. Compute grows with the rows (~2.6
+// instructions per weight and row), the weight traffic does not; the rows' FMA chains are independent, so a
+// compile-time row count lets them interleave (a runtime count with a branch per row ran at ~5-10 weight-rows a
+// clock per SM, 2026-12-02).
+
+constexpr int kRowsMax = kMaxBatchRows;
+
+// The prologue for every row. rms_norm and none: block_load_x's fast path (the launcher checks its conditions)
+// with the loads of all rows first; per row the same per-thread terms (the zero terms of absent vectors left
+// out: adding +0 changes nothing) and block_sum's reduction order (warp sums, then warps in order).
+__device__ void build_x_rows(const GemvParams& p, float* x_s, float* red_s) {
+  const int n = p.n_rows, cols = p.m.cols, n_vecs = cols / 4, xf = xpad_floats(cols);
+  if (p.prologue == GemvPrologue::gated_rms_norm) {
+    for (int r = 0; r < n; ++r)
+      block_load_x_gated(p.in + static_cast<size_t>(r) * p.in_stride, p.gate_z + static_cast<size_t>(r) * p.z_stride,
+                         p.norm_w, p.head_dim, p.eps, cols, x_s + r * xf);
+    return;
+  }
+  const float* norm_w = p.prologue == GemvPrologue::rms_norm ? p.norm_w : nullptr;
+  if (!norm_w) {
+    for (int i = threadIdx.x; i < n_vecs; i += blockDim.x) {
+#pragma unroll
+      for (int r = 0; r < kRowsMax; ++r) {
+        if (r < n) {
+          const float4 v = reinterpret_cast<const float4*>(p.in + static_cast<size_t>(r) * p.in_stride)[i];
+          *reinterpret_cast<float4*>(x_s + r * xf + xpad(4 * i)) = v;
+        }
+      }
+    }
+    __syncthreads();
+    return;
+  }
+  constexpr int kVecs = 2;  // per thread and row (the launcher: n_vecs <= 2 * blockDim)
+  float4 v[kRowsMax][kVecs], w[kVecs];
+  float ss[kRowsMax];
+#pragma unroll
+  for (int t = 0; t < kVecs; ++t) {
+    const int i = threadIdx.x + t * blockDim.x;
+    w[t] = i < n_vecs ? reinterpret_cast<const float4*>(norm_w)[i] : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+  }
+#pragma unroll
+  for (int r = 0; r < kRowsMax; ++r) {
+#pragma unroll
+    for (int t = 0; t < kVecs; ++t) {
+      const int i = threadIdx.x + t * blockDim.x;
+      v[r][t] = r < n && i < n_vecs ? reinterpret_cast<const float4*>(p.in + static_cast<size_t>(r) * p.in_stride)[i]
+                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kRowsMax; ++r) {
+    ss[r] = 0.0f;
+#pragma unroll
+    for (int t = 0; t < kVecs; ++t) {
+      if (threadIdx.x + t * blockDim.x < n_vecs) ss[r] += x4_sum_squares(v[r][t]);
+    }
+  }
+  // block_sum for every row at once
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+#pragma unroll
+  for (int r = 0; r < kRowsMax; ++r) ss[r] = r < n ? warp_sum(ss[r]) : 0.0f;
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < kRowsMax; ++r) red_s[r * 32 + warp] = ss[r];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kRowsMax; ++r) {
+    if (r >= n) continue;
+    float total = 0.0f;
+    for (int k = 0; k < n_warps; ++k) total += red_s[r * 32 + k];
+    const float inv_rms = rsqrtf(total / static_cast<float>(cols) + p.eps);
+#pragma unroll
+    for (int t = 0; t < kVecs; ++t) {
+      const int i = threadIdx.x + t * blockDim.x;
+      if (i < n_vecs) *reinterpret_cast<float4*>(x_s + r * xf + xpad(4 * i)) = x4_normalised(v[r][t], inv_rms, w[t]);
+    }
+  }
+  __syncthreads();
+}
+
+// dot_stage for rows r0 and r0 + 1 (G = 2, no branches: the rows' FMA chains interleave): the stage's weights of
+// a vector are read and decoded once for both rows (dot_q4_vec2), each row's sums as dot_stage's.
+template <int COLS, int G>
+__device__ __forceinline__ void dot_stage_rows(const char* stage, const float* x_s, int lane,
+                                               float (&part)[G][Q4Layout<COLS>::kPasses]) {
+  using Lay = Q4Layout<COLS>;
+  constexpr int XF = xpad_floats(COLS);
+  const int j = lane % Lay::kLanesPerRow, sub = lane / Lay::kLanesPerRow;
+  const unsigned short* s_s = reinterpret_cast<const unsigned short*>(stage + kChunkWeightBytes);
+  const unsigned short* b_s = s_s + kChunkScaleBytes / 2;
+#pragma unroll
+  for (int r = 0; r < G; ++r)
+#pragma unroll
+    for (int pass = 0; pass < Lay::kPasses; ++pass) part[r][pass] = 0.0f;
+#pragma unroll
+  for (int v = 0; v < Lay::kVecsPerLane; ++v) {
+    const int vec = v * Lay::kLanesPerRow + j;
+    uint4 w[Lay::kPasses];
+    unsigned short sb[Lay::kPasses], bb[Lay::kPasses];
+#pragma unroll
+    for (int pass = 0; pass < Lay::kPasses; ++pass) {
+      const int r = pass * Lay::kRowsPerPass + sub;
+      w[pass] = *reinterpret_cast<const uint4*>(stage + (r * Lay::kVecsPerRow + vec) * 16);
+      const int g = r * (COLS / 64) + vec / 2;
+      sb[pass] = s_s[g], bb[pass] = b_s[g];
+    }
+    static_assert(G == 2, "rows in pairs: dot_q4_vec2");
+    float x0[32], x1[32];
+    const float x_sum0 = load_x_vec(x_s, vec, x0), x_sum1 = load_x_vec(x_s + XF, vec, x1);
+#pragma unroll
+    for (int pass = 0; pass < Lay::kPasses; ++pass) {
+      float d0, d1;
+      dot_q4_vec2(w[pass], x0, x1, d0, d1);
+      part[0][pass] += q4_group_term(d0, x_sum0, sb[pass], bb[pass]);
+      part[1][pass] += q4_group_term(d1, x_sum1, sb[pass], bb[pass]);
+    }
+  }
+}
+
+// R rows of shared memory for x (the launch's n_rows <= R are real; the others compute and are not written).
+template <int COLS, int R>
+__global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_rows_kernel(const __grid_constant__ GemvParams p) {
+  const trace::BlockTrace trace_block(trace::kGemv);
+  using Lay = Q4Layout<COLS>;
+  constexpr int XF = xpad_floats(COLS);
+  constexpr int G = 2;  // rows a pass over the stage (4 spilled at 128 registers a thread)
+  extern __shared__ __align__(16) char smem[];
+  __shared__ float red_s[32 * kRowsMax];
+  const int n = p.n_rows;
+  float* x_s = reinterpret_cast<float*>(smem);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n_warps = blockDim.x >> 5;
+  char* ring = smem + static_cast<size_t>(R) * XF * sizeof(float) + warp * kStages * kStageBytes;
+  const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
+  const int first = blockIdx.x * n_warps + warp, stride = gridDim.x * n_warps;
+
+  pdl_launch_dependents();
+#pragma unroll
+  for (int k = 0; k < kStages; ++k) {
+    if (first + k * stride < n_chunks) issue_chunk<COLS>(p.m, first + k * stride, lane, ring + k * kStageBytes);
+    cp_async_commit();
+  }
+  pdl_wait();
+  build_x_rows(p, x_s, red_s);
+
+  for (int k = 0, chunk = first; chunk < n_chunks; ++k, chunk += stride) {
+    char* stage = ring + (k % kStages) * kStageBytes;
+    const int row = out_row<COLS>(chunk, lane);
+    const bool writes = writes_row<COLS>(lane) && row < p.m.rows;
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+#pragma unroll 1
+    for (int r0 = 0; r0 < R; r0 += G) {
+      float res[G];  // issued before the dot products, used after them
+#pragma unroll
+      for (int r = 0; r < G; ++r)
+        res[r] = p.residual && writes && r0 + r < n ? p.residual[static_cast<size_t>(r0 + r) * p.out_stride + row] : 0.0f;
+      float part[G][Lay::kPasses];
+      dot_stage_rows<COLS, G>(stage, x_s + r0 * XF, lane, part);
+#pragma unroll
+      for (int r = 0; r < G; ++r) {
+        group_reduce_scatter<Lay::kPasses, Lay::kLanesPerRow>(part[r], lane);
+        if (writes && r0 + r < n) p.y[static_cast<size_t>(r0 + r) * p.out_stride + row] = res[r] + part[r][0];
+      }
+    }
+    __syncwarp();  // the stage is free again
+    if (chunk + kStages * stride < n_chunks) issue_chunk<COLS>(p.m, chunk + kStages * stride, lane, stage);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+}
+
+// Any cols (multiple of 512), 4 or 8 bits: a warp per row, lanes stride over the row's 16-byte vectors.
 
 // ---- the tensor-core kernel: 4-bit, cols 2048 / 4096, 1 .. 8 activation rows ---------------------------------
 // y[n] = W x[n] for the launch's n_rows activation rows on mma.sync m16n8k16: the weights are the A operand (16
@@ -593,18 +771,13 @@ cudaError_t launch_q4(const GemvParams& p, cudaStream_t stream) {
   const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
   const bool aligned = reinterpret_cast<uintptr_t>(p.m.scales) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(p.m.biases) % 16 == 0;
-  // 2,048 and 4,096 columns with aligned scales take the tensor-core kernel (mma_takes).
-  if constexpr (COLS > 1024) {
-    return launch_persistent(gemv_q4_kernel<COLS>, (n_chunks + kWarps - 1) / kWarps, 0, p, stream);
-  } else {
-    if (!aligned) return launch_persistent(gemv_q4_kernel<COLS>, (n_chunks + kWarps - 1) / kWarps, 0, p, stream);
-    const int warps = async_warps(p.m, device_sms());
-    const int blocks = std::max(1, std::min(device_sms(), (n_chunks + warps - 1) / warps));
-    const size_t smem = xpad_floats(COLS) * sizeof(float) + static_cast<size_t>(warps) * kStages * kStageBytes;
-    auto kernel = gemv_q4_async_kernel<COLS>;
-    CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
-  }
+  if (!aligned) return launch_persistent(gemv_q4_kernel<COLS>, (n_chunks + kWarps - 1) / kWarps, 0, p, stream);
+  const int warps = async_warps(p.m, device_sms());
+  const int blocks = std::max(1, std::min(device_sms(), (n_chunks + warps - 1) / warps));
+  const size_t smem = xpad_floats(COLS) * sizeof(float) + static_cast<size_t>(warps) * kStages * kStageBytes;
+  auto kernel = gemv_q4_async_kernel<COLS>;
+  CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
 }
 
 bool valid_params(const GemvParams& p) {
@@ -622,6 +795,47 @@ bool valid_params(const GemvParams& p) {
   return false;
 }
 
+// The several-row launch: R = n_rows rounded up to 2, 4 or 8 rows of x in shared memory beside the single-row
+// block's warps' rings (the same block size, so the same prologue reduction order).
+int rows_instance(int n) { return n <= 2 ? 2 : n <= 4 ? 4 : 8; }
+
+template <int COLS, int R>
+cudaError_t launch_q4_rows(const GemvParams& p, cudaStream_t stream) {
+  using Lay = Q4Layout<COLS>;
+  const int n_chunks = (p.m.rows + Lay::kRowsPerChunk - 1) / Lay::kRowsPerChunk;
+  const int n_sms = device_sms(), warps = async_warps(p.m, n_sms);
+  const int blocks = std::max(1, std::min(n_sms, (n_chunks + warps - 1) / warps));
+  const size_t smem = static_cast<size_t>(R) * xpad_floats(COLS) * sizeof(float) +
+                      static_cast<size_t>(warps) * kStages * kStageBytes;
+  auto kernel = gemv_q4_rows_kernel<COLS, R>;
+  CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  return launch_pdl(kernel, dim3(blocks), dim3(32 * warps), smem, stream, p);
+}
+
+template <int COLS>
+cudaError_t launch_q4_rows(const GemvParams& p, cudaStream_t stream) {
+  switch (rows_instance(p.n_rows)) {
+    case 2: return launch_q4_rows<COLS, 2>(p, stream);
+    case 4: return launch_q4_rows<COLS, 4>(p, stream);
+    default: return launch_q4_rows<COLS, 8>(p, stream);
+  }
+}
+
+// Whether the several-row kernel takes p (else gemv_rows runs gemv() per row).
+bool rows_kernel_takes(const GemvParams& p, int n_sms) {
+  const QMatrix& m = p.m;
+  if (m.bits != 4 || (m.cols != 2048 && m.cols != 4096)) return false;
+  if (reinterpret_cast<uintptr_t>(m.scales) % 16 || reinterpret_cast<uintptr_t>(m.biases) % 16) return false;
+  if (!aligned16(p.in) || p.in_stride % 4) return false;
+  if (p.prologue == GemvPrologue::rms_norm && !aligned16(p.norm_w)) return false;
+  const int threads = 32 * async_warps(m, n_sms);
+  if (p.prologue == GemvPrologue::rms_norm && m.cols / 4 > 2 * threads) return false;
+  const size_t smem = static_cast<size_t>(rows_instance(p.n_rows)) * xpad_floats(m.cols) * sizeof(float) +
+                      static_cast<size_t>(threads / 32) * kStages * kStageBytes;
+  return smem <= device_smem_optin() - 32 * kRowsMax * sizeof(float) - 1024;
+}
+
+
 // Whether the tensor-core kernel takes p (4-bit, 2,048 or 4,096 columns, 16-byte aligned scales and biases, the
 // prologue's conditions (x16_takes), the shared memory for n_rows on this GPU). Else gemv() takes the register
 // kernel and gemv_rows runs gemv() per row. A row alone passes wherever its batch does (its pointers are the
@@ -629,6 +843,12 @@ bool valid_params(const GemvParams& p) {
 bool mma_takes(const GemvParams& p, int n_sms) {
   const QMatrix& m = p.m;
   if (m.bits != 4 || (m.cols != 2048 && m.cols != 4096) || n_sms < 1) return false;
+  // EXPERIMENT (temporary knob): LILY_MMA_COLS = 2048 / 4096: only that width on the tensor cores; 0: none.
+  static const int only = [] {
+    const char* e = std::getenv("LILY_MMA_COLS");
+    return e ? std::atoi(e) : -1;
+  }();
+  if (only >= 0 && m.cols != only) return false;
   if (reinterpret_cast<uintptr_t>(m.scales) % 16 || reinterpret_cast<uintptr_t>(m.biases) % 16) return false;
   if (!mma::x16_takes(p)) return false;
   return mma::smem_bytes(m.cols, p.n_rows, mma::warps_for(m, n_sms), 2) <= mma::smem_max();
@@ -690,6 +910,7 @@ cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream) {
   if (p.n_rows == 1) return gemv(one, stream);
   const int n_sms = device_sms();
   if (mma_takes(p, n_sms)) return p.m.cols == 2048 ? launch_mma<2048>(p, n_sms, stream) : launch_mma<4096>(p, n_sms, stream);
+  if (rows_kernel_takes(p, n_sms)) return p.m.cols == 2048 ? launch_q4_rows<2048>(p, stream) : launch_q4_rows<4096>(p, stream);
   for (int r = 0; r < p.n_rows; ++r) CUDA_TRY(gemv(gemv_row(p, r), stream));
   return cudaSuccess;
 }

@@ -74,6 +74,31 @@ __device__ __forceinline__ float dot_q4_vec(uint4 w, const float (&x)[32]) {
   return acc_lo + acc_hi;
 }
 
+// dot_q4_vec of one weight vector against two x vectors, each exactly as dot_q4_vec computes it (the same fmaf
+// chains in the same order), with each weight's float decoded once for both.
+__device__ __forceinline__ void dot_q4_vec2(uint4 w, const float (&x0)[32], const float (&x1)[32], float& d0,
+                                            float& d1) {
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  float lo0 = 0.0f, hi0 = 0.0f, lo1 = 0.0f, hi1 = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const uint32_t lo = words[k] & 0x0F0F0F0Fu;
+    const uint32_t hi = (words[k] >> 4) & 0x0F0F0F0Fu;
+    const float q0 = nibble_as_float<0>(lo), q1 = nibble_as_float<0>(hi), q2 = nibble_as_float<1>(lo);
+    const float q3 = nibble_as_float<1>(hi), q4 = nibble_as_float<2>(lo), q5 = nibble_as_float<2>(hi);
+    const float q6 = nibble_as_float<3>(lo), q7 = nibble_as_float<3>(hi);
+    lo0 = fmaf(q0, x0[8 * k + 0], lo0), lo1 = fmaf(q0, x1[8 * k + 0], lo1);
+    hi0 = fmaf(q1, x0[8 * k + 1], hi0), hi1 = fmaf(q1, x1[8 * k + 1], hi1);
+    lo0 = fmaf(q2, x0[8 * k + 2], lo0), lo1 = fmaf(q2, x1[8 * k + 2], lo1);
+    hi0 = fmaf(q3, x0[8 * k + 3], hi0), hi1 = fmaf(q3, x1[8 * k + 3], hi1);
+    lo0 = fmaf(q4, x0[8 * k + 4], lo0), lo1 = fmaf(q4, x1[8 * k + 4], lo1);
+    hi0 = fmaf(q5, x0[8 * k + 5], hi0), hi1 = fmaf(q5, x1[8 * k + 5], hi1);
+    lo0 = fmaf(q6, x0[8 * k + 6], lo0), lo1 = fmaf(q6, x1[8 * k + 6], lo1);
+    hi0 = fmaf(q7, x0[8 * k + 7], hi0), hi1 = fmaf(q7, x1[8 * k + 7], hi1);
+  }
+  d0 = lo0 + hi0, d1 = lo1 + hi1;
+}
+
 // The group term s * sum(q x) + b * sum(x) from acc = dot_q4_vec(...) and x_sum = sum(x).
 __device__ __forceinline__ float q4_group_term(float acc, float x_sum, unsigned short s_bits, unsigned short b_bits) {
   const float s = bf16_bits_to_float(s_bits), b = bf16_bits_to_float(b_bits);
