@@ -4,27 +4,33 @@
 // Memory-bound at one row: moves rows * (cols * bits / 8 + cols / 16) bytes (weights + bf16 scales and biases per
 // group of 64); target >= 85% of 4.27 TB/s on large matrices (lm_head [248320, 2048]: 286 MB, 67 us at the floor).
 //
-// 4-bit, cols 2048 / 4096, scales and biases 16-byte aligned (every large matrix of the model): gemv_mma_kernel,
-// the weights on the tensor cores (mma.sync, the activation rows on the N side), so that 8 rows cost about what
-// one does; one kernel for any row count, so a row's result does not depend on the others (see mma:: below).
-// 4-bit, cols in {512, 1024}: a chunk is 8192 weights = 8192 / cols consecutive rows (4 KiB of
-// packed weights + 256 B of scales + 256 B of biases, all contiguous). A group of L = min(32, cols / 32 / V)
-// lanes covers a row with V 16-byte vectors per lane. A lane always handles the same vector positions of a row,
-// so its 32-float slices of x are read from shared memory once per chunk for all the chunk's rows; the partial
-// sums of the chunk's P row-passes are reduced by one reduce-scatter butterfly. Dequantisation: quant_dot.cuh.
+// 4-bit, 4,096 columns (the out projections), scales and biases 16-byte aligned: gemv_mma_kernel, the weights on
+// the tensor cores (mma.sync, the activation rows on the N side), so that 8 rows cost about what one does; one
+// kernel for any row count, so a row's result does not depend on the others (see mma:: below). Measured against
+// the register kernels below (H200, 4K context, 2026-12-03): one decode row 1.596 -> 1.566 ms, 8 rows 5.998 ->
+// 5.710; with the 2,048-column matrices (gdn_in, attn_in, lm_head) on it too, 1.622 / 4.715, and with those alone
+// 1.647 / 5.002: at 2,048 columns its longer post-wait path (the fp16 x, the team reduction) costs more at one row
+// than it saves, so they stay on the register kernels.
+// 4-bit, other widths: a chunk is 8192 weights = 8192 / cols consecutive rows (4 KiB of packed weights + 256 B of
+// scales + 256 B of biases, all contiguous). A group of L = min(32, cols / 32 / V) lanes covers a row with V
+// 16-byte vectors per lane (V = 2 from cols 2048 up): cols 512 puts two rows in a warp (half-warps), cols 4096
+// gives 4 vectors per lane. A lane always handles the same vector positions of a row, so its 32-float slices of
+// x are read from shared memory once per chunk for all the chunk's rows; the partial sums of the chunk's P
+// row-passes are reduced by one reduce-scatter butterfly. Dequantisation: quant_dot.cuh.
 //  gemv_q4_async_kernel (scales/biases 16-byte aligned): each warp streams its chunks through a 2-stage ring in
-//    shared memory with cp.async (no registers held by loads in flight), issued before the prologue and, with
-//    programmatic dependent launch, before the previous kernel has finished.
-//  gemv_q4_kernel (any alignment, any of the four widths): the same chunks loaded straight into registers.
-// The grids are persistent (one block per SM or fewer), so the prologue (the norm of `in`) runs once per block,
-// overlapped with the first weight loads. Several rows on these kernels: one launch per row (gemv_rows).
+//    shared memory with cp.async (no registers held by loads in flight: ~147 KB in flight per SM), issued
+//    before the prologue and, with programmatic dependent launch, before the previous kernel has finished.
+//    Several rows (2,048 and 4,096 columns): gemv_q4_rows_kernel, each row bit-identical to it.
+//  gemv_q4_kernel (any alignment): the same chunks loaded straight into registers, 8 x 16 B per lane.
+// The grids are persistent (one block per SM or fewer; warps grid-stride over chunks), so the prologue (the norm
+// of `in`) runs once per block, overlapped with the first chunks' weight loads. The residual of a lane's next
+// output row is loaded a chunk ahead (the first with the prologue's inputs), never after the dot product.
 // Other widths and 8-bit (gemv_generic_kernel): a warp per row, x from shared memory; for small matrices.
 #include "cuda/kernels/gemv.cuh"
 #include "cuda/kernels/qgemm_util.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 
 #include <algorithm>
-#include <cstdlib>
 
 namespace lily::cuda {
 
@@ -313,7 +319,7 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_q4_rows_kernel(co
 
 // Any cols (multiple of 512), 4 or 8 bits: a warp per row, lanes stride over the row's 16-byte vectors.
 
-// ---- the tensor-core kernel: 4-bit, cols 2048 / 4096, 1 .. 8 activation rows ---------------------------------
+// ---- the tensor-core kernel: 4-bit, 4,096 columns, 1 .. 8 activation rows --------------------------------------
 // y[n] = W x[n] for the launch's n_rows activation rows on mma.sync m16n8k16: the weights are the A operand (16
 // rows x 16 k a fragment), the activation rows the N side (8 an mma: lane group g = lane / 4 feeds row g of x).
 // A team of warps takes one 16-row group, warp `part` of the team 256 or 512 of its columns (halves_for), and
@@ -836,19 +842,13 @@ bool rows_kernel_takes(const GemvParams& p, int n_sms) {
 }
 
 
-// Whether the tensor-core kernel takes p (4-bit, 2,048 or 4,096 columns, 16-byte aligned scales and biases, the
-// prologue's conditions (x16_takes), the shared memory for n_rows on this GPU). Else gemv() takes the register
-// kernel and gemv_rows runs gemv() per row. A row alone passes wherever its batch does (its pointers are the
-// batch's rows, and x grows with the rows), so it gets the same kernel, hence the same arithmetic.
+// Whether the tensor-core kernel takes p (4-bit, 4,096 columns, 16-byte aligned scales and biases, the prologue's
+// conditions (x16_takes), the shared memory for n_rows on this GPU). Else gemv() takes the register kernel and
+// gemv_rows the several-row register kernel or gemv() per row. A row alone passes wherever its batch does (its
+// pointers are the batch's rows, and x grows with the rows), so it gets the same kernel, hence the same arithmetic.
 bool mma_takes(const GemvParams& p, int n_sms) {
   const QMatrix& m = p.m;
-  if (m.bits != 4 || (m.cols != 2048 && m.cols != 4096) || n_sms < 1) return false;
-  // EXPERIMENT (temporary knob): LILY_MMA_COLS = 2048 / 4096: only that width on the tensor cores; 0: none.
-  static const int only = [] {
-    const char* e = std::getenv("LILY_MMA_COLS");
-    return e ? std::atoi(e) : -1;
-  }();
-  if (only >= 0 && m.cols != only) return false;
+  if (m.bits != 4 || m.cols != 4096 || n_sms < 1) return false;
   if (reinterpret_cast<uintptr_t>(m.scales) % 16 || reinterpret_cast<uintptr_t>(m.biases) % 16) return false;
   if (!mma::x16_takes(p)) return false;
   return mma::smem_bytes(m.cols, p.n_rows, mma::warps_for(m, n_sms), 2) <= mma::smem_max();
@@ -886,7 +886,7 @@ cudaError_t gemv(const GemvParams& p_in, cudaStream_t stream) {
   if (!valid_params(p)) return cudaErrorInvalidValue;
   if (p.m.bits == 4) {
     const int n_sms = device_sms();
-    if (mma_takes(p, n_sms)) return p.m.cols == 2048 ? launch_mma<2048>(p, n_sms, stream) : launch_mma<4096>(p, n_sms, stream);
+    if (mma_takes(p, n_sms)) return launch_mma<4096>(p, n_sms, stream);
     switch (p.m.cols) {
       case 512: return launch_q4<512>(p, stream);
       case 1024: return launch_q4<1024>(p, stream);
@@ -909,8 +909,11 @@ cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream) {
   if (!valid_params(one)) return cudaErrorInvalidValue;
   if (p.n_rows == 1) return gemv(one, stream);
   const int n_sms = device_sms();
-  if (mma_takes(p, n_sms)) return p.m.cols == 2048 ? launch_mma<2048>(p, n_sms, stream) : launch_mma<4096>(p, n_sms, stream);
-  if (rows_kernel_takes(p, n_sms)) return p.m.cols == 2048 ? launch_q4_rows<2048>(p, stream) : launch_q4_rows<4096>(p, stream);
+  if (mma_takes(p, n_sms)) return launch_mma<4096>(p, n_sms, stream);
+  // The register kernel for several rows only where a row alone takes the register kernel too (its rows are
+  // bit-identical to gemv()'s); else one gemv() a row, which picks what the row alone would.
+  if (!mma_takes(one, n_sms) && rows_kernel_takes(p, n_sms))
+    return p.m.cols == 2048 ? launch_q4_rows<2048>(p, stream) : launch_q4_rows<4096>(p, stream);
   for (int r = 0; r < p.n_rows; ++r) CUDA_TRY(gemv(gemv_row(p, r), stream));
   return cudaSuccess;
 }
