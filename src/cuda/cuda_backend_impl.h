@@ -106,7 +106,6 @@ class CudaBackend final : public CudaBench {
   GraphCaptureStats graph_capture_stats() const override { return capture_stats_; }
   Status mtp_head_for_test(std::span<const int32_t> tokens, const std::vector<float>& hidden,
                            std::vector<float>* logits, std::vector<float>* out_hidden) override;
-  Result<double> time_mtp_draft(int64_t context, int reps) override;
 
  private:
   Status choose_paths(const cudaDeviceProp& prop);

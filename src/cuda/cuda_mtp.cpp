@@ -77,50 +77,6 @@ Status CudaBackend::mtp_head_for_test(std::span<const int32_t> tokens, const std
   return ok_status();
 }
 
-Result<double> CudaBackend::time_mtp_draft(int64_t context, int reps) {
-  const ModelConfig& c = config();
-  const int H = c.hidden_size;
-  if (!weights_->mtp) return error(ErrorCode::unsupported, "the checkpoint has no MTP head (no mtp.* tensors)");
-  if (!prefill_supported()) return error(ErrorCode::unsupported, "the MTP head runs on the prefill kernels");
-  if (context < 0 || context + 1 > options_.max_context || reps < 1)
-    return invalid_argument("time_mtp_draft: context %lld (0 to %lld), reps %d", (long long)context,
-                            (long long)options_.max_context - 1, reps);
-  RETURN_IF_ERROR(model_->upload_mtp(*weights_->mtp));
-  RETURN_IF_ERROR(ensure_prefill_scratch());
-  const int32_t token = 17;
-  RETURN_IF_ERROR(upload_tokens(std::span<const int32_t>(&token, 1)));
-  // The KV rows' values do not change the time (zeros); the row at `context` is written by each call.
-  const size_t kv = static_cast<size_t>(context + 1) * c.num_key_value_heads * c.head_dim;
-  DeviceArray<__nv_bfloat16> k, v;
-  DeviceArray<float> hid, out, lg;
-  RETURN_IF_ERROR(k.alloc(kv));
-  RETURN_IF_ERROR(v.alloc(kv));
-  RETURN_IF_ERROR(hid.alloc(H));
-  RETURN_IF_ERROR(out.alloc(H));
-  RETURN_IF_ERROR(lg.alloc(static_cast<size_t>(c.vocab_size)));
-  std::vector<float> ones(static_cast<size_t>(H), 1.0f);
-  CUDA_RETURN(cudaMemcpy(hid.ptr, ones.data(), hid.bytes(), cudaMemcpyHostToDevice), "hidden row");
-  cudaEvent_t e0 = nullptr, e1 = nullptr;
-  CUDA_RETURN(cudaEventCreate(&e0), "event");
-  CUDA_RETURN(cudaEventCreate(&e1), "event");
-  std::vector<double> ms;
-  Status st = ok_status();
-  for (int i = 0; i <= reps && st.ok(); ++i) {  // the first call warms up
-    cudaEventRecord(e0, stream_);
-    st = mtp_rows(tokens_.ptr, hid.ptr, 1, k.ptr, v.ptr, static_cast<int>(context), out.ptr, lg.ptr, nullptr);
-    cudaEventRecord(e1, stream_);
-    float t = 0;
-    if (st.ok()) st = cuda_status(cudaEventSynchronize(e1), "MTP draft step");
-    if (st.ok()) st = cuda_status(cudaEventElapsedTime(&t, e0, e1), "event time");
-    if (i > 0) ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  RETURN_IF_ERROR(st);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
-
 bool CudaBackend::has_mtp() const {
   return weights_->mtp.has_value() && prefill_supported() && options_.prefill_chunk >= SequenceLayout::kMtpPendingRows;
 }
