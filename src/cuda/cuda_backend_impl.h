@@ -165,7 +165,7 @@ class CudaBackend final : public CudaBench {
   // dropped; at most max_pending rows left pending), mtp_read_rows after each plain forward's T rows (residual rows
   // [T, H] and their tokens on the device), mtp_append_verified after a verification's graph.
   Status mtp_rows_decode(const int* tokens, const float* hidden, int R, __nv_bfloat16* k, __nv_bfloat16* v, int pos0,
-                         float* out_hidden, float* logits, Profiler* prof);  // R <= kMaxBatchRows (mtp_rows)
+                         float* out_hidden, Profiler* prof);  // R <= kMaxBatchRows, without the logits (mtp_rows)
   Status mtp_prepare(CudaSequence& s, int max_pending);
   Status mtp_read_rows(CudaSequence& s, const float* residual, int T, const int* tokens, Profiler* prof,
                        CudaCheckpoint* cp = nullptr, int cp_row = -1);

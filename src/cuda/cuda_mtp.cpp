@@ -25,23 +25,27 @@ namespace lily::cuda {
 
 Status CudaBackend::mtp_rows(const int* tokens, const float* hidden, int R, __nv_bfloat16* k, __nv_bfloat16* v,
                              int pos0, float* out_hidden, float* logits, Profiler* prof) {
-  if (R <= kMaxBatchRows) return mtp_rows_decode(tokens, hidden, R, k, v, pos0, out_hidden, logits, prof);
   const ModelConfig& c = config();
   const DeviceModel& model = *model_;
-  const DeviceMtp& m = *model.mtp;
   const int H = c.hidden_size;
   const float eps = c.rms_norm_eps;
-  const double rows = R;
-  RETURN_IF_ERROR(mtp_cat_.reserve(static_cast<size_t>(R) * 2 * H));
-  STEP_OP("embed", rows * model.embed.bytes() / model.embed.rows, embed_rows(model.embed, tokens, R, ph_.ptr, stream_));
-  STEP_OP("rms_norm", rows * H * 6,
-          rms_norm_rows(ph_.ptr, m.pre_fc_norm_embedding, R, H, eps, mtp_cat_.ptr, stream_, 2 * H));
-  STEP_OP("rms_norm", rows * H * 6,
-          rms_norm_rows(hidden, m.pre_fc_norm_hidden, R, H, eps, mtp_cat_.ptr + H, stream_, 2 * H));
-  QGemmParams fc{m.fc, mtp_cat_.ptr, R, GemmOut::f32, ph_.ptr, 0, paths_.wgmma, pscratch_.ptr, pscratch_.bytes()};
-  STEP_OP("qgemm mtp_fc", m.fc.bytes(), qgemm(fc, stream_), 2.0 * rows * m.fc.rows * m.fc.cols);
-  RETURN_IF_ERROR(prefill_layer(m.layer, R, [&] { return prefill_attention(m.layer, k, v, R, pos0, prof); }, prof));
-  STEP_OP("rms_norm", rows * H * 8, rms_norm_rows_f32(ph_.ptr, m.norm, R, H, eps, out_hidden, stream_));
+  if (R <= kMaxBatchRows) {
+    RETURN_IF_ERROR(mtp_rows_decode(tokens, hidden, R, k, v, pos0, out_hidden, prof));
+  } else {
+    const DeviceMtp& m = *model.mtp;
+    const double rows = R;
+    RETURN_IF_ERROR(mtp_cat_.reserve(static_cast<size_t>(R) * 2 * H));
+    STEP_OP("embed", rows * model.embed.bytes() / model.embed.rows,
+            embed_rows(model.embed, tokens, R, ph_.ptr, stream_));
+    STEP_OP("rms_norm", rows * H * 6,
+            rms_norm_rows(ph_.ptr, m.pre_fc_norm_embedding, R, H, eps, mtp_cat_.ptr, stream_, 2 * H));
+    STEP_OP("rms_norm", rows * H * 6,
+            rms_norm_rows(hidden, m.pre_fc_norm_hidden, R, H, eps, mtp_cat_.ptr + H, stream_, 2 * H));
+    QGemmParams fc{m.fc, mtp_cat_.ptr, R, GemmOut::f32, ph_.ptr, 0, paths_.wgmma, pscratch_.ptr, pscratch_.bytes()};
+    STEP_OP("qgemm mtp_fc", m.fc.bytes(), qgemm(fc, stream_), 2.0 * rows * m.fc.rows * m.fc.cols);
+    RETURN_IF_ERROR(prefill_layer(m.layer, R, [&] { return prefill_attention(m.layer, k, v, R, pos0, prof); }, prof));
+    STEP_OP("rms_norm", rows * H * 8, rms_norm_rows_f32(ph_.ptr, m.norm, R, H, eps, out_hidden, stream_));
+  }
   if (!logits) return ok_status();
   GemvParams head{model.lm_head, out_hidden + static_cast<size_t>(R - 1) * H, GemvPrologue::none, nullptr, nullptr,
                   0, eps, nullptr, logits};
@@ -52,11 +56,12 @@ Status CudaBackend::mtp_rows(const int* tokens, const float* hidden, int R, __nv
 // Up to kMaxBatchRows rows on the decode step's kernels (cuda_decode.cpp): the fc as a several-row GEMV on the two
 // norms written side by side in fp32, the head's layer as a decode layer against its own KV cache (several rows
 // chained through it as a verification's rows are: row r at pos0 + r sees the entries the rows before it wrote),
-// its norm, the lm_head of the last row. A draft step or the head's catch-up after a decode step is then one decode
-// layer (~40 us at 4K) and the lm_head, where the prefill kernels at T = 1 took ~170 us besides the lm_head
-// (head step 0.252 ms, 2026-12-03). Scratch: the decode step's (one step runs at a time).
+// its norm (mtp_rows adds the lm_head of the last row). A draft step or the head's catch-up after a decode step is
+// then one decode layer (~40 us at 4K) and the lm_head, where the prefill kernels at T = 1 took ~170 us besides the
+// lm_head (a draft at 4K: 0.348 ms on the prefill kernels, 0.276 on these, 2026-12-03). Scratch: the decode step's
+// (one step runs at a time).
 Status CudaBackend::mtp_rows_decode(const int* tokens, const float* hidden, int R, __nv_bfloat16* k,
-                                    __nv_bfloat16* v, int pos0, float* out_hidden, float* logits, Profiler* prof) {
+                                    __nv_bfloat16* v, int pos0, float* out_hidden, Profiler* prof) {
   const ModelConfig& c = config();
   const DeviceModel& model = *model_;
   const DeviceMtp& m = *model.mtp;
@@ -81,10 +86,6 @@ Status CudaBackend::mtp_rows_decode(const int* tokens, const float* hidden, int 
                                     attention_splits(pos0 + R), /*chained=*/R > 1, prof));
   RETURN_IF_ERROR(enqueue_moe(m.layer, R, prof));
   STEP_OP("rms_norm", rows * H * 8, rms_norm_rows_f32(h_.ptr, m.norm, R, H, eps, out_hidden, stream_));
-  if (!logits) return ok_status();
-  GemvParams head{model.lm_head, out_hidden + static_cast<size_t>(R - 1) * H, GemvPrologue::none, nullptr, nullptr,
-                  0, eps, nullptr, logits};
-  STEP_OP("gemv lm_head", model.lm_head.bytes(), dispatch::gemv_rows(head, stream_));
   return ok_status();
 }
 
