@@ -5,9 +5,6 @@
 #include <cstdio>
 
 #include "engine/backend_factory.h"
-#ifdef LILY_HAVE_CUDA
-#include "cuda/cuda_bench.h"
-#endif
 #include "engine/speculative.h"
 #include "model/synth.h"
 
@@ -59,26 +56,17 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
     if (!plain_start) return error(ErrorCode::out_of_range, "no memory for a checkpoint");
     RETURN_IF_ERROR(backend->enable_mtp());
   }
-  // A backend without forward_verify yet (CUDA) is timed on a plain forward of the same rows with every row's
-  // logits: what verification costs before the per-row state copies, through that backend's multi-row path.
-  std::vector<float> probe;
-  auto probe_seq = backend->new_sequence();
-  const int32_t probe_tokens[2] = {1, 2};
-  Status verify_st = backend->forward_verify(*probe_seq, probe_tokens, &probe);
-  if (!verify_st.ok() && verify_st.code() != ErrorCode::unsupported) return verify_st;
-  const bool verify = verify_st.ok();
   const int32_t V = backend->config().vocab_size;
-  std::printf("%s backend, %s; one call = one forward (median of %d)%s%s\n", backend->name(),
+  std::printf("%s backend, %s; one call = one forward (median of %d)%s\n", backend->name(),
               o.model.empty() ? ("synthetic " + o.synthetic).c_str() : o.model.c_str(), o.reps,
-              drafts ? "" : "; no MTP draft timing (no head, or the backend has none)",
-              verify ? "" : "; no forward_verify on this backend: `forward N` rows with all logits instead");
+              drafts ? "" : "; no MTP draft timing (no head, or the backend has none)");
   std::printf("%8s %12s %10s %10s\n", "context", "call", "ms", "x decode");
   out = {{"backend", backend->name()}, {"model", o.model.empty() ? "synthetic " + o.synthetic : o.model},
          {"reps", o.reps}, {"results", nlohmann::json::array()}};
   std::vector<float> logits;
   for (int64_t ctx : o.contexts) {
-    int64_t timed = 2 * o.reps;
-    for (int r : o.rows) timed += static_cast<int64_t>(o.reps) * (verify ? 1 : r);
+    // Positions the timed calls take: a decode call's and a draft's a rep, one a verification (accepting 1).
+    const int64_t timed = static_cast<int64_t>(o.reps) * (2 + static_cast<int64_t>(o.rows.size()));
     if (ctx < 1 || ctx + timed > backend->max_context())
       return invalid_argument("--contexts %lld: from 1 to what the backend holds, less the timed tokens", (long long)ctx);
     auto seq = backend->new_sequence();
@@ -117,28 +105,18 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
     for (int r : o.rows) {
       std::vector<int32_t> rows(static_cast<size_t>(r), tok);
       ASSIGN_OR_RETURN(std::vector<double> ms, time_calls(o.reps, [&]() -> Status {
-        if (!verify) return backend->forward(*seq, rows, LogitsRows::all, &logits);
         RETURN_IF_ERROR(backend->forward_verify(*seq, rows, &logits));
         return backend->accept_verified(*seq, 1);
       }));
-      verify_ms.emplace_back(r, record((verify ? "verify " : "forward ") + std::to_string(r), ms, base));
+      verify_ms.emplace_back(r, record("verify " + std::to_string(r), ms, base));
     }
-    bool head_timed = false;  // the head's step timed outside mtp_draft (a backend with the arithmetic only)
     if (drafts) {
       ASSIGN_OR_RETURN(std::vector<double> ms, time_calls(o.reps, [&] { return backend->mtp_draft(*seq, tok, &logits); }));
       draft_ms = record("mtp draft", ms, base);
-    } else {
-#ifdef LILY_HAVE_CUDA
-      if (auto* cb = dynamic_cast<cuda::CudaBench*>(backend.get()); cb && weights->mtp) {
-        Result<double> t = cb->time_mtp_draft(ctx, o.reps);
-        if (t.ok()) draft_ms = record("mtp head step", {*t}, base), head_timed = true;
-        else if (t.status().code() != ErrorCode::unsupported) return t.status();
-      }
-#endif
     }
     // What the measured costs imply for K = rows - 1 drafts (bench_verify.h). Without a head to time, a draft is
     // assumed to cost 0.1 decode step (one decoder layer and the lm_head of a ~40-layer step).
-    const bool assumed = !drafts && !head_timed;
+    const bool assumed = !drafts;
     const double d = assumed ? 0.1 * base : draft_ms;
     std::printf("%8lld projection (%s draft %.3f ms; acceptance a per draft, independent; published: 88%% for "
                 "one draft, 81.5%% each for two):\n",
@@ -158,7 +136,7 @@ Status run_verify_bench(const VerifyBenchOptions& o, nlohmann::json& out) {
                                    {"draft_ms", d}, {"draft_assumed", assumed},
                                    {"break_even_acceptance", never ? nlohmann::json() : nlohmann::json(be)},
                                    {"speedup_at_0_815", x815}, {"speedup_at_0_88", x88},
-                                   {"verify_call", verify ? "forward_verify" : "forward"}});
+                                   {"verify_call", "forward_verify"}});
     }
   }
   return ok_status();

@@ -2,8 +2,7 @@
 // plain one-token decode step (forward of 1 row, on a sequence without the head's state), forward_verify of N rows
 // (then accept_verified(1), as a step that rejects every draft would), and one MTP draft step (mtp_draft: the first
 // call reads the pending rows, the others chain), so the table says what K drafts must win back:
-// verifying 1+K rows costs `ratio` decode steps, plus K draft steps. A backend without forward_verify yet
-// gets a plain forward of the same rows with every row's logits instead ("forward N"), its multi-row path's cost.
+// verifying 1+K rows costs `ratio` decode steps, plus K draft steps.
 // Then, per K, what that implies (engine/speculative.h speculative_projection): the acceptance at which K drafts
 // break even, and the speed-up at published acceptance rates - with the measured draft cost, or, where the backend
 // has no head to time, an assumed one (printed as such).

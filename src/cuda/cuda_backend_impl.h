@@ -106,7 +106,6 @@ class CudaBackend final : public CudaBench {
   GraphCaptureStats graph_capture_stats() const override { return capture_stats_; }
   Status mtp_head_for_test(std::span<const int32_t> tokens, const std::vector<float>& hidden,
                            std::vector<float>* logits, std::vector<float>* out_hidden) override;
-  Result<double> time_mtp_draft(int64_t context, int reps) override;
 
  private:
   Status choose_paths(const cudaDeviceProp& prop);
@@ -122,6 +121,15 @@ class CudaBackend final : public CudaBench {
   Status enqueue_attention_layer(std::span<CudaSequence* const> rows, size_t l, int n_splits, bool chained,
                                  Profiler* prof);
   Status enqueue_moe_block(int rows, size_t l, Profiler* prof);
+  // The same on any layer's weights (the MTP head's): attention rows by their KV cache and position (n: the
+  // context before the step, for the byte count), the MoE block over the first R rows of h_.
+  struct AttnRow {
+    __nv_bfloat16 *k = nullptr, *v = nullptr;
+    const int* pos = nullptr;
+  };
+  Status enqueue_attention(const DeviceLayer& L, std::span<const AttnRow> rows, int64_t n, int n_splits, bool chained,
+                           Profiler* prof);
+  Status enqueue_moe(const DeviceLayer& L, int rows, Profiler* prof);
   // cuda_backend.cpp: the checks of a several-row call (distinct sequences of this backend with room for a token,
   // tokens in the vocabulary), then one step of up to kMaxBatchRows rows without a graph.
   Result<std::vector<CudaSequence*>> check_rows(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens);
@@ -149,12 +157,15 @@ class CudaBackend final : public CudaBench {
   Status copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, int layer);
   // cuda_mtp.cpp: the MTP head over R <= prefill_chunk rows (tokens on the device, the main model's final-norm
   // rows `hidden` [R, H]), its KV k / v at positions pos0 ..; out_hidden [R, H] gets its normalised output, logits
-  // (optional) [V] the last row's. model_->mtp must be uploaded and the prefill scratch allocated.
+  // (optional) [V] the last row's; up to kMaxBatchRows rows on the decode kernels (mtp_rows_decode), more on the
+  // prefill kernels. model_->mtp must be uploaded and the prefill scratch allocated.
   Status mtp_rows(const int* tokens, const float* hidden, int R, __nv_bfloat16* k, __nv_bfloat16* v, int pos0,
                   float* out_hidden, float* logits, Profiler* prof);
   // The head's state around the main forwards of a sequence with it (s.mtp_on): mtp_prepare before one (drafts
   // dropped; at most max_pending rows left pending), mtp_read_rows after each plain forward's T rows (residual rows
   // [T, H] and their tokens on the device), mtp_append_verified after a verification's graph.
+  Status mtp_rows_decode(const int* tokens, const float* hidden, int R, __nv_bfloat16* k, __nv_bfloat16* v, int pos0,
+                         float* out_hidden, Profiler* prof);  // R <= kMaxBatchRows, without the logits (mtp_rows)
   Status mtp_prepare(CudaSequence& s, int max_pending);
   Status mtp_read_rows(CudaSequence& s, const float* residual, int T, const int* tokens, Profiler* prof,
                        CudaCheckpoint* cp = nullptr, int cp_row = -1);
@@ -211,6 +222,8 @@ class CudaBackend final : public CudaBench {
   bool mtp_on_ = false;
   DeviceArray<float> mtp_hidden_;
   DeviceArray<int> mtp_tokens_;
+  DeviceArray<float> mtp_cat32_;  // the decode path's fc input [kMaxBatchRows, 2H] (mtp_rows_decode)
+  DeviceArray<int> mtp_pos_;      // its rows' positions in the head's KV cache
   bool context_auto_ = false;  // --ctx-size auto: enable_mtp fits the context again
   DeviceArray<unsigned char> pscratch_;
   size_t prefill_bytes_ = 0;

@@ -70,9 +70,6 @@ class CudaBench : public Backend {
   // output rows [R, H] out (for the op test against the CPU reference).
   virtual Status mtp_head_for_test(std::span<const int32_t> tokens, const std::vector<float>& hidden,
                                    std::vector<float>* logits, std::vector<float>* out_hidden) = 0;
-  // Milliseconds of one draft step of the MTP head (one row, its KV holding `context` rows, the lm_head
-  // included): the median of `reps` calls after one warm-up; unsupported without a head.
-  virtual Result<double> time_mtp_draft(int64_t context, int reps) = 0;
 };
 
 Result<std::unique_ptr<CudaBench>> make_cuda_bench(std::shared_ptr<const ModelWeights> weights,

@@ -71,12 +71,19 @@ Status CudaBackend::enqueue_gdn_layer(std::span<CudaSequence* const> rows, size_
 
 Status CudaBackend::enqueue_attention_layer(std::span<CudaSequence* const> rows, size_t l, int n_splits,
                                             bool chained, Profiler* prof) {
+  AttnRow kv[kMaxBatchRows];
+  for (size_t r = 0; r < rows.size(); ++r) kv[r] = AttnRow{rows[r]->k[l]->ptr, rows[r]->v[l]->ptr, rows[r]->pos.ptr};
+  return enqueue_attention(model_->layers[l], std::span<const AttnRow>(kv, rows.size()), rows[0]->n, n_splits, chained,
+                           prof);
+}
+
+Status CudaBackend::enqueue_attention(const DeviceLayer& L, std::span<const AttnRow> rows, int64_t n, int n_splits,
+                                      bool chained, Profiler* prof) {
   const ModelConfig& c = config();
-  const DeviceLayer& L = model_->layers[l];
   const RowStrides& st = strides_;
   const int R = static_cast<int>(rows.size());
   const float eps = c.rms_norm_eps;
-  const double kv_bytes = 2.0 * (rows[0]->n + 1) * c.num_key_value_heads * c.head_dim * 2;
+  const double kv_bytes = 2.0 * (n + 1) * c.num_key_value_heads * c.head_dim * 2;
   const GemvParams in = gemv_of(L.attn_in, h_.ptr, GemvPrologue::rms_norm, L.input_norm, eps, nullptr, proj_.ptr,
                                 R, st.h, st.proj);
   STEP_OP("gemv attn_in", L.attn_in.bytes(), dispatch::gemv_rows(in, stream_));
@@ -84,16 +91,15 @@ Status CudaBackend::enqueue_attention_layer(std::span<CudaSequence* const> rows,
   AttnDecodeParams dec[kMaxBatchRows];
   AttnCombineParams comb[kMaxBatchRows];
   for (int r = 0; r < R; ++r) {
-    CudaSequence& s = *rows[r];
+    const AttnRow& s = rows[r];
     float* proj = proj_.ptr + r * st.proj;
     float* q = q_.ptr + r * st.q;
     float* part_o = part_o_.ptr + r * st.part_o;
     float* part_ml = part_ml_.ptr + r * st.part_ml;
     prep[r] = AttnPrepParams{proj, L.q_norm, L.k_norm, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                             c.rotary_dim(), static_cast<float>(c.rope_theta), eps, s.pos.ptr, q,
-                             s.k[l]->ptr, s.v[l]->ptr};
-    dec[r] = AttnDecodeParams{q, s.k[l]->ptr, s.v[l]->ptr, c.num_attention_heads, c.num_key_value_heads,
-                              c.head_dim, s.pos.ptr, n_splits, 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
+                             c.rotary_dim(), static_cast<float>(c.rope_theta), eps, s.pos, q, s.k, s.v};
+    dec[r] = AttnDecodeParams{q, s.k, s.v, c.num_attention_heads, c.num_key_value_heads,
+                              c.head_dim, s.pos, n_splits, 1.0f / std::sqrt(static_cast<float>(c.head_dim)),
                               part_o, part_ml};
     // rows < pos and pos itself are written by no kernel before attn_prep in a step (chained: attn_prep writes the
     // rows of the rows before r)
@@ -116,8 +122,11 @@ Status CudaBackend::enqueue_attention_layer(std::span<CudaSequence* const> rows,
 // several rows, moe_route selects (2026-12-02, 8 rows at 4K: moe_expert_in 2.32 -> 1.46 ms a step, route 0.31 ->
 // 0.43, the step 6.74 -> 5.99 ms: its 4,608 blocks each selecting put the selection on every block's path).
 Status CudaBackend::enqueue_moe_block(int R, size_t l, Profiler* prof) {
+  return enqueue_moe(model_->layers[l], R, prof);
+}
+
+Status CudaBackend::enqueue_moe(const DeviceLayer& L, int R, Profiler* prof) {
   const ModelConfig& c = config();
-  const DeviceLayer& L = model_->layers[l];
   const RowStrides& st = strides_;
   const int k = c.num_experts_per_tok;
   const bool in_experts = paths_.moe_select_in_experts && R == 1;

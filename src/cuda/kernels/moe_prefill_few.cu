@@ -3,8 +3,9 @@
 // expand every weight tile into shared memory for a handful of rows. Here the roles are swapped:
 //  - the weights are mma.sync's A operand (16 output features x 16 k a fragment). Each warp owns 16 MT output
 //    features of MATS matrices for all of the tile's rows and streams their groups (64 k) through its own ring of
-//    kRing groups in shared memory (cp.async, kRing - 1 groups in flight); the rows' scales and biases are in
-//    shared memory from the start. A thread expands its 16 nibbles of a group row in registers: nibble pair ->
+//    kRing groups in shared memory, copied in stages of G groups (cp.async, kRing / G - 1 stages in flight; a
+//    row's G * 32 bytes contiguous, so the copies reach the L2 as whole-line requests); the rows' scales and
+//    biases are in shared memory from the start. A thread expands its 16 nibbles of a group row in registers: nibble pair ->
 //    1024 + q as fp16 by one LOP3 on 0x6400, minus 1024 (exact), times the scale plus the bias by one HFMA2
 //    (bf16 scale and bias are exact in fp16: the fp16 weight is scale * q + bias rounded once, the value
 //    qgemm.cu's tiles hold);
@@ -87,14 +88,28 @@ struct RingLayout {
   }
 };
 
-template <int MATS, int MT>
-__device__ __forceinline__ void issue_group(char* slot, const QMatrix (&w)[MATS], int f0, int lane, int grp) {
+// A stage of the ring: G consecutive groups of each row, a row's G * 32 bytes contiguous in shared memory as in
+// global (so a copy's lanes that read one row's bytes write contiguous bytes: whole-line L2 requests), the
+// 32-byte groups XOR-swizzled by row so the fragments' 8-byte reads of 8 rows stay at two wavefronts.
+template <int G>
+__device__ __forceinline__ int group_swizzle(int rr) {
+  return G == 1 ? 0 : (rr / (4 / G)) & (G - 1);
+}
+template <int G>
+__device__ __forceinline__ int group_offset(int rr, int j) {  // group j (0..G-1) of row rr in a stage
+  return rr * G * 32 + ((j ^ group_swizzle<G>(rr)) * 32);
+}
+
+template <int MATS, int MT, int G>
+__device__ __forceinline__ void issue_stage(char* slot, const QMatrix (&w)[MATS], int f0, int lane, int stage) {
+  constexpr int kRows = MATS * MT * 16, kPieces = kRows * 2 * G;  // 16-byte pieces of a stage
 #pragma unroll
-  for (int t = 0; t < MATS * MT; ++t) {
-    const int m = t / MT, i = t % MT, r = lane >> 1, half = lane & 1;
-    const size_t row = static_cast<size_t>(f0 + i * 16 + r);
-    cp_async_16(slot + (t * 16 + r) * 32 + half * 16,
-                w[m].w + row * w[m].words_per_row() + grp * kGroupWords + half * 4, true);
+  for (int it = 0; it < kPieces / 32; ++it) {
+    const int piece = it * 32 + lane, rr = piece / (2 * G), pc = piece % (2 * G);
+    const int t = rr / 16, m = t / MT, i = t % MT;
+    const size_t row = static_cast<size_t>(f0 + i * 16 + rr % 16);
+    cp_async_16(slot + group_offset<G>(rr, pc >> 1) + (pc & 1) * 16,
+                w[m].w + row * w[m].words_per_row() + (stage * G) * kGroupWords + pc * 4, true);
   }
 }
 
@@ -123,8 +138,9 @@ __device__ __forceinline__ void load_scales(uint16_t* s_s, uint16_t* b_s, const 
   }
 }
 
-template <int MATS, int MT>
+template <int MATS, int MT, int G>
 __global__ void __launch_bounds__(kWarps * 32) few_rows_kernel(const TileArgs p) {
+  constexpr int S = kRing / G;  // stages in the ring
   using L = RingLayout<MATS, MT>;
   extern __shared__ __align__(16) char smem[];
   pdl_wait();
@@ -140,8 +156,8 @@ __global__ void __launch_bounds__(kWarps * 32) few_rows_kernel(const TileArgs p)
   uint16_t* b_s = s_s + L::kRows * groups;
   load_scales<MATS, MT>(s_s, b_s, w, f0, lane, groups);  // joins the first ring group's copies
 #pragma unroll
-  for (int k = 0; k < kRing - 1; ++k) {
-    if (k < groups) issue_group<MATS, MT>(ring + k * L::kStageBytes, w, f0, lane, k);
+  for (int k = 0; k < S - 1; ++k) {
+    if (k * G < groups) issue_stage<MATS, MT, G>(ring + k * G * L::kStageBytes, w, f0, lane, k);
     cp_async_commit();
   }
   const int ntiles = (rows + 7) / 8;
@@ -165,12 +181,15 @@ __global__ void __launch_bounds__(kWarps * 32) few_rows_kernel(const TileArgs p)
   load_x(0);
   float acc[MATS][MT][kNT][4] = {};
   for (int grp = 0; grp < groups; ++grp) {
-    if (grp + kRing - 1 < groups)
-      issue_group<MATS, MT>(ring + ((grp + kRing - 1) % kRing) * L::kStageBytes, w, f0, lane, grp + kRing - 1);
-    cp_async_commit();
-    cp_async_wait<kRing - 1>();
-    __syncwarp();
-    const char* slot = ring + (grp % kRing) * L::kStageBytes;
+    const int stage = grp / G, j = grp % G;
+    if (j == 0) {
+      if ((stage + S - 1) * G < groups)
+        issue_stage<MATS, MT, G>(ring + ((stage + S - 1) % S) * G * L::kStageBytes, w, f0, lane, stage + S - 1);
+      cp_async_commit();
+      cp_async_wait<S - 1>();
+      __syncwarp();
+    }
+    const char* slot = ring + (stage % S) * G * L::kStageBytes;
     uint32_t a[MATS][MT][4][4];
 #pragma unroll
     for (int m = 0; m < MATS; ++m) {
@@ -179,7 +198,7 @@ __global__ void __launch_bounds__(kWarps * 32) few_rows_kernel(const TileArgs p)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int rr = (m * MT + i) * 16 + g + 8 * h;
-          const uint2 q = *reinterpret_cast<const uint2*>(slot + rr * 32 + 8 * c);
+          const uint2 q = *reinterpret_cast<const uint2*>(slot + group_offset<G>(rr, j) + 8 * c);
           const __half2 sc = __float2half2_rn(bf16_bits_to_float(s_s[rr * groups + grp]));
           const __half2 bi = __float2half2_rn(bf16_bits_to_float(b_s[rr * groups + grp]));
           uint32_t e0[4], e1[4];
@@ -192,7 +211,7 @@ __global__ void __launch_bounds__(kWarps * 32) few_rows_kernel(const TileArgs p)
         }
       }
     }
-    __syncwarp();  // the slot is free for the next issue
+    if (j == G - 1) __syncwarp();  // the stage's slot is free for the next issue
 #pragma unroll
     for (int nt = 0; nt < kNT; ++nt) {
       if (nt >= ntiles) break;
@@ -232,8 +251,12 @@ cudaError_t launch_grouped_few(const TileArgs& a, int max_tiles, bool swiglu, cu
     CUDA_TRY(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     return launch_pdl(kernel, grid, block, smem, stream, a);
   };
-  if (swiglu) return run(few_rows_kernel<2, 1>, RingLayout<2, 1>::warp_bytes(a.K / 64));
-  return run(few_rows_kernel<1, 2>, RingLayout<1, 2>::warp_bytes(a.K / 64));
+  // Ring stages of 4 groups (measured 2026-12-03 on the H200, T 256 / 512 / 1,024: 318 / 370 / 529 us a layer with
+  // 1 group a stage, 290 / 342 / 490 with 2, 276 / 336 / 484 with 4); 1 where a matrix's groups are not a multiple.
+  const size_t wb = swiglu ? RingLayout<2, 1>::warp_bytes(a.K / 64) : RingLayout<1, 2>::warp_bytes(a.K / 64);
+  const bool by4 = (a.K / 64) % 4 == 0;
+  if (swiglu) return by4 ? run(few_rows_kernel<2, 1, 4>, wb) : run(few_rows_kernel<2, 1, 1>, wb);
+  return by4 ? run(few_rows_kernel<1, 2, 4>, wb) : run(few_rows_kernel<1, 2, 1>, wb);
 }
 
 }  // namespace lily::cuda::qgemm_util

@@ -523,9 +523,10 @@ cudaError_t rms_norm_rows(const float* in, const float* w, int T, int n, float e
 }
 
 cudaError_t rms_norm_rows_f32(const float* in, const float* w, int T, int n, float eps, float* out,
-                              cudaStream_t stream) {
+                              cudaStream_t stream, int out_stride) {
   if (!in || !w || !out || T < 1 || n < 1) return cudaErrorInvalidValue;
-  return launch_pdl(rms_norm_rows_kernel<float>, dim3(T), dim3(256), 0, stream, NormArgs<float>{in, w, n, eps, out, n});
+  return launch_pdl(rms_norm_rows_kernel<float>, dim3(T), dim3(256), 0, stream,
+                    NormArgs<float>{in, w, n, eps, out, out_stride ? out_stride : n});
 }
 
 }  // namespace lily::cuda

@@ -62,10 +62,10 @@ cudaError_t qgemm_swiglu(const QGemmSwigluParams& p, cudaStream_t stream);
 
 
 // out[t, :] = fp16(in[t, :] / RMS(in[t, :]) * w) for T rows of n (eqs 1-2 multiplier form; the A operand of a
-// prefill GEMM), output rows out_stride elements apart (0: n); the _f32 form writes fp32 rows of n.
+// prefill GEMM), output rows out_stride elements apart (0: n); the _f32 form writes fp32 rows.
 cudaError_t rms_norm_rows(const float* in, const float* w, int T, int n, float eps, __half* out,
                           cudaStream_t stream, int out_stride = 0);
 cudaError_t rms_norm_rows_f32(const float* in, const float* w, int T, int n, float eps, float* out,
-                              cudaStream_t stream);
+                              cudaStream_t stream, int out_stride = 0);
 
 }  // namespace lily::cuda
