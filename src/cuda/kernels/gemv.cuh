@@ -46,11 +46,6 @@ inline GemvParams gemv_row(const GemvParams& p, int r) {
   return one;
 }
 
-// Threads per block of the asynchronous 4-bit kernel that gemv() launches for m (cols in {512, ..., 4096}, scales
-// and biases 16-byte aligned) on a device of n_sms SMs. Its RMSNorm prologue sums the squares in an order fixed by
-// this block size.
-int gemv_q4_async_threads(const QMatrix& m, int n_sms);
-
 #if defined(__CUDACC__)
 // ---- 4-bit chunk device code of gemv.cu -----------------------------------------------------------------------
 namespace gemv_q4 {

@@ -78,14 +78,21 @@ __device__ __forceinline__ float byte_as_float(uint32_t v) {
 __device__ __forceinline__ uint32_t h2_bits(__half2 v) { return *reinterpret_cast<const uint32_t*>(&v); }
 __device__ __forceinline__ __half2 bits_h2(uint32_t v) { return *reinterpret_cast<const __half2*>(&v); }
 
+// The fp16 pair 1024 + v: v's bits in the mantissa of 1024 (exact for v < 1024).
+constexpr uint32_t kF16Magic1024 = 0x64006400u;
+
+// (w & mask) | magic in one LOP3 (inline PTX: with both constants as immediates the compiler emits two).
+__device__ __forceinline__ uint32_t and_or(uint32_t w, uint32_t mask, uint32_t magic) {
+  uint32_t o;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(o) : "r"(w), "r"(mask), "r"(magic));
+  return o;
+}
+
 // The four fp16 pairs (1024 + q_i, 1024 + q_{i+4}) of a word of 8 nibbles (exact: q sits in the mantissa of
 // 1024), one LOP3 a pair: the pair order of the few-row kernel's nibble expansion (moe_prefill_few.cu).
-// (The AND and OR in one LOP3 by inline PTX: with both constants as immediates the compiler emits two.)
 __device__ __forceinline__ void biased_pairs(uint32_t w, uint32_t (&o)[4]) {
-  const uint32_t mask = 0x000F000Fu, magic = 0x64006400u;
 #pragma unroll
-  for (int i = 0; i < 4; ++i)
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(o[i]) : "r"(w >> (4 * i)), "r"(mask), "r"(magic));
+  for (int i = 0; i < 4; ++i) o[i] = and_or(w >> (4 * i), 0x000F000Fu, kF16Magic1024);
 }
 
 __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {

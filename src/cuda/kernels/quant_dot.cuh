@@ -254,6 +254,12 @@ __device__ __forceinline__ void block_load_x(const float* in, const float* norm_
 // which serialised the 16 exp/rcp chains of a thread in the gated prologue. x / inf = 0 for very negative x.
 __device__ __forceinline__ float silu_fast(float x) { return __fdividef(x, 1.0f + __expf(-x)); }
 
+// Eq 19's value of 4 consecutive elements: norm_w * o / RMS(o_head) * silu(z) (the gated GEMV prologues').
+__device__ __forceinline__ float4 x4_gated(const float4& o, float inv_rms, const float4& w, const float4& z) {
+  return make_float4(w.x * (o.x * inv_rms) * silu_fast(z.x), w.y * (o.y * inv_rms) * silu_fast(z.y),
+                     w.z * (o.z * inv_rms) * silu_fast(z.z), w.w * (o.w * inv_rms) * silu_fast(z.w));
+}
+
 // Eq 19 per head of head_dim: x_s (padded) = norm_w[d] * o / RMS(o_head) * silu(z).
 // Fast path (head_dim = 16 L with L a power of two <= 32, 16-byte aligned inputs): each lane takes 16 consecutive
 // elements (4 float4 of o, z and norm_w, loaded at once), so a head is L adjacent lanes and its sum of squares is
@@ -290,11 +296,7 @@ __device__ __forceinline__ void block_load_x_gated(const float* o, const float* 
       if (valid) {
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          *reinterpret_cast<float4*>(x_s + xpad(e0 + 4 * q)) =
-              make_float4(wv[q].x * (ov[q].x * inv_rms) * silu_fast(zv[q].x),
-                          wv[q].y * (ov[q].y * inv_rms) * silu_fast(zv[q].y),
-                          wv[q].z * (ov[q].z * inv_rms) * silu_fast(zv[q].z),
-                          wv[q].w * (ov[q].w * inv_rms) * silu_fast(zv[q].w));
+          *reinterpret_cast<float4*>(x_s + xpad(e0 + 4 * q)) = x4_gated(ov[q], inv_rms, wv[q], zv[q]);
         }
       }
     }

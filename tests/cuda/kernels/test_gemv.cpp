@@ -2,6 +2,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "cuda/kernels/gemv.cuh"
@@ -40,6 +41,49 @@ std::vector<float> reference_x(const GemvCase& c, const std::vector<float>& in, 
   return x;
 }
 
+// Whether gemv() runs the shape on the tensor-core kernel (aligned scales: every matrix these tests upload).
+bool on_tensor_cores(int bits, int cols) { return bits == 4 && cols == 4096; }
+
+double reference_row(const HostQMatrix& hm, int r, const std::vector<float>& x, double residual) {
+  double ref = residual;
+  for (int col = 0; col < hm.cols; ++col) ref += static_cast<double>(hm.dequant(r, col)) * x[col];
+  return ref;
+}
+
+// The error bound of row r. fp32 paths: accumulation of up to 4096 products in a few partial sums stays well below
+// 1e-5 of the sum of |terms| (worst case ~ cols * 2^-24 = 2.4e-4 for fully adversarial signs, typical ~ 1e-6);
+// the prologue adds rsqrtf/__expf errors of ~1e-6 relative. The tensor-core kernel rounds x to fp16: term k
+// moves by w_k x_k d_k with independent |d_k| <= 2^-11, whose sum has a standard deviation <= 2^-11 / sqrt(3)
+// of the l2 norm of the terms (6 of those here); and it takes the codes through sum_k (1024 + m q) x'_k from an
+// fp32 accumulator at -1024 sum_k x'_k (a few 2^-24 of 1024 |scale| |x| a term: 2e-6 of that sum). A wrong
+// nibble, group or row is >> this.
+double row_tolerance(const HostQMatrix& hm, int r, const std::vector<float>& x, double residual, bool fp16_x) {
+  double abs_sum = 0.0, sq_sum = 0.0, offset_sum = 0.0;
+  for (int col = 0; col < hm.cols; ++col) {
+    const double term = static_cast<double>(hm.dequant(r, col)) * x[col];
+    abs_sum += std::fabs(term), sq_sum += term * term;
+    const float scale = bf16_bits_to_float(hm.scales[static_cast<size_t>(r) * (hm.cols / 64) + col / 64]);
+    offset_sum += 1024.0 * std::fabs(static_cast<double>(scale) * x[col]);
+  }
+  const double fixed = 1e-5 * (std::fabs(residual) + 1.0);
+  const double x16 = 6.0 * std::ldexp(1.0, -11) / std::sqrt(3.0) * std::sqrt(sq_sum);
+  return fp16_x ? 2e-5 * abs_sum + x16 + 2e-6 * offset_sum + fixed : 2e-5 * abs_sum + fixed;
+}
+
+// c's launch parameters without the output side (residual, y, rows).
+GemvParams case_params(const GemvCase& c, const QMatrix& m, const float* in, const float* norm_w, const float* z,
+                       int head_dim, float eps) {
+  GemvParams p;
+  p.m = m;
+  p.in = in;
+  p.prologue = c.prologue;
+  p.norm_w = norm_w;
+  p.gate_z = z;
+  p.head_dim = head_dim;
+  p.eps = eps;
+  return p;
+}
+
 void run_case(const GemvCase& c, uint32_t seed, int head_dim = 128) {
   SCOPED_TRACE(testing::Message() << "rows " << c.rows << " cols " << c.cols << " bits " << c.bits
                                   << " prologue " << static_cast<int>(c.prologue) << " residual "
@@ -53,14 +97,7 @@ void run_case(const GemvCase& c, uint32_t seed, int head_dim = 128) {
   const std::vector<float> residual = random_vector(c.rows, seed + 4);
 
   DeviceBuffer<float> d_in(in), d_norm(norm_w), d_z(z), d_y(residual);
-  GemvParams p;
-  p.m = hm.upload();
-  p.in = d_in.get();
-  p.prologue = c.prologue;
-  p.norm_w = d_norm.get();
-  p.gate_z = d_z.get();
-  p.head_dim = head_dim;
-  p.eps = eps;
+  GemvParams p = case_params(c, hm.upload(), d_in.get(), d_norm.get(), d_z.get(), head_dim, eps);
   p.residual = c.residual ? d_y.get() : nullptr;  // residual aliases y: y = y + W x
   p.y = d_y.get();
   ASSERT_CUDA(gemv(p, nullptr));
@@ -76,16 +113,8 @@ void run_case(const GemvCase& c, uint32_t seed, int head_dim = 128) {
   const std::vector<float> x = reference_x(c, in, norm_w, z, head_dim, eps);
   int bad = 0;
   for (int r = 0; r < c.rows; ++r) {
-    double ref = c.residual ? residual[r] : 0.0, abs_sum = 0.0;
-    for (int col = 0; col < c.cols; ++col) {
-      const double term = static_cast<double>(hm.dequant(r, col)) * x[col];
-      ref += term;
-      abs_sum += std::fabs(term);
-    }
-    // fp32 accumulation of up to 4096 products in a few partial sums: rounding stays well below 1e-5 of the
-    // sum of |terms| (worst case ~ cols * 2^-24 = 2.4e-4 for fully adversarial signs, typical ~ 1e-6); the
-    // prologue adds rsqrtf/__expf errors of ~1e-6 relative. A wrong nibble, group or row would be >> 1e-3.
-    const double tol = 2e-5 * abs_sum + 1e-5 * (c.residual ? std::fabs(residual[r]) + 1.0 : 1.0);
+    const double ref = reference_row(hm, r, x, c.residual ? residual[r] : 0.0);
+    const double tol = row_tolerance(hm, r, x, c.residual ? residual[r] : 0.0, on_tensor_cores(c.bits, c.cols));
     if (!(std::fabs(y[r] - ref) <= tol) && bad++ < 5) {
       ADD_FAILURE() << "row " << r << ": got " << y[r] << " want " << ref << " (tol " << tol << ")";
     }
@@ -164,15 +193,72 @@ TEST(CudaGemv, UnalignedScalesUseTheRegisterPath) {
     const std::vector<float> y = d_y.download();
     const GemvCase c{rows, cols, 4, GemvPrologue::rms_norm, false};
     const std::vector<float> x = reference_x(c, in, norm_w, {}, 128, 1e-6f);
-    for (int r = 0; r < rows; ++r) {
-      double ref = 0, abs_sum = 0;
-      for (int col = 0; col < cols; ++col) {
-        ref += static_cast<double>(hm.dequant(r, col)) * x[col];
-        abs_sum += std::fabs(static_cast<double>(hm.dequant(r, col)) * x[col]);
-      }
-      ASSERT_NEAR(y[r], ref, 2e-5 * abs_sum + 1e-5) << "row " << r;  // tolerance: see run_case
+    for (int r = 0; r < rows; ++r)  // the register path is fp32 at every width
+      ASSERT_NEAR(y[r], reference_row(hm, r, x, 0.0), row_tolerance(hm, r, x, 0.0, false)) << "row " << r;
+  }
+}
+
+// gemv_rows: n activation rows against one matrix in one launch. Each row must be bit-identical to gemv() of that
+// row alone (batch invariance: the tensor-core kernel's columns are independent, the prologue per row the
+// same) and within the bound of the CPU reference; rows of x and y strided as the decode step lays them out.
+void run_rows_case(const GemvCase& c, int n, uint32_t seed) {
+  SCOPED_TRACE(testing::Message() << "rows " << c.rows << " cols " << c.cols << " prologue "
+                                  << static_cast<int>(c.prologue) << " residual " << c.residual << " n " << n);
+  const float eps = 1e-6f;
+  const int head_dim = 128, in_stride = c.cols + 4, out_stride = c.rows + 12;  // strides: multiples of 4 floats
+  HostQMatrix hm = random_qmatrix(c.rows, c.cols, c.bits, seed);
+  const std::vector<float> norm_w =
+      random_vector(c.prologue == GemvPrologue::gated_rms_norm ? head_dim : c.cols, seed + 2, 0.1f, 1.0f);
+  const std::vector<float> in = random_vector(n * in_stride, seed + 1), z = random_vector(n * in_stride, seed + 3);
+  const std::vector<float> residual = random_vector(n * out_stride, seed + 4);
+  DeviceBuffer<float> d_in(in), d_norm(norm_w), d_z(z), d_y(residual), d_one(residual);
+  GemvParams p = case_params(c, hm.upload(), d_in.get(), d_norm.get(), d_z.get(), head_dim, eps);
+  p.n_rows = n;
+  p.in_stride = in_stride, p.z_stride = in_stride, p.out_stride = out_stride;
+  p.residual = c.residual ? d_y.get() : nullptr;
+  p.y = d_y.get();
+  ASSERT_CUDA(gemv_rows(p, nullptr));
+  GemvParams alone = p;
+  alone.residual = c.residual ? d_one.get() : nullptr;
+  alone.y = d_one.get();
+  for (int r = 0; r < n; ++r) ASSERT_CUDA(gemv(gemv_row(alone, r), nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> y = d_y.download(), y_one = d_one.download();
+  int bad = 0, differ = 0;
+  for (int r = 0; r < n; ++r) {
+    const std::vector<float> in_r(in.begin() + r * in_stride, in.begin() + r * in_stride + c.cols);
+    const std::vector<float> z_r(z.begin() + r * in_stride, z.begin() + r * in_stride + c.cols);
+    const std::vector<float> x = reference_x(c, in_r, norm_w, z_r, head_dim, eps);
+    for (int row = 0; row < c.rows; ++row) {
+      const size_t i = static_cast<size_t>(r) * out_stride + row;
+      const double res = c.residual ? residual[i] : 0.0;
+      const double ref = reference_row(hm, row, x, res);
+      if (!(std::fabs(y[i] - ref) <= row_tolerance(hm, row, x, res, on_tensor_cores(c.bits, c.cols))) && bad++ < 5)
+        ADD_FAILURE() << "activation row " << r << " row " << row << ": got " << y[i] << " want " << ref;
+      if (y[i] != y_one[i] && differ++ < 5)
+        ADD_FAILURE() << "activation row " << r << " row " << row << ": " << y[i] << " beside others, " << y_one[i]
+                      << " alone";
     }
   }
+  for (size_t i = 0; i < residual.size(); ++i) {  // the padding between output rows is untouched
+    if (static_cast<int>(i % out_stride) >= c.rows && y[i] != residual[i] && bad++ < 5)
+      ADD_FAILURE() << "padding element " << i << " was written";
+  }
+  EXPECT_EQ(bad, 0);
+  EXPECT_EQ(differ, 0);
+}
+
+TEST(CudaGemv, SeveralRowsEqualEachRowAlone) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 700;
+  for (int n : {2, 3, 5, 8}) {
+    run_rows_case({8192 + 4096 + 64, 2048, 4, GemvPrologue::rms_norm, false}, n, seed++);  // GDN in_proj
+    run_rows_case({2048, 4096, 4, GemvPrologue::gated_rms_norm, true}, n, seed++);          // GDN out_proj
+    run_rows_case({2048, 4096, 4, GemvPrologue::none, true}, n, seed++);                    // attention o_proj
+    run_rows_case({1001, 2048, 4, GemvPrologue::none, false}, n, seed++);  // a partial last 16-row group
+  }
+  run_rows_case({17, 1024, 4, GemvPrologue::rms_norm, true}, 4, seed++);  // one launch per row
+  run_rows_case({300, 2048, 8, GemvPrologue::rms_norm, false}, 3, seed++);
 }
 
 // Back-to-back launches on one stream, each consuming the previous output (programmatic dependent launch
@@ -203,15 +289,20 @@ TEST(CudaGemv, ChainedLaunchesSeePreviousOutputs) {
   ASSERT_CUDA(cudaStreamDestroy(stream));
   const std::vector<float> got = (steps % 2 ? b : a).download();
   std::vector<float> v = v0;
+  std::vector<double> bound(n, 0.0);  // the sum over the steps of each step's bound (row_tolerance)
   const GemvCase c{n, n, 4, GemvPrologue::rms_norm, true};
   for (int i = 0; i < steps; ++i) {
     const std::vector<float> x = reference_x(c, v, norm_w, {}, 128, 1e-6f);
     std::vector<float> next(n);
-    for (int r = 0; r < n; ++r) next[r] = static_cast<float>(v[r] + w[i].dot(r, x.data()));
+    for (int r = 0; r < n; ++r) {
+      next[r] = static_cast<float>(v[r] + w[i].dot(r, x.data()));
+      bound[r] += row_tolerance(w[i], r, x, v[r], on_tensor_cores(4, n));
+    }
     v = next;
   }
-  // Each step adds ~1e-6 relative error (see run_case); 6 steps and |v| ~ 1..10.
-  for (int r = 0; r < n; ++r) ASSERT_NEAR(got[r], v[r], 1e-3 * (std::fabs(v[r]) + 1.0)) << "row " << r;
+  // An error in one step moves the next step's RMSNorm input; through 6 steps that stays within a few times the
+  // sum of the steps' bounds.
+  for (int r = 0; r < n; ++r) ASSERT_NEAR(got[r], v[r], 4.0 * bound[r]) << "row " << r;
 }
 
 TEST(CudaGemv, RejectsBadArguments) {
@@ -281,6 +372,50 @@ TEST(CudaGemvBench, ModelShapes) {
     };
     const QMatrix m = bench_qmatrix(pool, sh.rows, sh.cols, sh.bits, 0);
     print_bandwidth(sh.name, graph_time_us(launch, sh.iters), static_cast<double>(m.bytes()));
+  }
+}
+
+// Several activation rows against one matrix (gemv_rows, the decode step of several sequences): us a launch at
+// 1, 2, 4 and 8 rows on the model's shapes, cold weights, graph replay.
+TEST(CudaGemvBench, SeveralRows) {
+  SKIP_WITHOUT_GPU();
+  const DeviceBuffer<uint16_t> pool = bench_pool(size_t{1} << 30);
+  const int max_rows = 248320, n_max = kMaxBatchRows;
+  DeviceBuffer<float> in(random_vector(n_max * 4096, 5)), norm_w(random_vector(4096, 6, 0.1f, 1.0f));
+  DeviceBuffer<float> z(random_vector(n_max * 4096, 7)), y(random_vector(n_max * max_rows, 8));
+  struct Shape {
+    const char* name;
+    int rows, cols;
+    GemvPrologue prologue;
+    bool residual;
+    int iters;
+  };
+  const Shape shapes[] = {
+      {"gdn_in [12352, 2048] rms_norm", 8192 + 4096 + 64, 2048, GemvPrologue::rms_norm, false, 100},
+      {"gdn_out [2048, 4096] gated + residual", 2048, 4096, GemvPrologue::gated_rms_norm, true, 100},
+      {"attn_out [2048, 4096] + residual", 2048, 4096, GemvPrologue::none, true, 100},
+      {"lm_head [248320, 2048] rms_norm", max_rows, 2048, GemvPrologue::rms_norm, false, 12},
+  };
+  std::printf("\n");
+  for (const Shape& sh : shapes) {
+    for (int n : {1, 2, 4, 8}) {
+      auto launch = [&](int i, cudaStream_t stream) {
+        GemvParams p;
+        p.m = bench_qmatrix(pool, sh.rows, sh.cols, 4, i);
+        p.in = in.get();
+        p.prologue = sh.prologue;
+        p.norm_w = norm_w.get();
+        p.gate_z = z.get();
+        p.n_rows = n;
+        p.in_stride = p.z_stride = sh.cols, p.out_stride = sh.rows;
+        p.residual = sh.residual ? y.get() : nullptr;
+        p.y = y.get();
+        return gemv_rows(p, stream);
+      };
+      const QMatrix m = bench_qmatrix(pool, sh.rows, sh.cols, 4, 0);
+      const std::string name = std::string(sh.name) + ", " + std::to_string(n) + " rows";
+      print_bandwidth(name.c_str(), graph_time_us(launch, sh.iters), static_cast<double>(m.bytes()));
+    }
   }
 }
 

@@ -230,13 +230,17 @@ TEST(MkGdn, LayersMatchTheKernelChain) {
   ASSERT_CUDA((*d)->launch(nullptr));
   ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<float> mk_h = layers.h.download(), mk_S = layers.st[1]->d_S.download();
-  double dh = 0, hmax = 0, dS = 0;
+  double dh = 0, hmax = 0, dS = 0, Smax = 0;
   for (int i = 0; i < 2048; ++i) dh = std::max(dh, std::fabs(double(mk_h[i]) - chain_h[i])), hmax = std::max(hmax, std::fabs(double(chain_h[i])));
-  for (size_t i = 0; i < mk_S.size(); ++i) dS = std::max(dS, std::fabs(double(mk_S[i]) - chain_S[i]));
-  std::printf("gdn layers: max |h diff| %.3g of max |h| %.3g; max |S diff| %.3g\n", dh, hmax, dS);
-  EXPECT_TRUE(std::isfinite(hmax));
-  EXPECT_LE(dh, 1e-4 * hmax);
-  EXPECT_LE(dS, 1e-4);
+  for (size_t i = 0; i < mk_S.size(); ++i) {
+    dS = std::max(dS, std::fabs(double(mk_S[i]) - chain_S[i]));
+    Smax = std::max(Smax, std::fabs(double(chain_S[i])));
+  }
+  std::printf("gdn layers: max |h diff| %.3g of max |h| %.3g; max |S diff| %.3g of max |S| %.3g\n", dh, hmax, dS, Smax);
+  EXPECT_TRUE(std::isfinite(hmax) && std::isfinite(Smax));
+  EXPECT_LE(dh, test_util::kChainX16 * hmax);
+  // The second layer's state is built from the first layer's h, which carries the chain's fp16-x rounding.
+  EXPECT_LE(dS, test_util::kChainX16 * Smax);
 }
 
 // Stage (b): the 30 Gated DeltaNet layers of a step (projections 568 MB + states 2 x 63 MB: 694 MB, floor 163 us).
@@ -315,7 +319,7 @@ TEST(MkLayers, GdnLayersWithMoeMatchTheChain) {
   }
   std::printf("gdn + moe layers x %d steps vs the chain: %.3g of max |h| %.3g\n", kSteps, dh / hmax, hmax);
   EXPECT_TRUE(std::isfinite(hmax));
-  EXPECT_LE(dh, 1e-4 * hmax);
+  EXPECT_LE(dh, test_util::kChainX16 * hmax);
   for (int n_blocks : {1, 7}) EXPECT_EQ(run(n_blocks), got) << n_blocks << " blocks";
 }
 
