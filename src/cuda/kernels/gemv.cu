@@ -347,8 +347,8 @@ constexpr int kUnitRows = 16;
 constexpr int kHalfGroups = 4;  // a half: 256 columns
 constexpr int kHalfCols = kHalfGroups * 64;
 // A unit travels as two halves of 4 groups (so that a half's slot is refilled while the other half computes):
-// weights [group][row][32 bytes] (a thread's 8 bytes of a group row without bank conflicts), scales [row][4],
-// biases [row][4].
+// weights [row][128 bytes] with the 16-byte pieces XOR-swizzled by row (a warp's copies are whole-line L2
+// requests; a thread's 8-byte reads of a group row stay free of bank conflicts), scales [row][4], biases [row][4].
 constexpr int kHalfWeightBytes = kUnitRows * kHalfGroups * 32;                 // 2048
 constexpr int kHalfBytes = kHalfWeightBytes + 2 * kUnitRows * kHalfGroups * 2;  // 2304
 constexpr int kRows = kMaxBatchRows;                                            // mma N: 8
@@ -357,8 +357,8 @@ constexpr int kRows = kMaxBatchRows;                                            
 // of a quarter warp's 16-byte loads fall on other banks.
 __host__ __device__ constexpr int x16_row_bytes(int cols) { return 2 * cols + 16; }
 // ... all rows, rounded up to 128 bytes: the regions after them (and the rings) 128-byte aligned. (At 16 bytes
-// off, one row's lm_head took 123.7 us against 86.4 for two rows, whose offset was 32: MIO and scoreboard
-// stalls on the ring's and the sums' loads, ncu 2026-12-03.)
+// off, one row's lm_head, when it ran on this kernel, took 123.7 us against 86.4 for two rows, whose offset was
+// 32: MIO and scoreboard stalls on the ring's and the sums' loads, ncu 2026-12-03.)
 __host__ __device__ constexpr size_t x16_bytes(int cols, int n_rows) {
   return (static_cast<size_t>(n_rows) * x16_row_bytes(cols) + 127) / 128 * 128;
 }
@@ -671,7 +671,8 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const 
 }
 
 // Halves a unit: 2 (512 columns a warp) where the 512-column units fill 16 warps an SM, else 1 (the out
-// projections: 128 row groups, so more warps share a group's columns and its dot products end sooner).
+// projections: 128 row groups, so more warps share a group's columns and its dot products end sooner; the
+// model's 4,096-column matrices all take 1 now that the 2,048-column ones stay on the register kernels).
 // Measured (H200, us, one row, forced 1 / forced 2 / this rule): gdn_in 9.08 / 8.81 / 8.75, gdn_out 5.66 / 6.18 /
 // 5.65, lm_head 105.4 / 85.4 / 85.0.
 int halves_for(const QMatrix& m, int n_sms) {
