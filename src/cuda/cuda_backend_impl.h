@@ -80,11 +80,15 @@ class CudaBackend final : public CudaBench {
   Status decode_batch_on_device(std::span<SequenceState* const> seqs, std::span<const int32_t> tokens,
                                 std::span<const DeviceSampling> sampling, std::vector<int32_t>* next) override;
   Status forward_verify(SequenceState& seq, std::span<const int32_t> tokens, std::vector<float>* logits) override;
+  // The argmax of each row on the device (the greedy sample kernel): R ids come back instead of R x 1 MB of logits.
+  Status forward_verify_argmax(SequenceState& seq, std::span<const int32_t> tokens,
+                               std::vector<int32_t>* ids) override;
   Status accept_verified(SequenceState& seq, int64_t n_keep) override;
   // cuda_mtp.cpp: the head needs the prefill kernels (mtp_rows).
   bool has_mtp() const override;
   Status enable_mtp() override;
   Status mtp_draft(SequenceState& seq, int32_t token, std::vector<float>* logits) override;
+  Status mtp_draft_argmax(SequenceState& seq, int32_t token, int32_t* id) override;
   Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq, std::span<const int32_t> tokens,
                                                               int64_t split, LogitsRows rows,
                                                               std::vector<float>* logits) override;
@@ -166,6 +170,13 @@ class CudaBackend final : public CudaBench {
   // [T, H] and their tokens on the device), mtp_append_verified after a verification's graph.
   Status mtp_rows_decode(const int* tokens, const float* hidden, int R, __nv_bfloat16* k, __nv_bfloat16* v, int pos0,
                          float* out_hidden, Profiler* prof);  // R <= kMaxBatchRows, without the logits (mtp_rows)
+  // The draft step and the verification with `read_out` enqueued after them (the logits' copy to the host, or
+  // enqueue_argmax), then the synchronisation and the sequence's bookkeeping.
+  Status mtp_draft_then(SequenceState& base, int32_t token, const std::function<Status()>& read_out);
+  Status forward_verify_then(SequenceState& base, std::span<const int32_t> tokens,
+                             const std::function<Status(int rows)>& read_out);
+  // The greedy sample kernel on rows 0 .. R-1 of logits_, the R ids copied to `ids` (host) after it.
+  Status enqueue_argmax(int R, int32_t* ids);
   Status mtp_prepare(CudaSequence& s, int max_pending);
   Status mtp_read_rows(CudaSequence& s, const float* residual, int T, const int* tokens, Profiler* prof,
                        CudaCheckpoint* cp = nullptr, int cp_row = -1);
@@ -234,6 +245,7 @@ class CudaBackend final : public CudaBench {
   // (kMaxBatchRows - 1 copies of a sequence's recurrent region, allocated on the first verification), and the
   // rows as sequences (views of the verified sequence's KV cache and of these states).
   DeviceArray<int> verify_pos_;
+  DeviceArray<int> argmax_ids_;  // enqueue_argmax: the rows' ids [kMaxBatchRows], then a step slot for the kernel
   DeviceBlock verify_states_;
   uint64_t verify_owner_ = 0;  // the id of the sequence whose rows verify_states_ holds
   std::vector<std::unique_ptr<CudaSequence>> verify_views_;

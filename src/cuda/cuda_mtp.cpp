@@ -239,9 +239,23 @@ Status CudaBackend::mtp_append_verified(CudaSequence& s, std::span<const int32_t
 }
 
 // One draft step (engine/backend.h): the pending rows with their tokens and `token` (the last row's next), or the
-// previous draft's output row with `token`; the logits of the last row to the host. The entries it writes at
-// positions >= n are dropped by the next forward (mtp_prepare).
+// previous draft's output row with `token`; the logits of the last row to the host (mtp_draft) or their argmax
+// (mtp_draft_argmax). The entries it writes at positions >= n are dropped by the next forward (mtp_prepare).
 Status CudaBackend::mtp_draft(SequenceState& base, int32_t token, std::vector<float>* logits) {
+  const size_t V = static_cast<size_t>(config().vocab_size);
+  logits->resize(V);
+  return mtp_draft_then(base, token, [&]() -> Status {
+    CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+                "draft logits");
+    return ok_status();
+  });
+}
+
+Status CudaBackend::mtp_draft_argmax(SequenceState& base, int32_t token, int32_t* id) {
+  return mtp_draft_then(base, token, [&] { return enqueue_argmax(1, id); });
+}
+
+Status CudaBackend::mtp_draft_then(SequenceState& base, int32_t token, const std::function<Status()>& read_out) {
   auto* s = dynamic_cast<CudaSequence*>(&base);
   if (!s || s->owner != this) return invalid_argument("sequence state is not from this CUDA backend");
   if (!s->mtp_on) return invalid_argument("mtp_draft: the MTP head is not enabled (enable_mtp)");
@@ -266,10 +280,7 @@ Status CudaBackend::mtp_draft(SequenceState& base, int32_t token, std::vector<fl
     CUDA_RETURN(cudaMemcpyAsync(s->mtp_chain.ptr, hidden + static_cast<size_t>(R - 1) * H, H * sizeof(float),
                                 cudaMemcpyDeviceToDevice, stream_),
                 "MTP chained row");
-  const size_t V = static_cast<size_t>(config().vocab_size);
-  logits->resize(V);
-  CUDA_RETURN(cudaMemcpyAsync(logits->data(), logits_.ptr, V * sizeof(float), cudaMemcpyDeviceToHost, stream_),
-              "draft logits");
+  RETURN_IF_ERROR(read_out());
   CUDA_RETURN(cudaStreamSynchronize(stream_), "MTP draft");
   s->mtp_n += R, s->mtp_rows = 0;
   s->mtp_tokens.clear();

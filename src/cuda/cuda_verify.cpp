@@ -55,6 +55,26 @@ Status CudaBackend::bind_verify_views(CudaSequence& s, int R) {
 }
 
 Status CudaBackend::forward_verify(SequenceState& base, std::span<const int32_t> tokens, std::vector<float>* logits) {
+  const size_t V = static_cast<size_t>(config().vocab_size);
+  return forward_verify_then(base, tokens, [&](int R) -> Status {
+    logits->resize(static_cast<size_t>(R) * V);
+    CUDA_RETURN(cudaMemcpy2DAsync(logits->data(), V * sizeof(float), logits_.ptr, strides_.logits * sizeof(float),
+                                  V * sizeof(float), R, cudaMemcpyDeviceToHost, stream_),
+                "logits");
+    return ok_status();
+  });
+}
+
+Status CudaBackend::forward_verify_argmax(SequenceState& base, std::span<const int32_t> tokens,
+                                          std::vector<int32_t>* ids) {
+  return forward_verify_then(base, tokens, [&](int R) {
+    ids->assign(static_cast<size_t>(R), -1);
+    return enqueue_argmax(R, ids->data());
+  });
+}
+
+Status CudaBackend::forward_verify_then(SequenceState& base, std::span<const int32_t> tokens,
+                                        const std::function<Status(int rows)>& read_out) {
   const int R = static_cast<int>(tokens.size());
   if (R < 1 || R > kMaxBatchRows)
     return invalid_argument("forward_verify: %zu rows; the CUDA backend verifies 1 to %d", tokens.size(), kMaxBatchRows);
@@ -83,15 +103,26 @@ Status CudaBackend::forward_verify(SequenceState& base, std::span<const int32_t>
                    }));
   CUDA_RETURN(cudaGraphLaunch(g, stream_), "graph launch");
   if (s->mtp_on) RETURN_IF_ERROR(mtp_append_verified(*s, tokens));  // after the graph: the same graph either way
-  const size_t V = static_cast<size_t>(config().vocab_size);
-  logits->resize(static_cast<size_t>(R) * V);
-  CUDA_RETURN(cudaMemcpy2DAsync(logits->data(), V * sizeof(float), logits_.ptr, strides_.logits * sizeof(float),
-                                V * sizeof(float), R, cudaMemcpyDeviceToHost, stream_),
-              "logits");
+  RETURN_IF_ERROR(read_out(R));
   CUDA_RETURN(cudaStreamSynchronize(stream_), "verification step");
   s->verify_base = s->n, s->verify_rows = R;
   s->n += R;
   verify_owner_ = s->id;
+  return ok_status();
+}
+
+// Greedy sampling (sample.cuh: argmax, ties -> lowest id) of rows 0 .. R-1 of logits_, each with its own scratch
+// and counter slot as in a several-row step; no ring. The ids land in `ids` after the caller's synchronisation.
+Status CudaBackend::enqueue_argmax(int R, int32_t* ids) {
+  RETURN_IF_ERROR(argmax_ids_.reserve(kMaxBatchRows + 1));
+  const int V = config().vocab_size;
+  for (int r = 0; r < R; ++r) {
+    SampleParams p{logits_.ptr + r * strides_.logits, V, 0.0f, 0, 1.0f, 0.0f, 0, argmax_ids_.ptr + kMaxBatchRows,
+                   sample_scratch_.ptr + r * kSampleScratch, counters_.ptr + kSampleCounter + r, argmax_ids_.ptr + r,
+                   nullptr, 0};
+    CUDA_RETURN(sample_token(p, stream_), "argmax");
+  }
+  CUDA_RETURN(cudaMemcpyAsync(ids, argmax_ids_.ptr, R * sizeof(int32_t), cudaMemcpyDeviceToHost, stream_), "argmax ids");
   return ok_status();
 }
 
