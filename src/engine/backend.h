@@ -3,6 +3,7 @@
 // state (KV cache of the attention layers, conv and recurrent state of the Gated DeltaNet layers).
 #pragma once
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -60,6 +61,19 @@ struct DeviceSampling {
   float min_p = 0.0f;
   uint64_t seed = 0;
 };
+
+// The first maximum of a row of logits (ties -> lowest id), as Sampler's greedy choice; a NaN, or no finite
+// maximum, is an error.
+inline Result<int32_t> argmax_of_row(std::span<const float> row) {
+  int32_t best = -1;
+  float max = -INFINITY;
+  for (size_t i = 0; i < row.size(); ++i) {
+    if (std::isnan(row[i])) return error(ErrorCode::internal, "logit %zu is NaN", i);
+    if (row[i] > max) max = row[i], best = static_cast<int32_t>(i);
+  }
+  if (best < 0 || !std::isfinite(max)) return error(ErrorCode::internal, "no finite logit (max %g)", double(max));
+  return best;
+}
 
 class Backend {
  public:
@@ -147,6 +161,28 @@ class Backend {
   virtual Status accept_verified(SequenceState& seq, int64_t n_keep) {
     (void)seq, (void)n_keep;
     return error(ErrorCode::unsupported, "%s backend has no speculative verification", name());
+  }
+  // Greedy speculative decoding where nothing but the argmax is wanted (no logit transforms, no logprobs): the
+  // argmax (the first maximum: ties -> lowest id) of the row mtp_draft would write, and of each row
+  // forward_verify would write, with the same effect on the sequence. These defaults call those two and search
+  // the logits on the host (a NaN logit is an error, as in Sampler); a backend may find them where the logits
+  // are, without copying them out.
+  virtual Status mtp_draft_argmax(SequenceState& seq, int32_t token, int32_t* id) {
+    std::vector<float> logits;
+    RETURN_IF_ERROR(mtp_draft(seq, token, &logits));
+    ASSIGN_OR_RETURN(*id, argmax_of_row(logits));
+    return ok_status();
+  }
+  virtual Status forward_verify_argmax(SequenceState& seq, std::span<const int32_t> tokens,
+                                       std::vector<int32_t>* ids) {
+    std::vector<float> logits;
+    RETURN_IF_ERROR(forward_verify(seq, tokens, &logits));
+    const size_t V = tokens.empty() ? 0 : logits.size() / tokens.size();
+    ids->resize(tokens.size());
+    for (size_t r = 0; r < tokens.size(); ++r) {
+      ASSIGN_OR_RETURN((*ids)[r], argmax_of_row(std::span<const float>(logits.data() + r * V, V)));
+    }
+    return ok_status();
   }
 
   // The device-side decode loop: consumes `first`, samples the next token on the device, feeds it back, and so

@@ -98,6 +98,7 @@ class Loop {
         draft_(target.params()),
         rng_(rng),
         greedy_(target.params().temperature == 0.0f),
+        argmax_only_(greedy_ && plain_greedy(target.params())),
         history_(*r.history),
         V_(backend.config().vocab_size) {}
 
@@ -143,7 +144,42 @@ class Loop {
     return ok_status();
   }
 
+  // Greedy with nothing to the logits but the stop-token ban of min_tokens: a round needs only argmaxes.
+  static bool plain_greedy(const SamplingParams& p) {
+    return p.logit_bias.empty() && p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f &&
+           p.frequency_penalty == 0.0f && !p.logprobs && p.top_logprobs == 0;
+  }
+
+  // step() where every row of the round is a plain argmax (no ban left: min_tokens reached): the backend's
+  // argmax calls, which need not bring the logits to the host. The same tokens as step()'s greedy branch.
+  Status argmax_step(int k, bool& go_on) {
+    std::vector<int32_t> rows{history_.back()};
+    for (int i = 0; i < k; ++i) {
+      int32_t id = -1;
+      RETURN_IF_ERROR(backend_.mtp_draft_argmax(state_, rows.back(), &id));
+      rows.push_back(id);
+    }
+    std::vector<int32_t> best;
+    RETURN_IF_ERROR(backend_.forward_verify_argmax(state_, rows, &best));
+    if (best.size() != rows.size())
+      return error(ErrorCode::internal, "forward_verify_argmax: %zu ids for %zu rows", best.size(), rows.size());
+    counts_.steps++;
+    counts_.drafted += k;
+    int64_t kept_rows = 0;
+    go_on = true;
+    for (int i = 0; i <= k && go_on; ++i) {
+      const int32_t token = best[static_cast<size_t>(i)];
+      const bool accepted = i < k && token == rows[static_cast<size_t>(i) + 1];
+      counts_.accepted += accepted;
+      ++kept_rows;
+      go_on = push(token, 0.0f, {});
+      if (!accepted) break;
+    }
+    return backend_.accept_verified(state_, kept_rows);
+  }
+
   Status step(int k, bool& go_on) {
+    if (argmax_only_ && r_.emitted + emitted_ >= target_.params().min_tokens) return argmax_step(k, go_on);
     // Draft k tokens, each from the head's logits after the previous one.
     std::vector<int32_t> rows{history_.back()};
     // The drafts see the request's transforms too (bias, penalties, min_tokens; greedy: the argmax after them).
@@ -206,6 +242,7 @@ class Loop {
   Sampler draft_;
   SplitMix64& rng_;
   const bool greedy_;
+  const bool argmax_only_;  // greedy without bias, penalties or logprobs (plain_greedy)
   const std::vector<int32_t>& history_;
   const int64_t V_;
   int64_t emitted_ = 0;

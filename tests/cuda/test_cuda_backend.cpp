@@ -591,10 +591,16 @@ void expect_mtp_draft_matches_cpu(const std::string& preset) {
   EXPECT_EQ(gpu.mtp_draft(*gs, 1, &gl).code(), ErrorCode::invalid_argument) << "nothing forwarded yet";
   int drafts = 0;
   // One draft on both from `token`; returns the CPU's argmax (the next token both are fed).
+  // The argmax calls (on a clone: the same step) give the argmax of the logits calls' rows.
   auto draft = [&](int32_t token, const char* what) {
+    auto gc = gs->clone();
+    int32_t id = -1;
+    Status c = gpu.mtp_draft_argmax(*gc, token, &id);
+    EXPECT_TRUE(c.ok()) << c.message();
     Status a = cpu.mtp_draft(*cs, token, &cl), b = gpu.mtp_draft(*gs, token, &gl);
     EXPECT_TRUE(a.ok()) << a.message();
     EXPECT_TRUE(b.ok()) << b.message();
+    EXPECT_EQ(id, argmax(gl.data(), V)) << what << ": mtp_draft_argmax";
     const Agreement ag = compare_logits(cl, gl, V);
     std::printf("[%s] mtp_draft (%s): relative logit error %.3g, top-1 %s\n", preset.c_str(), what, ag.rel,
                 ag.top1 == 1.0 ? "equal" : "differs");
@@ -610,8 +616,19 @@ void expect_mtp_draft_matches_cpu(const std::string& preset) {
   const int32_t d2 = draft(d1, "chained");
   // Verify [t0, d1, d2] and keep two rows: the head then drafts from the two pending rows after t0's position.
   const std::vector<int32_t> rows = {t0, d1, d2};
+  {
+    auto gc = gs->clone();
+    std::vector<int32_t> ids;
+    Status c = gpu.forward_verify_argmax(*gc, rows, &ids);
+    ASSERT_TRUE(c.ok()) << c.message();
+    ASSERT_TRUE(gpu.forward_verify(*gs, rows, &gl).ok());
+    ASSERT_EQ(ids.size(), rows.size());
+    for (size_t r = 0; r < rows.size(); ++r)
+      EXPECT_EQ(ids[r], argmax(gl.data() + r * V, V)) << "forward_verify_argmax row " << r;
+    std::printf("[%s] forward_verify_argmax: %zu rows equal to the argmax of forward_verify's\n", preset.c_str(),
+                rows.size());
+  }
   ASSERT_TRUE(cpu.forward_verify(*cs, rows, &cl).ok());
-  ASSERT_TRUE(gpu.forward_verify(*gs, rows, &gl).ok());
   EXPECT_EQ(gpu.mtp_draft(*gs, 1, &gl).code(), ErrorCode::invalid_argument) << "between verify and accept";
   ASSERT_TRUE(cpu.accept_verified(*cs, 2).ok());
   ASSERT_TRUE(gpu.accept_verified(*gs, 2).ok());

@@ -4,6 +4,7 @@
 // greedy output token for token the plain loop's for K = 1..3 (with stop tokens, stop strings, max_tokens,
 // min_tokens, logprobs, cancellation and the session cache), seeded sampling reproducible, and the errors: a
 // checkpoint without the head, bad --speculative values.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 
@@ -368,6 +369,169 @@ TEST(SpeculativeEngine, RunAloneResumedAfterEveryRoundMatchesOneRun) {
   }
 }
 
+// Backend::argmax_of_row: Sampler's greedy choice (the first maximum), and a clear error where there is none.
+TEST(SpeculativeArgmax, FirstMaximumAndErrors) {
+  const float inf = INFINITY, nan = NAN;
+  EXPECT_EQ(*argmax_of_row(std::vector<float>{1, 3, 3, 2}), 1);
+  EXPECT_EQ(*argmax_of_row(std::vector<float>{-inf, -5, -inf}), 1);
+  for (const std::vector<float>& bad : {std::vector<float>{1, nan, 2}, std::vector<float>{-inf, -inf},
+                                        std::vector<float>{inf, 0}, std::vector<float>{}}) {  // as Sampler
+    Result<int32_t> r = argmax_of_row(bad);
+    EXPECT_FALSE(r.ok());
+  }
+  EXPECT_NE(argmax_of_row(std::vector<float>{1, nan}).status().message().find("logit 1 is NaN"), std::string::npos);
+}
+
+// The CPU backend with the MTP head, counting the speculative calls, optionally biasing one token in every row it
+// returns (so that the head's drafts are accepted) and answering the argmax calls itself (use_argmax: from the
+// same biased rows, as a backend that searches where its logits are) or by Backend's defaults (which call its
+// logits calls).
+class CountingMtpBackend final : public Backend {
+ public:
+  CountingMtpBackend() : cpu_(mtp_backend()) {}
+  const char* name() const override { return "cpu-counting"; }
+  const ModelConfig& config() const override { return cpu_->config(); }
+  std::unique_ptr<SequenceState> new_sequence() override { return cpu_->new_sequence(); }
+  bool has_mtp() const override { return true; }
+  Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
+                 std::vector<float>* logits) override {
+    RETURN_IF_ERROR(cpu_->forward(seq, tokens, rows, logits));
+    if (logits) bias(*logits);
+    return ok_status();
+  }
+  Status mtp_draft(SequenceState& seq, int32_t token, std::vector<float>* logits) override {
+    ++logits_calls;
+    return draft(seq, token, logits);
+  }
+  Status forward_verify(SequenceState& seq, std::span<const int32_t> tokens, std::vector<float>* logits) override {
+    ++logits_calls;
+    return verify(seq, tokens, logits);
+  }
+  Status accept_verified(SequenceState& seq, int64_t n_keep) override { return cpu_->accept_verified(seq, n_keep); }
+  Status mtp_draft_argmax(SequenceState& seq, int32_t token, int32_t* id) override {
+    if (!use_argmax) return Backend::mtp_draft_argmax(seq, token, id);
+    ++argmax_calls;
+    std::vector<float> logits;
+    RETURN_IF_ERROR(draft(seq, token, &logits));
+    ASSIGN_OR_RETURN(*id, argmax_of_row(logits));
+    return ok_status();
+  }
+  Status forward_verify_argmax(SequenceState& seq, std::span<const int32_t> tokens,
+                               std::vector<int32_t>* ids) override {
+    if (!use_argmax) return Backend::forward_verify_argmax(seq, tokens, ids);
+    ++argmax_calls;
+    std::vector<float> logits;
+    RETURN_IF_ERROR(verify(seq, tokens, &logits));
+    const size_t V = static_cast<size_t>(config().vocab_size);
+    ids->resize(tokens.size());
+    for (size_t r = 0; r < tokens.size(); ++r) {
+      ASSIGN_OR_RETURN((*ids)[r], argmax_of_row(std::span<const float>(logits.data() + r * V, V)));
+    }
+    return ok_status();
+  }
+  bool use_argmax = true;
+  int32_t biased = -1;
+  int logits_calls = 0, argmax_calls = 0;
+
+ private:
+  void bias(std::vector<float>& logits) const {
+    const size_t V = static_cast<size_t>(config().vocab_size);
+    if (biased >= 0)
+      for (size_t i = static_cast<size_t>(biased); i < logits.size(); i += V) logits[i] += 100.0f;
+  }
+  Status draft(SequenceState& seq, int32_t token, std::vector<float>* logits) {
+    RETURN_IF_ERROR(cpu_->mtp_draft(seq, token, logits));
+    bias(*logits);
+    return ok_status();
+  }
+  Status verify(SequenceState& seq, std::span<const int32_t> tokens, std::vector<float>* logits) {
+    RETURN_IF_ERROR(cpu_->forward_verify(seq, tokens, logits));
+    bias(*logits);
+    return ok_status();
+  }
+  std::unique_ptr<Backend> cpu_;
+};
+
+struct LoopRun {
+  std::vector<int32_t> tokens;
+  SpeculativeCounts counts;
+  int logits_calls = 0, argmax_calls = 0;
+};
+
+LoopRun run_loop(bool use_argmax, int32_t biased, int k, const SamplingParams& params,
+                 std::span<const int32_t> stops) {
+  CountingMtpBackend b;
+  b.use_argmax = use_argmax, b.biased = biased;
+  const std::vector<int32_t> prompt = {151644, 872, 198, 9707, 11, 1879};
+  auto seq = b.new_sequence();
+  EXPECT_TRUE(b.forward(*seq, std::span<const int32_t>(prompt.data(), prompt.size() - 1), LogitsRows::none,
+                        nullptr).ok());
+  std::vector<int32_t> history = prompt;
+  SpeculativeRequest r{&history, prompt.size(), stops, 0, 24, k, {}};
+  Sampler target(params);
+  SplitMix64 rng(speculative_seed(target.seed()));
+  LoopRun out;
+  Status st = speculative_decode(b, *seq, target, rng, r,
+                                 [&](int32_t id, float, std::vector<TokenLogprob>) {
+                                   history.push_back(id);
+                                   out.tokens.push_back(id);
+                                   // the engine's sink ends at a stop token and at the budget
+                                   return !std::count(stops.begin(), stops.end(), id) &&
+                                          static_cast<int64_t>(out.tokens.size()) < r.budget;
+                                 },
+                                 out.counts);
+  EXPECT_TRUE(st.ok()) << st.message();
+  out.logits_calls = b.logits_calls, out.argmax_calls = b.argmax_calls;
+  return out;
+}
+
+// Plain greedy rounds (no bias, penalties or logprobs; min_tokens reached) take the argmax calls, with the same
+// tokens and acceptances as the logits path, also inside accepted runs (a biased token) and with min_tokens
+// (its first rounds need the logits for the stop-token ban).
+TEST(SpeculativeLoop, PlainGreedyRoundsTakeTheArgmaxCallsWithTheSameTokens) {
+  const int32_t x = tiny_model().tokenizer.encode("a").at(0);
+  for (int k = 1; k <= 3; ++k) {
+    for (int32_t biased : {-1, x}) {
+      for (int min_tokens : {0, 5}) {
+        SCOPED_TRACE("k " + std::to_string(k) + " biased " + std::to_string(biased) + " min_tokens " +
+                     std::to_string(min_tokens));
+        SamplingParams p;
+        p.temperature = 0.0f;
+        p.min_tokens = min_tokens;
+        const std::vector<int32_t> stops = min_tokens > 0 && biased >= 0 ? std::vector<int32_t>{x}
+                                                                          : std::vector<int32_t>{};
+        const LoopRun a = run_loop(false, biased, k, p, stops), b = run_loop(true, biased, k, p, stops);
+        EXPECT_EQ(b.tokens, a.tokens);
+        EXPECT_EQ(b.counts.steps, a.counts.steps);
+        EXPECT_EQ(b.counts.accepted, a.counts.accepted);
+        EXPECT_EQ(a.argmax_calls, 0);
+        EXPECT_GT(b.argmax_calls, 0);
+        if (min_tokens == 0) {
+          EXPECT_EQ(b.logits_calls, 0) << "no logits to the host in plain greedy rounds";
+        } else {
+          EXPECT_GT(b.logits_calls, 0) << "the ban of min_tokens needs the logits";
+        }
+        if (biased >= 0) {
+          EXPECT_GT(b.counts.accepted, 0);
+        }
+        if (!stops.empty()) {
+          EXPECT_EQ(b.tokens.size(), static_cast<size_t>(min_tokens) + 1);
+        }
+      }
+    }
+  }
+  SamplingParams p;  // anything done to the logits keeps the logits path
+  p.temperature = 0.0f;
+  p.logit_bias[x] = 1.0f;
+  EXPECT_EQ(run_loop(true, -1, 2, p, {}).argmax_calls, 0);
+  p.logit_bias.clear();
+  p.logprobs = true;
+  EXPECT_EQ(run_loop(true, -1, 2, p, {}).argmax_calls, 0);
+  p.logprobs = false;
+  p.repetition_penalty = 1.1f;
+  EXPECT_EQ(run_loop(true, -1, 2, p, {}).argmax_calls, 0);
+}
+
 TEST(SpeculativeErrors, ACheckpointWithoutTheHeadIsRefusedClearly) {
   const fs::path dir = tiny_model().dir / "no_mtp";
   SynthOptions o;
@@ -426,7 +590,8 @@ TEST(SpeculativeCli, GenerateTakesTheFlagAndRefusesBadValues) {
                             .c_str()),
             0)
       << slurp(table);
-  for (const char* row : {"decode", "verify 1", "verify 3", "mtp draft", "projection (measured draft", "break-even"})
+  for (const char* row : {"decode", "verify 1", "verify 3", "verify 3 argmax", "mtp draft", "mtp draft argmax",
+                          "projection, greedy", "measured draft", "break-even"})
     EXPECT_NE(slurp(table).find(row), std::string::npos) << row << " in\n" << slurp(table);
   for (const char* bad : {"mtp:0", "mtp:9", "medusa"}) {
     const fs::path e = out / "bad.err";
