@@ -6,7 +6,10 @@
 // kept (Backend::accept_verified: no recomputation).
 //
 // Acceptance. Greedy (temperature 0): a draft is kept iff it is the row's argmax, so the output is token for
-// token the plain loop's (the CPU backend's rows do not depend on how many are computed together). Sampling:
+// token the plain loop's (the CPU backend's rows do not depend on how many are computed together). A greedy
+// request with no logit transforms (bias, penalties) and no logprobs needs only argmaxes once min_tokens is
+// reached: those rounds call Backend::mtp_draft_argmax / forward_verify_argmax, which need not bring the logits
+// to the host. Sampling:
 // the rule of Leviathan et al. 2023 / Chen et al. 2023: draft x ~ q (the head's distribution after the request's
 // sampling transforms) is kept with probability min(1, p(x) / q(x)), where p is the model's distribution at that
 // row; otherwise the token is drawn from norm(max(0, p - q)). The emitted tokens are then distributed exactly as
