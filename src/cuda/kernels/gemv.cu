@@ -842,7 +842,6 @@ bool rows_kernel_takes(const GemvParams& p, int n_sms) {
   return smem <= device_smem_optin() - 32 * kRowsMax * sizeof(float) - 1024;
 }
 
-
 // Whether the tensor-core kernel takes p (4-bit, 4,096 columns, 16-byte aligned scales and biases, the prologue's
 // conditions (x16_takes), the shared memory for n_rows on this GPU). Else gemv() takes the register kernel and
 // gemv_rows the several-row register kernel or gemv() per row. A row alone passes wherever its batch does (its
