@@ -3,7 +3,6 @@
 // state (KV cache of the attention layers, conv and recurrent state of the Gated DeltaNet layers).
 #pragma once
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -12,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "engine/sampler.h"
 #include "model/weights.h"
 #include "util/byte_io.h"
 #include "util/status.h"
@@ -61,19 +61,6 @@ struct DeviceSampling {
   float min_p = 0.0f;
   uint64_t seed = 0;
 };
-
-// The first maximum of a row of logits (ties -> lowest id), as Sampler's greedy choice; a NaN, or no finite
-// maximum, is an error.
-inline Result<int32_t> argmax_of_row(std::span<const float> row) {
-  int32_t best = -1;
-  float max = -INFINITY;
-  for (size_t i = 0; i < row.size(); ++i) {
-    if (std::isnan(row[i])) return error(ErrorCode::internal, "logit %zu is NaN", i);
-    if (row[i] > max) max = row[i], best = static_cast<int32_t>(i);
-  }
-  if (best < 0 || !std::isfinite(max)) return error(ErrorCode::internal, "no finite logit (max %g)", double(max));
-  return best;
-}
 
 class Backend {
  public:

@@ -284,19 +284,10 @@ int32_t Sampler::draw(std::span<const float> logits, float max_logit) {
 }
 
 float Sampler::max_and_check(std::span<const float> logits, int32_t* argmax) {
-  float max_logit = -std::numeric_limits<float>::infinity();
-  int32_t best = -1;  // first maximum: ties -> lowest id
-  for (size_t i = 0; i < logits.size(); ++i) {
-    CHECK(!std::isnan(logits[i]), "logit %zu is NaN", i);
-    if (logits[i] > max_logit) {
-      max_logit = logits[i];
-      best = static_cast<int32_t>(i);
-    }
-  }
-  CHECK(best >= 0 && std::isfinite(max_logit), "no finite logit to sample from (max %g)",
-        static_cast<double>(max_logit));
-  if (argmax) *argmax = best;
-  return max_logit;
+  Result<int32_t> best = argmax_of_row(logits);
+  CHECK(best.ok(), "%s", best.ok() ? "" : best.status().message().c_str());
+  if (argmax) *argmax = *best;
+  return logits[static_cast<size_t>(*best)];
 }
 
 void Sampler::distribution(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt,

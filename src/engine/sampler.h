@@ -43,6 +43,7 @@
 // sorted (ties in z share a bin; the degenerate case of the whole vocabulary tied sorts it all).
 // top_logprobs: one pass with an n-element heap.
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -104,6 +105,20 @@ class SplitMix64 {
  private:
   uint64_t state_;
 };
+
+// Step 5's greedy choice: the first maximum of a row of logits (ties -> lowest id); a NaN, or no finite maximum,
+// is an error (Sampler CHECKs it; Backend's argmax calls return it).
+inline Result<int32_t> argmax_of_row(std::span<const float> row) {
+  int32_t best = -1;
+  float max = -INFINITY;
+  for (size_t i = 0; i < row.size(); ++i) {
+    if (std::isnan(row[i])) return error(ErrorCode::internal, "logit %zu is NaN", i);
+    if (row[i] > max) max = row[i], best = static_cast<int32_t>(i);
+  }
+  if (best < 0 || !std::isfinite(max))
+    return error(ErrorCode::internal, "no finite logit to sample from (max %g)", double(max));
+  return best;
+}
 
 // One sampler per request: it owns the RNG stream and scratch buffers, so it is not shared between threads.
 class Sampler {

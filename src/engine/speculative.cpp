@@ -163,19 +163,10 @@ class Loop {
     RETURN_IF_ERROR(backend_.forward_verify_argmax(state_, rows, &best));
     if (best.size() != rows.size())
       return error(ErrorCode::internal, "forward_verify_argmax: %zu ids for %zu rows", best.size(), rows.size());
-    counts_.steps++;
-    counts_.drafted += k;
-    int64_t kept_rows = 0;
-    go_on = true;
-    for (int i = 0; i <= k && go_on; ++i) {
+    return keep_verified(k, go_on, [&](int i) {
       const int32_t token = best[static_cast<size_t>(i)];
-      const bool accepted = i < k && token == rows[static_cast<size_t>(i) + 1];
-      counts_.accepted += accepted;
-      ++kept_rows;
-      go_on = push(token, 0.0f, {});
-      if (!accepted) break;
-    }
-    return backend_.accept_verified(state_, kept_rows);
+      return RowVerdict{token, i < k && token == rows[static_cast<size_t>(i) + 1], {}};
+    });
   }
 
   Status step(int k, bool& go_on) {
@@ -197,39 +188,54 @@ class Loop {
     // Verify them in one forward, then keep rows while the drafts are accepted.
     std::vector<float> all;
     RETURN_IF_ERROR(backend_.forward_verify(state_, rows, &all));
-    counts_.steps++;
-    counts_.drafted += k;
-    int64_t kept_rows = 0;
-    go_on = true;
     std::vector<float> p;
-    for (int i = 0; i <= k && go_on; ++i) {
+    return keep_verified(k, go_on, [&](int i) {
       std::span<float> row(all.data() + static_cast<size_t>(i) * V_, static_cast<size_t>(V_));
       ban_stops_if_early(row, 0);
-      int32_t token;
-      bool accepted = false;
-      SampleResult lp{-1, 0.0f, {}};
+      RowVerdict v{-1, false, {-1, 0.0f, {}}};
       if (greedy_) {
-        lp = target_.sample(row, history_, r_.n_prompt);
-        token = lp.id;
-        accepted = i < k && token == rows[static_cast<size_t>(i) + 1];
+        v.lp = target_.sample(row, history_, r_.n_prompt);
+        v.token = v.lp.id;
+        v.accepted = i < k && v.token == rows[static_cast<size_t>(i) + 1];
       } else {
         target_.distribution(row, history_, r_.n_prompt, p);
         const double u_accept = rng_.next_uniform(), u_resample = rng_.next_uniform();
         if (i < k) {
-          DraftVerdict v = accept_or_resample(p, q[static_cast<size_t>(i)], rows[static_cast<size_t>(i) + 1],
+          DraftVerdict d = accept_or_resample(p, q[static_cast<size_t>(i)], rows[static_cast<size_t>(i) + 1],
                                               u_accept, u_resample);
-          token = v.token, accepted = v.accepted;
+          v.token = d.token, v.accepted = d.accepted;
         } else {
-          token = draw_from(p, u_accept);  // the bonus row
+          v.token = draw_from(p, u_accept);  // the bonus row
         }
-        if (target_.params().logprobs) lp = target_.logprobs(row, token);
+        if (target_.params().logprobs) v.lp = target_.logprobs(row, v.token);
       }
-      counts_.accepted += accepted;
+      return v;
+    });
+  }
+
+  // A verified row's outcome: its token, whether that is the draft it verified, the token's logprobs.
+  struct RowVerdict {
+    int32_t token;
+    bool accepted;
+    SampleResult lp;
+  };
+
+  // Emits rows 0 .. k of a verification in order (verdict(i), asked only once the rows before were emitted, as a
+  // row's penalties read them) while the drafts are accepted, then cuts the sequence back to them: the state keeps
+  // the row before each emitted token (the sampled token and the emitted drafts but the last).
+  template <class Verdict>
+  Status keep_verified(int k, bool& go_on, Verdict&& verdict) {
+    counts_.steps++;
+    counts_.drafted += k;
+    int64_t kept_rows = 0;
+    go_on = true;
+    for (int i = 0; i <= k && go_on; ++i) {
+      RowVerdict v = verdict(i);
+      counts_.accepted += v.accepted;
       ++kept_rows;
-      go_on = push(token, lp.logprob, std::move(lp.top));
-      if (!accepted) break;
+      go_on = push(v.token, v.lp.logprob, std::move(v.lp.top));
+      if (!v.accepted) break;
     }
-    // The state keeps the row before each emitted token: the sampled token and the emitted drafts but the last.
     return backend_.accept_verified(state_, kept_rows);
   }
 

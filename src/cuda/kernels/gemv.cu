@@ -671,8 +671,8 @@ __global__ void __launch_bounds__(32 * kAsyncMaxWarps, 1) gemv_mma_kernel(const 
 }
 
 // Halves a unit: 2 (512 columns a warp) where the 512-column units fill 16 warps an SM, else 1 (the out
-// projections: 128 row groups, so more warps share a group's columns and its dot products end sooner; the
-// model's 4,096-column matrices all take 1 now that the 2,048-column ones stay on the register kernels).
+// projections on the H200: 128 row groups, so more warps share a group's columns and its dot products end
+// sooner; on GPUs of 64 SMs or fewer the out projections take 2).
 // Measured (H200, us, one row, forced 1 / forced 2 / this rule): gdn_in 9.08 / 8.81 / 8.75, gdn_out 5.66 / 6.18 /
 // 5.65, lm_head 105.4 / 85.4 / 85.0.
 int halves_for(const QMatrix& m, int n_sms) {
