@@ -842,13 +842,18 @@ bool rows_kernel_takes(const GemvParams& p, int n_sms) {
   return smem <= device_smem_optin() - 32 * kRowsMax * sizeof(float) - 1024;
 }
 
-// Whether the tensor-core kernel takes p (4-bit, 4,096 columns, 16-byte aligned scales and biases, the prologue's
-// conditions (x16_takes), the shared memory for n_rows on this GPU). Else gemv() takes the register kernel and
-// gemv_rows the several-row register kernel or gemv() per row. A row alone passes wherever its batch does (its
-// pointers are the batch's rows, and x grows with the rows), so it gets the same kernel, hence the same arithmetic.
+// Whether the tensor-core kernel takes p (4-bit; 4,096 columns, or 2,048 columns with at least kMmaMinRows2048 rows,
+// i.e. lm_head; 16-byte aligned scales and biases, the prologue's conditions (x16_takes), the shared memory for
+// n_rows on this GPU). Else gemv() takes the register kernel and gemv_rows the several-row register kernel or gemv()
+// per row. A row alone passes wherever its batch does (its pointers are the batch's rows, and x grows with the rows),
+// so it gets the same kernel, hence the same arithmetic. On the H200 (PERF_NOTES 2026-12-03, ninth session) lm_head
+// on the tensor cores costs one decode row +0.3% and wins 8 rows 5.6%; attn_in / gdn_in (2,048 columns, < 13K rows)
+// lose at one row (+1.2% for attn_in, more with gdn_in) and stay on the register kernels.
+constexpr int kMmaMinRows2048 = 65536;  // lm_head's 248,320; the in projections have 9,216 and 12,352
 bool mma_takes(const GemvParams& p, int n_sms) {
   const QMatrix& m = p.m;
-  if (m.bits != 4 || m.cols != 4096 || n_sms < 1) return false;
+  if (m.bits != 4 || n_sms < 1) return false;
+  if (m.cols != 4096 && !(m.cols == 2048 && m.rows >= kMmaMinRows2048)) return false;
   if (reinterpret_cast<uintptr_t>(m.scales) % 16 || reinterpret_cast<uintptr_t>(m.biases) % 16) return false;
   if (!mma::x16_takes(p)) return false;
   return mma::smem_bytes(m.cols, p.n_rows, mma::warps_for(m, n_sms), 2) <= mma::smem_max();
@@ -878,6 +883,10 @@ cudaError_t launch_mma(const GemvParams& p, int n_sms, cudaStream_t stream) {
                                           : launch_mma<COLS, 1>(p, warps, n_sms, stream);
 }
 
+cudaError_t launch_mma_cols(const GemvParams& p, int n_sms, cudaStream_t stream) {
+  return p.m.cols == 2048 ? launch_mma<2048>(p, n_sms, stream) : launch_mma<4096>(p, n_sms, stream);
+}
+
 }  // namespace
 
 cudaError_t gemv(const GemvParams& p_in, cudaStream_t stream) {
@@ -886,7 +895,7 @@ cudaError_t gemv(const GemvParams& p_in, cudaStream_t stream) {
   if (!valid_params(p)) return cudaErrorInvalidValue;
   if (p.m.bits == 4) {
     const int n_sms = device_sms();
-    if (mma_takes(p, n_sms)) return launch_mma<4096>(p, n_sms, stream);
+    if (mma_takes(p, n_sms)) return launch_mma_cols(p, n_sms, stream);
     switch (p.m.cols) {
       case 512: return launch_q4<512>(p, stream);
       case 1024: return launch_q4<1024>(p, stream);
@@ -909,7 +918,7 @@ cudaError_t gemv_rows(const GemvParams& p, cudaStream_t stream) {
   if (!valid_params(one)) return cudaErrorInvalidValue;
   if (p.n_rows == 1) return gemv(one, stream);
   const int n_sms = device_sms();
-  if (mma_takes(p, n_sms)) return launch_mma<4096>(p, n_sms, stream);
+  if (mma_takes(p, n_sms)) return launch_mma_cols(p, n_sms, stream);
   // The register kernel for several rows only where a row alone takes the register kernel too (its rows are
   // bit-identical to gemv()'s); else one gemv() a row, which picks what the row alone would.
   if (!mma_takes(one, n_sms) && rows_kernel_takes(p, n_sms))

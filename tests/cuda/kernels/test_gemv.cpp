@@ -42,7 +42,9 @@ std::vector<float> reference_x(const GemvCase& c, const std::vector<float>& in, 
 }
 
 // Whether gemv() runs the shape on the tensor-core kernel (aligned scales: every matrix these tests upload).
-bool on_tensor_cores(int bits, int cols) { return bits == 4 && cols == 4096; }
+bool on_tensor_cores(int bits, int rows, int cols) {
+  return bits == 4 && (cols == 4096 || (cols == 2048 && rows >= 65536));
+}
 
 double reference_row(const HostQMatrix& hm, int r, const std::vector<float>& x, double residual) {
   double ref = residual;
@@ -114,7 +116,7 @@ void run_case(const GemvCase& c, uint32_t seed, int head_dim = 128) {
   int bad = 0;
   for (int r = 0; r < c.rows; ++r) {
     const double ref = reference_row(hm, r, x, c.residual ? residual[r] : 0.0);
-    const double tol = row_tolerance(hm, r, x, c.residual ? residual[r] : 0.0, on_tensor_cores(c.bits, c.cols));
+    const double tol = row_tolerance(hm, r, x, c.residual ? residual[r] : 0.0, on_tensor_cores(c.bits, c.rows, c.cols));
     if (!(std::fabs(y[r] - ref) <= tol) && bad++ < 5) {
       ADD_FAILURE() << "row " << r << ": got " << y[r] << " want " << ref << " (tol " << tol << ")";
     }
@@ -136,6 +138,7 @@ TEST(CudaGemv, FourBitModelShapesRmsNorm) {
   SKIP_WITHOUT_GPU();
   run_case({8192 + 4096 + 64, 2048, 4, GemvPrologue::rms_norm, false}, 200);  // GDN in_proj qkv|z|b|a
   run_case({9216, 2048, 4, GemvPrologue::rms_norm, false}, 201);              // attention q|k|v
+  run_case({65536 + 16 * 3 + 5, 2048, 4, GemvPrologue::rms_norm, false}, 204);  // lm_head-sized: tensor cores
   run_case({2048, 512, 4, GemvPrologue::rms_norm, true}, 202);
   run_case({777, 1024, 4, GemvPrologue::rms_norm, false}, 203);
 }
@@ -233,7 +236,7 @@ void run_rows_case(const GemvCase& c, int n, uint32_t seed) {
       const size_t i = static_cast<size_t>(r) * out_stride + row;
       const double res = c.residual ? residual[i] : 0.0;
       const double ref = reference_row(hm, row, x, res);
-      if (!(std::fabs(y[i] - ref) <= row_tolerance(hm, row, x, res, on_tensor_cores(c.bits, c.cols))) && bad++ < 5)
+      if (!(std::fabs(y[i] - ref) <= row_tolerance(hm, row, x, res, on_tensor_cores(c.bits, c.rows, c.cols))) && bad++ < 5)
         ADD_FAILURE() << "activation row " << r << " row " << row << ": got " << y[i] << " want " << ref;
       if (y[i] != y_one[i] && differ++ < 5)
         ADD_FAILURE() << "activation row " << r << " row " << row << ": " << y[i] << " beside others, " << y_one[i]
@@ -257,6 +260,7 @@ TEST(CudaGemv, SeveralRowsEqualEachRowAlone) {
     run_rows_case({2048, 4096, 4, GemvPrologue::none, true}, n, seed++);                    // attention o_proj
     run_rows_case({1001, 2048, 4, GemvPrologue::none, false}, n, seed++);  // a partial last 16-row group
   }
+  for (int n : {2, 8}) run_rows_case({65536 + 5, 2048, 4, GemvPrologue::rms_norm, false}, n, seed++);  // lm_head-sized
   run_rows_case({17, 1024, 4, GemvPrologue::rms_norm, true}, 4, seed++);  // one launch per row
   run_rows_case({300, 2048, 8, GemvPrologue::rms_norm, false}, 3, seed++);
 }
@@ -296,7 +300,7 @@ TEST(CudaGemv, ChainedLaunchesSeePreviousOutputs) {
     std::vector<float> next(n);
     for (int r = 0; r < n; ++r) {
       next[r] = static_cast<float>(v[r] + w[i].dot(r, x.data()));
-      bound[r] += row_tolerance(w[i], r, x, v[r], on_tensor_cores(4, n));
+      bound[r] += row_tolerance(w[i], r, x, v[r], on_tensor_cores(4, n, n));
     }
     v = next;
   }
