@@ -227,6 +227,7 @@ class CudaBackend final : public CudaBench {
   // Prefill scratch, sized by options_.prefill_chunk rows (allocated on the first prefill).
   DeviceArray<float> ph_, pproj_, plogits_;
   DeviceArray<__half> pxb_, pob_;  // fp16 A operands of the prefill GEMMs
+  DeviceArray<__half> pw16_;       // a dense projection's W expanded to fp16 (QGemmParams::w16; chunks >= 512 rows)
   DeviceArray<__half> mtp_cat_;    // the MTP head's fc operand [rows, 2H] (cuda_mtp.cpp)
   // With the head enabled (enable_mtp): a plain forward chunk's final-norm rows after the pending one
   // [prefill_chunk + 1, H], and the tokens a draft or the head's catch-up reads [kMtpPendingRows].

@@ -28,13 +28,23 @@ bool CudaBackend::prefill_supported() const {
 
 namespace {
 
+// From this many rows a dense projection on the wgmma path expands its W to fp16 first and runs the GEMM whose
+// producer only copies (qgemm.cuh: QGemmParams::w16; bit-identical). H200, a 4K chunk: gdn_in 22.8 -> 15.4 ms,
+// gdn_out 10.2 -> 6.3, attn_in 5.7 -> 3.9, attn_out 3.4 -> 2.1 (the expansion included); at 256 rows the
+// expansion costs more than it saves (the 256-token prompt 19.25 -> 19.50 ms). docs/PERF_NOTES.md, 2026-12-03
+// (ninth session).
+constexpr int kW16MinRows = 512;
+
 // The prefill scratch's arrays, in elements, from the chunk and the geometry.
 struct PrefillSizes {
-  size_t residual, proj, a_in, a_mixer, kernels_bytes, head_logits;
-  size_t bytes() const { return 4 * residual + 4 * proj + 2 * a_in + 2 * a_mixer + kernels_bytes + 4 * head_logits; }
+  size_t residual, proj, a_in, a_mixer, kernels_bytes, head_logits, w16;
+  size_t bytes() const {
+    return 4 * residual + 4 * proj + 2 * a_in + 2 * a_mixer + kernels_bytes + 4 * head_logits + 2 * w16;
+  }
 };
 
-PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk, int head_rows) {
+// w16: the dense projections may take the fp16-W GEMM (the wgmma path and a chunk of >= kW16MinRows rows).
+PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk, int head_rows, bool w16) {
   const size_t C = chunk, H = c.hidden_size, nq = c.num_attention_heads, D = c.head_dim;
   size_t proj_cols = 0;
   for (const DeviceLayer& l : m.layers)
@@ -53,25 +63,34 @@ PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk
                               attn_prefill_scratch_bytes(chunk, c.num_attention_heads, c.head_dim),
                               kQgemmSplitScratchMax});
   s.head_logits = std::min<size_t>(C, head_rows) * c.vocab_size;
+  s.w16 = 0;
+  if (w16 && chunk >= kW16MinRows) {
+    for (const DeviceLayer& l : m.layers) {
+      for (const QMatrix* q : {&l.gdn_in, &l.gdn_out, &l.attn_in, &l.attn_out})
+        s.w16 = std::max(s.w16, static_cast<size_t>(q->rows) * q->cols);
+    }
+  }
   return s;
 }
 
 }  // namespace
 
 size_t CudaBackend::prefill_scratch_needed() const {
-  return prefill_sizes(config(), *model_, options_.prefill_chunk, kHeadRows).bytes();
+  return prefill_sizes(config(), *model_, options_.prefill_chunk, kHeadRows, paths_.wgmma).bytes();
 }
 
 Status CudaBackend::ensure_prefill_scratch() {
   if (prefill_bytes_ > 0) return ok_status();
-  const PrefillSizes z = prefill_sizes(config(), *model_, options_.prefill_chunk, kHeadRows);
+  const PrefillSizes z = prefill_sizes(config(), *model_, options_.prefill_chunk, kHeadRows, paths_.wgmma);
   RETURN_IF_ERROR(ph_.alloc(z.residual));
   RETURN_IF_ERROR(pproj_.alloc(z.proj));
   RETURN_IF_ERROR(pxb_.alloc(z.a_in));
   RETURN_IF_ERROR(pob_.alloc(z.a_mixer));
   RETURN_IF_ERROR(pscratch_.alloc(z.kernels_bytes));
   RETURN_IF_ERROR(plogits_.alloc(z.head_logits));
-  prefill_bytes_ = ph_.bytes() + pproj_.bytes() + pxb_.bytes() + pob_.bytes() + pscratch_.bytes() + plogits_.bytes();
+  RETURN_IF_ERROR(pw16_.alloc(z.w16));
+  prefill_bytes_ = ph_.bytes() + pproj_.bytes() + pxb_.bytes() + pob_.bytes() + pscratch_.bytes() + plogits_.bytes() +
+                   pw16_.bytes();
   return ok_status();
 }
 
@@ -125,10 +144,13 @@ Status CudaBackend::prefill_layer(const DeviceLayer& L, int T, const std::functi
   STEP_OP("rms_norm", rows * H * 6, rms_norm_rows(ph_.ptr, L.input_norm, T, H, eps, pxb_.ptr, stream_));
   const QMatrix& in = gdn ? L.gdn_in : L.attn_in;
   const QMatrix& out = gdn ? L.gdn_out : L.attn_out;
+  const bool w16 = wgmma && T >= kW16MinRows && pw16_.n > 0;
   QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0, wgmma, pscratch_.ptr, pscratch_.bytes()};
+  if (w16) gin.w16 = pw16_.ptr, gin.w16_bytes = pw16_.bytes();
   STEP_OP(gdn ? "qgemm gdn_in" : "qgemm attn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
   RETURN_IF_ERROR(mixer());
   QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0, wgmma, pscratch_.ptr, pscratch_.bytes()};
+  if (w16) gout.w16 = pw16_.ptr, gout.w16_bytes = pw16_.bytes();
   STEP_OP(gdn ? "qgemm gdn_out" : "qgemm attn_out", out.bytes(), qgemm(gout, stream_),
           2.0 * rows * out.rows * out.cols);
   MoePrefillParams moe{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,

@@ -38,6 +38,11 @@ struct QGemmParams {
   // 128-row tiles and the tail rows run as two GEMMs (the tail on the mma.sync tiles, split-K where it can).
   void* split_scratch = nullptr;
   size_t split_scratch_bytes = 0;
+  // With a 16-byte aligned buffer of >= N * K * 2 bytes here, the wgmma path first expands W to fp16 in it (the
+  // values its dequantising tiles compute) and then runs a GEMM whose producer only copies: bit-identical, faster
+  // from ~512 rows (the caller decides; the mma.sync path ignores it). The buffer is rewritten every call.
+  __half* w16 = nullptr;
+  size_t w16_bytes = 0;
 };
 // The parts qgemm splits K into for a GEMM of M rows by w given scratch (1: no split).
 int qgemm_split_k_parts(int M, const QMatrix& w);

@@ -29,6 +29,9 @@
 // Accumulators: 64 x BN per consumer warpgroup, BN / 2 fp32 registers a thread, in the mma.sync C-fragment
 // order: for n8 block j, d[4j], d[4j + 1] at row 16 warp + lane / 4, columns 8 j + 2 (lane % 4) + {0, 1};
 // d[4j + 2], d[4j + 3] eight rows below. Epilogue as qgemm.cu (f32, f16, add_f32; tails in M and N).
+// With QGemmParams::w16 the packed W is first expanded to fp16 in device memory (expand_w16_kernel, the same values)
+// and qgemm_w16_kernel's producer only copies A and W tiles into a ring of KS slots: the consumers' loop is the same
+// (consume_steps), the sums bit-identical; at M 4096 it runs ~405 against ~275 TFLOP/s (the expansion included).
 // (Until 2026-12-02 the kernel also ran moe_prefill's grouped expert GEMMs, with 64-row tiles and gate / up in
 // one tile; the register-sourced tiles of moe_prefill_rs.cu replaced it there: git history.)
 // FLOPs 2 M N K; bytes as qgemm.cu. Shared memory a step (BN = 256, 4-bit): wgmma reads 80 KB (each
@@ -150,7 +153,84 @@ __device__ __forceinline__ void wgmma_ss<256>(float (&d)[128], uint64_t da, uint
       : "l"(da), "l"(db), "r"(1));
 }
 
+// A consumer warpgroup's K loop: step kt waits on full[kt % KS], issues the four wgmma m64nNWk16 of the step
+// (A at a_base + (kt % KS) a_bytes, W at b_base + (kt % KB) b_bytes), commits them as one group, waits until
+// step kt - 1's group is done and arrives on empty[(kt - 1) % KS]. Rows past the tile's (live false) skip the
+// tensor cores but keep the barriers' counts.
+template <int NW, int KS, int KB>
+__device__ __forceinline__ void consume_steps(float (&acc)[NW / 2], int KT, uint32_t full0, uint32_t empty0,
+                                              uint32_t a_base, int a_bytes, uint32_t b_base, int b_bytes,
+                                              bool live) {
+#pragma unroll 1
+  for (int kt = 0; kt < KT; ++kt) {
+    const int slot = kt % KS;
+    mbar_wait(full0 + 8 * slot, (kt / KS) & 1);
+    if (live) {
+      const uint32_t a_addr = a_base + slot * a_bytes, b_addr = b_base + (kt % KB) * b_bytes;
+      wgmma_fence();
+      fence_regs(acc);
+#pragma unroll
+      for (int k = 0; k < kWgGroup / 16; ++k)
+        wgmma_ss<NW>(acc, desc_sw128(a_addr + 32 * k), desc_sw128(b_addr + 32 * k));
+      wgmma_commit();
+      fence_regs(acc);
+      wgmma_wait<1>();  // step kt - 1's group is done: its slot and fp16 tile may be refilled
+      fence_regs(acc);
+    }
+    if (kt > 0) mbar_arrive(empty0 + 8 * ((kt - 1) % KS));
+  }
+}
+
 #endif  // LILY_SM90A_PASS
+
+// The epilogue of a consumer warpgroup: its 64 x NW accumulators (rows arow0 .. of the tile) to c, as
+// qgemm.cu (f32, f16, add_f32; column pairs stored together where the row stride and base allow it; tails in
+// M and N).
+template <int NW>
+__device__ __forceinline__ void store_tile(const WgArgs& p, const float (&acc)[NW / 2], int arow0, int rows,
+                                           int row0, int n0, int tid) {
+  const int lane = tid & 31, wq = (tid >> 5) & 3;
+  const bool f32_out = p.out != GemmOut::f16;
+  const int ldc = p.ldc, nc0 = n0;
+  const bool pairs = ldc % 2 == 0 && (reinterpret_cast<uintptr_t>(p.c) & (f32_out ? 7 : 3)) == 0;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const int r = arow0 + 16 * wq + (lane >> 2) + 8 * hr;
+    if (r >= rows) continue;
+    const size_t crow = static_cast<size_t>(row0 + r) * ldc;
+#pragma unroll
+    for (int j = 0; j < NW / 8; ++j) {
+      const int n = nc0 + 8 * j + 2 * (lane & 3);
+      if (n >= p.N) continue;
+      const float v[2] = {acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]};
+      if (pairs && n + 1 < p.N) {
+        if (!f32_out) {
+          *reinterpret_cast<__half2*>(static_cast<__half*>(p.c) + crow + n) = __floats2half2_rn(v[0], v[1]);
+        } else {
+          float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.c) + crow + n);
+          if (p.out == GemmOut::add_f32) {
+            const float2 old = *dst;
+            *dst = make_float2(old.x + v[0], old.y + v[1]);
+          } else {
+            *dst = make_float2(v[0], v[1]);
+          }
+        }
+        continue;
+      }
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        if (n + q >= p.N) continue;
+        if (!f32_out) {
+          static_cast<__half*>(p.c)[crow + n + q] = __float2half_rn(v[q]);
+        } else if (p.out == GemmOut::add_f32) {
+          static_cast<float*>(p.c)[crow + n + q] += v[q];
+        } else {
+          static_cast<float*>(p.c)[crow + n + q] = v[q];
+        }
+      }
+    }
+  }
+}
 
 template <int BN, int BITS, int KB, int KS>
 __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
@@ -343,77 +423,185 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
     float acc[NW / 2];
 #pragma unroll
     for (int i = 0; i < NW / 2; ++i) acc[i] = 0.0f;
-    const uint32_t a_base = smem_u32(a_s) + arow0 * 128, b_base = smem_u32(b_s);
-#pragma unroll 1
-    for (int kt = 0; kt < KT; ++kt) {
-      const int slot = kt % KS;
-      mbar_wait(full0 + 8 * slot, (kt / KS) & 1);
-      if (live) {
-        const uint32_t a_addr = a_base + slot * C::kABytes, b_addr = b_base + (kt % KB) * C::kBBytes;
-        wgmma_fence();
-        fence_regs(acc);
-#pragma unroll
-        for (int k = 0; k < kWgGroup / 16; ++k)
-          wgmma_ss<NW>(acc, desc_sw128(a_addr + 32 * k), desc_sw128(b_addr + 32 * k));
-        wgmma_commit();
-        fence_regs(acc);
-        wgmma_wait<1>();  // step kt - 1's group is done: its slot and fp16 tile may be refilled
-        fence_regs(acc);
-      }
-      if (kt > 0) mbar_arrive(empty0 + 8 * ((kt - 1) % KS));
-    }
+    consume_steps<NW, KS, KB>(acc, KT, full0, empty0, smem_u32(a_s) + arow0 * 128, C::kABytes, smem_u32(b_s),
+                              C::kBBytes, live);
     wgmma_wait<0>();
     fence_regs(acc);
     pdl_launch_dependents();
 
-    // Epilogue: as qgemm.cu (column pairs stored together where the row stride and base allow it).
-    const int lane = tid & 31, wq = (tid >> 5) & 3;
-    const bool f32_out = p.out != GemmOut::f16;
-    const int ldc = p.ldc, nc0 = n0;
-    const bool pairs = ldc % 2 == 0 && (reinterpret_cast<uintptr_t>(p.c) & (f32_out ? 7 : 3)) == 0;
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const int r = arow0 + 16 * wq + (lane >> 2) + 8 * hr;
-      if (r >= rows) continue;
-      const size_t crow = static_cast<size_t>(row0 + r) * ldc;
-#pragma unroll
-      for (int j = 0; j < NW / 8; ++j) {
-        const int n = nc0 + 8 * j + 2 * (lane & 3);
-        if (n >= p.N) continue;
-        const float v[2] = {acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]};
-        if (pairs && n + 1 < p.N) {
-          if (!f32_out) {
-            *reinterpret_cast<__half2*>(static_cast<__half*>(p.c) + crow + n) = __floats2half2_rn(v[0], v[1]);
-          } else {
-            float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.c) + crow + n);
-            if (p.out == GemmOut::add_f32) {
-              const float2 old = *dst;
-              *dst = make_float2(old.x + v[0], old.y + v[1]);
-            } else {
-              *dst = make_float2(v[0], v[1]);
-            }
-          }
-          continue;
-        }
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          if (n + q >= p.N) continue;
-          if (!f32_out) {
-            static_cast<__half*>(p.c)[crow + n + q] = __float2half_rn(v[q]);
-          } else if (p.out == GemmOut::add_f32) {
-            static_cast<float*>(p.c)[crow + n + q] += v[q];
-          } else {
-            static_cast<float*>(p.c)[crow + n + q] = v[q];
-          }
-        }
-      }
-    }
+    store_tile<NW>(p, acc, arow0, rows, row0, n0, tid);
   }
 #else
   using C = WgTile<BN, BITS, KB, KS>;  // its constants are used only in the sm_90a pass
   static_assert(C::kUnitsPerThread > 0 && C::kAChunksPerThread > 0 && C::kPChunksPerThread > 0);
   (void)p;  // not an sm_90a pass: no wgmma (the launchers refuse to launch, see wgmma_built)
 #endif
+}
+
+// ---- W expanded to fp16 in device memory first (QGemmParams::w16)
+// expand_w16_kernel writes w16[n K + k] = the value qgemm's tiles compute for W[n, k] (fp32 scale * q + bias,
+// rounded once to fp16), so the fp16-W GEMM sees the same operands as the dequantising one and sums the same
+// k16 products in the same order: bit-identical results. A thread expands 8 elements (one 32-bit word of
+// 4-bit codes, two of 8-bit). It waits for the previous kernel first: the buffer may still be read by an
+// earlier GEMM.
+struct ExpandArgs {
+  QMatrix w;
+  __half* out;
+};
+template <int BITS>
+__global__ void expand_w16_kernel(const ExpandArgs args) {
+  pdl_wait();
+  const QMatrix& w = args.w;
+  __half* const out = args.out;
+  const long runs_per_row = w.cols / 8, i = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < static_cast<long>(w.rows) * runs_per_row) {
+    const long n = i / runs_per_row;
+    const int k8 = static_cast<int>(i % runs_per_row);
+    const size_t g = static_cast<size_t>(n) * (w.cols / kWgGroup) + k8 * 8 / kWgGroup;
+    const float s0 = bf16_bits_to_float(ld_bf16_bits(w.scales + g)),
+                b0 = bf16_bits_to_float(ld_bf16_bits(w.biases + g));
+    const float s = BITS == 4 ? 256.0f * s0 : s0, b = BITS == 4 ? b0 - 128.0f * s0 : b0;
+    uint4 o;
+    if constexpr (BITS == 4) {
+      const uint32_t word = __ldg(w.w + n * (w.cols / 8) + k8);
+      const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
+      o.x = pack_f16(fmaf(nibble_as_float<0>(lo), s, b), fmaf(nibble_as_float<0>(hi), s, b));
+      o.y = pack_f16(fmaf(nibble_as_float<1>(lo), s, b), fmaf(nibble_as_float<1>(hi), s, b));
+      o.z = pack_f16(fmaf(nibble_as_float<2>(lo), s, b), fmaf(nibble_as_float<2>(hi), s, b));
+      o.w = pack_f16(fmaf(nibble_as_float<3>(lo), s, b), fmaf(nibble_as_float<3>(hi), s, b));
+    } else {
+      const uint32_t w0 = __ldg(w.w + n * (w.cols / 4) + 2 * k8),
+                     w1 = __ldg(w.w + n * (w.cols / 4) + 2 * k8 + 1);
+      o.x = pack_f16(fmaf(byte_as_float<0>(w0), s, b), fmaf(byte_as_float<1>(w0), s, b));
+      o.y = pack_f16(fmaf(byte_as_float<2>(w0), s, b), fmaf(byte_as_float<3>(w0), s, b));
+      o.z = pack_f16(fmaf(byte_as_float<0>(w1), s, b), fmaf(byte_as_float<1>(w1), s, b));
+      o.w = pack_f16(fmaf(byte_as_float<2>(w1), s, b), fmaf(byte_as_float<3>(w1), s, b));
+    }
+    *reinterpret_cast<uint4*>(out + n * w.cols + k8 * 8) = o;
+  }
+}
+
+// Deepest ring of A and fp16 W tiles that fits (8 at most).
+constexpr int w16_ring(int BN) {
+  const int fit = (kSmemMax - 1024 - 256) / (kBM * 128 + BN * 128);
+  return fit < 8 ? fit : 8;
+}
+
+// The GEMM on fp16 W: the producer warpgroup only copies (cp.async, 16 bytes a copy) the A tile and the W
+// tile of step kt + KS - 1 into slot (kt + KS - 1) % KS, both K-major with the 128-byte swizzle; the
+// consumers as in qgemm_wgmma_kernel. Step kt: the producer waits for its copies of step kt, fences them to
+// the async proxy and arrives on full[kt % KS] (128 arrivals), then waits until step kt - 1 is consumed and
+// loads step kt + KS - 1 into its slot.
+struct W16Args {
+  WgArgs g;
+  const __half* w16;
+};
+template <int BN, int KS>
+__global__ void __launch_bounds__(384, 1) qgemm_w16_kernel(const W16Args args) {
+#if defined(LILY_SM90A_PASS)
+  const WgArgs& p = args.g;
+  const __half* const w16 = args.w16;
+  constexpr int kABytes = kBM * 128, kBBytes = BN * 128;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* const smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  unsigned char* const a_s = smem;                // KS x [128 rows x 128 B]
+  unsigned char* const b_s = a_s + KS * kABytes;  // KS x [BN rows x 128 B]
+  uint64_t* const bars = reinterpret_cast<uint64_t*>(b_s + KS * kBBytes);
+  const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + KS);
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const int n0 = blockIdx.y * BN;
+  int row0, rows;
+  QMatrix w[1];
+  pdl_wait();
+  block_rows<kBM, 1>(p, row0, rows, w);
+  const int K = p.K, KT = K / kWgGroup;
+  if (tid == 0) {
+    for (int s = 0; s < KS; ++s) {
+      mbar_init(full0 + 8 * s, 128);
+      mbar_init(empty0 + 8 * s, 256);
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    const int t = tid & 127, r0 = t >> 3, ch = t & 7;
+    const int dst = r0 * 128 + ((ch ^ (r0 & 7)) << 4);  // rows r0 + 16 i share r0's swizzle
+    constexpr int kAChunks = kBM / 16, kBChunks = BN / 16;
+    const __half* a_ptr[kAChunks];
+    bool a_ok[kAChunks];
+#pragma unroll
+    for (int i = 0; i < kAChunks; ++i) {
+      const int r = r0 + 16 * i;
+      a_ok[i] = r < rows;
+      a_ptr[i] = p.a;
+      if (a_ok[i])
+        a_ptr[i] += static_cast<size_t>(p.gather ? __ldcg(p.gather + row0 + r) : row0 + r) * K + ch * 8;
+    }
+    const __half* const b_ptr = w16 + static_cast<size_t>(n0 + r0) * K + ch * 8;
+    auto issue = [&](int kt) {
+      unsigned char* const as = a_s + (kt % KS) * kABytes + dst;
+#pragma unroll
+      for (int i = 0; i < kAChunks; ++i) cp_async_16(as + i * 16 * 128, a_ptr[i] + kt * kWgGroup, a_ok[i]);
+      unsigned char* const bs = b_s + (kt % KS) * kBBytes + dst;
+#pragma unroll
+      for (int i = 0; i < kBChunks; ++i) {
+        const bool ok = n0 + r0 + 16 * i < p.N;
+        cp_async_16(bs + i * 16 * 128, ok ? b_ptr + static_cast<size_t>(16 * i) * K + kt * kWgGroup : w16,
+                    ok);
+      }
+    };
+#pragma unroll 1
+    for (int s = 0; s < KS - 1; ++s) {
+      if (s < KT) issue(s);
+      cp_async_commit();
+    }
+#pragma unroll 1
+    for (int kt = 0; kt < KT; ++kt) {
+      cp_async_wait<KS - 2>();  // this thread's copies of step kt landed
+      fence_proxy_async();
+      mbar_arrive(full0 + 8 * (kt % KS));
+      const int next = kt + KS - 1;
+      if (next < KT) {
+        if (kt >= 1) mbar_wait(empty0 + 8 * ((kt - 1) % KS), ((kt - 1) / KS) & 1);
+        issue(next);
+      }
+      cp_async_commit();
+    }
+    cp_async_wait<0>();
+  } else {
+    const int arow0 = 64 * (wg - 1);
+    const bool live = rows > arow0;
+    float acc[BN / 2];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) acc[i] = 0.0f;
+    consume_steps<BN, KS, KS>(acc, KT, full0, empty0, smem_u32(a_s) + arow0 * 128, kABytes, smem_u32(b_s),
+                              kBBytes, live);
+    wgmma_wait<0>();
+    fence_regs(acc);
+    pdl_launch_dependents();
+    store_tile<BN>(p, acc, arow0, rows, row0, n0, tid);
+  }
+#else
+  (void)args;
+#endif
+}
+
+template <int BN>
+cudaError_t launch_w16(const WgArgs& a, const QMatrix& w, __half* w16, cudaStream_t stream) {
+  const long runs = static_cast<long>(w.rows) * (w.cols / 8);
+  const unsigned blocks = static_cast<unsigned>((runs + 255) / 256);
+  const ExpandArgs e{w, w16};
+  CUDA_TRY(w.bits == 8 ? launch_pdl(expand_w16_kernel<8>, dim3(blocks), dim3(256), 0, stream, e)
+                       : launch_pdl(expand_w16_kernel<4>, dim3(blocks), dim3(256), 0, stream, e));
+  constexpr int KS = w16_ring(BN);
+  constexpr size_t smem = 1024 + size_t{KS} * (kBM * 128 + BN * 128) + size_t{2} * KS * sizeof(uint64_t);
+  static_assert(KS >= 3 && smem <= kSmemMax, "shared memory");
+  const dim3 grid((a.M + kBM - 1) / kBM, (a.N + BN - 1) / BN);
+  if (grid.y > 65535u) return cudaErrorInvalidValue;
+  auto* k = qgemm_w16_kernel<BN, KS>;
+  CUDA_TRY(cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  return launch_pdl(k, grid, dim3(384), smem, stream, W16Args{a, w16});
 }
 
 // Static shared memory only in a device pass for sm_90a: cudaFuncGetAttributes on it says whether the code
@@ -474,6 +662,8 @@ cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream) {
   a.w[0] = a.w[1] = w;
   a.a = p.a, a.M = p.M, a.N = w.rows, a.K = w.cols, a.out = p.out, a.c = p.c, a.ldc = ldc;
   const bool wide = wgmma_dense_wide(a.M, a.N);
+  if (p.w16 && p.w16_bytes >= static_cast<size_t>(w.rows) * w.cols * sizeof(__half) && aligned16(p.w16))
+    return wide ? launch_w16<256>(a, w, p.w16, stream) : launch_w16<128>(a, w, p.w16, stream);
   // Two fp16 W tiles at 256 columns, three at 128 (the ring takes the rest of shared memory).
   if (w.bits == 8) return wide ? launch_dense_wgmma<256, 8, 2>(a, stream) : launch_dense_wgmma<128, 8, 3>(a, stream);
   return wide ? launch_dense_wgmma<256, 4, 2>(a, stream) : launch_dense_wgmma<128, 4, 3>(a, stream);

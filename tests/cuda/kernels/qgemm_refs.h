@@ -61,6 +61,7 @@ inline std::vector<uint16_t> to_f16(const std::vector<float>& v) {
 }
 
 inline const __half* as_f16(const DeviceBuffer<uint16_t>& b) { return reinterpret_cast<const __half*>(b.get()); }
+inline __half* as_f16_mut(const DeviceBuffer<uint16_t>& b) { return reinterpret_cast<__half*>(b.get()); }
 
 
 }  // namespace lily::cuda::test

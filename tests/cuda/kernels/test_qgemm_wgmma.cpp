@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -269,6 +270,56 @@ TEST(CudaQgemmWgmma, DirectCallAndBadShapes) {
   EXPECT_EQ(qgemm(p, nullptr), cudaErrorInvalidValue);
 }
 
+// W expanded to fp16 first (QGemmParams::w16), then the copying GEMM: the
+// same fp16 operands and the same k16 order as the dequantising tiles, so every output bit must be equal.
+TEST(CudaQgemmWgmma, W16EqualsDequantisingTiles) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  struct Case {
+    int N, K, M, bits;
+    GemmOut out;
+  };
+  const Case cases[] = {{12352, 2048, 1100, 4, GemmOut::f32}, {2048, 4096, 4096, 4, GemmOut::add_f32},
+                        {2048, 4096, 300, 4, GemmOut::f16},   {257, 2048, 65, 4, GemmOut::f32},
+                        {16, 128, 1, 4, GemmOut::add_f32},    {9216, 2048, 777, 8, GemmOut::f32},
+                        {300, 128, 129, 8, GemmOut::f16}};
+  uint32_t seed = 12000;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << "N " << c.N << " K " << c.K << " M " << c.M << " bits " << c.bits);
+    HostQMatrix hw = fast_qmatrix(c.N, c.K, c.bits, seed += 5);
+    QGemmParams p;
+    p.w = hw.upload();
+    DeviceBuffer<uint16_t> a(to_f16(random_vector(static_cast<size_t>(c.M) * c.K, seed + 1)));
+    p.a = as_f16(a);
+    p.M = c.M;
+    p.out = c.out;
+    const std::vector<float> c0 = random_vector(static_cast<size_t>(c.M) * c.N, seed + 2);
+    std::vector<float> got[2];
+    DeviceBuffer<uint16_t> w16(static_cast<size_t>(c.N) * c.K + 8);
+    for (int path = 0; path < 2; ++path) {
+      DeviceBuffer<uint16_t> cb(to_f16(c0));
+      DeviceBuffer<float> cf(c0);
+      p.c = c.out == GemmOut::f16 ? static_cast<void*>(cb.get()) : static_cast<void*>(cf.get());
+      p.w16 = path ? as_f16_mut(w16) : nullptr;
+      p.w16_bytes = path ? w16.size() * 2 : 0;
+      ASSERT_CUDA(qgemm_wgmma(p, nullptr));
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      if (c.out != GemmOut::f16) {
+        got[path] = cf.download();
+      } else {
+        for (uint16_t b : cb.download()) got[path].push_back(f16_bits_to_float(b));
+      }
+    }
+    ASSERT_EQ(got[0].size(), got[1].size());
+    size_t differ = 0, first = 0;
+    for (size_t i = 0; i < got[0].size(); ++i) {
+      if (std::memcmp(&got[0][i], &got[1][i], sizeof(float)) != 0 && differ++ == 0) first = i;
+    }
+    EXPECT_EQ(differ, 0u) << "first at row " << first / c.N << " col " << first % c.N << ": " << got[1][first]
+                          << " against " << got[0][first];
+  }
+}
+
 // ---- timings (print only)
 // ----------------------------------------------------------------------------------------
 
@@ -287,12 +338,15 @@ TEST(CudaQgemmWgmmaBench, DenseShapes) {
   const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
   const DeviceBuffer<uint16_t> a = bench_pool(size_t{4096} * 4096 * 2, 7);  // fp16 activations in +-[1, 1.25)
   DeviceBuffer<float> c(size_t{4096} * 12352);
-  const int M = 4096;
+  DeviceBuffer<uint16_t> w16(size_t{12352} * 4096);
+  for (const int M : {256, 1024, 4096}) {
   std::printf(
-      "\nqgemm at M %d, cold weights (a different copy per call), CUDA-graph replay: mma.sync | wgmma\n", M);
+      "\nqgemm at M %d, cold weights (a different copy per call), CUDA-graph replay: mma.sync | wgmma | wgmma on "
+      "W expanded to fp16 (expansion included)\n",
+      M);
   for (const Shape& s : shapes) {
-    double tf[2] = {0, 0}, us[2] = {0, 0};
-    for (int path = 0; path < 2; ++path) {
+    double tf[3] = {0, 0, 0}, us[3] = {0, 0, 0};
+    for (int path = 0; path < 3; ++path) {
       us[path] = graph_time_us(
           [&](int i, cudaStream_t st) {
             QGemmParams p;
@@ -300,14 +354,16 @@ TEST(CudaQgemmWgmmaBench, DenseShapes) {
             p.a = as_f16(a);
             p.M = M;
             p.c = c.get();
-            p.use_wgmma = path == 1;
+            p.use_wgmma = path >= 1;
+            if (path == 2) p.w16 = as_f16_mut(w16), p.w16_bytes = w16.size() * 2;
             return qgemm(p, st);
           },
           4);
       tf[path] = us[path] > 0 ? 2.0 * M * s.N * s.K / (us[path] * 1e6) : 0;
     }
-    std::printf("  %-16s N %6d K %5d q%d: %9.1f us %6.1f TFLOP/s | %9.1f us %6.1f TFLOP/s (%4.2fx)\n", s.name,
-                s.N, s.K, s.bits, us[0], tf[0], us[1], tf[1], tf[0] > 0 ? tf[1] / tf[0] : 0.0);
+    std::printf("  %-16s N %6d K %5d q%d: %9.1f us %6.1f TFLOP/s | %9.1f us %6.1f TFLOP/s | %9.1f us %6.1f TFLOP/s\n",
+                s.name, s.N, s.K, s.bits, us[0], tf[0], us[1], tf[1], us[2], tf[2]);
+  }
   }
 }
 
