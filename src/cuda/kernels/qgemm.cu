@@ -276,32 +276,7 @@ __global__ void __launch_bounds__(WM* WN * 32, 2) qgemm_tile_kernel(const TileAr
           v[0] = siluf_(v[0]) * acc[1][i][j][hr * 2];
           v[1] = siluf_(v[1]) * acc[1][i][j][hr * 2 + 1];
         }
-        if (pairs && n + 1 < p.N) {
-          if (!f32_out) {
-            *reinterpret_cast<__half2*>(static_cast<__half*>(cz) + crow + n) =
-                __floats2half2_rn(v[0], v[1]);
-          } else {
-            float2* dst = reinterpret_cast<float2*>(static_cast<float*>(cz) + crow + n);
-            if (p.out == GemmOut::add_f32) {
-              const float2 old = *dst;
-              *dst = make_float2(old.x + v[0], old.y + v[1]);
-            } else {
-              *dst = make_float2(v[0], v[1]);
-            }
-          }
-          continue;
-        }
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          if (n + q >= p.N) continue;
-          if (!f32_out) {
-            static_cast<__half*>(cz)[crow + n + q] = __float2half_rn(v[q]);
-          } else if (p.out == GemmOut::add_f32) {
-            static_cast<float*>(cz)[crow + n + q] += v[q];
-          } else {
-            static_cast<float*>(cz)[crow + n + q] = v[q];
-          }
-        }
+        store_pair(cz, f32_out, p.out == GemmOut::add_f32, crow + n, n, p.N, pairs, v);
       }
     }
   }

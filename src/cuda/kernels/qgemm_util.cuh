@@ -100,6 +100,38 @@ __device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Columns n and n + 1 (v[0], v[1]) of an output row whose column n is element `at` of c: fp16 (f32_out false) or
+// fp32 stored or added (add); one paired store where `pairs` (an even row stride and base) and n + 1 < N, else one
+// store a column below N. The epilogue of the dense and grouped tiles (qgemm.cu, qgemm_wgmma.cu).
+__device__ __forceinline__ void store_pair(void* c, bool f32_out, bool add, size_t at, int n, int N, bool pairs,
+                                           const float (&v)[2]) {
+  if (pairs && n + 1 < N) {
+    if (!f32_out) {
+      *reinterpret_cast<__half2*>(static_cast<__half*>(c) + at) = __floats2half2_rn(v[0], v[1]);
+      return;
+    }
+    float2* dst = reinterpret_cast<float2*>(static_cast<float*>(c) + at);
+    if (add) {
+      const float2 old = *dst;
+      *dst = make_float2(old.x + v[0], old.y + v[1]);
+    } else {
+      *dst = make_float2(v[0], v[1]);
+    }
+    return;
+  }
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    if (n + q >= N) continue;
+    if (!f32_out) {
+      static_cast<__half*>(c)[at + q] = __float2half_rn(v[q]);
+    } else if (add) {
+      static_cast<float*>(c)[at + q] += v[q];
+    } else {
+      static_cast<float*>(c)[at + q] = v[q];
+    }
+  }
+}
+
 // The block's output rows row0 .. row0 + rows - 1 and its MATS weight matrices. Grouped mode (p.tile_count set):
 // tile-list entry blockIdx.x (expert, first row, rows); the expert's matrices of the stacked p.w, or p.ws for the
 // tile-list expert p.shared_expert; false for a block past the list's length (block-uniform: the block exits).

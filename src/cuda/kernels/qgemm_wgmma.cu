@@ -203,31 +203,7 @@ __device__ __forceinline__ void store_tile(const WgArgs& p, const float (&acc)[N
       const int n = nc0 + 8 * j + 2 * (lane & 3);
       if (n >= p.N) continue;
       const float v[2] = {acc[4 * j + 2 * hr], acc[4 * j + 2 * hr + 1]};
-      if (pairs && n + 1 < p.N) {
-        if (!f32_out) {
-          *reinterpret_cast<__half2*>(static_cast<__half*>(p.c) + crow + n) = __floats2half2_rn(v[0], v[1]);
-        } else {
-          float2* dst = reinterpret_cast<float2*>(static_cast<float*>(p.c) + crow + n);
-          if (p.out == GemmOut::add_f32) {
-            const float2 old = *dst;
-            *dst = make_float2(old.x + v[0], old.y + v[1]);
-          } else {
-            *dst = make_float2(v[0], v[1]);
-          }
-        }
-        continue;
-      }
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        if (n + q >= p.N) continue;
-        if (!f32_out) {
-          static_cast<__half*>(p.c)[crow + n + q] = __float2half_rn(v[q]);
-        } else if (p.out == GemmOut::add_f32) {
-          static_cast<float*>(p.c)[crow + n + q] += v[q];
-        } else {
-          static_cast<float*>(p.c)[crow + n + q] = v[q];
-        }
-      }
+      store_pair(p.c, f32_out, p.out == GemmOut::add_f32, crow + n, n, p.N, pairs, v);
     }
   }
 }
