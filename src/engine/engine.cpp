@@ -138,13 +138,14 @@ struct Generation::State {
     return !finished;
   }
   // One host-sampled token from this request's row of logits: the min_tokens ban of the stop tokens, then the
-  // sampler.
-  void sample(std::span<float> logits) {
+  // sampler (an error for logits it cannot sample from: a NaN, or nothing finite).
+  Status sample(std::span<float> logits) {
     if (static_cast<int64_t>(sink.emitted().size()) < request.sampling.min_tokens) {
       for (int32_t id : request.stop_token_ids) logits[static_cast<size_t>(id)] = -INFINITY;
     }
-    SampleResult r = sampler.sample(logits, history, request.prompt.size());
+    ASSIGN_OR_RETURN(SampleResult r, sampler.sample(logits, history, request.prompt.size()));
     take(r.id, r.logprob, std::move(r.top));
+    return ok_status();
   }
   DeviceSampling device_sampling() const {
     const SamplingParams& p = request.sampling;
@@ -275,7 +276,7 @@ void Engine::Impl::decode_on_host(Generation::State& g, const std::function<bool
         backend->forward(*g.seq->state, std::span<const int32_t>(&g.next, 1), LogitsRows::last, &logits);
     if (st.code() == ErrorCode::out_of_range && !g.sink.emitted().empty()) return g.end("length");  // KV full
     if (!st.ok()) return g.fail(std::move(st));
-    g.sample(logits);
+    if (st = g.sample(logits); !st.ok()) return g.fail(std::move(st));
     if (g.finished || yield()) return;
   }
 }
@@ -449,7 +450,10 @@ void Engine::decode_step(std::span<Generation* const> generations) {
     return;
   }
   const size_t V = static_cast<size_t>(m.backend->config().vocab_size);
-  for (size_t i = 0; i < host.size(); ++i) host[i]->sample(std::span<float>(logits.data() + i * V, V));
+  for (size_t i = 0; i < host.size(); ++i) {
+    if (Status sampled = host[i]->sample(std::span<float>(logits.data() + i * V, V)); !sampled.ok())
+      host[i]->fail(std::move(sampled));  // this request ends with the error; the others go on
+  }
 }
 
 Result<GenerationResult> Engine::finish(std::unique_ptr<Generation> generation) {

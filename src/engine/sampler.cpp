@@ -283,24 +283,24 @@ int32_t Sampler::draw(std::span<const float> logits, float max_logit) {
   return walk(u, /*whole_vocabulary=*/!filtered);
 }
 
-float Sampler::max_and_check(std::span<const float> logits, int32_t* argmax) {
+Result<float> Sampler::max_and_check(std::span<const float> logits, int32_t* argmax) {
   Result<int32_t> best = argmax_of_row(logits);
-  CHECK(best.ok(), "%s", best.ok() ? "" : best.status().message().c_str());
+  if (!best.ok()) return best.status();
   if (argmax) *argmax = *best;
   return logits[static_cast<size_t>(*best)];
 }
 
-void Sampler::distribution(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt,
-                           std::vector<float>& probs) {
+Status Sampler::distribution(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt,
+                             std::vector<float>& probs) {
   CHECK(!logits.empty(), "empty logits");
   CHECK(n_prompt <= history.size(), "n_prompt %zu > history size %zu", n_prompt, history.size());
   apply_bias_and_penalties(logits, history, n_prompt);
   int32_t argmax = -1;
-  const float max_logit = max_and_check(logits, &argmax);
+  ASSIGN_OR_RETURN(const float max_logit, max_and_check(logits, &argmax));
   probs.assign(logits.size(), 0.0f);
   if (params_.temperature == 0.0f) {
     probs[static_cast<size_t>(argmax)] = 1.0f;
-    return;
+    return ok_status();
   }
   const bool filtered = filter(logits, max_logit);
   double total = 0.0;
@@ -311,10 +311,11 @@ void Sampler::distribution(std::span<float> logits, std::span<const int32_t> his
     for (float w : w_) total += w;
     for (size_t i = 0; i < w_.size(); ++i) probs[i] = static_cast<float>(w_[i] / total);
   }
+  return ok_status();
 }
 
-SampleResult Sampler::logprobs(std::span<const float> logits, int32_t id) {
-  const float max_logit = max_and_check(logits, nullptr);
+Result<SampleResult> Sampler::logprobs(std::span<const float> logits, int32_t id) {
+  ASSIGN_OR_RETURN(const float max_logit, max_and_check(logits, nullptr));
   double sum = 0.0;
   for (float l : logits) sum += std::exp(l - max_logit);  // float exp, double sum
   const double log_normaliser = static_cast<double>(max_logit) + std::log(sum);
@@ -328,12 +329,12 @@ SampleResult Sampler::logprobs(std::span<const float> logits, int32_t id) {
   return result;
 }
 
-SampleResult Sampler::sample(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt) {
+Result<SampleResult> Sampler::sample(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt) {
   CHECK(!logits.empty(), "empty logits");
   CHECK(n_prompt <= history.size(), "n_prompt %zu > history size %zu", n_prompt, history.size());
   apply_bias_and_penalties(logits, history, n_prompt);
   int32_t argmax = -1;
-  const float max_logit = max_and_check(logits, &argmax);
+  ASSIGN_OR_RETURN(const float max_logit, max_and_check(logits, &argmax));
   SampleResult result;
   result.id = params_.temperature == 0.0f ? argmax : draw(logits, max_logit);
   // The log-normaliser is a pass of exp over the whole vocabulary (~1 ms for 248K logits): only for logprobs.

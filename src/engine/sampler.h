@@ -107,7 +107,7 @@ class SplitMix64 {
 };
 
 // Step 5's greedy choice: the first maximum of a row of logits (ties -> lowest id); a NaN, or no finite maximum,
-// is an error (Sampler CHECKs it; Backend's argmax calls return it).
+// is an error (Sampler's calls and Backend's argmax calls return it: the request fails, the process goes on).
 inline Result<int32_t> argmax_of_row(std::span<const float> row) {
   int32_t best = -1;
   float max = -INFINITY;
@@ -127,21 +127,23 @@ class Sampler {
 
   // logits: one row [V], modified in place (steps 1-3). history: prompt + generated ids, all < V;
   // history[n_prompt:] are the generated ones counted by presence/frequency (n_prompt = 0: all of them).
-  SampleResult sample(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt = 0);
+  // Logits with a NaN, or with no finite maximum after steps 1-3, are an internal error (no token).
+  Result<SampleResult> sample(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt = 0);
 
   // For speculative decoding (engine/speculative.h), which draws its own numbers: steps 1-3 in place, then the
   // distribution step 10 would draw from (steps 6-9, normalised; zero outside the kept set) in `probs`;
   // temperature 0: one-hot at the argmax. No random draw is consumed.
-  void distribution(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt,
-                    std::vector<float>& probs);
+  // The same errors as sample().
+  Status distribution(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt,
+                      std::vector<float>& probs);
   // Step 4 for a token chosen elsewhere, from logits distribution() has already processed.
-  SampleResult logprobs(std::span<const float> logits, int32_t id);
+  Result<SampleResult> logprobs(std::span<const float> logits, int32_t id);
 
   const SamplingParams& params() const { return params_; }
   uint64_t seed() const { return seed_; }
 
  private:
-  float max_and_check(std::span<const float> logits, int32_t* argmax);
+  Result<float> max_and_check(std::span<const float> logits, int32_t* argmax);
   bool filter(std::span<const float> logits, float max_logit);
   void apply_bias_and_penalties(std::span<float> logits, std::span<const int32_t> history, size_t n_prompt);
   int32_t draw(std::span<const float> logits, float max_logit);

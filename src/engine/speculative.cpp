@@ -139,7 +139,7 @@ class Loop {
     const int32_t t = history_.back();
     RETURN_IF_ERROR(backend_.forward(state_, std::span<const int32_t>(&t, 1), LogitsRows::last, &logits));
     ban_stops_if_early(logits, 0);
-    SampleResult s = target_.sample(logits, history_, r_.n_prompt);
+    ASSIGN_OR_RETURN(SampleResult s, target_.sample(logits, history_, r_.n_prompt));
     go_on = push(s.id, s.logprob, std::move(s.top));
     return ok_status();
   }
@@ -165,7 +165,7 @@ class Loop {
       return error(ErrorCode::internal, "forward_verify_argmax: %zu ids for %zu rows", best.size(), rows.size());
     return keep_verified(k, go_on, [&](int i) {
       const int32_t token = best[static_cast<size_t>(i)];
-      return RowVerdict{token, i < k && token == rows[static_cast<size_t>(i) + 1], {}};
+      return Result<RowVerdict>(RowVerdict{token, i < k && token == rows[static_cast<size_t>(i) + 1], {}});
     });
   }
 
@@ -182,23 +182,23 @@ class Loop {
       h.insert(h.end(), rows.begin() + 1, rows.end());
       ban_stops_if_early(dl, i + 1);
       auto& qi = q[static_cast<size_t>(i)];
-      draft_.distribution(dl, h, r_.n_prompt, qi);
+      RETURN_IF_ERROR(draft_.distribution(dl, h, r_.n_prompt, qi));
       rows.push_back(greedy_ ? argmax_of(qi) : draw_from(qi, rng_.next_uniform()));
     }
     // Verify them in one forward, then keep rows while the drafts are accepted.
     std::vector<float> all;
     RETURN_IF_ERROR(backend_.forward_verify(state_, rows, &all));
     std::vector<float> p;
-    return keep_verified(k, go_on, [&](int i) {
+    return keep_verified(k, go_on, [&](int i) -> Result<RowVerdict> {
       std::span<float> row(all.data() + static_cast<size_t>(i) * V_, static_cast<size_t>(V_));
       ban_stops_if_early(row, 0);
       RowVerdict v{-1, false, {-1, 0.0f, {}}};
       if (greedy_) {
-        v.lp = target_.sample(row, history_, r_.n_prompt);
+        ASSIGN_OR_RETURN(v.lp, target_.sample(row, history_, r_.n_prompt));
         v.token = v.lp.id;
         v.accepted = i < k && v.token == rows[static_cast<size_t>(i) + 1];
       } else {
-        target_.distribution(row, history_, r_.n_prompt, p);
+        RETURN_IF_ERROR(target_.distribution(row, history_, r_.n_prompt, p));
         const double u_accept = rng_.next_uniform(), u_resample = rng_.next_uniform();
         if (i < k) {
           DraftVerdict d = accept_or_resample(p, q[static_cast<size_t>(i)], rows[static_cast<size_t>(i) + 1],
@@ -207,7 +207,9 @@ class Loop {
         } else {
           v.token = draw_from(p, u_accept);  // the bonus row
         }
-        if (target_.params().logprobs) v.lp = target_.logprobs(row, v.token);
+        if (target_.params().logprobs) {
+          ASSIGN_OR_RETURN(v.lp, target_.logprobs(row, v.token));
+        }
       }
       return v;
     });
@@ -230,7 +232,8 @@ class Loop {
     int64_t kept_rows = 0;
     go_on = true;
     for (int i = 0; i <= k && go_on; ++i) {
-      RowVerdict v = verdict(i);
+      // An error (logits the sampler cannot take) fails the request, whose sequence is then dropped.
+      ASSIGN_OR_RETURN(RowVerdict v, verdict(i));
       counts_.accepted += v.accepted;
       ++kept_rows;
       go_on = push(v.token, v.lp.logprob, std::move(v.lp.top));

@@ -58,7 +58,7 @@ class DeviceLoopBackend final : public Backend {
       SamplingParams p;
       p.temperature = s.temperature, p.top_k = s.top_k, p.top_p = s.top_p, p.min_p = s.min_p;
       p.seed = s.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(seq.n_tokens());
-      token = Sampler(p).sample(logits, {}).id;
+      token = Sampler(p).sample(logits, {})->id;
       if (!on_token(token)) break;
     }
     return ok_status();

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "test_engine_util.h"
 #include "tokenizer/chat_format.h"
@@ -125,6 +126,46 @@ TEST(EngineSessions, AnchorCheckpointOffTheSplitIsRefused) {
       << res.status().message();
   EXPECT_EQ(b.checkpoint_at, b.asked_at - 5);
   EXPECT_EQ(engine.stats().cache_entries, 0u);
+}
+
+// The tiny CPU backend whose logits turn NaN while `poison` is set (a broken checkpoint or kernel): the request
+// fails with the sampler's error, the process and the engine go on.
+class NanLogitsBackend final : public Backend {
+ public:
+  NanLogitsBackend() : cpu_(tiny_backend()) {}
+  const char* name() const override { return "cpu-nan-logits"; }
+  const ModelConfig& config() const override { return cpu_->config(); }
+  std::unique_ptr<SequenceState> new_sequence() override { return cpu_->new_sequence(); }
+  Status forward(SequenceState& seq, std::span<const int32_t> tokens, LogitsRows rows,
+                 std::vector<float>* logits) override {
+    RETURN_IF_ERROR(cpu_->forward(seq, tokens, rows, logits));
+    if (poison && logits && !logits->empty()) (*logits)[logits->size() / 2] = NAN;
+    return ok_status();
+  }
+  bool poison = true;
+
+ private:
+  std::unique_ptr<Backend> cpu_;
+};
+
+TEST(EngineSessions, NanLogitsFailTheRequestNotTheProcess) {
+  auto owned = std::make_unique<NanLogitsBackend>();
+  NanLogitsBackend& b = *owned;
+  Engine engine(std::move(owned), tiny_model().tokenizer, EngineOptions{});
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 12; ++i) prompt.push_back(300 + 7 * i);
+  for (const float temperature : {0.0f, 0.8f}) {
+    GenerationRequest r = greedy_request(prompt, 4);
+    r.sampling.temperature = temperature;
+    auto res = engine.generate(r, [](const GenerationPiece&) { return true; });
+    ASSERT_FALSE(res.ok());
+    EXPECT_EQ(res.status().code(), ErrorCode::internal);
+    EXPECT_NE(res.status().message().find("is NaN"), std::string::npos) << res.status().message();
+  }
+  b.poison = false;  // the same engine serves the next request
+  auto res = engine.generate(greedy_request(prompt, 4), [](const GenerationPiece&) { return true; });
+  ASSERT_TRUE(res.ok()) << res.status().message();
+  EXPECT_EQ(res->completion_tokens, 4);
 }
 
 TEST(EngineSessions, ResumesFromTheLatestGridCheckpointInsideTheSharedPrefix) {

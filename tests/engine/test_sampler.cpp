@@ -22,7 +22,7 @@ std::vector<double> frequencies(Sampler& sampler, const std::vector<float>& logi
   std::vector<int> count(logits.size(), 0);
   for (int i = 0; i < n; ++i) {
     std::vector<float> row = logits;
-    ++count[static_cast<size_t>(sampler.sample(row, {}).id)];
+    ++count[static_cast<size_t>(sampler.sample(row, {})->id)];
   }
   std::vector<double> freq;
   for (int c : count) freq.push_back(static_cast<double>(c) / n);
@@ -76,11 +76,11 @@ TEST(Sampler, GreedyPicksArgmaxTiesToLowestId) {
   p.temperature = 0.0f;
   Sampler sampler(p);
   std::vector<float> logits = {0.1f, 2.5f, -1.0f, 2.5f, 2.4f};
-  EXPECT_EQ(sampler.sample(logits, {}).id, 1);
+  EXPECT_EQ(sampler.sample(logits, {})->id, 1);
   for (uint64_t s = 0; s < 20; ++s) {
     auto row = random_logits(5000, s);
     const auto expected = std::max_element(row.begin(), row.end()) - row.begin();
-    EXPECT_EQ(sampler.sample(row, {}).id, expected);
+    EXPECT_EQ(sampler.sample(row, {})->id, expected);
   }
 }
 
@@ -115,7 +115,7 @@ TEST(Sampler, TopKOneEqualsGreedy) {
   for (uint64_t s = 0; s < 50; ++s) {
     auto row = random_logits(3000, 100 + s, 0.1f);  // nearly flat: without top_k any id could come out
     const auto expected = std::max_element(row.begin(), row.end()) - row.begin();
-    EXPECT_EQ(sampler.sample(row, {}).id, expected);
+    EXPECT_EQ(sampler.sample(row, {})->id, expected);
   }
 }
 
@@ -215,7 +215,7 @@ TEST(Sampler, TopPAtFullVocabularyStaysInTheNucleus) {
   std::set<int32_t> seen;
   for (int i = 0; i < 600; ++i) {
     std::vector<float> row = logits;
-    const int32_t id = sampler.sample(row, {}).id;
+    const int32_t id = sampler.sample(row, {})->id;
     EXPECT_TRUE(nucleus.count(id)) << "id " << id << " is outside the nucleus";
     seen.insert(id);
   }
@@ -248,7 +248,7 @@ TEST(Sampler, PenaltiesChangeLogitsExactly) {
   Sampler sampler(p);
   std::vector<float> logits = {2.0f, -1.0f, 0.5f, 3.0f, -2.0f, 0.7f};
   const std::vector<int32_t> history = {0, 1, 5, /*generated:*/ 1, 2, 2};
-  const SampleResult r = sampler.sample(logits, history, /*n_prompt=*/3);
+  const SampleResult r = *sampler.sample(logits, history, /*n_prompt=*/3);
 
   std::vector<float> expected(6);
   expected[0] = (2.0f + 1.0f) / 1.5f;  // bias first, then repetition (prompt only: no presence/frequency)
@@ -270,7 +270,7 @@ TEST(Sampler, PresencePenaltyCountsWholeHistoryWhenNoPromptGiven) {
   Sampler sampler(p);
   std::vector<float> logits = {1.0f, 1.0f, 1.0f};
   const std::vector<int32_t> history = {0, 0, 2};
-  sampler.sample(logits, history);
+  ASSERT_TRUE(sampler.sample(logits, history).ok());
   EXPECT_FLOAT_EQ(logits[0], 0.0f);
   EXPECT_FLOAT_EQ(logits[1], 1.0f);
   EXPECT_FLOAT_EQ(logits[2], 0.0f);
@@ -285,11 +285,11 @@ TEST(Sampler, LogitBiasMinus100BansToken) {
   p.temperature = 0.0f;
   Sampler greedy(p);
   std::vector<float> row = logits;
-  EXPECT_EQ(greedy.sample(row, {}).id, 1);
+  EXPECT_EQ(greedy.sample(row, {})->id, 1);
   p.logit_bias = {{3, 100.0f}};  // and +100 forces one
   Sampler forced(p);
   row = logits;
-  EXPECT_EQ(forced.sample(row, {}).id, 3);
+  EXPECT_EQ(forced.sample(row, {})->id, 3);
 }
 
 std::vector<int32_t> draw_sequence(uint64_t seed, int n) {
@@ -301,7 +301,7 @@ std::vector<int32_t> draw_sequence(uint64_t seed, int n) {
   std::vector<int32_t> ids;
   for (int i = 0; i < n; ++i) {
     std::vector<float> row = logits;
-    ids.push_back(sampler.sample(row, {}).id);
+    ids.push_back(sampler.sample(row, {})->id);
   }
   return ids;
 }
@@ -332,7 +332,7 @@ TEST(Sampler, LogprobsAreNormalisedAndIndependentOfTemperature) {
   p.top_logprobs = 12;
   Sampler sampler(p);
   std::vector<float> row = logits;
-  const SampleResult r = sampler.sample(row, {});
+  const SampleResult r = *sampler.sample(row, {});
   ASSERT_EQ(r.top.size(), 12u);
   double sum = 0.0;
   for (const auto& t : r.top) sum += std::exp(static_cast<double>(t.logprob));
@@ -348,7 +348,7 @@ TEST(Sampler, LogprobsAreNormalisedAndIndependentOfTemperature) {
   p.top_logprobs = 3;
   Sampler cold(p);
   row = logits;
-  const SampleResult c = cold.sample(row, {});
+  const SampleResult c = *cold.sample(row, {});
   EXPECT_NEAR(c.logprob, std::log(expected[c.id]), 1e-5);
   ASSERT_EQ(c.top.size(), 3u);
   for (size_t i = 0; i < 3; ++i) EXPECT_EQ(c.top[i].id, r.top[i].id);
@@ -361,7 +361,7 @@ TEST(Sampler, TopLogprobsTiesGoToLowerId) {
   p.top_logprobs = 3;
   Sampler sampler(p);
   std::vector<float> logits = {0.0f, 1.0f, 0.0f, 1.0f, 0.0f};
-  const SampleResult r = sampler.sample(logits, {});
+  const SampleResult r = *sampler.sample(logits, {});
   ASSERT_EQ(r.top.size(), 3u);
   EXPECT_EQ(r.top[0].id, 1);
   EXPECT_EQ(r.top[1].id, 3);
@@ -465,7 +465,7 @@ TEST(Sampler, CostAtFullVocabulary) {
     for (int i = 0; i < n; ++i) {
       row = logits;
       const auto t0 = std::chrono::steady_clock::now();
-      const auto id = sampler.sample(row, history, 2048).id;
+      const auto id = sampler.sample(row, history, 2048)->id;
       seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       ASSERT_GE(id, 0);
     }
@@ -474,4 +474,26 @@ TEST(Sampler, CostAtFullVocabulary) {
 }
 
 }  // namespace
+// Logits the sampler cannot take are an error for the request, not an abort: a NaN (named), or nothing finite
+// after the bias (every token banned to -inf), greedy or not, and through distribution() and logprobs() too.
+TEST(Sampler, NanOrNoFiniteLogitIsAnError) {
+  for (const float t : {0.0f, 0.7f}) {
+    SamplingParams p;
+    p.temperature = t;
+    Sampler sampler(p);
+    std::vector<float> nan_row = {0.5f, NAN, 1.0f};
+    Result<SampleResult> r = sampler.sample(nan_row, {});
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), ErrorCode::internal);
+    EXPECT_NE(r.status().message().find("logit 1 is NaN"), std::string::npos) << r.status().message();
+    std::vector<float> banned = {-INFINITY, -INFINITY};
+    EXPECT_FALSE(sampler.sample(banned, {}).ok());
+    std::vector<float> probs, row = {0.5f, NAN};
+    EXPECT_FALSE(sampler.distribution(row, {}, 0, probs).ok());
+    EXPECT_FALSE(sampler.logprobs(std::vector<float>{NAN, 1.0f}, 1).ok());
+    std::vector<float> fine = {0.5f, 2.0f, 1.0f};  // the sampler still works afterwards
+    ASSERT_TRUE(sampler.sample(fine, {}).ok());
+  }
+}
+
 }  // namespace lily
