@@ -10,6 +10,7 @@
 // Measured on the H200 (2026-11-30): 0.928 ms a layer at T = 4096 against 1.032 for GdnScan::chunked; the model's
 // logits as close to the CPU (teacher-forced full4, 512 positions: 3.03e-3).
 #include "cuda/kernels/gdn_chunk_util.cuh"
+#include "cuda/kernels/wgmma_util.cuh"
 
 namespace lily::cuda::gdn_prefill_impl {
 
@@ -205,6 +206,265 @@ __global__ void __launch_bounds__(NW * 32) gdn_chunk_state_kernel(const __grid_c
             make_float2(S[ms][nt][2 * hf], S[ms][nt][2 * hf + 1]);
 }
 
+// ---- GdnScan::chunked_wgmma: the same state pass on warpgroup MMAs (Hopper) ---------------------------------
+// Block (value head h, columns j0 .. j0 + 32 of S), one warpgroup (128 threads), the chunks in order; per chunk the
+// two products of gdn_chunk_state_kernel, each as wgmma m64n32k8 in 3xTF32 (lo hi, hi lo, hi hi into one
+// accumulator a k-step, mma()'s order):
+//   V' = U - W S_c:  A = W (registers: rows 16 warp + g (+8), mma.sync's A fragment), B = S_c^T, K = D;
+//   S <- exp(G_63) S + (exp(G_63 - G) k)^T V':  A = the scaled k^T (registers, one m64 tile per 64 rows of S),
+//   B = V'^T, K = 64; S stays in the accumulators (fp32) across the chunks.
+// The B operands live in shared memory split into tf32 hi / lo once by their owners (split_tf32), K-major (row n of
+// the block's 32 columns, K contiguous) in the 128-byte swizzle, panels of 32 K elements 4 KB apart. A is built from
+// the padded fp32 tiles chunk c's cp.async brought (the same tiles as gdn_chunk_state_kernel, double buffered a
+// chunk ahead) in batches of 4 k-steps into two register sets: a batch's wgmmas run while the next batch is
+// converted. What the tensor cores take over from mma.sync: the B fragments' loads (4 LDS a k-step and column tile
+// of every warp) and the per-warp duplicates of A's conversions; a chunk issues 3 (D / 8 + D / 64 x 8) wgmmas.
+// Rounding: each k-step's three exact products summed into the accumulator in order, as mma() (GdnScan::chunked);
+// the tensor cores' fp32 accumulation, not the FMA pipe's: within the 3xTF32 bound the tests assert.
+template <int D>
+struct WgStateLayout {  // bytes from the 1024-aligned base of dynamic shared memory
+  static constexpr int LDA = D + 4, LDK = D + 8, LDC = kChunkCols + 8;
+  static constexpr int kBufFloats = kChunk * LDA + kChunk * LDC + kChunk * LDK + 2 * kChunk;  // as chunk_state_smem
+  static constexpr size_t kSt = size_t{kChunkCols} * D * 4, kVt = size_t{kChunkCols} * kChunk * 4;
+  static constexpr size_t s_hi = 0, s_lo = kSt, v_hi = 2 * kSt, v_lo = 2 * kSt + kVt, buf = 2 * kSt + 2 * kVt;
+  static constexpr size_t bytes = buf + 2 * sizeof(float) * kBufFloats + 1024;  // + the base's alignment
+};
+
+// Byte offset of element (row n, k) of a K-major operand tile of 32 rows in the 128-byte swizzle: panel k / 32
+// (4 KB: 32 rows x 128 bytes), 16-byte chunk (k % 32) / 4 of row n stored at chunk ^ (n % 8).
+__device__ __forceinline__ uint32_t sw_off(int n, int k) {
+  return static_cast<uint32_t>((k >> 5) * 4096 + n * 128 + ((((k & 31) >> 2) ^ (n & 7)) << 4) + (k & 3) * 4);
+}
+
+#if defined(LILY_SM90A_PASS)
+// D[64, 32] += A[64, 8] B[8, 32] three times (3xTF32: a_lo b_hi, a_hi b_lo, a_hi b_hi): A from registers (hi, lo),
+// B K-major in shared memory (descriptors bh, bl of its hi and lo parts).
+__device__ __forceinline__ void wgmma3_tf32(float (&d)[16], const uint32_t (&ah)[4], const uint32_t (&al)[4],
+                                            uint64_t bh, uint64_t bl) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%20, %21, %22, %23}, %24, p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %25, p, 1, 1;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k8.f32.tf32.tf32 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %24, p, 1, 1;\n"
+      "}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(ah[0]), "r"(ah[1]), "r"(ah[2]), "r"(ah[3]), "r"(al[0]), "r"(al[1]), "r"(al[2]), "r"(al[3]), "l"(bh),
+        "l"(bl));
+}
+
+// Keeps a register set alive and unmoved until this point (the tensor cores read it until its group completes).
+__device__ __forceinline__ void fence_set(uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+#pragma unroll
+    for (int q = 0; q < 4; ++q) asm volatile("" : "+r"(a[j][q])::"memory");
+}
+
+__device__ __forceinline__ void split_frag(const float (&x)[4], uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    hi[i] = tf32(x[i]);
+    lo[i] = tf32(x[i] - __uint_as_float(hi[i]));
+  }
+}
+#endif
+
+template <int D>
+__global__ void __launch_bounds__(128, 1) gdn_chunk_state_wgmma_kernel(const __grid_constant__ GdnPrefillParams p,
+                                                                       Scratch s) {
+#if defined(LILY_SM90A_PASS)
+  using namespace wgmma_util;
+  using L = WgStateLayout<D>;
+  constexpr int kNThreads = 128, NC = kChunkCols, MT = D / 64, KV = D / 8, KU = kChunk / 8;
+  constexpr int LDA = L::LDA, LDK = L::LDK, LDC = L::LDC, kBuf = L::kBufFloats;
+  static_assert(KV % 4 == 0 && (MT * KU) % 4 == 0, "batches of 4 k-steps");
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* const base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  float* const bufs = reinterpret_cast<float*>(base + L::buf);
+  const uint32_t s_hi = smem_u32(base + L::s_hi), s_lo = smem_u32(base + L::s_lo);
+  const uint32_t v_hi = smem_u32(base + L::v_hi), v_lo = smem_u32(base + L::v_lo);
+  const int col_blocks = D / NC, h = blockIdx.x / col_blocks, j0 = blockIdx.x % col_blocks * NC;
+  const int kh = h / (p.n_v / p.n_k), nc = (p.T + kChunk - 1) / kChunk;
+  const size_t value_dim = static_cast<size_t>(p.n_v) * D;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r = 16 * warp + g;
+  const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+
+  auto load = [&](int c) {  // chunk c's inputs into buffer c & 1 (one commit group), as gdn_chunk_state_kernel
+    if (c < nc) {
+      float* w_s = bufs + (c & 1) * kBuf;
+      float* u_s = w_s + kChunk * LDA;
+      float* k_s = u_s + kChunk * LDC;
+      float* gk_s = k_s + kChunk * LDK;
+      const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+      const float* w = s.w + (static_cast<size_t>(c) * p.n_v + h) * kChunk * D;
+      for (int i = threadIdx.x; i < kChunk * D / 4; i += kNThreads) {
+        const int row = i / (D / 4), d = i % (D / 4) * 4;
+        cp_async16(w_s + row * LDA + d, w + row * D + d);
+        if (row < n) cp_async16(k_s + row * LDK + d, s.k + (static_cast<size_t>(t0 + row) * p.n_k + kh) * D + d);
+        else *reinterpret_cast<float4*>(k_s + row * LDK + d) = zero4;
+      }
+      for (int i = threadIdx.x; i < kChunk * NC / 4; i += kNThreads) {
+        const int row = i / (NC / 4), d = i % (NC / 4) * 4;
+        if (row < n) cp_async16(u_s + row * LDC + d, s.v + static_cast<size_t>(t0 + row) * value_dim + h * D + j0 + d);
+        else *reinterpret_cast<float4*>(u_s + row * LDC + d) = zero4;
+      }
+      const float* gk = s.gk + (static_cast<size_t>(c) * p.n_v + h) * 2 * kChunk;
+      for (int i = threadIdx.x; i < 2 * kChunk / 4; i += kNThreads) cp_async16(gk_s + i * 4, gk + i * 4);
+    }
+    cp_async_commit();
+  };
+
+  load(0);
+  // S in the update's accumulators: sacc[mt][4 j + 2 hf + e] = S[64 mt + r + 8 hf][j0 + 8 j + 2 t + e].
+  float sacc[MT][16];
+  float* S_g = p.S + static_cast<size_t>(h) * D * D + j0;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float2 x = *reinterpret_cast<const float2*>(S_g + static_cast<size_t>(64 * mt + r + 8 * hf) * D + 8 * j + 2 * t);
+        sacc[mt][4 * j + 2 * hf] = x.x, sacc[mt][4 * j + 2 * hf + 1] = x.y;
+      }
+  // S -> the V' product's B operand (S^T, split) and, for chunk c, to scratch hs (the output pass's operand).
+  auto store_state = [&](int c) {
+    float* hs = s.hs + (static_cast<size_t>(c) * p.n_v + h) * D * D + j0;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int d = 64 * mt + r + 8 * hf, n0 = 8 * j + 2 * t;
+          const float2 x = make_float2(sacc[mt][4 * j + 2 * hf], sacc[mt][4 * j + 2 * hf + 1]);
+          const float2 a = split_tf32(x.x), b = split_tf32(x.y);
+          *reinterpret_cast<float*>(base + L::s_hi + sw_off(n0, d)) = a.x;
+          *reinterpret_cast<float*>(base + L::s_lo + sw_off(n0, d)) = a.y;
+          *reinterpret_cast<float*>(base + L::s_hi + sw_off(n0 + 1, d)) = b.x;
+          *reinterpret_cast<float*>(base + L::s_lo + sw_off(n0 + 1, d)) = b.y;
+          if (c < nc) *reinterpret_cast<float2*>(hs + static_cast<size_t>(d) * D + n0) = x;
+        }
+    fence_proxy_async();  // the B operand's stores, before the barrier that precedes the wgmmas reading them
+  };
+  store_state(0);
+
+  uint32_t ah[2][4][4], al[2][4][4];  // A fragments of a batch of 4 k-steps, two sets (hi, lo)
+  for (int c = 0; c < nc; ++c) {
+    const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+    const float* w_s = bufs + (c & 1) * kBuf;
+    const float* u_s = w_s + kChunk * LDA;
+    const float* k_s = u_s + kChunk * LDC;
+    const float* gk_s = k_s + kChunk * LDK;
+    cp_async_wait<0>();  // chunk c's inputs (the only group in flight)
+    __syncthreads();     // (A) ... visible to every warp, S^T in shared memory; buffer (c + 1) & 1 free
+    load(c + 1);
+    float vacc[16];  // V' accumulators: vacc[4 j + 2 hf + e] = (W S)[r + 8 hf][8 j + 2 t + e]
+#pragma unroll
+    for (int i = 0; i < 16; ++i) vacc[i] = 0.0f;
+#pragma unroll
+    for (int b = 0; b < KV / 4; ++b) {  // V' = W S, k-steps 4 b .. 4 b + 3 (panel b of S^T)
+      const int set = b & 1;
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int k0 = 8 * (4 * b + q);
+        const float x[4] = {w_s[r * LDA + k0 + t], w_s[(r + 8) * LDA + k0 + t], w_s[r * LDA + k0 + t + 4],
+                            w_s[(r + 8) * LDA + k0 + t + 4]};
+        split_frag(x, ah[set][q], al[set][q]);
+      }
+      wgmma_fence();
+      fence_regs(vacc);
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const uint32_t off = static_cast<uint32_t>(b * 4096 + q * 32);
+        wgmma3_tf32(vacc, ah[set][q], al[set][q], desc_sw128(s_hi + off), desc_sw128(s_lo + off));
+      }
+      wgmma_commit();
+      fence_regs(vacc);
+      wgmma_wait<1>();
+      fence_set(ah[set ^ 1]);
+      fence_set(al[set ^ 1]);
+    }
+    wgmma_wait<0>();
+    fence_regs(vacc);
+    fence_set(ah[(KV / 4 - 1) & 1]);
+    fence_set(al[(KV / 4 - 1) & 1]);
+    // V' = U - W S -> the update's B operand (V'^T, split) and scratch v (over U, for the output pass).
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = r + 8 * hf, n0 = 8 * j + 2 * t;
+        const float2 u = *reinterpret_cast<const float2*>(u_s + i * LDC + n0);
+        const float2 v2 = make_float2(u.x - vacc[4 * j + 2 * hf], u.y - vacc[4 * j + 2 * hf + 1]);
+        const float2 a = split_tf32(v2.x), b = split_tf32(v2.y);
+        *reinterpret_cast<float*>(base + L::v_hi + sw_off(n0, i)) = a.x;
+        *reinterpret_cast<float*>(base + L::v_lo + sw_off(n0, i)) = a.y;
+        *reinterpret_cast<float*>(base + L::v_hi + sw_off(n0 + 1, i)) = b.x;
+        *reinterpret_cast<float*>(base + L::v_lo + sw_off(n0 + 1, i)) = b.y;
+        if (i < n) *reinterpret_cast<float2*>(s.v + static_cast<size_t>(t0 + i) * value_dim + h * D + j0 + n0) = v2;
+      }
+    fence_proxy_async();
+    __syncthreads();  // (B) V'^T complete; S^T free (the V' wgmmas are done)
+    {                 // S <- exp(G_63) S + (exp(G_63 - G) k)^T V'
+      const float decay = gk_s[kChunk - 1];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 16; ++e) sacc[mt][e] *= decay;
+#pragma unroll
+      for (int b = 0; b < MT * KU / 4; ++b) {  // units 4 b .. 4 b + 3: (tile mt, k-step kk) = (u / KU, u % KU)
+        const int set = b & 1;
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int u = 4 * b + q, mt = u / KU, k0 = 8 * (u % KU), d = 64 * mt + r;
+          const float f0 = gk_s[kChunk + k0 + t], f1 = gk_s[kChunk + k0 + t + 4];
+          const float x[4] = {k_s[(k0 + t) * LDK + d] * f0, k_s[(k0 + t) * LDK + d + 8] * f0,
+                              k_s[(k0 + t + 4) * LDK + d] * f1, k_s[(k0 + t + 4) * LDK + d + 8] * f1};
+          split_frag(x, ah[set][q], al[set][q]);
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) fence_regs(sacc[mt]);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const int u = 4 * b + q, mt = u / KU, kk = u % KU;
+          const uint32_t off = static_cast<uint32_t>((kk >> 2) * 4096 + (kk & 3) * 32);
+          wgmma3_tf32(sacc[mt], ah[set][q], al[set][q], desc_sw128(v_hi + off), desc_sw128(v_lo + off));
+        }
+        wgmma_commit();
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) fence_regs(sacc[mt]);
+        wgmma_wait<1>();
+        fence_set(ah[set ^ 1]);
+        fence_set(al[set ^ 1]);
+      }
+      wgmma_wait<0>();
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) fence_regs(sacc[mt]);
+      fence_set(ah[(MT * KU / 4 - 1) & 1]);
+      fence_set(al[(MT * KU / 4 - 1) & 1]);
+    }
+    store_state(c + 1);  // chunk c + 1's start state (to scratch only if there is a chunk c + 1)
+  }
+  cp_async_wait<0>();
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+        *reinterpret_cast<float2*>(S_g + static_cast<size_t>(64 * mt + r + 8 * hf) * D + 8 * j + 2 * t) =
+            make_float2(sacc[mt][4 * j + 2 * hf], sacc[mt][4 * j + 2 * hf + 1]);
+#else
+  (void)p, (void)s;  // not an sm_90a pass: no wgmma (scan_chunked_split refuses, see wgmma_built)
+#endif
+}
+
 constexpr int kOutCols = 64;  // columns of O per block of the output pass
 
 template <int D>
@@ -299,21 +559,28 @@ __global__ void __launch_bounds__(kThreads) gdn_chunk_out_kernel(const __grid_co
 
 }  // namespace
 
-cudaError_t scan_chunked_split(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream) {
+cudaError_t scan_chunked_split(const GdnPrefillParams& p, const Scratch& s, bool wgmma, cudaStream_t stream) {
   const int nc = (p.T + kChunk - 1) / kChunk;
-  auto run = [&](auto state_kernel, auto out_kernel, int d, size_t state_smem, size_t out_smem) {
+  auto run = [&](auto state_kernel, auto out_kernel, int d, int threads, size_t state_smem, size_t out_smem) {
     CUDA_TRY(cudaFuncSetAttribute(state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(state_smem)));
     CUDA_TRY(cudaFuncSetAttribute(out_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(out_smem)));
-    state_kernel<<<p.n_v * (d / kChunkCols), kStateWarps * 32, state_smem, stream>>>(p, s);
+    state_kernel<<<p.n_v * (d / kChunkCols), threads, state_smem, stream>>>(p, s);
     CUDA_TRY(cudaGetLastError());
     out_kernel<<<dim3(nc, p.n_v, d / kOutCols), kThreads, out_smem, stream>>>(p, s);
     return cudaGetLastError();
   };
+  if (wgmma) {
+    if (!wgmma_built()) return cudaErrorInvalidDeviceFunction;
+    return p.d_k == 128 ? run(gdn_chunk_state_wgmma_kernel<128>, gdn_chunk_out_kernel<128>, 128, 128,
+                              WgStateLayout<128>::bytes, chunk_out_smem<128>())
+                        : run(gdn_chunk_state_wgmma_kernel<64>, gdn_chunk_out_kernel<64>, 64, 128,
+                              WgStateLayout<64>::bytes, chunk_out_smem<64>());
+  }
   return p.d_k == 128 ? run(gdn_chunk_state_kernel<128, kStateWarps>, gdn_chunk_out_kernel<128>, 128,
-                            chunk_state_smem<128>(), chunk_out_smem<128>())
+                            kStateWarps * 32, chunk_state_smem<128>(), chunk_out_smem<128>())
                       : run(gdn_chunk_state_kernel<64, kStateWarps>, gdn_chunk_out_kernel<64>, 64,
-                            chunk_state_smem<64>(), chunk_out_smem<64>());
+                            kStateWarps * 32, chunk_state_smem<64>(), chunk_out_smem<64>());
 }
 
 }  // namespace lily::cuda::gdn_prefill_impl

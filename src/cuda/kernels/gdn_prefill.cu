@@ -18,6 +18,7 @@
 // read and written once per call.
 
 #include <cmath>
+#include <cstdlib>
 
 #include "cuda/kernels/gdn_prefill_util.cuh"
 
@@ -163,8 +164,9 @@ cudaError_t launch(const GdnPrefillParams& p, const Scratch& s, cudaStream_t str
       CUDA_TRY(scan_chunked(p, s, stream));
       break;
     case GdnScan::chunked_split:
+    case GdnScan::chunked_wgmma:
       CUDA_TRY(chunk_prep(p, s, stream));
-      CUDA_TRY(scan_chunked_split(p, s, stream));
+      CUDA_TRY(scan_chunked_split(p, s, scan_for(p) == GdnScan::chunked_wgmma, stream));
       break;
     default: CUDA_TRY(scan_rows(p, s, stream)); break;
   }
@@ -178,8 +180,9 @@ bool valid(const GdnPrefillParams& p) {
     return false;
   if (p.T < 1 || p.pos0 < 0 || p.kernel != kKernel) return false;
   if (p.scan != GdnScan::by_length && p.scan != GdnScan::sequential && p.scan != GdnScan::chunked &&
-      p.scan != GdnScan::chunked_split)
+      p.scan != GdnScan::chunked_split && p.scan != GdnScan::chunked_wgmma)
     return false;
+  if (p.scan == GdnScan::chunked_wgmma && !wgmma_built()) return false;
   if (p.scan != GdnScan::by_length && p.scan != GdnScan::sequential && p.d_v != p.d_k) return false;  // chunked: d_v = d_k
   if (p.d_k != 64 && p.d_k != 128) return false;
   if (p.d_v <= 0 || p.d_v % kCols != 0) return false;
@@ -192,7 +195,7 @@ bool valid(const GdnPrefillParams& p) {
 GdnScan scan_for(const GdnPrefillParams& p) {
   if (p.scan != GdnScan::by_length) return p.scan;
   return p.d_v != p.d_k ? GdnScan::sequential
-         : p.T >= kSplitMinT   ? GdnScan::chunked_split
+         : p.T >= kSplitMinT   ? (wgmma_built() && !std::getenv("LILY_EXPERIMENT_GDN_MMA") ? GdnScan::chunked_wgmma : GdnScan::chunked_split)
          : p.T >= kChunkedMinT ? GdnScan::chunked
                                : GdnScan::sequential;
 }
@@ -203,6 +206,7 @@ const char* scan_name(GdnScan s) {
     case GdnScan::sequential: return "sequential";
     case GdnScan::chunked: return "chunked";
     case GdnScan::chunked_split: return "chunked_split";
+    case GdnScan::chunked_wgmma: return "chunked_wgmma";
   }
   return "?";
 }

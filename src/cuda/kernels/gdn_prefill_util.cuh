@@ -32,7 +32,8 @@ struct Scratch {
 cudaError_t scan_rows(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream);       // sequential
 cudaError_t chunk_prep(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream);      // W, U, P, exp(G)
 cudaError_t scan_chunked(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream);    // after chunk_prep
-cudaError_t scan_chunked_split(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream);  // after chunk_prep
+// after chunk_prep; wgmma: the state pass on warpgroup MMAs (GdnScan::chunked_wgmma, only where wgmma_built())
+cudaError_t scan_chunked_split(const GdnPrefillParams& p, const Scratch& s, bool wgmma, cudaStream_t stream);
 
 #if defined(__CUDACC__)
 __device__ __forceinline__ float silu_exact(float x) { return x / (1.0f + expf(-x)); }

@@ -28,8 +28,13 @@ using test::kTiny;
 using test::random_vector;
 
 constexpr int kK = 4;  // conv kernel
-// Every scan gdn_prefill has (GdnScan::by_length picks one of them by T).
-constexpr GdnScan kScans[] = {GdnScan::sequential, GdnScan::chunked, GdnScan::chunked_split};
+// Every scan gdn_prefill has here (GdnScan::by_length picks one of them by T): chunked_wgmma where the GPU and
+// the build have wgmma.
+std::vector<GdnScan> scans() {
+  std::vector<GdnScan> v = {GdnScan::sequential, GdnScan::chunked, GdnScan::chunked_split};
+  if (wgmma_built()) v.push_back(GdnScan::chunked_wgmma);
+  return v;
+}
 bool chunked(GdnScan s) { return s != GdnScan::sequential; }
 std::string name(GdnScan s) { return scan_name(s); }
 
@@ -246,7 +251,7 @@ void check_against_reference(const Geometry& g, int T, int pos0, bool random_sta
   const DeviceBuffer<float> d_proj(proj);
   State st = st0;
   const auto x_ref = reference(g, w, proj, T, pos0, st);
-  for (GdnScan scan : kScans) {
+  for (GdnScan scan : scans()) {
     SCOPED_TRACE("scan " + name(scan));
     DeviceGdn dev(g, w, st0, T);
     dev.scan = scan;
@@ -329,7 +334,7 @@ void check_against_decode(const Geometry& g, int T, int pos0, uint32_t seed, Gdn
 
 TEST(CudaGdnPrefill, MatchesDecodeSteps) {
   SKIP_WITHOUT_GPU();
-  for (GdnScan scan : kScans) {
+  for (GdnScan scan : scans()) {
     check_against_decode(kFull, 70, 37, 300, scan);
     check_against_decode(kFull, 3, 1, 301, scan);
     check_against_decode(kTiny, 70, 37, 302, scan);
@@ -366,7 +371,7 @@ void check_chunks(const Geometry& g, int T1, int T2, uint32_t seed, GdnScan scan
 
 TEST(CudaGdnPrefill, TwoChunksEqualOne) {
   SKIP_WITHOUT_GPU();
-  for (GdnScan scan : kScans) {
+  for (GdnScan scan : scans()) {
     check_chunks(kFull, 100, 61, 400, scan);
     check_chunks(kFull, 2, 70, 401, scan);
     check_chunks(kFull, 64, 129, 403, scan);  // chunk-aligned split: the chunked path groups rows alike
@@ -383,14 +388,16 @@ TEST(CudaGdnPrefill, TwoChunksEqualOne) {
 // RMS, S ~1.1e-3). Both propagate linearly through the same contractive recurrence, so: o <= 1.8e-4 of the RMS
 // (x |w silu(z)| < 4: 7e-4 absolute), S <= 1.8e-5. Asserted: S 5e-5 abs + rel, output 1e-3 absolute + 2^-9
 // relative (the fp16 rounding of x may flip by one ulp when the fp32 values straddle a rounding boundary).
+// chunked_wgmma chains the three products of a k-step into one accumulator as chunked does, on the tensor cores'
+// fp32 accumulation (rounded or truncated a step, <= 2^-22 of the running sum): inside the same bound.
 constexpr double kSplitOutAbs = 1e-3, kSplitOutRel = 1.0 / 512, kSplitStateTol = 5e-5;
 
-void check_split(const Geometry& g, int T, uint32_t seed) {
-  SCOPED_TRACE(std::string(g.name) + " T=" + std::to_string(T));
+void check_split(const Geometry& g, int T, uint32_t seed, GdnScan split) {
+  SCOPED_TRACE(std::string(g.name) + " T=" + std::to_string(T) + " " + name(split));
   const Inputs in(g, T, seed);
   const auto& [w, st, proj, d_proj] = in;
   DeviceGdn a(g, w, st, T), b(g, w, st, T);
-  a.scan = GdnScan::chunked_split, b.scan = GdnScan::chunked;
+  a.scan = split, b.scan = GdnScan::chunked;
   ASSERT_CUDA(a.prefill(d_proj.get(), T, 37));
   ASSERT_CUDA(b.prefill(d_proj.get(), T, 37));
   ASSERT_CUDA(cudaDeviceSynchronize());
@@ -400,24 +407,28 @@ void check_split(const Geometry& g, int T, uint32_t seed) {
   size_t same_x = 0, same_s = 0;
   for (size_t i = 0; i < xa.size(); ++i) same_x += xa[i] == xb[i];
   for (size_t i = 0; i < sa.size(); ++i) same_s += sa[i] == sb[i];
-  printf("[gdn_prefill] %-4s T=%4d chunked_split vs chunked: %zu of %zu outputs, %zu of %zu S elements "
+  printf("[gdn_prefill] %-4s T=%4d %s vs chunked: %zu of %zu outputs, %zu of %zu S elements "
          "bit-identical (max |out diff| %.2e, max |S diff| %.2e)\n",
-         g.name, T, same_x, xa.size(), same_s, sa.size(), ex, es);
+         g.name, T, name(split).c_str(), same_x, xa.size(), same_s, sa.size(), ex, es);
 }
 
 TEST(CudaGdnPrefill, SplitMatchesChunkedWithinBound) {
   SKIP_WITHOUT_GPU();
-  for (int T : {65, 4097}) {
-    check_split(kFull, T, 640 + T);
-    check_split(kTiny, T, 650 + T);
+  for (GdnScan split : scans()) {
+    if (split != GdnScan::chunked_split && split != GdnScan::chunked_wgmma) continue;
+    for (int T : {65, 4097}) {
+      check_split(kFull, T, 640 + T, split);
+      check_split(kTiny, T, 650 + T, split);
+    }
   }
 }
 
 TEST(CudaGdnPrefill, DefaultScanByLength) {
   GdnPrefillParams p;
   p.d_k = p.d_v = 128;
+  const GdnScan split = wgmma_built() ? GdnScan::chunked_wgmma : GdnScan::chunked_split;
   for (auto [T, want] : {std::pair{1, GdnScan::sequential}, {255, GdnScan::sequential}, {256, GdnScan::chunked},
-                         {511, GdnScan::chunked}, {512, GdnScan::chunked_split}, {4096, GdnScan::chunked_split}}) {
+                         {511, GdnScan::chunked}, {512, split}, {4096, split}}) {
     p.T = T;
     EXPECT_EQ(scan_for(p), want) << "T " << T;
   }
@@ -473,7 +484,9 @@ TEST(CudaGdnPrefillBench, FullGeometry) {
   DeviceGdn dev(g, w, random_state(g, 510), kMaxT);
   const DeviceBuffer<float> d_proj(random_vector(static_cast<size_t>(kMaxT) * g.gdn_proj(), 520));
   for (int T : {64, 128, 256, 512, 1024, 4096})
-    for (GdnScan scan : {GdnScan::by_length, GdnScan::sequential, GdnScan::chunked, GdnScan::chunked_split}) {
+    for (GdnScan scan : {GdnScan::by_length, GdnScan::sequential, GdnScan::chunked, GdnScan::chunked_split,
+                         GdnScan::chunked_wgmma}) {
+      if (scan == GdnScan::chunked_wgmma && !wgmma_built()) continue;
       const double us = test::graph_time_us(
           [&](int, cudaStream_t s) {
             GdnPrefillParams p = dev.params(d_proj.get(), T, 37, reinterpret_cast<__half*>(dev.out.get()));
