@@ -207,20 +207,25 @@ __global__ void __launch_bounds__(NW * 32) gdn_chunk_state_kernel(const __grid_c
 }
 
 // ---- GdnScan::chunked_wgmma: the same state pass on warpgroup MMAs (Hopper) ---------------------------------
-// Block (value head h, columns j0 .. j0 + 32 of S), one warpgroup (128 threads), the chunks in order; per chunk the
-// two products of gdn_chunk_state_kernel, each as wgmma m64n32k8 in 3xTF32 (lo hi, hi lo, hi hi into one
-// accumulator a k-step, mma()'s order):
-//   V' = U - W S_c:  A = W (registers: rows 16 warp + g (+8), mma.sync's A fragment), B = S_c^T, K = D;
-//   S <- exp(G_63) S + (exp(G_63 - G) k)^T V':  A = the scaled k^T (registers, one m64 tile per 64 rows of S),
-//   B = V'^T, K = 64; S stays in the accumulators (fp32) across the chunks.
-// The B operands live in shared memory split into tf32 hi / lo once by their owners (split_tf32), K-major (row n of
-// the block's 32 columns, K contiguous) in the 128-byte swizzle, panels of 32 K elements 4 KB apart. A is built from
-// the padded fp32 tiles chunk c's cp.async brought (the same tiles as gdn_chunk_state_kernel, double buffered a
-// chunk ahead) in batches of 4 k-steps into two register sets: a batch's wgmmas run while the next batch is
-// converted. What the tensor cores take over from mma.sync: the B fragments' loads (4 LDS a k-step and column tile
-// of every warp) and the per-warp duplicates of A's conversions; a chunk issues 3 (D / 8 + D / 64 x 8) wgmmas.
-// Rounding: each k-step's three exact products summed into the accumulator in order, as mma() (GdnScan::chunked);
-// the tensor cores' fp32 accumulation, not the FMA pipe's: within the 3xTF32 bound the tests assert.
+// Block (value head h, columns j0 .. j0 + 32 of S), two warpgroups that pass the chunk back and forth:
+//   warpgroup 0, V' = U - W S_c: wgmma m64n32k8, A = W (registers: warp w rows 16 w + g (+8), mma.sync's A
+//     fragment), B = S_c^T, K = D;
+//   warpgroup 1, S <- exp(G_63) S + (exp(G_63 - G) k)^T V': one m64n32k8 tile per 64 rows of S, A = the scaled k^T
+//     (registers), B = V'^T, K = 64; S stays in its accumulators (fp32) across the chunks.
+// Each product in 3xTF32 (lo hi, hi lo, hi hi into one accumulator a k-step: mma()'s order, bit-identical to
+// GdnScan::chunked on the H200). The B operands live in shared memory split into tf32 hi / lo once by their owner
+// (split_tf32), K-major (row n of the block's 32 columns, K contiguous) in the 128-byte swizzle, panels of 32 K
+// elements 4 KB apart. Why two warpgroups: with one, the state pass ran at one warp a scheduler issuing every 3.3
+// cycles (ncu, 2026-12-04) and took as long as the mma.sync kernel (0.388 vs 0.396 ms at T = 4097): the chunk's
+// critical path was its ~2,200 instructions a warp. Here each warpgroup converts its next A operand (W of chunk c + 1,
+// the scaled k of chunk c + 1: all of it, 128 registers) and waits for its own copies while the other warpgroup's
+// product is on the critical path, which keeps only the wgmmas, their epilogues and two hand-overs a chunk:
+//   S_ready (named barrier 1): warpgroup 1 arrives once S_c^T is stored (c = 0: the initial state), warpgroup 0
+//     waits before its wgmmas; this also says warpgroup 1's wgmmas no longer read V'^T;
+//   V_ready (named barrier 2): warpgroup 0 arrives once V'^T is stored (its wgmmas no longer read S^T), warpgroup 1
+//     waits before its wgmmas.
+// Each warpgroup copies its own inputs (0: W, U; 1: k, exp factors) a chunk ahead into the buffer of the chunk's
+// parity and makes them visible inside the warpgroup by its own named barrier (3, 4).
 template <int D>
 struct WgStateLayout {  // bytes from the 1024-aligned base of dynamic shared memory
   static constexpr int LDA = D + 4, LDK = D + 8, LDC = kChunkCols + 8;
@@ -256,10 +261,11 @@ __device__ __forceinline__ void wgmma3_tf32(float (&d)[16], const uint32_t (&ah)
         "l"(bl));
 }
 
-// Keeps a register set alive and unmoved until this point (the tensor cores read it until its group completes).
-__device__ __forceinline__ void fence_set(uint32_t (&a)[4][4]) {
+// Keeps A fragments alive and unmoved until this point (the tensor cores read them until their group completes).
+template <int N>
+__device__ __forceinline__ void fence_frags(uint32_t (&a)[N][4]) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j)
+  for (int j = 0; j < N; ++j)
 #pragma unroll
     for (int q = 0; q < 4; ++q) asm volatile("" : "+r"(a[j][q])::"memory");
 }
@@ -271,195 +277,229 @@ __device__ __forceinline__ void split_frag(const float (&x)[4], uint32_t (&hi)[4
     lo[i] = tf32(x[i] - __uint_as_float(hi[i]));
   }
 }
+
+// Named barriers of the 256 threads (1, 2: the hand-overs; one warpgroup arrives, the other waits) and of one
+// warpgroup's 128 threads (3, 4). Barrier 0 is __syncthreads.
+__device__ __forceinline__ void named_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 #endif
 
 template <int D>
-__global__ void __launch_bounds__(128, 1) gdn_chunk_state_wgmma_kernel(const __grid_constant__ GdnPrefillParams p,
+__global__ void __launch_bounds__(256, 1) gdn_chunk_state_wgmma_kernel(const __grid_constant__ GdnPrefillParams p,
                                                                        Scratch s) {
 #if defined(LILY_SM90A_PASS)
   using namespace wgmma_util;
   using L = WgStateLayout<D>;
-  constexpr int kNThreads = 128, NC = kChunkCols, MT = D / 64, KV = D / 8, KU = kChunk / 8;
+  constexpr int NC = kChunkCols, MT = D / 64, KV = D / 8, KU = MT * (kChunk / 8);
   constexpr int LDA = L::LDA, LDK = L::LDK, LDC = L::LDC, kBuf = L::kBufFloats;
-  static_assert(KV % 4 == 0 && (MT * KU) % 4 == 0, "batches of 4 k-steps");
+  constexpr int kSReady = 1, kVReady = 2;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* const base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   float* const bufs = reinterpret_cast<float*>(base + L::buf);
-  const uint32_t s_hi = smem_u32(base + L::s_hi), s_lo = smem_u32(base + L::s_lo);
-  const uint32_t v_hi = smem_u32(base + L::v_hi), v_lo = smem_u32(base + L::v_lo);
   const int col_blocks = D / NC, h = blockIdx.x / col_blocks, j0 = blockIdx.x % col_blocks * NC;
   const int kh = h / (p.n_v / p.n_k), nc = (p.T + kChunk - 1) / kChunk;
   const size_t value_dim = static_cast<size_t>(p.n_v) * D;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4, r = 16 * warp + g;
+  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4, r = 16 * warp + g;
   const float4 zero4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  // Buffer b: [64][LDA] W | [64][LDC] U | [64][LDK] k_hat | [128] exp(G_i) | exp(G_63 - G_i).
+  auto w_of = [&](int c) { return bufs + (c & 1) * kBuf; };
+  auto u_of = [&](int c) { return w_of(c) + kChunk * LDA; };
+  auto k_of = [&](int c) { return u_of(c) + kChunk * LDC; };
+  auto gk_of = [&](int c) { return k_of(c) + kChunk * LDK; };
+  uint32_t ah[KV][4], al[KV][4];  // this warpgroup's A operand of its next product (hi, lo), every k-step
 
-  auto load = [&](int c) {  // chunk c's inputs into buffer c & 1 (one commit group), as gdn_chunk_state_kernel
-    if (c < nc) {
-      float* w_s = bufs + (c & 1) * kBuf;
-      float* u_s = w_s + kChunk * LDA;
-      float* k_s = u_s + kChunk * LDC;
-      float* gk_s = k_s + kChunk * LDK;
+  if (wg == 0) {  // ---- V' = U - W S_c
+    auto load = [&](int c) {  // W and U of chunk c (one commit group)
+      if (c < nc) {
+        float* w_s = w_of(c);
+        float* u_s = u_of(c);
+        const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+        const float* w = s.w + (static_cast<size_t>(c) * p.n_v + h) * kChunk * D;
+        for (int i = tid; i < kChunk * D / 4; i += 128) {
+          const int row = i / (D / 4), d = i % (D / 4) * 4;
+          cp_async16(w_s + row * LDA + d, w + row * D + d);
+        }
+        for (int i = tid; i < kChunk * NC / 4; i += 128) {
+          const int row = i / (NC / 4), d = i % (NC / 4) * 4;
+          if (row < n) cp_async16(u_s + row * LDC + d, s.v + static_cast<size_t>(t0 + row) * value_dim + h * D + j0 + d);
+          else *reinterpret_cast<float4*>(u_s + row * LDC + d) = zero4;
+        }
+      }
+      cp_async_commit();
+    };
+    auto convert = [&](int c) {  // W of chunk c -> ah / al (after its copies are visible)
+      const float* w_s = w_of(c);
+#pragma unroll
+      for (int kk = 0; kk < KV; ++kk) {
+        const int k0 = 8 * kk;
+        const float x[4] = {w_s[r * LDA + k0 + t], w_s[(r + 8) * LDA + k0 + t], w_s[r * LDA + k0 + t + 4],
+                            w_s[(r + 8) * LDA + k0 + t + 4]};
+        split_frag(x, ah[kk], al[kk]);
+      }
+    };
+    load(0);
+    cp_async_wait<0>();
+    named_sync(3, 128);
+    convert(0);
+    const uint32_t s_hi = smem_u32(base + L::s_hi), s_lo = smem_u32(base + L::s_lo);
+    for (int c = 0; c < nc; ++c) {
       const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
-      const float* w = s.w + (static_cast<size_t>(c) * p.n_v + h) * kChunk * D;
-      for (int i = threadIdx.x; i < kChunk * D / 4; i += kNThreads) {
-        const int row = i / (D / 4), d = i % (D / 4) * 4;
-        cp_async16(w_s + row * LDA + d, w + row * D + d);
-        if (row < n) cp_async16(k_s + row * LDK + d, s.k + (static_cast<size_t>(t0 + row) * p.n_k + kh) * D + d);
-        else *reinterpret_cast<float4*>(k_s + row * LDK + d) = zero4;
+      load(c + 1);  // into the buffer of chunk c - 1, whose W and U this warpgroup is done with
+      float vacc[16];  // vacc[4 j + 2 hf + e] = (W S)[r + 8 hf][8 j + 2 t + e]
+#pragma unroll
+      for (int i = 0; i < 16; ++i) vacc[i] = 0.0f;
+      named_sync(kSReady, 256);  // S_c^T stored by warpgroup 1
+      wgmma_fence();
+      fence_regs(vacc);
+#pragma unroll
+      for (int kk = 0; kk < KV; ++kk) {
+        const uint32_t off = static_cast<uint32_t>((kk >> 2) * 4096 + (kk & 3) * 32);
+        wgmma3_tf32(vacc, ah[kk], al[kk], desc_sw128(s_hi + off), desc_sw128(s_lo + off));
       }
-      for (int i = threadIdx.x; i < kChunk * NC / 4; i += kNThreads) {
-        const int row = i / (NC / 4), d = i % (NC / 4) * 4;
-        if (row < n) cp_async16(u_s + row * LDC + d, s.v + static_cast<size_t>(t0 + row) * value_dim + h * D + j0 + d);
-        else *reinterpret_cast<float4*>(u_s + row * LDC + d) = zero4;
+      wgmma_commit();
+      fence_regs(vacc);
+      wgmma_wait<0>();
+      fence_regs(vacc);
+      fence_frags(ah);
+      fence_frags(al);
+      const float* u_s = u_of(c);
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int i = r + 8 * hf, n0 = 8 * j + 2 * t;
+          const float2 u = *reinterpret_cast<const float2*>(u_s + i * LDC + n0);
+          const float2 v2 = make_float2(u.x - vacc[4 * j + 2 * hf], u.y - vacc[4 * j + 2 * hf + 1]);
+          const float2 a = split_tf32(v2.x), b = split_tf32(v2.y);
+          *reinterpret_cast<float*>(base + L::v_hi + sw_off(n0, i)) = a.x;
+          *reinterpret_cast<float*>(base + L::v_lo + sw_off(n0, i)) = a.y;
+          *reinterpret_cast<float*>(base + L::v_hi + sw_off(n0 + 1, i)) = b.x;
+          *reinterpret_cast<float*>(base + L::v_lo + sw_off(n0 + 1, i)) = b.y;
+          if (i < n) *reinterpret_cast<float2*>(s.v + static_cast<size_t>(t0 + i) * value_dim + h * D + j0 + n0) = v2;
+        }
+      fence_proxy_async();  // V'^T's stores, for warpgroup 1's wgmmas
+      named_arrive(kVReady, 256);
+      if (c + 1 < nc) {
+        cp_async_wait<0>();
+        named_sync(3, 128);
+        convert(c + 1);
       }
-      const float* gk = s.gk + (static_cast<size_t>(c) * p.n_v + h) * 2 * kChunk;
-      for (int i = threadIdx.x; i < 2 * kChunk / 4; i += kNThreads) cp_async16(gk_s + i * 4, gk + i * 4);
     }
-    cp_async_commit();
-  };
-
-  load(0);
-  // S in the update's accumulators: sacc[mt][4 j + 2 hf + e] = S[64 mt + r + 8 hf][j0 + 8 j + 2 t + e].
-  float sacc[MT][16];
-  float* S_g = p.S + static_cast<size_t>(h) * D * D + j0;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const float2 x = *reinterpret_cast<const float2*>(S_g + static_cast<size_t>(64 * mt + r + 8 * hf) * D + 8 * j + 2 * t);
-        sacc[mt][4 * j + 2 * hf] = x.x, sacc[mt][4 * j + 2 * hf + 1] = x.y;
+    cp_async_wait<0>();
+  } else {  // ---- S <- exp(G_63) S + (exp(G_63 - G) k)^T V'
+    auto load = [&](int c) {  // k and the exp factors of chunk c (one commit group)
+      if (c < nc) {
+        float* k_s = k_of(c);
+        float* gk_s = gk_of(c);
+        const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
+        for (int i = tid; i < kChunk * D / 4; i += 128) {
+          const int row = i / (D / 4), d = i % (D / 4) * 4;
+          if (row < n) cp_async16(k_s + row * LDK + d, s.k + (static_cast<size_t>(t0 + row) * p.n_k + kh) * D + d);
+          else *reinterpret_cast<float4*>(k_s + row * LDK + d) = zero4;
+        }
+        const float* gk = s.gk + (static_cast<size_t>(c) * p.n_v + h) * 2 * kChunk;
+        for (int i = tid; i < 2 * kChunk / 4; i += 128) cp_async16(gk_s + i * 4, gk + i * 4);
       }
-  // S -> the V' product's B operand (S^T, split) and, for chunk c, to scratch hs (the output pass's operand).
-  auto store_state = [&](int c) {
-    float* hs = s.hs + (static_cast<size_t>(c) * p.n_v + h) * D * D + j0;
+      cp_async_commit();
+    };
+    auto convert = [&](int c) {  // the scaled k^T of chunk c -> ah / al: unit u = (tile u / 8, k-step u % 8)
+      const float* k_s = k_of(c);
+      const float* gk_s = gk_of(c);
+#pragma unroll
+      for (int u = 0; u < KU; ++u) {
+        const int k0 = 8 * (u % 8), d = 64 * (u / 8) + r;
+        const float f0 = gk_s[kChunk + k0 + t], f1 = gk_s[kChunk + k0 + t + 4];
+        const float x[4] = {k_s[(k0 + t) * LDK + d] * f0, k_s[(k0 + t) * LDK + d + 8] * f0,
+                            k_s[(k0 + t + 4) * LDK + d] * f1, k_s[(k0 + t + 4) * LDK + d + 8] * f1};
+        split_frag(x, ah[u], al[u]);
+      }
+    };
+    load(0);
+    // S in the accumulators: sacc[mt][4 j + 2 hf + e] = S[64 mt + r + 8 hf][j0 + 8 j + 2 t + e].
+    float sacc[MT][16];
+    float* S_g = p.S + static_cast<size_t>(h) * D * D + j0;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-          const int d = 64 * mt + r + 8 * hf, n0 = 8 * j + 2 * t;
-          const float2 x = make_float2(sacc[mt][4 * j + 2 * hf], sacc[mt][4 * j + 2 * hf + 1]);
-          const float2 a = split_tf32(x.x), b = split_tf32(x.y);
-          *reinterpret_cast<float*>(base + L::s_hi + sw_off(n0, d)) = a.x;
-          *reinterpret_cast<float*>(base + L::s_lo + sw_off(n0, d)) = a.y;
-          *reinterpret_cast<float*>(base + L::s_hi + sw_off(n0 + 1, d)) = b.x;
-          *reinterpret_cast<float*>(base + L::s_lo + sw_off(n0 + 1, d)) = b.y;
-          if (c < nc) *reinterpret_cast<float2*>(hs + static_cast<size_t>(d) * D + n0) = x;
+          const float2 x = *reinterpret_cast<const float2*>(S_g + static_cast<size_t>(64 * mt + r + 8 * hf) * D + 8 * j + 2 * t);
+          sacc[mt][4 * j + 2 * hf] = x.x, sacc[mt][4 * j + 2 * hf + 1] = x.y;
         }
-    fence_proxy_async();  // the B operand's stores, before the barrier that precedes the wgmmas reading them
-  };
-  store_state(0);
-
-  uint32_t ah[2][4][4], al[2][4][4];  // A fragments of a batch of 4 k-steps, two sets (hi, lo)
-  for (int c = 0; c < nc; ++c) {
-    const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
-    const float* w_s = bufs + (c & 1) * kBuf;
-    const float* u_s = w_s + kChunk * LDA;
-    const float* k_s = u_s + kChunk * LDC;
-    const float* gk_s = k_s + kChunk * LDK;
-    cp_async_wait<0>();  // chunk c's inputs (the only group in flight)
-    __syncthreads();     // (A) ... visible to every warp, S^T in shared memory; buffer (c + 1) & 1 free
-    load(c + 1);
-    float vacc[16];  // V' accumulators: vacc[4 j + 2 hf + e] = (W S)[r + 8 hf][8 j + 2 t + e]
+    // S -> warpgroup 0's B operand (S^T, split) and, for chunk c, scratch hs (the output pass's operand).
+    auto store_state = [&](int c) {
+      float* hs = s.hs + (static_cast<size_t>(c) * p.n_v + h) * D * D + j0;
 #pragma unroll
-    for (int i = 0; i < 16; ++i) vacc[i] = 0.0f;
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int b = 0; b < KV / 4; ++b) {  // V' = W S, k-steps 4 b .. 4 b + 3 (panel b of S^T)
-      const int set = b & 1;
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int k0 = 8 * (4 * b + q);
-        const float x[4] = {w_s[r * LDA + k0 + t], w_s[(r + 8) * LDA + k0 + t], w_s[r * LDA + k0 + t + 4],
-                            w_s[(r + 8) * LDA + k0 + t + 4]};
-        split_frag(x, ah[set][q], al[set][q]);
-      }
-      wgmma_fence();
-      fence_regs(vacc);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const uint32_t off = static_cast<uint32_t>(b * 4096 + q * 32);
-        wgmma3_tf32(vacc, ah[set][q], al[set][q], desc_sw128(s_hi + off), desc_sw128(s_lo + off));
-      }
-      wgmma_commit();
-      fence_regs(vacc);
-      wgmma_wait<1>();
-      fence_set(ah[set ^ 1]);
-      fence_set(al[set ^ 1]);
-    }
-    wgmma_wait<0>();
-    fence_regs(vacc);
-    fence_set(ah[(KV / 4 - 1) & 1]);
-    fence_set(al[(KV / 4 - 1) & 1]);
-    // V' = U - W S -> the update's B operand (V'^T, split) and scratch v (over U, for the output pass).
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = r + 8 * hf, n0 = 8 * j + 2 * t;
-        const float2 u = *reinterpret_cast<const float2*>(u_s + i * LDC + n0);
-        const float2 v2 = make_float2(u.x - vacc[4 * j + 2 * hf], u.y - vacc[4 * j + 2 * hf + 1]);
-        const float2 a = split_tf32(v2.x), b = split_tf32(v2.y);
-        *reinterpret_cast<float*>(base + L::v_hi + sw_off(n0, i)) = a.x;
-        *reinterpret_cast<float*>(base + L::v_lo + sw_off(n0, i)) = a.y;
-        *reinterpret_cast<float*>(base + L::v_hi + sw_off(n0 + 1, i)) = b.x;
-        *reinterpret_cast<float*>(base + L::v_lo + sw_off(n0 + 1, i)) = b.y;
-        if (i < n) *reinterpret_cast<float2*>(s.v + static_cast<size_t>(t0 + i) * value_dim + h * D + j0 + n0) = v2;
-      }
-    fence_proxy_async();
-    __syncthreads();  // (B) V'^T complete; S^T free (the V' wgmmas are done)
-    {                 // S <- exp(G_63) S + (exp(G_63 - G) k)^T V'
-      const float decay = gk_s[kChunk - 1];
+          for (int hf = 0; hf < 2; ++hf) {
+            const int d = 64 * mt + r + 8 * hf, n0 = 8 * j + 2 * t;
+            const float2 x = make_float2(sacc[mt][4 * j + 2 * hf], sacc[mt][4 * j + 2 * hf + 1]);
+            const float2 a = split_tf32(x.x), b = split_tf32(x.y);
+            *reinterpret_cast<float*>(base + L::s_hi + sw_off(n0, d)) = a.x;
+            *reinterpret_cast<float*>(base + L::s_lo + sw_off(n0, d)) = a.y;
+            *reinterpret_cast<float*>(base + L::s_hi + sw_off(n0 + 1, d)) = b.x;
+            *reinterpret_cast<float*>(base + L::s_lo + sw_off(n0 + 1, d)) = b.y;
+            *reinterpret_cast<float2*>(hs + static_cast<size_t>(d) * D + n0) = x;
+          }
+      fence_proxy_async();  // S^T's stores, for warpgroup 0's wgmmas
+      named_arrive(kSReady, 256);
+    };
+    store_state(0);
+    cp_async_wait<0>();
+    named_sync(4, 128);
+    convert(0);
+    const uint32_t v_hi = smem_u32(base + L::v_hi), v_lo = smem_u32(base + L::v_lo);
+    for (int c = 0; c < nc; ++c) {
+      load(c + 1);  // into the buffer of chunk c - 1, whose k and factors this warpgroup is done with
+      const float decay = gk_of(c)[kChunk - 1];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int e = 0; e < 16; ++e) sacc[mt][e] *= decay;
+      named_sync(kVReady, 256);  // V'^T stored by warpgroup 0
+      wgmma_fence();
 #pragma unroll
-      for (int b = 0; b < MT * KU / 4; ++b) {  // units 4 b .. 4 b + 3: (tile mt, k-step kk) = (u / KU, u % KU)
-        const int set = b & 1;
+      for (int mt = 0; mt < MT; ++mt) fence_regs(sacc[mt]);
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int u = 4 * b + q, mt = u / KU, k0 = 8 * (u % KU), d = 64 * mt + r;
-          const float f0 = gk_s[kChunk + k0 + t], f1 = gk_s[kChunk + k0 + t + 4];
-          const float x[4] = {k_s[(k0 + t) * LDK + d] * f0, k_s[(k0 + t) * LDK + d + 8] * f0,
-                              k_s[(k0 + t + 4) * LDK + d] * f1, k_s[(k0 + t + 4) * LDK + d + 8] * f1};
-          split_frag(x, ah[set][q], al[set][q]);
-        }
-        wgmma_fence();
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) fence_regs(sacc[mt]);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int u = 4 * b + q, mt = u / KU, kk = u % KU;
-          const uint32_t off = static_cast<uint32_t>((kk >> 2) * 4096 + (kk & 3) * 32);
-          wgmma3_tf32(sacc[mt], ah[set][q], al[set][q], desc_sw128(v_hi + off), desc_sw128(v_lo + off));
-        }
-        wgmma_commit();
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) fence_regs(sacc[mt]);
-        wgmma_wait<1>();
-        fence_set(ah[set ^ 1]);
-        fence_set(al[set ^ 1]);
+      for (int u = 0; u < KU; ++u) {
+        const int kk = u % 8;
+        const uint32_t off = static_cast<uint32_t>((kk >> 2) * 4096 + (kk & 3) * 32);
+        wgmma3_tf32(sacc[u / 8], ah[u], al[u], desc_sw128(v_hi + off), desc_sw128(v_lo + off));
       }
+      wgmma_commit();
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) fence_regs(sacc[mt]);
       wgmma_wait<0>();
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) fence_regs(sacc[mt]);
-      fence_set(ah[(MT * KU / 4 - 1) & 1]);
-      fence_set(al[(MT * KU / 4 - 1) & 1]);
+      fence_frags(ah);
+      fence_frags(al);
+      if (c + 1 < nc) {
+        store_state(c + 1);  // chunk c + 1's start state
+        cp_async_wait<0>();
+        named_sync(4, 128);
+        convert(c + 1);
+      }
     }
-    store_state(c + 1);  // chunk c + 1's start state (to scratch only if there is a chunk c + 1)
+    cp_async_wait<0>();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf)
+          *reinterpret_cast<float2*>(S_g + static_cast<size_t>(64 * mt + r + 8 * hf) * D + 8 * j + 2 * t) =
+              make_float2(sacc[mt][4 * j + 2 * hf], sacc[mt][4 * j + 2 * hf + 1]);
   }
-  cp_async_wait<0>();
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf)
-        *reinterpret_cast<float2*>(S_g + static_cast<size_t>(64 * mt + r + 8 * hf) * D + 8 * j + 2 * t) =
-            make_float2(sacc[mt][4 * j + 2 * hf], sacc[mt][4 * j + 2 * hf + 1]);
 #else
   (void)p, (void)s;  // not an sm_90a pass: no wgmma (scan_chunked_split refuses, see wgmma_built)
 #endif
@@ -572,9 +612,9 @@ cudaError_t scan_chunked_split(const GdnPrefillParams& p, const Scratch& s, bool
   };
   if (wgmma) {
     if (!wgmma_built()) return cudaErrorInvalidDeviceFunction;
-    return p.d_k == 128 ? run(gdn_chunk_state_wgmma_kernel<128>, gdn_chunk_out_kernel<128>, 128, 128,
+    return p.d_k == 128 ? run(gdn_chunk_state_wgmma_kernel<128>, gdn_chunk_out_kernel<128>, 128, 256,
                               WgStateLayout<128>::bytes, chunk_out_smem<128>())
-                        : run(gdn_chunk_state_wgmma_kernel<64>, gdn_chunk_out_kernel<64>, 64, 128,
+                        : run(gdn_chunk_state_wgmma_kernel<64>, gdn_chunk_out_kernel<64>, 64, 256,
                               WgStateLayout<64>::bytes, chunk_out_smem<64>());
   }
   return p.d_k == 128 ? run(gdn_chunk_state_kernel<128, kStateWarps>, gdn_chunk_out_kernel<128>, 128,
