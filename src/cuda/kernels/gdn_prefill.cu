@@ -18,7 +18,6 @@
 // read and written once per call.
 
 #include <cmath>
-#include <cstdlib>
 
 #include "cuda/kernels/gdn_prefill_util.cuh"
 
@@ -29,7 +28,8 @@ using namespace gdn_prefill_impl;
 namespace {
 
 // The crossovers of the default (measured on the H200, per layer: 256 rows 0.099 ms chunked vs 0.105 split and
-// faster than sequential; 512: 0.146 split vs 0.153; 4096: 0.928 vs 1.032).
+// faster than sequential; 512: 0.146 split vs 0.153; 4096: 0.928 vs 1.032; 2026-12-04, the state pass on wgmma:
+// 256 rows 0.093 chunked vs 0.096, 512 0.128 vs 0.151 chunked, 4096 0.820 vs 0.922 for the mma.sync split).
 constexpr int kChunkedMinT = 256;
 constexpr int kSplitMinT = 512;
 
@@ -195,7 +195,7 @@ bool valid(const GdnPrefillParams& p) {
 GdnScan scan_for(const GdnPrefillParams& p) {
   if (p.scan != GdnScan::by_length) return p.scan;
   return p.d_v != p.d_k ? GdnScan::sequential
-         : p.T >= kSplitMinT   ? (wgmma_built() && !std::getenv("LILY_EXPERIMENT_GDN_MMA") ? GdnScan::chunked_wgmma : GdnScan::chunked_split)
+         : p.T >= kSplitMinT   ? (wgmma_built() ? GdnScan::chunked_wgmma : GdnScan::chunked_split)
          : p.T >= kChunkedMinT ? GdnScan::chunked
                                : GdnScan::sequential;
 }
