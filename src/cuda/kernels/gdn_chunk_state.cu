@@ -11,6 +11,8 @@
 // Measured on the H200 (2026-11-30): 0.928 ms a layer at T = 4096 against 1.032 for GdnScan::chunked; the model's
 // logits as close to the CPU (teacher-forced full4, 512 positions: 3.03e-3). The state pass on wgmma
 // (gdn_chunk_state_wgmma_kernel, 2026-12-04): 0.820 ms a layer at T = 4096, its outputs bit-identical to chunked's.
+#include <cooperative_groups.h>
+
 #include "cuda/kernels/gdn_chunk_util.cuh"
 #include "cuda/kernels/wgmma_util.cuh"
 
@@ -237,13 +239,13 @@ struct WgStateLayout {  // bytes from the 1024-aligned base of dynamic shared me
   static constexpr size_t bytes = buf + 2 * sizeof(float) * kBufFloats + 1024;  // + the base's alignment
 };
 
+#if defined(LILY_SM90A_PASS)
 // Byte offset of element (row n, k) of a K-major operand tile of 32 rows in the 128-byte swizzle: panel k / 32
 // (4 KB: 32 rows x 128 bytes), 16-byte chunk (k % 32) / 4 of row n stored at chunk ^ (n % 8).
 __device__ __forceinline__ uint32_t sw_off(int n, int k) {
   return static_cast<uint32_t>((k >> 5) * 4096 + n * 128 + ((((k & 31) >> 2) ^ (n & 7)) << 4) + (k & 3) * 4);
 }
 
-#if defined(LILY_SM90A_PASS)
 // D[64, 32] += A[64, 8] B[8, 32] three times (3xTF32: a_lo b_hi, a_hi b_lo, a_hi b_hi): A from registers (hi, lo),
 // B K-major in shared memory (descriptors bh, bl of its hi and lo parts).
 __device__ __forceinline__ void wgmma3_tf32(float (&d)[16], const uint32_t (&ah)[4], const uint32_t (&al)[4],
@@ -503,7 +505,8 @@ __global__ void __launch_bounds__(256, 1) gdn_chunk_state_wgmma_kernel(const __g
               make_float2(sacc[mt][4 * j + 2 * hf], sacc[mt][4 * j + 2 * hf + 1]);
   }
 #else
-  (void)p, (void)s;  // not an sm_90a pass: no wgmma (scan_chunked_split refuses, see wgmma_built)
+  using L = WgStateLayout<D>;  // not an sm_90a pass: no wgmma (scan_chunked_split refuses, see wgmma_built)
+  (void)p, (void)s, (void)L::s_hi, (void)L::s_lo, (void)L::v_hi, (void)L::v_lo, (void)L::buf;
 #endif
 }
 
@@ -519,9 +522,16 @@ constexpr size_t chunk_out_smem() {
 //   O = (exp(G) q) S_c + P V' -> scratch o (rows < T), S_c the chunk's start state from scratch hs, V' from scratch v.
 // Warp (mt = warp % 4, ch = warp / 4) owns rows 16 mt.. and columns 32 ch.. of the block's; the k sums in the order
 // of gdn_chunk_scan_kernel's output product (q S over d, then P V' over j < 16 (mt + 1)).
-template <int D>
+// NORM (sm_90 code: thread block clusters): eq 19 and the conv ring here instead of gdn_norm_kernel, so O never goes
+// through scratch: the D / 64 blocks of a head's row are one cluster (blockIdx.x = c (D / 64) + column block); each
+// sums o^2 of its rows over its 64 columns (a fixed order: the thread's 8, then the quad, then the two warps of a
+// row), the cluster exchanges the sums through distributed shared memory and adds them in rank order, and each block
+// writes x = norm_w * o / RMS(o_head) * silu(z) for its columns in fp16 (gdn_norm_kernel's expression; its sum of
+// squares in another order: the same to fp32 rounding); the blocks of the chunk copy the pre-conv vectors of its rows
+// t >= T - K into the ring, as gdn_norm_kernel does (gdn_prep_kernel, which reads the ring, ran before).
+template <int D, bool NORM>
 __global__ void __launch_bounds__(kThreads) gdn_chunk_out_kernel(const __grid_constant__ GdnPrefillParams p, Scratch s) {
-  constexpr int NC = kOutCols, CW = 32, NT = CW / 8, LDA = D + 4, LDC = NC + 8;
+  constexpr int NC = kOutCols, CW = 32, NT = CW / 8, LDA = D + 4, LDC = NC + 8, CB = D / NC;
   using FA = Frag<4>;
   using FB = Frag<2>;
   extern __shared__ __align__(16) float smem[];
@@ -530,7 +540,8 @@ __global__ void __launch_bounds__(kThreads) gdn_chunk_out_kernel(const __grid_co
   float* s_s = p_s + kChunk * kLdT;   // [D][LDC] S_c
   float* v_s = s_s + D * LDC;         // [64][LDC] V'
   float* gq_s = v_s + kChunk * LDC;   // [64] exp(G_i)
-  const int c = blockIdx.x, h = blockIdx.y, j0 = blockIdx.z * NC, kh = h / (p.n_v / p.n_k);
+  const int c = NORM ? blockIdx.x / CB : blockIdx.x, h = blockIdx.y;
+  const int j0 = (NORM ? blockIdx.x % CB : blockIdx.z) * NC, kh = h / (p.n_v / p.n_k);
   const int t0 = c * kChunk, n = min(kChunk, p.T - t0);
   const size_t value_dim = static_cast<size_t>(p.n_v) * D;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -588,41 +599,115 @@ __global__ void __launch_bounds__(kThreads) gdn_chunk_out_kernel(const __grid_co
     for (int nt = 0; nt < NT; ++nt)
       mma(acc[nt], af, FB({v_s[(k0 + t) * LDC + c0 + 8 * nt + g], v_s[(k0 + t + 4) * LDC + c0 + 8 * nt + g]}));
   }
+  if constexpr (!NORM) {
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = r0 + g + 8 * hf;
+        if (i < n)
+          *reinterpret_cast<float2*>(s.o + static_cast<size_t>(t0 + i) * value_dim + h * D + j0 + c0 + 8 * nt + 2 * t) =
+              make_float2(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+      }
+  } else {
+#if defined(LILY_SM90_PASS)
+    namespace cg = cooperative_groups;
+    __shared__ float ss_s[2][kChunk];  // [ch][row]: a warp's sum of o^2 over its 32 columns
+    __shared__ float part_s[kChunk];   // [row]: this block's over its 64 columns (read by the cluster)
+    const int key_dim = p.n_k * D, conv_dim = 2 * key_dim + static_cast<int>(value_dim);
+    const size_t stride = static_cast<size_t>(conv_dim) + value_dim + 2 * p.n_v;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      float q = 0.0f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) q += acc[nt][2 * hf] * acc[nt][2 * hf] + acc[nt][2 * hf + 1] * acc[nt][2 * hf + 1];
+      q += __shfl_xor_sync(0xffffffffu, q, 1);
+      q += __shfl_xor_sync(0xffffffffu, q, 2);
+      if (t == 0) ss_s[warp / 4][r0 + g + 8 * hf] = q;
+    }
+    __syncthreads();
+    if (threadIdx.x < kChunk) part_s[threadIdx.x] = ss_s[0][threadIdx.x] + ss_s[1][threadIdx.x];
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every block's part_s written
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int i = r0 + g + 8 * hf;
-      if (i < n)
-        *reinterpret_cast<float2*>(s.o + static_cast<size_t>(t0 + i) * value_dim + h * D + j0 + c0 + 8 * nt + 2 * t) =
-            make_float2(acc[nt][2 * hf], acc[nt][2 * hf + 1]);
+      float total = 0.0f;
+#pragma unroll
+      for (int b = 0; b < CB; ++b) total += cluster.map_shared_rank(part_s, b)[i];
+      const float inv_rms = rsqrtf(total / static_cast<float>(D) + p.eps);
+      if (i >= n) continue;
+      const float* z = p.proj + static_cast<size_t>(t0 + i) * stride + conv_dim + h * D;
+      __half* out = p.out + static_cast<size_t>(t0 + i) * value_dim + h * D;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int j = j0 + c0 + 8 * nt + 2 * t;
+        const float2 z2 = *reinterpret_cast<const float2*>(z + j);
+        *reinterpret_cast<__half2*>(out + j) =
+            __halves2half2(__float2half_rn(p.norm_w[j] * (acc[nt][2 * hf] * inv_rms) * siluf_(z2.x)),
+                           __float2half_rn(p.norm_w[j + 1] * (acc[nt][2 * hf + 1] * inv_rms) * siluf_(z2.y)));
+      }
     }
+    // The conv ring: the pre-conv vectors of this chunk's rows t >= T - K, split over the chunk's blocks.
+    const int nb = p.n_v * CB, b = h * CB + static_cast<int>(blockIdx.x % CB);
+    for (int row = max(p.T - kKernel, t0); row < t0 + n; ++row) {
+      float* slot = p.conv_ring + static_cast<size_t>((p.pos0 + row) % kKernel) * conv_dim;
+      const float* src = p.proj + static_cast<size_t>(row) * stride;
+      for (int ch = b * kThreads + static_cast<int>(threadIdx.x); ch < conv_dim; ch += nb * kThreads) slot[ch] = src[ch];
+    }
+    cluster.sync();  // no block leaves while another may still read its part_s
+#else
+    (void)acc;  // no clusters before sm_90: scan_chunked_split runs the plain variant and gdn_norm_kernel there
+#endif
+  }
 }
 
 }  // namespace
 
-cudaError_t scan_chunked_split(const GdnPrefillParams& p, const Scratch& s, bool wgmma, cudaStream_t stream) {
+cudaError_t scan_chunked_split(const GdnPrefillParams& p, const Scratch& s, bool wgmma, bool* normed,
+                               cudaStream_t stream) {
   const int nc = (p.T + kChunk - 1) / kChunk;
-  auto run = [&](auto state_kernel, auto out_kernel, int d, int threads, size_t state_smem, size_t out_smem) {
+  const bool norm = sm90_code_built();  // the output pass applies eq 19 itself (clusters)
+  *normed = norm;
+  auto run = [&](auto state_kernel, int d, int threads, size_t state_smem, auto out_plain, auto out_norm,
+                 size_t out_smem) {
     CUDA_TRY(cudaFuncSetAttribute(state_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(state_smem)));
-    CUDA_TRY(cudaFuncSetAttribute(out_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(out_smem)));
     state_kernel<<<p.n_v * (d / kChunkCols), threads, state_smem, stream>>>(p, s);
     CUDA_TRY(cudaGetLastError());
-    out_kernel<<<dim3(nc, p.n_v, d / kOutCols), kThreads, out_smem, stream>>>(p, s);
+    const int cb = d / kOutCols;
+    if (!norm) {
+      CUDA_TRY(cudaFuncSetAttribute(out_plain, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(out_smem)));
+      out_plain<<<dim3(nc, p.n_v, cb), kThreads, out_smem, stream>>>(p, s);
+      return cudaGetLastError();
+    }
+    CUDA_TRY(cudaFuncSetAttribute(out_norm, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(out_smem)));
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(cb);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(nc * cb, p.n_v, 1);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = out_smem;
+    cfg.stream = stream;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    CUDA_TRY(cudaLaunchKernelEx(&cfg, out_norm, p, s));
     return cudaGetLastError();
   };
-  if (wgmma) {
-    if (!wgmma_built()) return cudaErrorInvalidDeviceFunction;
-    return p.d_k == 128 ? run(gdn_chunk_state_wgmma_kernel<128>, gdn_chunk_out_kernel<128>, 128, 256,
-                              WgStateLayout<128>::bytes, chunk_out_smem<128>())
-                        : run(gdn_chunk_state_wgmma_kernel<64>, gdn_chunk_out_kernel<64>, 64, 256,
-                              WgStateLayout<64>::bytes, chunk_out_smem<64>());
+  if (wgmma && !wgmma_built()) return cudaErrorInvalidDeviceFunction;
+  if (p.d_k == 128) {
+    return wgmma ? run(gdn_chunk_state_wgmma_kernel<128>, 128, 256, WgStateLayout<128>::bytes,
+                       gdn_chunk_out_kernel<128, false>, gdn_chunk_out_kernel<128, true>, chunk_out_smem<128>())
+                 : run(gdn_chunk_state_kernel<128, kStateWarps>, 128, kStateWarps * 32, chunk_state_smem<128>(),
+                       gdn_chunk_out_kernel<128, false>, gdn_chunk_out_kernel<128, true>, chunk_out_smem<128>());
   }
-  return p.d_k == 128 ? run(gdn_chunk_state_kernel<128, kStateWarps>, gdn_chunk_out_kernel<128>, 128,
-                            kStateWarps * 32, chunk_state_smem<128>(), chunk_out_smem<128>())
-                      : run(gdn_chunk_state_kernel<64, kStateWarps>, gdn_chunk_out_kernel<64>, 64,
-                            kStateWarps * 32, chunk_state_smem<64>(), chunk_out_smem<64>());
+  return wgmma ? run(gdn_chunk_state_wgmma_kernel<64>, 64, 256, WgStateLayout<64>::bytes,
+                     gdn_chunk_out_kernel<64, false>, gdn_chunk_out_kernel<64, true>, chunk_out_smem<64>())
+               : run(gdn_chunk_state_kernel<64, kStateWarps>, 64, kStateWarps * 32, chunk_state_smem<64>(),
+                     gdn_chunk_out_kernel<64, false>, gdn_chunk_out_kernel<64, true>, chunk_out_smem<64>());
 }
 
 }  // namespace lily::cuda::gdn_prefill_impl

@@ -13,6 +13,7 @@
 //    (gdn_chunk_prep.cu + gdn_chunk_state.cu). All give the same results to fp32 rounding.
 // 3. gdn_norm, block per row: eq 19 x = norm_w * o / RMS(o_head) * silu(z) in fp16 (as gdn.cu's fused norm), and the
 //    rows t >= T-K copy their pre-conv vector into ring slot (pos0+t) mod K (after kernel 1 has read the ring).
+//    The split scans do both in their output pass where there is sm_90 code (gdn_chunk_state.cu).
 //
 // Traffic (full geometry, per row): proj 49 KB read, scratch ~2 * 49 KB written and read, 8 KB fp16 out; S (2 MiB)
 // read and written once per call.
@@ -164,10 +165,13 @@ cudaError_t launch(const GdnPrefillParams& p, const Scratch& s, cudaStream_t str
       CUDA_TRY(scan_chunked(p, s, stream));
       break;
     case GdnScan::chunked_split:
-    case GdnScan::chunked_wgmma:
+    case GdnScan::chunked_wgmma: {
       CUDA_TRY(chunk_prep(p, s, stream));
-      CUDA_TRY(scan_chunked_split(p, s, scan_for(p) == GdnScan::chunked_wgmma, stream));
+      bool normed = false;
+      CUDA_TRY(scan_chunked_split(p, s, scan_for(p) == GdnScan::chunked_wgmma, &normed, stream));
+      if (normed) return cudaSuccess;  // eq 19 and the ring done by the output pass
       break;
+    }
     default: CUDA_TRY(scan_rows(p, s, stream)); break;
   }
   gdn_norm_kernel<<<p.T, kThreads, 0, stream>>>(p, s);

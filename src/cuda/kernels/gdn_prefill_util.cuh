@@ -32,8 +32,11 @@ struct Scratch {
 cudaError_t scan_rows(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream);       // sequential
 cudaError_t chunk_prep(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream);      // W, U, P, exp(G)
 cudaError_t scan_chunked(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream);    // after chunk_prep
-// after chunk_prep; wgmma: the state pass on warpgroup MMAs (GdnScan::chunked_wgmma, only where wgmma_built())
-cudaError_t scan_chunked_split(const GdnPrefillParams& p, const Scratch& s, bool wgmma, cudaStream_t stream);
+// After chunk_prep; wgmma: the state pass on warpgroup MMAs (GdnScan::chunked_wgmma, only where wgmma_built()).
+// *normed: the output pass also applied eq 19 and wrote the conv ring into p (sm_90 code), so gdn_norm_kernel
+// must not run; else O is in scratch o as for the other scans.
+cudaError_t scan_chunked_split(const GdnPrefillParams& p, const Scratch& s, bool wgmma, bool* normed,
+                               cudaStream_t stream);
 
 #if defined(__CUDACC__)
 __device__ __forceinline__ float silu_exact(float x) { return x / (1.0f + expf(-x)); }
