@@ -30,7 +30,9 @@ namespace {
 
 // The crossovers of the default (measured on the H200, per layer: 256 rows 0.099 ms chunked vs 0.105 split and
 // faster than sequential; 512: 0.146 split vs 0.153; 4096: 0.928 vs 1.032; 2026-12-04, the state pass on wgmma:
-// 256 rows 0.093 chunked vs 0.096, 512 0.128 vs 0.151 chunked, 4096 0.820 vs 0.922 for the mma.sync split).
+// 256 rows 0.093 chunked vs 0.096, 512 0.128 vs 0.151 chunked, 4096 0.820 vs 0.922 for the mma.sync split; with
+// eq 19 in the output pass: 128 rows 0.059 vs 0.060 sequential, 256 0.079 vs 0.092 chunked, 512 0.118, 4096 0.818).
+// So on Hopper chunked_wgmma from 256 rows; elsewhere chunked from 256, chunked_split from 512.
 constexpr int kChunkedMinT = 256;
 constexpr int kSplitMinT = 512;
 
@@ -198,10 +200,9 @@ bool valid(const GdnPrefillParams& p) {
 
 GdnScan scan_for(const GdnPrefillParams& p) {
   if (p.scan != GdnScan::by_length) return p.scan;
-  return p.d_v != p.d_k ? GdnScan::sequential
-         : p.T >= kSplitMinT   ? (wgmma_built() ? GdnScan::chunked_wgmma : GdnScan::chunked_split)
-         : p.T >= kChunkedMinT ? GdnScan::chunked
-                               : GdnScan::sequential;
+  if (p.d_v != p.d_k || p.T < kChunkedMinT) return GdnScan::sequential;
+  if (wgmma_built()) return GdnScan::chunked_wgmma;
+  return p.T >= kSplitMinT ? GdnScan::chunked_split : GdnScan::chunked;
 }
 
 const char* scan_name(GdnScan s) {

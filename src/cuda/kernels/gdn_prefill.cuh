@@ -20,9 +20,9 @@ namespace lily::cuda {
 
 // The gated delta rule's scans over the T rows (eq 18). All give the same results to fp32 rounding.
 enum class GdnScan : int {
-  by_length,      // the default: sequential below 256 rows, chunked below 512, from 512 chunked_wgmma where
-                  // wgmma_built() and chunked_split elsewhere (d_k = d_v; else sequential); crossovers measured on
-                  // the H200 (gdn_prefill.cu)
+  by_length,      // the default: sequential below 256 rows; from 256 chunked_wgmma where wgmma_built(), elsewhere
+                  // chunked below 512 and chunked_split from 512 (d_k = d_v; else sequential); crossovers measured
+                  // on the H200 (gdn_prefill.cu)
   sequential,     // row by row with S in registers, 8 lanes a column (gdn_scan_rows.cu)
   chunked,        // chunks of 64 rows in the WY / UT-transform form on the tensor cores, 3xTF32 (gdn_chunk_scan.cu)
   chunked_split,  // as chunked, split into a serial state pass and a parallel output pass (gdn_chunk_state.cu)

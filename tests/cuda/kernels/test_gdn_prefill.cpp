@@ -426,9 +426,11 @@ TEST(CudaGdnPrefill, SplitMatchesChunkedWithinBound) {
 TEST(CudaGdnPrefill, DefaultScanByLength) {
   GdnPrefillParams p;
   p.d_k = p.d_v = 128;
-  const GdnScan split = wgmma_built() ? GdnScan::chunked_wgmma : GdnScan::chunked_split;
-  for (auto [T, want] : {std::pair{1, GdnScan::sequential}, {255, GdnScan::sequential}, {256, GdnScan::chunked},
-                         {511, GdnScan::chunked}, {512, split}, {4096, split}}) {
+  const bool wg = wgmma_built();
+  const GdnScan small = wg ? GdnScan::chunked_wgmma : GdnScan::chunked;
+  const GdnScan split = wg ? GdnScan::chunked_wgmma : GdnScan::chunked_split;
+  for (auto [T, want] : {std::pair{1, GdnScan::sequential}, {255, GdnScan::sequential}, {256, small},
+                         {511, small}, {512, split}, {4096, split}}) {
     p.T = T;
     EXPECT_EQ(scan_for(p), want) << "T " << T;
   }
