@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <array>
 #include <functional>
 #include <list>
 #include <memory>
@@ -227,7 +228,10 @@ class CudaBackend final : public CudaBench {
   // Prefill scratch, sized by options_.prefill_chunk rows (allocated on the first prefill).
   DeviceArray<float> ph_, pproj_, plogits_;
   DeviceArray<__half> pxb_, pob_;  // fp16 A operands of the prefill GEMMs
-  DeviceArray<__half> pw16_;       // a dense projection's W expanded to fp16 (QGemmParams::w16; chunks >= 512 rows)
+  // Every layer's dense projections (in, out) expanded to fp16 once, kept for the fp16-W GEMM (QGemmParams::w16,
+  // w16_expanded; the wgmma path, chunks of >= w16_min_rows() rows); w16_off_[l] = {in, out} offsets in halves.
+  DeviceArray<__half> pw16_;
+  std::vector<std::array<size_t, 2>> w16_off_;
   DeviceArray<__half> mtp_cat_;    // the MTP head's fc operand [rows, 2H] (cuda_mtp.cpp)
   // With the head enabled (enable_mtp): a plain forward chunk's final-norm rows after the pending one
   // [prefill_chunk + 1, H], and the tokens a draft or the head's catch-up reads [kMtpPendingRows].

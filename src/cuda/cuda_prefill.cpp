@@ -2,6 +2,7 @@
 // through the tensor-core GEMMs (qgemm.cuh), the Gated DeltaNet scans (gdn_prefill.cuh), flash attention
 // (attn_prefill.cuh) and the MoE block (moe_prefill.cuh); and forward_with_checkpoint, the engine's chat anchor.
 #include <cmath>
+#include <cstdlib>
 
 #include "cuda/cuda_backend_impl.h"
 #include "cuda/kernels/attn_prefill.cuh"
@@ -28,13 +29,18 @@ bool CudaBackend::prefill_supported() const {
 
 namespace {
 
-// From this many rows a dense projection on the wgmma path expands its W to fp16 first and runs the GEMM whose
-// producer only copies (qgemm.cuh: QGemmParams::w16; bit-identical). H200, a 4K chunk: gdn_in 22.8 -> 15.4 ms,
-// gdn_out 10.2 -> 6.3, attn_in 5.7 -> 3.9, attn_out 3.4 -> 2.1 (the expansion included); at 256 rows the
-// expansion costs more than it saves (the 256-token prompt 19.25 -> 19.50 ms). docs/PERF_NOTES.md, 2026-12-03
-// (ninth session).
-constexpr int kW16MinRows = 512;
-
+// From this many rows a dense projection on the wgmma path runs the GEMM on its W expanded to fp16, whose producer
+// only copies (qgemm.cuh: QGemmParams::w16; bit-identical). H200, a 4K chunk: gdn_in 22.8 -> 15.4 ms, gdn_out 10.2
+// -> 6.3, attn_in 5.7 -> 3.9, attn_out 3.4 -> 2.1 with an expansion every call (docs/PERF_NOTES.md, 2026-12-03,
+// ninth session); since 2026-12-04 every layer's projections are expanded once (2.57 GB at full geometry, counted
+// in the prefill scratch) and kept.
+int w16_min_rows() {
+  static const int v = [] {
+    const char* e = std::getenv("LILY_EXPERIMENT_W16_MIN_ROWS");
+    return e ? std::atoi(e) : 256;
+  }();
+  return v;
+}
 // The prefill scratch's arrays, in elements, from the chunk and the geometry.
 struct PrefillSizes {
   size_t residual, proj, a_in, a_mixer, kernels_bytes, head_logits, w16;
@@ -43,7 +49,11 @@ struct PrefillSizes {
   }
 };
 
-// w16: the dense projections may take the fp16-W GEMM (the wgmma path and a chunk of >= kW16MinRows rows).
+// A matrix's fp16 copy rounded up to 256 bytes (each copy starts 16-byte aligned, as the GEMM's copies need).
+size_t align_halves(size_t n) { return (n + 127) / 128 * 128; }
+
+// w16: the dense projections take the fp16-W GEMM (the wgmma path and a chunk of >= w16_min_rows() rows): their
+// resident fp16 copies.
 PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk, int head_rows, bool w16) {
   const size_t C = chunk, H = c.hidden_size, nq = c.num_attention_heads, D = c.head_dim;
   size_t proj_cols = 0;
@@ -64,10 +74,11 @@ PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk
                               kQgemmSplitScratchMax});
   s.head_logits = std::min<size_t>(C, head_rows) * c.vocab_size;
   s.w16 = 0;
-  if (w16 && chunk >= kW16MinRows) {
+  if (w16 && chunk >= w16_min_rows()) {
     for (const DeviceLayer& l : m.layers) {
-      for (const QMatrix* q : {&l.gdn_in, &l.gdn_out, &l.attn_in, &l.attn_out})
-        s.w16 = std::max(s.w16, static_cast<size_t>(q->rows) * q->cols);
+      const bool gdn = l.type == LayerType::linear_attention;
+      for (const QMatrix* q : {gdn ? &l.gdn_in : &l.attn_in, gdn ? &l.gdn_out : &l.attn_out})
+        s.w16 += align_halves(static_cast<size_t>(q->rows) * q->cols);
     }
   }
   return s;
@@ -89,6 +100,22 @@ Status CudaBackend::ensure_prefill_scratch() {
   RETURN_IF_ERROR(pscratch_.alloc(z.kernels_bytes));
   RETURN_IF_ERROR(plogits_.alloc(z.head_logits));
   RETURN_IF_ERROR(pw16_.alloc(z.w16));
+  if (z.w16 > 0) {  // every layer's projections expanded once (qgemm_expand_w16)
+    const DeviceModel& m = *model_;
+    w16_off_.assign(m.layers.size(), {0, 0});
+    size_t off = 0;
+    for (size_t l = 0; l < m.layers.size(); ++l) {
+      const DeviceLayer& L = m.layers[l];
+      const bool gdn = L.type == LayerType::linear_attention;
+      const QMatrix* mats[2] = {gdn ? &L.gdn_in : &L.attn_in, gdn ? &L.gdn_out : &L.attn_out};
+      for (int i = 0; i < 2; ++i) {
+        w16_off_[l][i] = off;
+        CUDA_RETURN(qgemm_expand_w16(*mats[i], pw16_.ptr + off, stream_), "the fp16 copy of a dense projection");
+        off += align_halves(static_cast<size_t>(mats[i]->rows) * mats[i]->cols);
+      }
+    }
+    CUDA_RETURN(cudaStreamSynchronize(stream_), "the fp16 copies of the dense projections");
+  }
   prefill_bytes_ = ph_.bytes() + pproj_.bytes() + pxb_.bytes() + pob_.bytes() + pscratch_.bytes() + plogits_.bytes() +
                    pw16_.bytes();
   return ok_status();
@@ -144,13 +171,23 @@ Status CudaBackend::prefill_layer(const DeviceLayer& L, int T, const std::functi
   STEP_OP("rms_norm", rows * H * 6, rms_norm_rows(ph_.ptr, L.input_norm, T, H, eps, pxb_.ptr, stream_));
   const QMatrix& in = gdn ? L.gdn_in : L.attn_in;
   const QMatrix& out = gdn ? L.gdn_out : L.attn_out;
-  const bool w16 = wgmma && T >= kW16MinRows && pw16_.n > 0;
+  // The model's layers have resident fp16 copies; the MTP head's layer (cuda_mtp.cpp) takes the dequantising tiles.
+  const DeviceLayer* first = model_->layers.data();
+  const std::less<const DeviceLayer*> before;
+  const bool model_layer = !before(&L, first) && before(&L, first + model_->layers.size());
+  const size_t l = model_layer ? static_cast<size_t>(&L - first) : 0;
+  const bool w16 = wgmma && T >= w16_min_rows() && model_layer && l < w16_off_.size();
+  auto resident = [&](QGemmParams& g, int i, const QMatrix& w) {
+    g.w16 = pw16_.ptr + w16_off_[l][i];
+    g.w16_bytes = static_cast<size_t>(w.rows) * w.cols * sizeof(__half);
+    g.w16_expanded = true;
+  };
   QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0, wgmma, pscratch_.ptr, pscratch_.bytes()};
-  if (w16) gin.w16 = pw16_.ptr, gin.w16_bytes = pw16_.bytes();
+  if (w16) resident(gin, 0, in);
   STEP_OP(gdn ? "qgemm gdn_in" : "qgemm attn_in", in.bytes(), qgemm(gin, stream_), 2.0 * rows * in.rows * in.cols);
   RETURN_IF_ERROR(mixer());
   QGemmParams gout{out, pob_.ptr, T, GemmOut::add_f32, ph_.ptr, 0, wgmma, pscratch_.ptr, pscratch_.bytes()};
-  if (w16) gout.w16 = pw16_.ptr, gout.w16_bytes = pw16_.bytes();
+  if (w16) resident(gout, 1, out);
   STEP_OP(gdn ? "qgemm gdn_out" : "qgemm attn_out", out.bytes(), qgemm(gout, stream_),
           2.0 * rows * out.rows * out.cols);
   MoePrefillParams moe{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,

@@ -38,12 +38,18 @@ struct QGemmParams {
   // 128-row tiles and the tail rows run as two GEMMs (the tail on the mma.sync tiles, split-K where it can).
   void* split_scratch = nullptr;
   size_t split_scratch_bytes = 0;
-  // With a 16-byte aligned buffer of >= N * K * 2 bytes here, the wgmma path first expands W to fp16 in it (the
-  // values its dequantising tiles compute) and then runs a GEMM whose producer only copies: bit-identical, faster
-  // from ~512 rows (the caller decides; the mma.sync path ignores it). The buffer is rewritten every call.
+  // With a 16-byte aligned buffer of >= N * K * 2 bytes here, the wgmma path runs a GEMM on W in fp16 whose
+  // producer only copies: bit-identical to the dequantising tiles (the same fp16 values). w16_expanded: the buffer
+  // already holds W expanded by qgemm_expand_w16 (kept across calls); else each call first expands W into it.
+  // The mma.sync path ignores both.
   __half* w16 = nullptr;
   size_t w16_bytes = 0;
+  bool w16_expanded = false;
 };
+// W expanded to fp16 into w16 (w.rows * w.cols halves, 16-byte aligned): the values qgemm's tiles compute (fp32
+// scale * q + bias rounded once), for QGemmParams::w16 with w16_expanded (Hopper builds; else
+// cudaErrorInvalidDeviceFunction).
+cudaError_t qgemm_expand_w16(const QMatrix& w, __half* w16, cudaStream_t stream);
 // The parts qgemm splits K into for a GEMM of M rows by w given scratch (1: no split).
 int qgemm_split_k_parts(int M, const QMatrix& w);
 size_t qgemm_split_scratch_bytes(int M, const QMatrix& w);

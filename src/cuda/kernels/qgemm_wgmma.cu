@@ -563,13 +563,17 @@ __global__ void __launch_bounds__(384, 1) qgemm_w16_kernel(const W16Args args) {
 #endif
 }
 
-template <int BN>
-cudaError_t launch_w16(const WgArgs& a, const QMatrix& w, __half* w16, cudaStream_t stream) {
+cudaError_t expand_w16(const QMatrix& w, __half* w16, cudaStream_t stream) {
   const long runs = static_cast<long>(w.rows) * (w.cols / 8);
   const unsigned blocks = static_cast<unsigned>((runs + 255) / 256);
   const ExpandArgs e{w, w16};
-  CUDA_TRY(w.bits == 8 ? launch_pdl(expand_w16_kernel<8>, dim3(blocks), dim3(256), 0, stream, e)
-                       : launch_pdl(expand_w16_kernel<4>, dim3(blocks), dim3(256), 0, stream, e));
+  return w.bits == 8 ? launch_pdl(expand_w16_kernel<8>, dim3(blocks), dim3(256), 0, stream, e)
+                     : launch_pdl(expand_w16_kernel<4>, dim3(blocks), dim3(256), 0, stream, e);
+}
+
+template <int BN>
+cudaError_t launch_w16(const WgArgs& a, const QMatrix& w, __half* w16, bool expanded, cudaStream_t stream) {
+  if (!expanded) CUDA_TRY(expand_w16(w, w16, stream));
   constexpr int KS = w16_ring(BN);
   constexpr size_t smem = 1024 + size_t{KS} * (kBM * 128 + BN * 128) + size_t{2} * KS * sizeof(uint64_t);
   static_assert(KS >= 3 && smem <= kSmemMax, "shared memory");
@@ -638,11 +642,22 @@ cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream) {
   a.w[0] = a.w[1] = w;
   a.a = p.a, a.M = p.M, a.N = w.rows, a.K = w.cols, a.out = p.out, a.c = p.c, a.ldc = ldc;
   const bool wide = wgmma_dense_wide(a.M, a.N);
-  if (p.w16 && p.w16_bytes >= static_cast<size_t>(w.rows) * w.cols * sizeof(__half) && aligned16(p.w16))
-    return wide ? launch_w16<256>(a, w, p.w16, stream) : launch_w16<128>(a, w, p.w16, stream);
+  if (p.w16 && p.w16_bytes >= static_cast<size_t>(w.rows) * w.cols * sizeof(__half) && aligned16(p.w16)) {
+    return wide ? launch_w16<256>(a, w, p.w16, p.w16_expanded, stream)
+                : launch_w16<128>(a, w, p.w16, p.w16_expanded, stream);
+  }
   // Two fp16 W tiles at 256 columns, three at 128 (the ring takes the rest of shared memory).
   if (w.bits == 8) return wide ? launch_dense_wgmma<256, 8, 2>(a, stream) : launch_dense_wgmma<128, 8, 3>(a, stream);
   return wide ? launch_dense_wgmma<256, 4, 2>(a, stream) : launch_dense_wgmma<128, 4, 3>(a, stream);
+}
+
+cudaError_t qgemm_expand_w16(const QMatrix& w, __half* w16, cudaStream_t stream) {
+  if (!w.w || !w.scales || !w.biases || w.rows < 1 || w.cols < kWgGroup || w.cols % kWgGroup != 0 ||
+      (w.bits != 4 && w.bits != 8) || !w16 || !aligned16(w16)) {
+    return cudaErrorInvalidValue;
+  }
+  if (!wgmma_built()) return cudaErrorInvalidDeviceFunction;
+  return expand_w16(w, w16, stream);
 }
 
 }  // namespace lily::cuda

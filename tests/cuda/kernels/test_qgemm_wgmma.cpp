@@ -268,6 +268,11 @@ TEST(CudaQgemmWgmma, DirectCallAndBadShapes) {
   p.w.bits = 4;
   p.a = reinterpret_cast<const __half*>(reinterpret_cast<const char*>(p.a) + 2);  // not 16-byte aligned
   EXPECT_EQ(qgemm(p, nullptr), cudaErrorInvalidValue);
+  DeviceBuffer<uint16_t> w16(16 * 128 + 8);
+  EXPECT_EQ(qgemm_expand_w16(p.w, nullptr, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(qgemm_expand_w16(p.w, as_f16_mut(w16) + 1, nullptr), cudaErrorInvalidValue);  // not 16-byte aligned
+  p.w.cols = 96;
+  EXPECT_EQ(qgemm_expand_w16(p.w, as_f16_mut(w16), nullptr), cudaErrorInvalidValue);
 }
 
 // W expanded to fp16 first (QGemmParams::w16), then the copying GEMM: the
@@ -294,14 +299,21 @@ TEST(CudaQgemmWgmma, W16EqualsDequantisingTiles) {
     p.M = c.M;
     p.out = c.out;
     const std::vector<float> c0 = random_vector(static_cast<size_t>(c.M) * c.N, seed + 2);
-    std::vector<float> got[2];
+    // Paths: the dequantising tiles; W expanded by the call; W expanded once beforehand (qgemm_expand_w16, into a
+    // buffer first filled with NaN bits, so that a missing expansion cannot pass) and kept (w16_expanded).
+    std::vector<float> got[3];
     DeviceBuffer<uint16_t> w16(static_cast<size_t>(c.N) * c.K + 8);
-    for (int path = 0; path < 2; ++path) {
+    for (int path = 0; path < 3; ++path) {
       DeviceBuffer<uint16_t> cb(to_f16(c0));
       DeviceBuffer<float> cf(c0);
       p.c = c.out == GemmOut::f16 ? static_cast<void*>(cb.get()) : static_cast<void*>(cf.get());
       p.w16 = path ? as_f16_mut(w16) : nullptr;
       p.w16_bytes = path ? w16.size() * 2 : 0;
+      p.w16_expanded = path == 2;
+      if (path == 2) {
+        ASSERT_CUDA(cudaMemset(w16.get(), 0xff, w16.size() * 2));
+        ASSERT_CUDA(qgemm_expand_w16(p.w, as_f16_mut(w16), nullptr));
+      }
       ASSERT_CUDA(qgemm_wgmma(p, nullptr));
       ASSERT_CUDA(cudaDeviceSynchronize());
       if (c.out != GemmOut::f16) {
@@ -310,13 +322,15 @@ TEST(CudaQgemmWgmma, W16EqualsDequantisingTiles) {
         for (uint16_t b : cb.download()) got[path].push_back(f16_bits_to_float(b));
       }
     }
-    ASSERT_EQ(got[0].size(), got[1].size());
-    size_t differ = 0, first = 0;
-    for (size_t i = 0; i < got[0].size(); ++i) {
-      if (std::memcmp(&got[0][i], &got[1][i], sizeof(float)) != 0 && differ++ == 0) first = i;
+    for (int path = 1; path < 3; ++path) {
+      ASSERT_EQ(got[0].size(), got[path].size());
+      size_t differ = 0, first = 0;
+      for (size_t i = 0; i < got[0].size(); ++i) {
+        if (std::memcmp(&got[0][i], &got[path][i], sizeof(float)) != 0 && differ++ == 0) first = i;
+      }
+      EXPECT_EQ(differ, 0u) << "path " << path << ": first at row " << first / c.N << " col " << first % c.N << ": "
+                            << got[path][first] << " against " << got[0][first];
     }
-    EXPECT_EQ(differ, 0u) << "first at row " << first / c.N << " col " << first % c.N << ": " << got[1][first]
-                          << " against " << got[0][first];
   }
 }
 
