@@ -229,7 +229,7 @@ class CudaBackend final : public CudaBench {
   DeviceArray<float> ph_, pproj_, plogits_;
   DeviceArray<__half> pxb_, pob_;  // fp16 A operands of the prefill GEMMs
   // Every layer's dense projections (in, out) expanded to fp16 once, kept for the fp16-W GEMM (QGemmParams::w16,
-  // w16_expanded; the wgmma path, chunks of >= w16_min_rows() rows); w16_off_[l] = {in, out} offsets in halves.
+  // w16_expanded; the wgmma path, chunks of >= kW16MinRows rows); w16_off_[l] = {in, out} offsets in halves.
   DeviceArray<__half> pw16_;
   std::vector<std::array<size_t, 2>> w16_off_;
   DeviceArray<__half> mtp_cat_;    // the MTP head's fc operand [rows, 2H] (cuda_mtp.cpp)

@@ -2,7 +2,6 @@
 // through the tensor-core GEMMs (qgemm.cuh), the Gated DeltaNet scans (gdn_prefill.cuh), flash attention
 // (attn_prefill.cuh) and the MoE block (moe_prefill.cuh); and forward_with_checkpoint, the engine's chat anchor.
 #include <cmath>
-#include <cstdlib>
 
 #include "cuda/cuda_backend_impl.h"
 #include "cuda/kernels/attn_prefill.cuh"
@@ -32,15 +31,11 @@ namespace {
 // From this many rows a dense projection on the wgmma path runs the GEMM on its W expanded to fp16, whose producer
 // only copies (qgemm.cuh: QGemmParams::w16; bit-identical). H200, a 4K chunk: gdn_in 22.8 -> 15.4 ms, gdn_out 10.2
 // -> 6.3, attn_in 5.7 -> 3.9, attn_out 3.4 -> 2.1 with an expansion every call (docs/PERF_NOTES.md, 2026-12-03,
-// ninth session); since 2026-12-04 every layer's projections are expanded once (2.57 GB at full geometry, counted
-// in the prefill scratch) and kept.
-int w16_min_rows() {
-  static const int v = [] {
-    const char* e = std::getenv("LILY_EXPERIMENT_W16_MIN_ROWS");
-    return e ? std::atoi(e) : 256;
-  }();
-  return v;
-}
+// ninth session). Since 2026-12-04 every layer's projections are expanded once (2.57 GB at full geometry, counted
+// in the prefill scratch) and kept: 1K prompt 36.33 -> 35.07 ms, 4K 98.46 -> 97.29; without the per-call expansion
+// 256 rows win too (the 256-token prompt 18.71 ms from 512 rows, 18.15 from 256).
+constexpr int kW16MinRows = 256;
+
 // The prefill scratch's arrays, in elements, from the chunk and the geometry.
 struct PrefillSizes {
   size_t residual, proj, a_in, a_mixer, kernels_bytes, head_logits, w16;
@@ -52,7 +47,7 @@ struct PrefillSizes {
 // A matrix's fp16 copy rounded up to 256 bytes (each copy starts 16-byte aligned, as the GEMM's copies need).
 size_t align_halves(size_t n) { return (n + 127) / 128 * 128; }
 
-// w16: the dense projections take the fp16-W GEMM (the wgmma path and a chunk of >= w16_min_rows() rows): their
+// w16: the dense projections take the fp16-W GEMM (the wgmma path and a chunk of >= kW16MinRows rows): their
 // resident fp16 copies.
 PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk, int head_rows, bool w16) {
   const size_t C = chunk, H = c.hidden_size, nq = c.num_attention_heads, D = c.head_dim;
@@ -74,7 +69,7 @@ PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk
                               kQgemmSplitScratchMax});
   s.head_logits = std::min<size_t>(C, head_rows) * c.vocab_size;
   s.w16 = 0;
-  if (w16 && chunk >= w16_min_rows()) {
+  if (w16 && chunk >= kW16MinRows) {
     for (const DeviceLayer& l : m.layers) {
       const bool gdn = l.type == LayerType::linear_attention;
       for (const QMatrix* q : {gdn ? &l.gdn_in : &l.attn_in, gdn ? &l.gdn_out : &l.attn_out})
@@ -176,7 +171,7 @@ Status CudaBackend::prefill_layer(const DeviceLayer& L, int T, const std::functi
   const std::less<const DeviceLayer*> before;
   const bool model_layer = !before(&L, first) && before(&L, first + model_->layers.size());
   const size_t l = model_layer ? static_cast<size_t>(&L - first) : 0;
-  const bool w16 = wgmma && T >= w16_min_rows() && model_layer && l < w16_off_.size();
+  const bool w16 = wgmma && T >= kW16MinRows && model_layer && l < w16_off_.size();
   auto resident = [&](QGemmParams& g, int i, const QMatrix& w) {
     g.w16 = pw16_.ptr + w16_off_[l][i];
     g.w16_bytes = static_cast<size_t>(w.rows) * w.cols * sizeof(__half);
