@@ -364,12 +364,12 @@ std::vector<int32_t> mixed_history(size_t n_prompt, size_t n_generated, uint32_t
   return h;
 }
 
-// Logits whose largest values sit on history ids, so the penalties decide the choice (positive and negative
-// logits throughout).
+// Logits whose largest values sit on history ids, just above the rest (N(0, 1): ~4.6 at most over the vocabulary),
+// so the penalties decide the choice (positive and negative logits throughout).
 std::vector<float> logits_favouring(const std::vector<int32_t>& history, uint32_t seed) {
-  std::vector<float> l = random_vector(kVocab, seed, 3.0f);
+  std::vector<float> l = random_vector(kVocab, seed, 1.0f);
   std::mt19937 rng(seed);
-  std::uniform_real_distribution<float> boost(4.0f, 12.0f);
+  std::uniform_real_distribution<float> boost(3.5f, 6.5f);
   for (int32_t id : history) l[id] = boost(rng) * (rng() % 4 == 0 ? -1.0f : 1.0f);
   return l;
 }
@@ -417,7 +417,7 @@ TEST(CudaSamplePenalties, LogitsBitEqualToTheSamplerAndGreedyIsTheirArgmax) {
       EXPECT_EQ(after.counts, rebuilt.counts) << what;
     }
   }
-  EXPECT_GE(changed_choice, 6) << "the penalties should move the argmax in most cases";
+  EXPECT_GE(changed_choice, 6) << "the penalties should move the argmax in many cases (8 of 18 on the host)";
 }
 
 // Several greedy steps: each step's logits are new, the table is the device's own (loaded once, then counted by
