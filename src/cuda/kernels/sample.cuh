@@ -56,8 +56,9 @@ struct SampleParams {
   int* out_token = nullptr;       // device: the next step's input token
   int* ring = nullptr;            // host-mapped ring of emitted tokens, ring[*step % ring_size] = token
   int ring_size = 0;
-  // Device: when set, the kernel reads temperature, top_k, top_p, min_p and seed from here (written before the
-  // launch) instead of the fields above, which then only choose the kernel (the mode) and must match it.
+  // Device: when set, the kernel reads temperature, top_k, top_p, min_p, seed and the penalties from here
+  // (written before the launch) instead of the fields above, which then only choose the kernel (the mode, and
+  // whether the penalty kernels run: penalties.ids) and must match it.
   const SampleKnobs* knobs = nullptr;
   // The penalties (engine/sampler.h steps 2-3) when penalties.ids is set; read from knobs when that is set.
   float presence_penalty = 0.0f;
