@@ -190,7 +190,8 @@ class CudaBackend final : public CudaBench {
   Status warm_up_decode(CudaSequence& s, const DeviceSampling& greedy);
   // cuda_penalties.cpp: the penalty table of s holds sp.history (rebuilt unless PenaltySync says it does), with
   // room for max_new more tokens; nothing without penalties. An error for penalty values or a history the
-  // device cannot take (invalid_argument), out_of_range when the table has no room.
+  // device cannot take (invalid_argument), out_of_range when the table has no room or no memory
+  // (the engine then samples the request on the host).
   Status prepare_penalties(CudaSequence& s, const DeviceSampling& sp, int64_t max_new);
   Status allocate_penalties(CudaSequence& s);
   // cuda_backend.cpp

@@ -25,7 +25,11 @@ Status CudaBackend::allocate_penalties(CudaSequence& s) {
   const int cap = static_cast<int>(std::min<int64_t>(V, s.capacity + 1));
   const size_t ints = static_cast<size_t>(V) + 2 * static_cast<size_t>(cap) + 1;
   DeviceBlock block;
-  RETURN_IF_ERROR(block.alloc(ints * sizeof(int)));
+  if (!block.alloc(ints * sizeof(int)).ok()) {
+    (void)cudaGetLastError();  // an allocation failure is not sticky: clear it for the next call
+    // out_of_range: the engine then samples this request on the host, as for a context the device cannot hold.
+    return error(ErrorCode::out_of_range, "no device memory for a penalty table (%zu bytes)", ints * sizeof(int));
+  }
   int* base = static_cast<int*>(block.ptr);
   PenaltyState st;
   st.slot = base, st.ids = base + V, st.counts = st.ids + cap, st.n = st.counts + cap;
