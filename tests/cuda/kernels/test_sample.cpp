@@ -564,8 +564,11 @@ TEST(CudaSamplePenalties, RejectsBadArguments) {
   outside.ids = {3, 10};
   outside.counts = {0, 1};
   EXPECT_EQ(table.load(outside), cudaErrorInvalidValue);
+  EXPECT_EQ(table.table().size(), 0u) << "a refused load changes nothing";
+  ASSERT_CUDA(rig.set_step(0));
   EXPECT_EQ(rig.launch_on({}, 0, nullptr, nullptr, &table.state(), {0.5f, 0.0f, 1.0f}), cudaSuccess);
   ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_EQ(table.table().counts, (std::vector<int32_t>{1})) << "the valid launch counted its choice";
 }
 
 // Device time per greedy token with penalties, tables of 2K and 16K distinct ids (what a 4K / 32K context
