@@ -253,13 +253,16 @@ Status CudaBackend::generate_on_device(SequenceState& base, int32_t first, const
   if (s->mtp_on) return mtp_on_device_refused();
   if (first < 0 || first >= config().vocab_size) return invalid_argument("token id %d is outside the vocabulary", first);
   if (sampling.top_k > 64) return invalid_argument("device sampling supports top_k <= 64, got %d", sampling.top_k);
+  RETURN_IF_ERROR(prepare_penalties(*s, sampling, max_new));  // before the first token: on_token grows the history
   CUDA_RETURN(cudaMemcpy(token_in_.ptr, &first, sizeof(int), cudaMemcpyHostToDevice), "token");
-  const SampleKnobs knobs{sampling.temperature, sampling.top_k, sampling.top_p, sampling.min_p, sampling.seed};
+  const SampleKnobs knobs = sample_knobs_of(sampling);
   CUDA_RETURN(cudaMemcpy(sample_knobs_.ptr, &knobs, sizeof knobs, cudaMemcpyHostToDevice), "sampling knobs");
+  const bool penalised = sampling.has_penalties();
   for (int i = 0; i < max_new; ++i) {
     const int64_t step = s->n;
     RETURN_IF_ERROR(run_step(*s, &sampling));
     CUDA_RETURN(cudaStreamSynchronize(stream_), "decode step");
+    if (penalised) s->penalty_sync.advance();  // the step counted its token into the table
     const int32_t tok = reinterpret_cast<volatile int*>(ring_)[step % kRingSize];
     if (!on_token(tok)) break;
   }
@@ -294,10 +297,7 @@ Status CudaBackend::run_rows(std::span<CudaSequence* const> rows, std::span<cons
               "tokens");
   if (!sampling.empty()) {
     SampleKnobs knobs[kMaxBatchRows];
-    for (size_t r = 0; r < R; ++r) {
-      const DeviceSampling& sp = sampling[r];
-      knobs[r] = SampleKnobs{sp.temperature, sp.top_k, sp.top_p, sp.min_p, sp.seed};
-    }
+    for (size_t r = 0; r < R; ++r) knobs[r] = sample_knobs_of(sampling[r]);
     CUDA_RETURN(cudaMemcpyAsync(sample_knobs_.ptr, knobs, R * sizeof(SampleKnobs), cudaMemcpyHostToDevice, stream_),
                 "sampling knobs");
   }
@@ -338,6 +338,10 @@ Status CudaBackend::decode_batch_on_device(std::span<SequenceState* const> seqs,
   for (size_t i = 0; i < sampling.size(); ++i)
     if (sampling[i].top_k > 64)
       return invalid_argument("row %zu: device sampling supports top_k <= 64, got %d", i, sampling[i].top_k);
+  for (size_t i = 0; i < rows.size(); ++i) {  // a table loaded for a row that does not run is still right
+    if (Status st = prepare_penalties(*rows[i], sampling[i], 1); !st.ok())
+      return error(st.code(), "row %zu: %s", i, st.message().c_str());
+  }
   next->assign(rows.size(), -1);
   for (size_t first = 0; first < rows.size(); first += kMaxBatchRows) {
     const size_t R = std::min<size_t>(kMaxBatchRows, rows.size() - first);
@@ -347,7 +351,10 @@ Status CudaBackend::decode_batch_on_device(std::span<SequenceState* const> seqs,
                              sampling.subspan(first, R)));
     CUDA_RETURN(cudaStreamSynchronize(stream_), "several-row step");
     const volatile int* ring = ring_;
-    for (size_t r = 0; r < R; ++r) (*next)[first + r] = ring[r * kRingSize + steps[r] % kRingSize];
+    for (size_t r = 0; r < R; ++r) {
+      (*next)[first + r] = ring[r * kRingSize + steps[r] % kRingSize];
+      if (sampling[first + r].has_penalties()) rows[first + r]->penalty_sync.advance();
+    }
   }
   return ok_status();
 }

@@ -21,6 +21,9 @@
 
 namespace lily::cuda {
 
+// The sample kernel's numbers for a request (cuda_penalties.cpp).
+SampleKnobs sample_knobs_of(const DeviceSampling& s);
+
 // Records an event pair around each kernel when profiling an eager (non-graph) step.
 struct Profiler {
   struct Entry {
@@ -186,6 +189,12 @@ class CudaBackend final : public CudaBench {
   Status bind_verify_views(CudaSequence& s, int R);
   // cuda_bench.cpp
   Status warm_up_decode(CudaSequence& s, const DeviceSampling& greedy);
+  // cuda_penalties.cpp: the penalty table of s holds sp.history (rebuilt unless PenaltySync says it does), with
+  // room for max_new more tokens; nothing without penalties. An error for penalty values or a history the
+  // device cannot take (invalid_argument), out_of_range when the table has no room or no memory
+  // (the engine then samples the request on the host).
+  Status prepare_penalties(CudaSequence& s, const DeviceSampling& sp, int64_t max_new);
+  Status allocate_penalties(CudaSequence& s);
   // cuda_backend.cpp
   Result<CudaSequence*> check_sequence(SequenceState& base, int64_t new_tokens);
   Status check_tokens(std::span<const int32_t> tokens) const;

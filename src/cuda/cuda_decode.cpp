@@ -189,7 +189,16 @@ Status CudaBackend::enqueue_step(std::span<CudaSequence* const> rows, int n_spli
                    sp.seed, rows[r]->pos.ptr, sample_scratch_.ptr + r * kSampleScratch,
                    counters_.ptr + kSampleCounter + r, token_in_.ptr + r, ring_dev_ + r * kRingSize, kRingSize,
                    sample_knobs_.ptr + r};
-    STEP_OP("sample", 4.0 * c.vocab_size, sample_token(p, stream_));
+    double sample_bytes = 4.0 * c.vocab_size;
+    if (sp.has_penalties()) {  // the table prepare_penalties loaded (its pointers are baked into the graph)
+      if (!rows[r]->penalties.ids) return error(ErrorCode::internal, "row %d: penalties without a table", r);
+      p.presence_penalty = sp.presence_penalty;
+      p.frequency_penalty = sp.frequency_penalty;
+      p.repetition_penalty = sp.repetition_penalty;
+      p.penalties = rows[r]->penalties;
+      sample_bytes += 16.0 * static_cast<double>(sp.history.size());  // about: ids, counts, logits read + written
+    }
+    STEP_OP("sample", sample_bytes, sample_token(p, stream_));
   }
   if (R == 1) {
     STEP_OP("advance", 0, advance_position(rows[0]->pos.ptr, stream_));

@@ -7,8 +7,9 @@
 
 namespace lily::cuda {
 
-// The sample kernel reads the request's numbers (temperature, top-k/p, min-p, seed) from sample_knobs_, written
-// before the steps run, so one graph per mode serves every request. At most kMaxGraphs a sequence.
+// The sample kernel reads the request's numbers (temperature, top-k/p, min-p, seed, penalties) from sample_knobs_,
+// written before the steps run, so one graph per mode (and with or without penalties) serves every request. At
+// most kMaxGraphs a sequence.
 Result<std::unique_ptr<GraphExec>> CudaBackend::capture(const std::function<Status()>& enqueue) {
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
@@ -33,6 +34,7 @@ Result<cudaGraphExec_t> CudaBackend::graph_for(CudaSequence& s, const DeviceSamp
   const int n_splits = attention_splits(s.n + 1);
   std::string key = std::to_string(n_splits);
   if (sp) key += "/" + std::to_string(sample_mode(sp->temperature, sp->top_k, sp->top_p, sp->min_p));
+  if (sp && sp->has_penalties()) key += "p";  // the penalty kernels around the choice (sample.cuh)
   auto it = s.graphs.find(key);
   if (it != s.graphs.end()) return it->second->exec;
   if (s.graphs.size() >= kMaxGraphs) s.graphs.clear();  // none is in flight: every caller synchronised
@@ -57,6 +59,7 @@ Result<cudaGraphExec_t> CudaBackend::rows_graph_for(std::span<CudaSequence* cons
     if (!sampling.empty()) {
       const DeviceSampling& sp = sampling[r];
       key += "/" + std::to_string(sample_mode(sp.temperature, sp.top_k, sp.top_p, sp.min_p));
+      if (sp.has_penalties()) key += "p";
     }
   }
   return row_graph(key, [&] { return enqueue_step(rows, n_splits, sampling, nullptr); });

@@ -162,6 +162,7 @@ Status CudaSequence::restore(const Checkpoint& base) {
   CUDA_RETURN(cudaStreamSynchronize(0), "restore");
   n = cp->n;
   verify_base = -1, verify_rows = 0;
+  penalty_sync.clear();  // the next penalised request rebuilds its table
   if (mtp_on) {  // the head's KV is truncated by its length alone
     mtp_n = cp_mtp_n;
     mtp_rows = cp_mtp ? cp->mtp_rows : 0;

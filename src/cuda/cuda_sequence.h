@@ -32,7 +32,9 @@
 #include <string>
 #include <vector>
 
+#include "cuda/kernels/sample.cuh"
 #include "engine/backend.h"
+#include "engine/penalties.h"
 
 namespace lily::cuda {
 
@@ -180,6 +182,13 @@ class CudaSequence final : public SequenceState {
   bool mtp_chained = false;              // mtp_chain holds the head's output of the last draft step
   DeviceSpan<__nv_bfloat16> mtp_k, mtp_v;
   DeviceSpan<float> mtp_pending, mtp_chain;  // [kMtpPendingRows, H], [H]
+  // Device sampling's penalties (sample.cuh PenaltyState, cuda_penalties.cpp): the running request's table of
+  // distinct history ids and its index by id, in one block allocated on the first penalised request and kept
+  // (graphs bake its pointers); penalty_sync says which request's history it holds. Neither saved nor cloned:
+  // a restored, cloned or loaded sequence rebuilds it from the next request's history.
+  DeviceBlock penalty_storage;
+  PenaltyState penalties;
+  PenaltySync penalty_sync;
 
   CudaSequence() = default;
   CudaSequence(const CudaSequence&) = delete;
@@ -193,7 +202,7 @@ class CudaSequence final : public SequenceState {
     for (auto& x : S) b += x ? x->bytes() : 0;
     if (mtp_on)
       b += 2 * mtp_k.bytes() + mtp_pending.bytes() + mtp_chain.bytes() + mtp_tokens.size() * sizeof(int32_t);
-    return b;
+    return b + penalty_storage.bytes;
   }
   std::unique_ptr<Checkpoint> checkpoint() const override;
   // A checkpoint at position `at` whose storage is allocated but not written (the caller copies the state

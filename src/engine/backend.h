@@ -52,14 +52,30 @@ class SequenceState {
 
 enum class LogitsRows { none, last, all };
 
-// Sampling a backend can do on the device (greedy, temperature, top-k <= 64, top-p, min-p); penalties, logit_bias
-// and logprobs need the logits on the host and use the generation loop's CPU sampler instead.
+// Sampling a backend can do on the device (greedy, temperature, top-k <= 64, top-p, min-p, and the presence,
+// frequency and repetition penalties with engine/sampler.h's semantics); logit_bias, logprobs and min_tokens need
+// the logits on the host and use the generation loop's CPU sampler instead.
 struct DeviceSampling {
   float temperature = 0.0f;  // 0: greedy
   int top_k = 0;
   float top_p = 1.0f;
   float min_p = 0.0f;
   uint64_t seed = 0;
+  float presence_penalty = 0.0f;
+  float frequency_penalty = 0.0f;
+  float repetition_penalty = 1.0f;  // 1: off
+  // What the penalties read (as Sampler::sample's arguments): the request's prompt + generated ids, the first
+  // n_prompt of them the prompt. Read only at the start of a call, before the first token is emitted (the
+  // caller's on_token may append to it). history_id names the request whose history it is (0: none): a backend
+  // may keep its penalty state from the previous call while history_id is the same and the history has grown by
+  // exactly the tokens it sampled since (engine/penalties.h PenaltySync), and rebuilds it otherwise.
+  std::span<const int32_t> history{};
+  size_t n_prompt = 0;
+  uint64_t history_id = 0;
+
+  bool has_penalties() const {
+    return presence_penalty != 0.0f || frequency_penalty != 0.0f || repetition_penalty != 1.0f;
+  }
 };
 
 class Backend {

@@ -93,11 +93,17 @@ class TokenSink {
   Clock::time_point first_token_at_;
 };
 
-// min_tokens needs the stop tokens banned step by step, which the device sampler cannot do: the host runs it.
+// min_tokens needs the stop tokens banned step by step, which the device sampler cannot do: the host runs it, as
+// logit_bias and logprobs. The penalties run on the device (DeviceSampling carries them with the history).
 bool device_can_sample(const Backend& backend, const SamplingParams& p) {
-  return backend.has_device_sampling() && p.presence_penalty == 0 && p.frequency_penalty == 0 &&
-         p.repetition_penalty == 1 && p.logit_bias.empty() && !p.logprobs && p.top_logprobs == 0 &&
+  return backend.has_device_sampling() && p.logit_bias.empty() && !p.logprobs && p.top_logprobs == 0 &&
          p.top_k <= 64 && p.min_tokens == 0;
+}
+
+// DeviceSampling::history_id: unique per request for the process's lifetime (never 0).
+uint64_t next_history_id() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
 }
 
 std::unique_ptr<SessionDisk> open_disk(const EngineOptions& o, const Backend& backend) {
@@ -147,9 +153,17 @@ struct Generation::State {
     take(r.id, r.logprob, std::move(r.top));
     return ok_status();
   }
+  // The request's device sampling; the history span stays valid until the next take().
   DeviceSampling device_sampling() const {
     const SamplingParams& p = request.sampling;
-    return DeviceSampling{p.temperature, p.top_k, p.top_p, p.min_p, sampler.seed()};
+    DeviceSampling d{p.temperature, p.top_k, p.top_p, p.min_p, sampler.seed()};
+    d.presence_penalty = p.presence_penalty;
+    d.frequency_penalty = p.frequency_penalty;
+    d.repetition_penalty = p.repetition_penalty;
+    d.history = history;
+    d.n_prompt = request.prompt.size();
+    d.history_id = history_id;
+    return d;
   }
   int64_t left() const { return budget - static_cast<int64_t>(sink.emitted().size()); }
 
@@ -162,6 +176,7 @@ struct Generation::State {
   Sampler sampler;
   SplitMix64 speculative_rng;    // the speculative loop's draws (engine/speculative.h), kept across calls
   std::vector<int32_t> history;  // prompt + sampled ids
+  const uint64_t history_id = next_history_id();  // DeviceSampling::history_id
   int32_t next;                  // the token the next decode step consumes
   bool on_device = false;        // sampled by Backend::generate_on_device
   bool finished = false;         // the sink has a finish reason

@@ -2,9 +2,10 @@
 // conversation prefill only its new tokens (docs/DESIGN.md section 2). generate() runs one request to the
 // end; the step calls (begin, prefill_step, decode_step, run_alone, finish) let the server's scheduler keep
 // several requests going at once. Calls are serialised by the caller (the CLI, or the scheduler's one
-// thread). The backend may be CPU or CUDA: when a request needs nothing the device sampler lacks (penalties,
-// logit_bias, logprobs), decoding uses Backend::generate_on_device; otherwise logits come to the host and
-// Sampler (engine/sampler.h) picks the token.
+// thread). The backend may be CPU or CUDA: when a request needs nothing the device sampler lacks (logit_bias,
+// logprobs, min_tokens, top_k > 64), decoding uses Backend::generate_on_device (penalties included: DeviceSampling
+// carries them with the request's history); otherwise logits come to the host and Sampler (engine/sampler.h)
+// picks the token.
 // With EngineOptions::speculative_tokens a request that decodes alone goes through engine/speculative.h.
 #pragma once
 #include <atomic>

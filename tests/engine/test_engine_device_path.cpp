@@ -6,6 +6,9 @@
 // host fallback.
 #include <gtest/gtest.h>
 
+#include <map>
+
+#include "engine/penalties.h"
 #include "test_engine_util.h"
 
 namespace lily::test {
@@ -48,27 +51,47 @@ class DeviceLoopBackend final : public Backend {
       }));
     return ok_status();
   }
+  // Penalties as the CUDA backend keeps them: a per-sequence table of the history's distinct ids, rebuilt from
+  // DeviceSampling::history unless PenaltySync holds it, applied before the choice and updated after it (with
+  // the host reference of the device kernel, engine/penalties.h).
   Status sample_steps(SequenceState& seq, int32_t first, const DeviceSampling& s, int max_new,
                       const std::function<bool(int32_t)>& on_token) {
+    SequencePenalties* pen = nullptr;
+    if (s.has_penalties()) {
+      pen = &penalties_[&seq];
+      if (!pen->sync.holds(s)) {
+        pen->table = PenaltyTable::of(s.history, s.n_prompt);
+        pen->sync.set(s);
+        ++penalty_uploads;
+      }
+    }
     std::vector<float> logits;
     int32_t token = first;
     for (int i = 0; i < max_new; ++i) {
       RETURN_IF_ERROR(cpu_->forward(seq, std::span<const int32_t>(&token, 1), LogitsRows::last, &logits));
+      if (pen) apply_penalties(logits, pen->table, s.repetition_penalty, s.presence_penalty, s.frequency_penalty);
       // The draw is keyed by the position, as the device sampler's: one-token calls give the loop's tokens.
       SamplingParams p;
       p.temperature = s.temperature, p.top_k = s.top_k, p.top_p = s.top_p, p.min_p = s.min_p;
       p.seed = s.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(seq.n_tokens());
       token = Sampler(p).sample(logits, {})->id;
+      if (pen) pen->table.add(token), pen->sync.advance();
       if (!on_token(token)) break;
     }
     return ok_status();
   }
   int device_calls = 0, forward_calls = 0, batch_calls = 0, batch_rows = 0;
+  int penalty_uploads = 0;  // tables built from a request's history
   int preferred_prefill = 512;
 
  private:
+  struct SequencePenalties {
+    PenaltySync sync;
+    PenaltyTable table;
+  };
   std::unique_ptr<Backend> cpu_;
   int64_t capacity_;
+  std::map<const SequenceState*, SequencePenalties> penalties_;
 };
 
 struct DeviceEngine {
@@ -143,12 +166,16 @@ TEST(EngineDevicePath, SeededSamplingIsReproducibleAndLogprobsUseTheHost) {
   req.sampling.top_k = 65;  // beyond the device sampler's top-k
   run(*dev.engine, req);
   req.sampling.top_k = 0;
-  req.sampling.presence_penalty = 0.5f;
+  req.sampling.logit_bias = {{5, 2.0f}};  // the bias runs on the host
   run(*dev.engine, req);
-  req.sampling.presence_penalty = 0;
+  req.sampling.logit_bias.clear();
   req.sampling.min_tokens = 3;  // the stop-token ban runs on the host
   run(*dev.engine, req);
   EXPECT_EQ(dev.backend->device_calls, 2);
+  req.sampling.min_tokens = 0;
+  req.sampling.presence_penalty = 0.5f;  // penalties run on the device
+  run(*dev.engine, req);
+  EXPECT_EQ(dev.backend->device_calls, 3);
 }
 
 TEST(EngineDevicePath, ACapacityBelowTheContextFallsBackToTheHostUpToTheLimit) {
@@ -255,6 +282,85 @@ TEST(EngineDevicePath, BatchedStepsKeepEachRequestsTokens) {
   ASSERT_TRUE(ra.ok() && rb.ok());
   EXPECT_EQ(ra->tokens, device_alone.tokens);
   EXPECT_EQ(rb->tokens, host_alone.tokens);
+}
+
+// Presence, frequency and repetition penalties run on the device: greedy tokens equal the host loop's (CPU
+// Sampler over the same logits), each penalty alone and together, and the table is built once per request.
+TEST(EngineDevicePath, PenalisedRequestsRunOnTheDeviceAsOnTheHost) {
+  auto dev = device_engine(1 << 20);
+  auto host = tiny_engine();
+  GenerationRequest plain = greedy_request(prompt_of(12, 7), 16);
+  plain.reuse_cache = false;
+  const GenerationResult unpenalised = run(*host, plain);
+  struct Case {
+    float presence, frequency, repetition;
+  };
+  // The tiny model's greedy tokens do not repeat and its prompt ids are not near the top: a repetition below 1
+  // (which favours the history, the prompt's ids too) is what changes them; with presence / frequency beside it
+  // the tokens also depend on which ids count as generated (n_prompt).
+  const Case cases[] = {{1.5f, 0.0f, 1.0f}, {0.0f, 1.2f, 1.0f}, {0.0f, 0.0f, 1.8f}, {0.8f, 0.6f, 1.3f},
+                        {-2.0f, -2.0f, 1.0f}, {0.0f, 0.0f, 0.5f}, {2.0f, 0.0f, 0.4f}, {0.0f, 2.0f, 0.4f},
+                        {-1.0f, 0.5f, 0.3f}};
+  int differ = 0;
+  for (const Case& c : cases) {
+    GenerationRequest req = plain;
+    req.sampling.presence_penalty = c.presence;
+    req.sampling.frequency_penalty = c.frequency;
+    req.sampling.repetition_penalty = c.repetition;
+    const int calls = dev.backend->device_calls, uploads = dev.backend->penalty_uploads;
+    const GenerationResult h = run(*host, req), d = run(*dev.engine, req);
+    EXPECT_EQ(d.tokens, h.tokens) << "presence " << c.presence << " frequency " << c.frequency << " repetition "
+                                  << c.repetition;
+    EXPECT_EQ(dev.backend->device_calls, calls + 1) << "the request decodes on the device";
+    EXPECT_EQ(dev.backend->penalty_uploads, uploads + 1) << "one table per request";
+    differ += h.tokens != unpenalised.tokens;
+  }
+  EXPECT_GE(differ, 3) << "the penalties should change the greedy tokens of most cases";
+}
+
+// The table follows a request through one-token and several-row steps (no rebuild: the device counted each token
+// it sampled) and is rebuilt for the next request on a cached sequence: its counts are that request's generated
+// tokens only, its repetition set its prompt + generated.
+TEST(EngineDevicePath, PenaltiesFollowTheRequestThroughBatchedStepsAndTheCache) {
+  auto dev = device_engine(1 << 20);
+  auto host = tiny_engine();
+  GenerationRequest a = greedy_request(prompt_of(9, 5), 8);
+  a.sampling.presence_penalty = 2.0f, a.sampling.repetition_penalty = 0.4f;
+  GenerationRequest b = greedy_request(prompt_of(6, 8), 10);
+  b.sampling.frequency_penalty = 2.0f, b.sampling.repetition_penalty = 0.5f;
+  GenerationRequest seeded = greedy_request(prompt_of(5, 2), 6);
+  seeded.sampling.temperature = 0.9f, seeded.sampling.top_k = 30, seeded.sampling.seed = 17;
+  seeded.sampling.presence_penalty = -0.7f, seeded.sampling.repetition_penalty = 0.6f;
+  std::vector<GenerationRequest> reqs = {a, b, seeded};
+  std::vector<GenerationResult> alone;
+  for (auto& r : reqs) r.reuse_cache = false, alone.push_back(run(*dev.engine, r));
+  EXPECT_EQ(alone[0].tokens, run(*host, reqs[0]).tokens);
+  EXPECT_EQ(alone[1].tokens, run(*host, reqs[1]).tokens);
+  GenerationRequest a_plain = reqs[0];
+  a_plain.sampling.presence_penalty = 0, a_plain.sampling.repetition_penalty = 1;  // no penalties
+  EXPECT_NE(alone[0].tokens, run(*host, a_plain).tokens) << "the penalties should change the tokens";
+  const int uploads = dev.backend->penalty_uploads, batch_calls = dev.backend->batch_calls;
+  std::vector<std::unique_ptr<Generation>> gens = run_together(*dev.engine, reqs);
+  ASSERT_EQ(gens.size(), reqs.size());
+  EXPECT_GT(dev.backend->batch_calls, batch_calls);
+  EXPECT_EQ(dev.backend->penalty_uploads, uploads + 3) << "one table per request, kept across its steps";
+  for (size_t i = 0; i < gens.size(); ++i) {
+    auto r = dev.engine->finish(std::move(gens[i]));
+    ASSERT_TRUE(r.ok());
+    EXPECT_EQ(r->tokens, alone[i].tokens) << "request " << i;
+  }
+  // Through the session cache: the first turn, then a prompt extending it resumes from its cached sequence.
+  GenerationRequest first = a;
+  first.reuse_cache = true;
+  const GenerationResult turn1 = run(*dev.engine, first);
+  GenerationRequest next = greedy_request(first.prompt, 8);
+  next.prompt.insert(next.prompt.end(), turn1.tokens.begin(), turn1.tokens.end());
+  next.prompt.push_back(42);
+  next.sampling.frequency_penalty = 1.5f, next.sampling.repetition_penalty = 0.45f;
+  const GenerationResult turn2 = run(*dev.engine, next);
+  EXPECT_GT(turn2.cached_tokens, 0);
+  next.reuse_cache = false;
+  EXPECT_EQ(turn2.tokens, run(*host, next).tokens);
 }
 
 }  // namespace

@@ -11,12 +11,16 @@
 //    stopping once the threshold bin is taken whole), the last block selects the K largest of the candidates,
 //    ranks them, applies temperature, top_p and min_p as engine/sampler.h steps 6-9 and draws one uniform
 //    u = SplitMix64(seed) draw number *step (step 10: walk the kept tokens in ascending id order).
+//  penalties: penalize_kernel before the choice rewrites the logits of the table's ids (engine/penalties.h, the
+//    same float operations in the same order as Sampler, rounded as on the host: no FMA contraction), and
+//    count_token_kernel after it adds the chosen id to the table (one index read, one count write).
 // Memory-bound: moves vocab * 4 bytes (1 MB at 248,320 tokens; about 0.25 us at 4.27 TB/s, so the cost is
 // launch + latency: a few microseconds).
 #include "cuda/kernels/sample.cuh"
 #include "cuda/kernels/quant_dot.cuh"  // launch_pdl, pdl_wait
 
 #include <algorithm>
+#include <cmath>
 
 namespace lily::cuda {
 
@@ -97,7 +101,73 @@ __device__ void emit_token(const SampleParams& p, int token) {
 // The knobs a kernel samples with: from device memory when the launch gave them, else from the parameters.
 __device__ __forceinline__ SampleKnobs knobs_of(const SampleParams& p) {
   if (p.knobs) return *p.knobs;
-  return SampleKnobs{p.temperature, p.top_k, p.top_p, p.min_p, p.seed};
+  return SampleKnobs{p.temperature,      p.top_k,           p.top_p,
+                     p.min_p,            p.seed,            p.presence_penalty,
+                     p.frequency_penalty, p.repetition_penalty};
+}
+
+// ---- penalties (engine/sampler.h steps 2-3 over the table of distinct history ids) ---------------------------
+
+constexpr int kPenaltyThreads = 256;
+
+// Sampler::apply_bias_and_penalties per listed id: repetition (l > 0 ? l / r : l * r), then l -= f * count + p for
+// generated ids; explicit round-to-nearest operations so nvcc does not fuse f * count + p into an FMA.
+__global__ void __launch_bounds__(kPenaltyThreads) penalize_kernel(const __grid_constant__ SampleParams p) {
+  pdl_launch_dependents();
+  pdl_wait();  // the logits come from the previous kernel, the table from the previous step's count
+  const SampleKnobs kn = knobs_of(p);
+  const float rep = kn.repetition_penalty, presence = kn.presence_penalty, frequency = kn.frequency_penalty;
+  const bool by_rep = rep != 1.0f, by_count = presence != 0.0f || frequency != 0.0f;
+  if (!by_rep && !by_count) return;
+  const PenaltyState& st = p.penalties;
+  const int n = min(*st.n, st.capacity);
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
+    const int id = st.ids[j];
+    if (id < 0 || id >= p.vocab) continue;
+    float l = p.logits[id];
+    if (by_rep) l = l > 0.0f ? __fdiv_rn(l, rep) : __fmul_rn(l, rep);
+    const int count = st.counts[j];
+    if (by_count && count > 0) l = __fsub_rn(l, __fadd_rn(__fmul_rn(frequency, __int2float_rn(count)), presence));
+    p.logits[id] = l;
+  }
+}
+
+// The chosen id (*out_token) into the table: its count + 1, appended with count 1 when new (PenaltyTable::add).
+__global__ void count_token_kernel(const __grid_constant__ SampleParams p) {
+  pdl_launch_dependents();
+  pdl_wait();  // the token comes from the sample kernel
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  const PenaltyState& st = p.penalties;
+  const int token = *p.out_token;
+  if (token < 0 || token >= p.vocab) return;
+  int j = st.slot[token];
+  if (j < 0) {
+    j = *st.n;
+    if (j >= st.capacity) return;  // not reached: the table holds every id the context can (PenaltyState)
+    st.ids[j] = token;
+    st.counts[j] = 0;
+    st.slot[token] = j;
+    *st.n = j + 1;
+  }
+  st.counts[j] += 1;
+}
+
+// penalty_state_load: the index entries of the table held so far back to -1 (one block) ...
+__global__ void penalty_clear_kernel(const PenaltyState st) {
+  const int n = min(*st.n, st.capacity);
+  for (int j = threadIdx.x; j < n; j += blockDim.x) {
+    const int id = st.ids[j];
+    if (id >= 0 && id < st.vocab) st.slot[id] = -1;
+  }
+}
+
+// ... and, after the new ids and counts are copied in, their index and count.
+__global__ void penalty_index_kernel(const PenaltyState st, int n) {
+  for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
+    const int id = st.ids[j];
+    if (id >= 0 && id < st.vocab) st.slot[id] = j;
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) *st.n = n;
 }
 
 // ---- greedy and Gumbel-max -----------------------------------------------------------------------------------
@@ -305,19 +375,25 @@ __global__ void __launch_bounds__(kTopThreads) sample_top_kernel(const __grid_co
   draw_from_candidates(p, kn, k_all, sh);
 }
 
+bool valid_state(const PenaltyState& st, int vocab) {
+  return st.ids && st.counts && st.n && st.slot && st.capacity > 0 && st.vocab == vocab;
+}
+
 bool valid_params(const SampleParams& p) {
   if (!p.logits || p.vocab <= 0 || !p.step || !p.scratch || !p.counter || !p.out_token) return false;
   if (p.ring && p.ring_size <= 0) return false;
   if (!(p.temperature >= 0.0f) || !(p.top_p > 0.0f && p.top_p <= 1.0f) || !(p.min_p >= 0.0f && p.min_p <= 1.0f)) {
     return false;  // also rejects NaN
   }
+  if (!(p.repetition_penalty > 0.0f) || !std::isfinite(p.repetition_penalty) || !std::isfinite(p.presence_penalty) ||
+      !std::isfinite(p.frequency_penalty)) {
+    return false;
+  }
+  if (p.penalties.ids && !valid_state(p.penalties, p.vocab)) return false;
   return p.top_k >= 0;
 }
 
-}  // namespace
-
-cudaError_t sample_token(const SampleParams& p, cudaStream_t stream) {
-  if (!valid_params(p)) return cudaErrorInvalidValue;
+cudaError_t launch_choice(const SampleParams& p, cudaStream_t stream) {
   // Argmax paths: 2 float4 quads per thread (~120 blocks at the model's vocabulary).
   const int argmax_blocks = std::min(kMaxBlocks, (p.vocab + 8 * kArgmaxThreads - 1) / (8 * kArgmaxThreads));
   const int mode = sample_mode(p.temperature, p.top_k, p.top_p, p.min_p);
@@ -327,6 +403,35 @@ cudaError_t sample_token(const SampleParams& p, cudaStream_t stream) {
   // <= 4096 candidates, also from registers.
   const int blocks = std::max(1, std::min(64, (p.vocab + 4095) / 4096));
   return launch_pdl(sample_top_kernel, dim3(blocks), dim3(kTopThreads), 0, stream, p);
+}
+
+}  // namespace
+
+cudaError_t sample_token(const SampleParams& p, cudaStream_t stream) {
+  if (!valid_params(p)) return cudaErrorInvalidValue;
+  if (!p.penalties.ids) return launch_choice(p, stream);
+  // One entry per thread up to 64 blocks (16K entries; a grid-stride loop past that): the table is read on the
+  // device, so the grid is sized for its capacity.
+  const int blocks = std::max(1, std::min(64, (p.penalties.capacity + kPenaltyThreads - 1) / kPenaltyThreads));
+  cudaError_t e = launch_pdl(penalize_kernel, dim3(blocks), dim3(kPenaltyThreads), 0, stream, p);
+  if (e == cudaSuccess) e = launch_choice(p, stream);
+  if (e == cudaSuccess) e = launch_pdl(count_token_kernel, dim3(1), dim3(32), 0, stream, p);
+  return e;
+}
+
+cudaError_t penalty_state_load(const PenaltyState& st, const int* ids, const int* counts, int n, cudaStream_t stream) {
+  if (!valid_state(st, st.vocab) || st.vocab <= 0 || n < 0 || n > st.capacity || (n > 0 && (!ids || !counts)))
+    return cudaErrorInvalidValue;
+  for (int j = 0; j < n; ++j)
+    if (ids[j] < 0 || ids[j] >= st.vocab) return cudaErrorInvalidValue;
+  penalty_clear_kernel<<<1, 1024, 0, stream>>>(st);
+  cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess && n > 0) e = cudaMemcpyAsync(st.ids, ids, n * sizeof(int), cudaMemcpyHostToDevice, stream);
+  if (e == cudaSuccess && n > 0)
+    e = cudaMemcpyAsync(st.counts, counts, n * sizeof(int), cudaMemcpyHostToDevice, stream);
+  if (e != cudaSuccess) return e;
+  penalty_index_kernel<<<std::max(1, std::min(64, (n + 255) / 256)), 256, 0, stream>>>(st, n);
+  return cudaGetLastError();
 }
 
 }  // namespace lily::cuda

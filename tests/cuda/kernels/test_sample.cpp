@@ -1,16 +1,22 @@
 // sample_token (src/cuda/kernels/sample.cu): greedy against a CPU argmax (ties -> lowest id), Gumbel-max against
 // softmax(logits / T) empirically, the top_k/top_p/min_p path against a CPU reference of engine/sampler.h
-// steps 6-10 (same SplitMix64 draw), determinism in (seed, step).
+// steps 6-10 (same SplitMix64 draw), determinism in (seed, step); with penalties (SampleParams::penalties) the
+// penalised logits bit-equal to Sampler's (engine/sampler.h steps 2-3), the choice made from them, and the table
+// counting each chosen id (engine/penalties.h PenaltyTable::add) over several steps.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <numeric>
+#include <random>
 #include <set>
 #include <vector>
 
 #include "cuda/kernels/sample.cuh"
 #include "cuda_test_util.h"
+#include "engine/penalties.h"
+#include "engine/sampler.h"
 
 namespace lily::cuda::test {
 namespace {
@@ -22,6 +28,10 @@ struct Sampling {
   int top_k = 0;
   float top_p = 1.0f;
   float min_p = 0.0f;
+};
+
+struct Penalties {
+  float presence = 0.0f, frequency = 0.0f, repetition = 1.0f;
 };
 
 // Device state for sample_token: logits, scratch, counter, step, output slot and a ring.
@@ -38,9 +48,12 @@ class SampleRig {
   }
   // Launches on `stream` with the step already on the device; with `knobs`, the kernel reads its numbers from
   // that device copy and `s`, `seed` only choose the kernel.
-  cudaError_t launch_on(const Sampling& s, uint64_t seed, cudaStream_t stream, const SampleKnobs* knobs = nullptr) {
+  cudaError_t launch_on(const Sampling& s, uint64_t seed, cudaStream_t stream, const SampleKnobs* knobs = nullptr,
+                        const PenaltyState* table = nullptr, Penalties pen = {}) {
     SampleParams p;
     p.knobs = knobs;
+    if (table) p.penalties = *table;
+    p.presence_penalty = pen.presence, p.frequency_penalty = pen.frequency, p.repetition_penalty = pen.repetition;
     p.logits = logits_.get();
     p.vocab = vocab_;
     p.temperature = s.temperature;
@@ -64,6 +77,15 @@ class SampleRig {
     EXPECT_EQ(counter_.download()[0], 0u) << "counter left non-zero";
     return token;
   }
+  // One step with penalties from `table` (the kernel penalises the logits in place and counts its choice).
+  int sample_penalised(const Sampling& s, uint64_t seed, int step, const PenaltyState& table, Penalties pen) {
+    EXPECT_EQ(set_step(step), cudaSuccess);
+    EXPECT_EQ(launch_on(s, seed, nullptr, nullptr, &table, pen), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return out();
+  }
+  cudaError_t set_logits(const std::vector<float>& l) { return logits_.upload(l); }
+  std::vector<float> logits() const { return logits_.download(); }
   std::vector<int> ring() const { return ring_.download(); }
   int out() const { return out_.download()[0]; }
   cudaError_t set_step(int step) { return step_.upload(std::vector<int>{step}); }
@@ -269,6 +291,310 @@ TEST(CudaSample, RejectsBadArguments) {
   EXPECT_EQ(rig.launch({1.0f, 0, 0.0f, 0.0f}, 0, 0), cudaErrorInvalidValue);
   EXPECT_EQ(rig.launch({1.0f, -2, 1.0f, 0.0f}, 0, 0), cudaErrorInvalidValue);
   EXPECT_EQ(rig.launch({NAN, 0, 1.0f, 0.0f}, 0, 0), cudaErrorInvalidValue);
+}
+
+// ---- penalties ------------------------------------------------------------------------------------------------
+
+// A sequence's penalty table on the device (sample.cuh PenaltyState), loaded with the backend's loader.
+class PenaltyRig {
+ public:
+  PenaltyRig(int vocab, int capacity)
+      : ids_(capacity), counts_(capacity), n_(1), slot_(std::vector<int>(vocab, -1)), vocab_(vocab) {
+    EXPECT_EQ(ids_.zero(), cudaSuccess);
+    EXPECT_EQ(counts_.zero(), cudaSuccess);
+    EXPECT_EQ(n_.zero(), cudaSuccess);
+    st_.ids = ids_.get(), st_.counts = counts_.get(), st_.n = n_.get(), st_.slot = slot_.get();
+    st_.capacity = capacity, st_.vocab = vocab;
+  }
+  cudaError_t load(const PenaltyTable& t) {
+    const cudaError_t e = penalty_state_load(st_, t.ids.data(), t.counts.data(), static_cast<int>(t.size()), nullptr);
+    return e != cudaSuccess ? e : cudaDeviceSynchronize();
+  }
+  // The table as the device holds it; its index must list exactly the table's ids.
+  PenaltyTable table() const {
+    const int n = n_.download()[0];
+    const std::vector<int> ids = ids_.download(), counts = counts_.download(), slot = slot_.download();
+    PenaltyTable t;
+    t.ids.assign(ids.begin(), ids.begin() + n);
+    t.counts.assign(counts.begin(), counts.begin() + n);
+    int indexed = 0;
+    for (int id = 0; id < vocab_; ++id) {
+      if (slot[id] < 0) continue;
+      ++indexed;
+      EXPECT_TRUE(slot[id] < n && ids[slot[id]] == id) << "index of id " << id << " says " << slot[id];
+    }
+    EXPECT_EQ(indexed, n) << "the index lists ids outside the table";
+    return t;
+  }
+  const PenaltyState& state() const { return st_; }
+
+ private:
+  DeviceBuffer<int> ids_, counts_, n_, slot_;
+  int vocab_;
+  PenaltyState st_;
+};
+
+uint32_t float_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  return b;
+}
+
+// Sampler's steps 1-3 (and its greedy choice) on a copy of `logits`: the host side every penalty test compares
+// with.
+std::vector<float> host_penalised(const std::vector<float>& logits, const std::vector<int32_t>& history,
+                                  size_t n_prompt, Penalties pen, int* greedy = nullptr) {
+  SamplingParams p;
+  p.temperature = 0.0f;
+  p.presence_penalty = pen.presence, p.frequency_penalty = pen.frequency, p.repetition_penalty = pen.repetition;
+  std::vector<float> l = logits;
+  Result<SampleResult> r = Sampler(p).sample(l, history, n_prompt);
+  EXPECT_TRUE(r.ok());
+  if (greedy) *greedy = r.ok() ? r->id : -1;
+  return l;
+}
+
+// A history with repeats, ids only in the prompt, ids only among the generated and both, the vocabulary's ends.
+std::vector<int32_t> mixed_history(size_t n_prompt, size_t n_generated, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> prompt_id(0, 2999), generated_id(1500, 4499);
+  std::vector<int32_t> h;
+  for (size_t i = 0; i < n_prompt; ++i) h.push_back(i == 0 ? 0 : prompt_id(rng));
+  for (size_t i = 0; i < n_generated; ++i) h.push_back(i == 1 ? kVocab - 1 : generated_id(rng));
+  return h;
+}
+
+// Logits whose largest values sit on history ids, just above the rest (N(0, 1): ~4.6 at most over the vocabulary),
+// so the penalties decide the choice (positive and negative logits throughout).
+std::vector<float> logits_favouring(const std::vector<int32_t>& history, uint32_t seed) {
+  std::vector<float> l = random_vector(kVocab, seed, 1.0f);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> boost(3.5f, 6.5f);
+  for (int32_t id : history) l[id] = boost(rng) * (rng() % 4 == 0 ? -1.0f : 1.0f);
+  return l;
+}
+
+void expect_bits_equal(const std::vector<float>& got, const std::vector<float>& want, const char* what) {
+  ASSERT_EQ(got.size(), want.size());
+  size_t differ = 0, first = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (float_bits(got[i]) != float_bits(want[i]) && differ++ == 0) first = i;
+  }
+  EXPECT_EQ(differ, 0u) << what << ": " << differ << " logits differ from the Sampler's, the first at id " << first
+                        << " (" << got[first] << " vs " << want[first] << ")";
+}
+
+const Penalties kPenaltyCases[] = {{0.0f, 0.0f, 1.3f},  {0.0f, 0.0f, 0.6f},  {0.9f, 0.0f, 1.0f},
+                                   {-1.2f, 0.0f, 1.0f}, {0.0f, 0.7f, 1.0f},  {0.0f, -0.45f, 1.0f},
+                                   {1.1f, 0.35f, 1.17f}, {2.0f, 2.0f, 2.5f}, {-0.6f, 1.9f, 0.8f}};
+
+// The logits after the kernel's penalties equal Sampler::apply_bias_and_penalties' to the bit (every id of the
+// vocabulary), the greedy token is the host's argmax of them, and the chosen id is counted into the table.
+TEST(CudaSamplePenalties, LogitsBitEqualToTheSamplerAndGreedyIsTheirArgmax) {
+  SKIP_WITHOUT_GPU();
+  uint32_t seed = 40;
+  int changed_choice = 0;
+  for (const Penalties& pen : kPenaltyCases) {
+    for (size_t n_prompt : {0ul, 300ul}) {
+      const std::vector<int32_t> history = mixed_history(n_prompt, 120, ++seed);
+      const std::vector<float> logits = logits_favouring(history, ++seed);
+      int want_token = -1;
+      const std::vector<float> want = host_penalised(logits, history, n_prompt, pen, &want_token);
+      SampleRig rig(logits, 8);
+      PenaltyRig table(kVocab, 4096);
+      ASSERT_CUDA(table.load(PenaltyTable::of(history, n_prompt)));
+      const int token = rig.sample_penalised({}, 0, 3, table.state(), pen);
+      char what[160];
+      std::snprintf(what, sizeof what, "presence %g frequency %g repetition %g n_prompt %zu", pen.presence,
+                    pen.frequency, pen.repetition, n_prompt);
+      expect_bits_equal(rig.logits(), want, what);
+      EXPECT_EQ(token, want_token) << what;
+      changed_choice += token != cpu_argmax(logits);
+      std::vector<int32_t> grown = history;
+      grown.push_back(token);
+      const PenaltyTable after = table.table(), rebuilt = PenaltyTable::of(grown, n_prompt);
+      EXPECT_EQ(after.ids, rebuilt.ids) << what;
+      EXPECT_EQ(after.counts, rebuilt.counts) << what;
+    }
+  }
+  EXPECT_GE(changed_choice, 6) << "the penalties should move the argmax in many cases (8 of 18 on the host)";
+}
+
+// Several greedy steps: each step's logits are new, the table is the device's own (loaded once, then counted by
+// the kernel), and every step's penalised logits, token and table equal the host's for the grown history.
+TEST(CudaSamplePenalties, TableCountsEachChoiceOverSteps) {
+  SKIP_WITHOUT_GPU();
+  const size_t n_prompt = 50;
+  std::vector<int32_t> history = mixed_history(n_prompt, 0, 7);
+  const Penalties pen{0.4f, 0.6f, 1.2f};
+  SampleRig rig(std::vector<float>(kVocab, 0.0f), 64);
+  PenaltyRig table(kVocab, 1024);
+  ASSERT_CUDA(table.load(PenaltyTable::of(history, n_prompt)));
+  std::set<int> chosen;
+  for (int step = 0; step < 24; ++step) {
+    // Few candidates, mostly already generated ones: repeats happen and the counts decide.
+    std::vector<float> logits = random_vector(kVocab, 100 + step, 1.0f);
+    for (size_t i = n_prompt; i < history.size(); ++i) logits[history[i]] = 9.0f + 0.01f * static_cast<float>(i % 5);
+    logits[5000 + step % 3] = 9.5f;
+    int want_token = -1;
+    const std::vector<float> want = host_penalised(logits, history, n_prompt, pen, &want_token);
+    ASSERT_CUDA(rig.set_logits(logits));
+    const int token = rig.sample_penalised({}, 0, step, table.state(), pen);
+    expect_bits_equal(rig.logits(), want, "step");
+    ASSERT_EQ(token, want_token) << "step " << step;
+    history.push_back(token);
+    chosen.insert(token);
+    const PenaltyTable after = table.table(), rebuilt = PenaltyTable::of(history, n_prompt);
+    ASSERT_EQ(after.ids, rebuilt.ids) << "step " << step;
+    ASSERT_EQ(after.counts, rebuilt.counts) << "step " << step;
+  }
+  EXPECT_GE(chosen.size(), 3u) << "the counts should rotate the choice among the candidates";
+  EXPECT_LT(chosen.size(), 24u) << "some ids should be chosen again (counts > 1)";
+}
+
+// The sampled paths (Gumbel-max, top-k/top-p) read the penalised logits too: the top-k draw equals the CPU
+// reference on the host's penalised logits, and both count their choice.
+TEST(CudaSamplePenalties, SampledPathsDrawFromThePenalisedLogits) {
+  SKIP_WITHOUT_GPU();
+  const size_t n_prompt = 80;
+  const Penalties pen{0.8f, 0.3f, 1.4f};
+  const Sampling top{0.9f, 20, 0.95f, 0.0f}, gumbel{0.8f, 0, 1.0f, 0.0f};
+  for (const Sampling& s : {top, gumbel}) {
+    std::vector<int32_t> history = mixed_history(n_prompt, 40, 21);
+    SampleRig rig(std::vector<float>(kVocab, 0.0f), 64);
+    PenaltyRig table(kVocab, 1024);
+    ASSERT_CUDA(table.load(PenaltyTable::of(history, n_prompt)));
+    for (int step = 0; step < 8; ++step) {
+      const std::vector<float> logits = logits_favouring(history, 300 + step);
+      const std::vector<float> want = host_penalised(logits, history, n_prompt, pen);
+      ASSERT_CUDA(rig.set_logits(logits));
+      const int token = rig.sample_penalised(s, 91, step, table.state(), pen);
+      expect_bits_equal(rig.logits(), want, s.top_k ? "top-k step" : "Gumbel step");
+      if (s.top_k) {
+        EXPECT_EQ(token, cpu_sample_top(want, s, 91, step)) << "step " << step;
+      }
+      ASSERT_GE(token, 0);
+      history.push_back(token);
+      const PenaltyTable after = table.table(), rebuilt = PenaltyTable::of(history, n_prompt);
+      ASSERT_EQ(after.ids, rebuilt.ids) << "step " << step;
+      ASSERT_EQ(after.counts, rebuilt.counts) << "step " << step;
+    }
+  }
+}
+
+// Neutral values leave every logit as it was (the table is still counted); a second load replaces the table and
+// clears the index of the ids it no longer holds.
+TEST(CudaSamplePenalties, NeutralValuesChangeNothingAndLoadsReplaceTheTable) {
+  SKIP_WITHOUT_GPU();
+  const std::vector<int32_t> history = mixed_history(60, 30, 5);
+  const std::vector<float> logits = logits_favouring(history, 6);
+  SampleRig rig(logits, 8);
+  PenaltyRig table(kVocab, 512);
+  ASSERT_CUDA(table.load(PenaltyTable::of(history, 60)));
+  const int token = rig.sample_penalised({}, 0, 0, table.state(), Penalties{});
+  expect_bits_equal(rig.logits(), logits, "neutral penalties");
+  EXPECT_EQ(token, cpu_argmax(logits));
+  std::vector<int32_t> grown = history;
+  grown.push_back(token);
+  EXPECT_EQ(table.table().counts, PenaltyTable::of(grown, 60).counts);
+  const std::vector<int32_t> other = {7, 8, 7, 9};
+  ASSERT_CUDA(table.load(PenaltyTable::of(other, 1)));
+  const PenaltyTable t = table.table();  // also checks the index lists only 7, 8, 9
+  EXPECT_EQ(t.ids, (std::vector<int32_t>{7, 8, 9}));
+  EXPECT_EQ(t.counts, (std::vector<int32_t>{1, 1, 1}));
+  ASSERT_CUDA(table.load(PenaltyTable{}));
+  EXPECT_EQ(table.table().size(), 0u);
+}
+
+// The penalty values come from the device knobs like the others: one graph captured with stale values serves two
+// requests with their own penalties (the table and logits reloaded between them, as the backend does).
+TEST(CudaSamplePenalties, KnobsFromDeviceServeEveryRequestFromOneGraph) {
+  SKIP_WITHOUT_GPU();
+  const size_t n_prompt = 100;
+  const std::vector<int32_t> history = mixed_history(n_prompt, 50, 9);
+  const std::vector<float> logits = logits_favouring(history, 10);
+  SampleRig rig(logits, 8);
+  PenaltyRig table(kVocab, 1024);
+  DeviceBuffer<SampleKnobs> knobs(1);
+  cudaStream_t stream;
+  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_CUDA(rig.set_step(2));
+  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  ASSERT_CUDA(rig.launch_on({}, 0, stream, knobs.get(), &table.state(), Penalties{1.9f, 1.9f, 1.9f}));
+  ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
+  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (const Penalties& pen : {Penalties{0.5f, 0.25f, 1.3f}, Penalties{-1.0f, 0.0f, 0.7f}}) {
+    SampleKnobs k;
+    k.presence_penalty = pen.presence, k.frequency_penalty = pen.frequency, k.repetition_penalty = pen.repetition;
+    ASSERT_CUDA(knobs.upload(std::vector<SampleKnobs>{k}));
+    ASSERT_CUDA(table.load(PenaltyTable::of(history, n_prompt)));
+    ASSERT_CUDA(rig.set_logits(logits));
+    ASSERT_CUDA(cudaGraphLaunch(exec, stream));
+    ASSERT_CUDA(cudaStreamSynchronize(stream));
+    int want_token = -1;
+    expect_bits_equal(rig.logits(), host_penalised(logits, history, n_prompt, pen, &want_token), "graph replay");
+    EXPECT_EQ(rig.out(), want_token) << "presence " << pen.presence;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(CudaSamplePenalties, RejectsBadArguments) {
+  SKIP_WITHOUT_GPU();
+  SampleRig rig(std::vector<float>(10, 0.0f), 2);
+  PenaltyRig table(10, 4);
+  EXPECT_EQ(rig.launch_on({}, 0, nullptr, nullptr, &table.state(), {0.0f, 0.0f, 0.0f}), cudaErrorInvalidValue);
+  EXPECT_EQ(rig.launch_on({}, 0, nullptr, nullptr, &table.state(), {0.0f, 0.0f, -1.0f}), cudaErrorInvalidValue);
+  EXPECT_EQ(rig.launch_on({}, 0, nullptr, nullptr, &table.state(), {NAN, 0.0f, 1.0f}), cudaErrorInvalidValue);
+  EXPECT_EQ(rig.launch_on({}, 0, nullptr, nullptr, &table.state(), {0.0f, INFINITY, 1.0f}), cudaErrorInvalidValue);
+  PenaltyState no_index = table.state();
+  no_index.slot = nullptr;
+  EXPECT_EQ(rig.launch_on({}, 0, nullptr, nullptr, &no_index, {0.5f, 0.0f, 1.0f}), cudaErrorInvalidValue);
+  PenaltyState other_vocab = table.state();
+  other_vocab.vocab = 11;
+  EXPECT_EQ(rig.launch_on({}, 0, nullptr, nullptr, &other_vocab, {0.5f, 0.0f, 1.0f}), cudaErrorInvalidValue);
+  PenaltyTable too_many;
+  too_many.ids = {0, 1, 2, 3, 4};
+  too_many.counts = {1, 1, 1, 1, 1};
+  EXPECT_EQ(table.load(too_many), cudaErrorInvalidValue);
+  PenaltyTable outside;
+  outside.ids = {3, 10};
+  outside.counts = {0, 1};
+  EXPECT_EQ(table.load(outside), cudaErrorInvalidValue);
+  EXPECT_EQ(table.table().size(), 0u) << "a refused load changes nothing";
+  ASSERT_CUDA(rig.set_step(0));
+  EXPECT_EQ(rig.launch_on({}, 0, nullptr, nullptr, &table.state(), {0.5f, 0.0f, 1.0f}), cudaSuccess);
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  EXPECT_EQ(table.table().counts, (std::vector<int32_t>{1})) << "the valid launch counted its choice";
+}
+
+// Device time per greedy token with penalties, tables of 2K and 16K distinct ids (what a 4K / 32K context
+// holds at most of distinct ids, about), against plain greedy: the cost of the two penalty kernels.
+TEST(CudaSampleBench, PenalisedFullVocabulary) {
+  SKIP_WITHOUT_GPU();
+  SampleRig rig(random_vector(kVocab, 4, 2.0f), 128);
+  std::printf("\n");
+  ASSERT_EQ(rig.launch({}, 5, 0), cudaSuccess);
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  print_bandwidth("sample greedy (248320)", graph_time_us([&](int, cudaStream_t st) { return rig.launch_on({}, 5, st); }, 100),
+                  4.0 * kVocab);
+  for (int distinct : {2048, 16384}) {
+    std::vector<int32_t> history(static_cast<size_t>(distinct));
+    std::iota(history.begin(), history.end(), 1000);
+    PenaltyRig table(kVocab, 32768);
+    ASSERT_CUDA(table.load(PenaltyTable::of(history, static_cast<size_t>(distinct / 2))));
+    char name[96];
+    std::snprintf(name, sizeof name, "sample greedy + penalties, %d ids (248320)", distinct);
+    const Penalties pen{0.5f, 0.5f, 1.1f};
+    print_bandwidth(name,
+                    graph_time_us([&](int, cudaStream_t st) {
+                      return rig.launch_on({}, 5, st, nullptr, &table.state(), pen);
+                    }, 100),
+                    4.0 * kVocab + 16.0 * distinct);
+  }
 }
 
 // Device time per sampled token at the model's vocabulary (logits stay in L2: 1 MB), CUDA-graph replay.
