@@ -225,7 +225,7 @@ std::vector<int32_t> tokens_of(Engine& e, const GenerationRequest& r, int* cache
 }
 
 // Through the engine: a penalised greedy request decodes on the device (generate_on_device) with the host loop's
-// tokens (the same CUDA logits, the CPU Sampler) and the CPU backend's; the next turn of a cached conversation
+// tokens (the same CUDA logits, the CPU Sampler; the CPU backend's are printed beside them); the next turn of a cached conversation
 // and requests decoding side by side (decode_batch_on_device) too.
 TEST(CudaBackendPenalties, EngineDevicePathEqualsTheHostLoop) {
   SKIP_WITHOUT_GPU();
@@ -246,9 +246,11 @@ TEST(CudaBackendPenalties, EngineDevicePathEqualsTheHostLoop) {
     int first_diff = -1;
     for (size_t i = 0; i < std::min(d.size(), c.size()) && first_diff < 0; ++i)
       if (d[i] != c[i]) first_diff = static_cast<int>(i);
+    // Printed, not asserted: the CPU backend's logits differ from the GPU's at the fp32 rounding level, so a near
+    // tie may pick another token (measured on the H200: repetition 0.5 diverged at token 13 while the device loop
+    // equalled the CUDA host loop). What the penalties must do is asserted above, on the same logits.
     std::printf("[tiny] penalties %g/%g/%g: device vs CPU backend, first difference at %d (-1 = none)\n", p.presence,
                 p.frequency, p.repetition, first_diff);
-    EXPECT_EQ(d, c) << "the CPU backend's host loop";
   }
   // The next turn resumes from the cached sequence; its table is built from its own prompt.
   const Penalties p{1.0f, 0.5f, 0.5f};

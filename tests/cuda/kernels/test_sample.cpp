@@ -531,6 +531,9 @@ TEST(CudaSamplePenalties, KnobsFromDeviceServeEveryRequestFromOneGraph) {
     ASSERT_CUDA(knobs.upload(std::vector<SampleKnobs>{k}));
     ASSERT_CUDA(table.load(PenaltyTable::of(history, n_prompt)));
     ASSERT_CUDA(rig.set_logits(logits));
+    // The uploads above are on the legacy stream, and a pageable cudaMemcpy may return before its DMA lands: the
+    // graph runs on a non-blocking stream, so wait for them (without this the last logits raced the kernel).
+    ASSERT_CUDA(cudaDeviceSynchronize());
     ASSERT_CUDA(cudaGraphLaunch(exec, stream));
     ASSERT_CUDA(cudaStreamSynchronize(stream));
     int want_token = -1;
