@@ -13,7 +13,9 @@
 #include <random>
 #include <vector>
 
+#include "common/engine_runs.h"
 #include "cpu/cpu_backend.h"
+#include "cuda/kernels/cuda_test_util.h"
 #include "cuda/cuda_backend.h"
 #include "engine/engine.h"
 #include "engine/sampler.h"
@@ -22,13 +24,6 @@
 namespace lily {
 namespace {
 
-bool has_gpu() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-
-#define SKIP_WITHOUT_GPU() \
-  if (!has_gpu()) GTEST_SKIP() << "no CUDA device"
 
 std::shared_ptr<const ModelWeights> tiny_weights() {
   auto w = synth_in_memory("tiny", CheckpointLayout::mlx, 7);
@@ -272,20 +267,8 @@ TEST(CudaBackendPenalties, EngineDevicePathEqualsTheHostLoop) {
   std::vector<std::vector<int32_t>> alone;
   for (auto& r : reqs) r.reuse_cache = false, alone.push_back(tokens_of(dev, r));
   EXPECT_EQ(alone[0], tokens_of(host, reqs[0]));
-  std::vector<std::unique_ptr<Generation>> gens;
-  for (const auto& r : reqs) {
-    auto g = dev.begin(r, {});
-    ASSERT_TRUE(g.ok());
-    while ((*g)->prefilling()) dev.prefill_step(**g);
-    gens.push_back(std::move(*g));
-  }
-  for (bool any = true; any;) {
-    std::vector<Generation*> decoding;
-    for (auto& g : gens)
-      if (!g->done()) decoding.push_back(g.get());
-    any = !decoding.empty();
-    if (any) dev.decode_step(decoding);
-  }
+  std::vector<std::unique_ptr<Generation>> gens = test::run_together(dev, reqs);
+  ASSERT_EQ(gens.size(), reqs.size());
   for (size_t i = 0; i < gens.size(); ++i) {
     auto r = dev.finish(std::move(gens[i]));
     ASSERT_TRUE(r.ok()) << r.status().message();

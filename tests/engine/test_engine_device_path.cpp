@@ -8,6 +8,7 @@
 
 #include <map>
 
+#include "common/engine_runs.h"
 #include "engine/penalties.h"
 #include "test_engine_util.h"
 
@@ -189,25 +190,7 @@ TEST(EngineDevicePath, ACapacityBelowTheContextFallsBackToTheHostUpToTheLimit) {
   EXPECT_EQ(fits.tokens.size(), 5u);
 }
 
-// Begins every request, prefills them all, then decode_step()s the unfinished ones together until all are done.
-std::vector<std::unique_ptr<Generation>> run_together(Engine& engine, const std::vector<GenerationRequest>& reqs) {
-  std::vector<std::unique_ptr<Generation>> gens;
-  for (const GenerationRequest& r : reqs) {
-    auto g = engine.begin(r, {});
-    EXPECT_TRUE(g.ok());
-    if (!g.ok()) return {};
-    while ((*g)->prefilling()) engine.prefill_step(**g);
-    gens.push_back(std::move(*g));
-  }
-  for (bool any = true; any;) {
-    std::vector<Generation*> decoding;
-    for (auto& g : gens)
-      if (!g->done()) decoding.push_back(g.get());
-    any = !decoding.empty();
-    if (any) engine.decode_step(decoding);
-  }
-  return gens;
-}
+using test::run_together;
 
 // Several device-sampled requests decode together in one decode_batch_on_device call a step (the CUDA backend's
 // several-row step); each keeps the tokens it gets alone (greedy and seeded), beside a host-sampled one.
