@@ -249,10 +249,13 @@ Status run_one(const BenchArgs& a, std::shared_ptr<const ModelWeights> weights, 
       out["prefill"].push_back(row);
     }
     RETURN_IF_ERROR(anchor_rows(*backend, a.lengths, a.reps, out["anchor_checkpoint"]));
-    const int64_t pn = std::min<int64_t>(a.profile_context, a.prefill_chunk);
+    // The chunk that ends at --profile-context: beyond one chunk, the last chunk of such a prompt (its attention
+    // reads the whole context).
+    const int64_t pn = std::min<int64_t>(a.profile_context, a.prefill_chunk), pos0 = a.profile_context - pn;
     std::vector<cuda::KernelTiming> kernels;
-    RETURN_IF_ERROR(backend->time_prefill(*seq, pn, &kernels).status());
-    std::printf("\nper-kernel breakdown of a %lld-token prefill chunk (events around each launch):\n", (long long)pn);
+    RETURN_IF_ERROR(backend->time_prefill(*seq, pn, &kernels, pos0).status());
+    std::printf("\nper-kernel breakdown of a %lld-token prefill chunk at positions %lld.. (events around each launch):\n",
+                (long long)pn, (long long)pos0);
     print_breakdown(kernels, out["prefill_kernels"]);
   }
   if (do_decode) {
@@ -303,8 +306,8 @@ Status run_bench(const BenchArgs& a) {
     for (int64_t c : a.contexts) base.max_context = std::max(base.max_context, c + a.steps * (a.reps + 1) + 16);
   if (do_prefill) {
     for (int64_t n : a.lengths) base.max_context = std::max(base.max_context, n + 16);
-    // the per-kernel breakdown prefills min(--profile-context, --prefill-chunk) rows
-    base.max_context = std::max<int64_t>(base.max_context, std::min(a.profile_context, a.prefill_chunk) + 16);
+    // the per-kernel breakdown prefills the chunk that ends at --profile-context
+    base.max_context = std::max<int64_t>(base.max_context, a.profile_context + 16);
   }
   base.prefill_chunk = a.prefill_chunk;
   RETURN_IF_ERROR(cuda::apply_option_spec(a.ttft.cuda_options, base, "--cuda-options"));
@@ -404,7 +407,8 @@ void setup(CLI::App& app) {
                   "backend option sets, each run in full on one loaded model: key=value,...;key=value,... (keys: " +
                       keys + ")");
   cmd->add_option("--steps", a->steps, "decode steps timed per context");
-  cmd->add_option("--profile-context", a->profile_context, "context of the per-kernel breakdown");
+  cmd->add_option("--profile-context", a->profile_context,
+                  "context of the per-kernel breakdowns (decode: the step at it; prefill: the chunk that ends at it)");
   cmd->add_option("--decode-rows", a->decode_rows, "decode: sequences a step (several-row steps), e.g. 1,2,4,8")
       ->delimiter(',')
       ->check(CLI::Range(1, 64));

@@ -105,7 +105,8 @@ class CudaBackend final : public CudaBench {
   Result<double> time_decode_rows(std::span<SequenceState* const> seqs, int steps) override;
   Result<std::vector<KernelTiming>> profile_rows(std::span<SequenceState* const> seqs) override;
   Result<std::vector<TraceLaunch>> trace_decode(SequenceState& seq, int steps) override;
-  Result<double> time_prefill(SequenceState& seq, int64_t n, std::vector<KernelTiming>* profile) override;
+  Result<double> time_prefill(SequenceState& seq, int64_t n, std::vector<KernelTiming>* profile,
+                              int64_t pos0 = 0) override;
   size_t prefill_scratch_bytes() const override { return prefill_bytes_; }
   size_t device_bytes_in_use() const override;
   size_t weight_bytes_per_token() const override { return model_->decode_weight_bytes(); }

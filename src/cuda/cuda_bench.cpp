@@ -94,7 +94,8 @@ Result<double> CudaBackend::time_decode(SequenceState& base, int steps) {
   return static_cast<double>(ms) / steps;
 }
 
-Result<double> CudaBackend::time_prefill(SequenceState& base, int64_t n, std::vector<KernelTiming>* profile) {
+Result<double> CudaBackend::time_prefill(SequenceState& base, int64_t n, std::vector<KernelTiming>* profile,
+                                         int64_t pos0) {
   auto* s = dynamic_cast<CudaSequence*>(&base);
   if (!s || s->owner != this) return invalid_argument("sequence state is not from this CUDA backend");
   if (!prefill_supported()) return error(ErrorCode::unsupported, "the prefill kernels do not take this geometry");
@@ -104,6 +105,10 @@ Result<double> CudaBackend::time_prefill(SequenceState& base, int64_t n, std::ve
     CUDA_RETURN(cudaMemset(s->S[l]->ptr, 0, s->S[l]->bytes()), "reset");
   }
   s->n = 0;
+  if (pos0 > 0) {
+    if (!profile) return invalid_argument("a prefill at a context is timed with a profile only");
+    RETURN_IF_ERROR(set_context_for_bench(*s, pos0));
+  }
   ASSIGN_OR_RETURN(s, check_sequence(base, n));
   std::vector<int32_t> ids(static_cast<size_t>(n));
   std::mt19937 rng(static_cast<uint32_t>(n));

@@ -54,8 +54,10 @@ class CudaBench : public Backend {
   virtual Result<std::vector<TraceLaunch>> trace_decode(SequenceState& seq, int steps) = 0;
   // Empties `seq` (zero recurrent state, no tokens), then prefills n random tokens with the logits of the last
   // row copied to the host, as a prompt would: wall milliseconds. With profile, one event pair per kernel launch
-  // of the first chunk instead (slower), summed by kind into *profile.
-  virtual Result<double> time_prefill(SequenceState& seq, int64_t n, std::vector<KernelTiming>* profile) = 0;
+  // of the first chunk instead (slower), summed by kind into *profile; with pos0 > 0 that chunk follows pos0 tokens
+  // of context (random keys and values, as set_context_for_bench), i.e. the chunk of a longer prompt at pos0.
+  virtual Result<double> time_prefill(SequenceState& seq, int64_t n, std::vector<KernelTiming>* profile,
+                                      int64_t pos0 = 0) = 0;
   // Device memory of the prefill path's scratch (fixed by prefill_chunk; 0 before the first prefill).
   virtual size_t prefill_scratch_bytes() const = 0;
   // Device memory in use on this GPU now (cudaMemGetInfo: total - free), all allocations of the process included.
