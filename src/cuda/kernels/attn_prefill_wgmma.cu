@@ -73,7 +73,7 @@ constexpr int kQSub = kBM * 128;             // one 64-dim sub-tile of Q (128-by
 constexpr int kTileSub = kBN * 128;          // one 64-dim sub-tile of a K or V tile
 constexpr int kQBytes = kQSub * (kD / 64);   // 64 KB
 constexpr int kTileBytes = kTileSub * (kD / 64);  // 32 KB (K or V)
-constexpr int kBarBytes = 64;                // full[2], empty[2], q_full
+constexpr int kBarBytes = 128;               // full[2], empty[2], q_full; variant 2: full / empty K and V [2], q_full
 constexpr size_t kSmem = 1024 + kQBytes + size_t{kStages} * 2 * kTileBytes + kBarBytes;
 static_assert(kSmem <= 232448, "shared memory");
 
@@ -320,6 +320,218 @@ __global__ void __launch_bounds__(kThreads, 1) attn_prefill_wgmma_kernel(const _
 #endif
 }
 
+// ---- variant 2 (written 2026-12-04 without a GPU; docs/PERF_NOTES.md): a tile's softmax overlapping the previous
+// tile's P V, FlashAttention-3's intra-warpgroup pipelining. Per tile i a consumer warpgroup issues S_i = Q K_i^T and
+// O += P_{i-1} V_{i-1} back to back, waits for S_i only, computes the softmax of S_i in place (the exp2 values in S's
+// registers) while that P V runs, then, once it has completed, rescales O by alpha_i and packs P_i into the one P
+// register set. O sees variant 1's operations in variant 1's order (rescale by alpha_i, then + P_i V_i) and P the same
+// values: the same output bits. Live while both groups fly: O (128), S (32), P_{i-1} (16), under setmaxnreg's 232.
+// K and V get rings and barriers of their own (K_i is free once S_i is done, V_i only after P_i V_i in the next
+// tile), so the producer brings K_{i+1} while V_{i-1} is still read. The first tile is peeled off so that no branch
+// sits between a tile's two issues, and nothing but wgmma touches their registers inside a stage (ptxas would
+// serialise the wgmmas: C7520 / C7513).
+__global__ void __launch_bounds__(kThreads, 1) attn_prefill_wgmma_pipe_kernel(const __grid_constant__ WgFlashArgs args) {
+#if defined(LILY_SM90A_PASS)
+  const AttnPrefillParams& p = args.p;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const uint32_t q_s = smem_u32(smem_raw) + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  const uint32_t kv_s = q_s + kQBytes;  // stage st: K at kv_s + 2 st kTileBytes, V kTileBytes after it
+  const uint32_t bars = kv_s + kStages * 2 * kTileBytes;
+  auto full_k = [&](int st) { return bars + 8 * st; };
+  auto full_v = [&](int st) { return bars + 8 * (kStages + st); };
+  auto empty_k = [&](int st) { return bars + 8 * (2 * kStages + st); };
+  auto empty_v = [&](int st) { return bars + 8 * (3 * kStages + st); };
+  const uint32_t q_full = bars + 8 * 4 * kStages;
+
+  const int group = p.nq / p.nkv, rows_t = kBM / group;
+  const int split = static_cast<int>(blockIdx.x) % args.n_splits, bm = static_cast<int>(blockIdx.x) / args.n_splits;
+  const int m = bm % p.nkv, n_qtiles = gridDim.x / (p.nkv * args.n_splits);
+  const int tq0 = (n_qtiles - 1 - bm / p.nkv) * rows_t;
+  const int n_total = p.pos0 + p.T;
+  const int kv_end = min(p.pos0 + tq0 + rows_t, n_total);
+  const int n_tiles = (kv_end + kBN - 1) / kBN, chunk = (n_tiles + args.n_splits - 1) / args.n_splits;
+  const int tile_begin = min(split * chunk, n_tiles), tile_end = min(tile_begin + chunk, n_tiles);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      mbar_init(full_k(st), 128);  // the producer's threads, each after its copies landed and its fence
+      mbar_init(full_v(st), 128);
+      mbar_init(empty_k(st), kConsumers);  // the consumers' threads, each after its wgmma read the tile
+      mbar_init(empty_v(st), kConsumers);
+    }
+    mbar_init(q_full, 128);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  pdl_launch_dependents();
+  pdl_wait();
+
+  if (warp < 4) {  // ---------------- the producer warpgroup, as variant 1's, with K and V in rings of their own
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    if (tile_begin == tile_end) return;
+    const int sub = lane >> 3, ch = lane & 7, pw = warp;
+    const __nv_bfloat16* q_src = static_cast<const __nv_bfloat16*>(p.scratch);
+    for (int r = pw; r < kBM; r += 4) {
+      const int h = r / rows_t, t = tq0 + r % rows_t;
+      const bool valid = t < p.T;
+      const __nv_bfloat16* src = q_src + (static_cast<size_t>(valid ? t : 0) * p.nq + m * group + h) * kD + lane * 8;
+      cp_async_16(q_s + sub * kQSub + r * 128 + ((ch ^ (r & 7)) << 4), src, valid);
+    }
+    cp_async_commit();
+    const size_t kv_row_stride = static_cast<size_t>(p.nkv) * kD;
+    for (int i = tile_begin; i < tile_end; ++i) {
+      const int j = i - tile_begin, st = j % kStages;
+      for (int kv = 0; kv < 2; ++kv) {
+        if (j >= kStages) mbar_wait(kv ? empty_v(st) : empty_k(st), (j / kStages - 1) & 1);
+        const uint32_t dst0 = kv_s + st * 2 * kTileBytes + kv * kTileBytes + sub * kTileSub;
+        const __nv_bfloat16* src0 = kv ? p.v_cache : p.k_cache;
+        for (int r = pw; r < kBN; r += 4) {
+          const int row = i * kBN + r;
+          const bool valid = row < n_total;
+          const size_t off = static_cast<size_t>(valid ? row : 0) * kv_row_stride + static_cast<size_t>(m) * kD + lane * 8;
+          cp_async_16(dst0 + r * 128 + ((ch ^ (r & 7)) << 4), src0 + off, valid);
+        }
+        cp_async_commit();
+        cp_async_wait<0>();
+        fence_proxy_async();
+        if (j == 0 && kv == 0) mbar_arrive(q_full);
+        mbar_arrive(kv ? full_v(st) : full_k(st));
+      }
+    }
+    return;
+  }
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+
+  // ---------------- consumers, rows and limits as variant 1's
+  const int wg = warp / 4 - 1, wq = warp % 4, g = lane / 4, t4 = lane % 4;
+  const int R0 = 64 * wg + 16 * wq, h_w = R0 / rows_t, tw0 = tq0 + R0 % rows_t;
+  const bool warp_active = tw0 < p.T;
+  const int lim_first = min(p.pos0 + tw0, n_total - 1);
+  const int lim[2] = {min(p.pos0 + tw0 + g, n_total - 1), min(p.pos0 + tw0 + g + 8, n_total - 1)};
+  const int wg_t_lo = rows_t >= 64 ? tq0 + (64 * wg) % rows_t : tq0;
+  const int wg_t_hi = wg_t_lo + min(rows_t, 64) - 1;
+  const bool wg_active = wg_t_lo < p.T;
+  const int wg_lim_last = min(p.pos0 + wg_t_hi, n_total - 1);
+  const uint32_t q_wg = q_s + wg * 64 * 128;
+  const float s_mul = p.scale * kLog2e;
+
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY}, l_run[2] = {0.0f, 0.0f};
+  auto o_at = [&o](int nt, int e) -> float& { return o[4 * nt + e]; };
+  // The warpgroup's tiles with an unmasked row are a prefix of the range (k0 grows, its last row is fixed).
+  const int act_end = wg_active ? max(tile_begin, min(tile_end, wg_lim_last / kBN + 1)) : tile_begin;
+
+  float s[32];          // S of the current tile, then its exp2 values
+  uint32_t pa[4][4];    // P of the previous tile (bf16 A fragments of its P V)
+  auto issue_qk = [&](int st) {
+    const uint32_t k_tile = kv_s + st * 2 * kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk)
+      wgmma_qk(s, desc_sw128(q_wg + (kk / 4) * kQSub + 32 * (kk % 4)),
+               desc_sw128(k_tile + (kk / 4) * kTileSub + 32 * (kk % 4)));
+    wgmma_commit();
+  };
+  auto issue_pv = [&](int st) {
+    const uint32_t v_tile = kv_s + st * 2 * kTileBytes + kTileBytes;
+#pragma unroll
+    for (int kk = 0; kk < kBN / 16; ++kk) wgmma_pv(o, pa[kk], desc_v_mn_major(v_tile + kk * 16 * 128));
+    wgmma_commit();
+  };
+  // Variant 1's online softmax of the tile at k0, its exp2 values left in s (l_run summed as variant 1 sums them).
+  auto softmax = [&](int k0, float (&alpha)[2]) {
+    float mx[2] = {-INFINITY, -INFINITY}, m_use[2];
+    scale_mask_max<kBN>([&](int nt, int e) -> float& { return s[4 * nt + e]; }, k0, t4, k0 + kBN - 1 > lim_first,
+                        lim, s_mul, mx);
+    online_softmax_update(mx, m_run, l_run, alpha, m_use);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        s[8 * kk + e] = exp2f(s[8 * kk + e] - m_use[(e / 2) % 2]);
+        l_run[(e / 2) % 2] += s[8 * kk + e];
+      }
+  };
+  auto pack = [&] {  // P rounded to bf16 into the A fragments, as variant 1
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      pa[kk][0] = pack_bf16x2(s[8 * kk + 0], s[8 * kk + 1]);
+      pa[kk][1] = pack_bf16x2(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = pack_bf16x2(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = pack_bf16x2(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+  auto zero_s = [&] {
+#pragma unroll
+    for (int e = 0; e < 32; ++e) s[e] = 0.0f;
+  };
+
+  if (tile_begin < tile_end) mbar_wait(q_full, 0);
+  if (act_end > tile_begin) {  // the first tile: S and its softmax; its P V goes with the next tile's S
+    float alpha[2];
+    mbar_wait(full_k(0), 0);
+    zero_s();
+    fence_regs(s);
+    wgmma_fence();
+    issue_qk(0);
+    wgmma_wait<0>();
+    fence_regs(s);
+    mbar_arrive(empty_k(0));
+    softmax(tile_begin * kBN, alpha);
+    rescale_o<kD>(o_at, alpha);
+    pack();
+  }
+  for (int i = tile_begin + 1; i < act_end; ++i) {
+    const int j = i - tile_begin, st = j % kStages, pst = (j - 1) % kStages;
+    float alpha[2];
+    mbar_wait(full_k(st), (j / kStages) & 1);
+    mbar_wait(full_v(pst), ((j - 1) / kStages) & 1);
+    zero_s();
+    fence_regs(s);
+    fence_regs(o);
+    fence_regs(pa);
+    wgmma_fence();
+    issue_qk(st);   // S_i ...
+    issue_pv(pst);  // ... then O += P_{i-1} V_{i-1}
+    wgmma_wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
+    fence_regs(s);
+    mbar_arrive(empty_k(st));  // K_i read
+    softmax(i * kBN, alpha);
+    wgmma_wait<0>();  // P_{i-1} V_{i-1} done
+    fence_regs(o);
+    fence_regs(pa);
+    mbar_arrive(empty_v(pst));  // V_{i-1} read
+    rescale_o<kD>(o_at, alpha);
+    pack();
+  }
+  if (act_end > tile_begin) {  // the last tile's P V
+    const int j = act_end - 1 - tile_begin, st = j % kStages;
+    mbar_wait(full_v(st), (j / kStages) & 1);
+    fence_regs(o);
+    fence_regs(pa);
+    wgmma_fence();
+    issue_pv(st);
+    wgmma_wait<0>();
+    fence_regs(o);
+    fence_regs(pa);
+    mbar_arrive(empty_v(st));
+  }
+  for (int i = act_end; i < tile_end; ++i) {  // tiles every row of the warpgroup masks: released unread
+    const int j = i - tile_begin, st = j % kStages, par = (j / kStages) & 1;
+    mbar_wait(full_k(st), par);
+    mbar_arrive(empty_k(st));
+    mbar_wait(full_v(st), par);
+    mbar_arrive(empty_v(st));
+  }
+  if (!warp_active) return;
+  flash_epilogue<kD>(args, split, m * group + h_w, tw0, g, t4, o_at, m_run, l_run);
+#else
+  (void)args;  // not an sm_90a pass: no wgmma (attn_prefill refuses the variant, see attn_prefill_wgmma_built)
+#endif
+}
+
 }  // namespace
 
 // The probe of qgemm_wgmma.cu: both kernels are in the same library, built for the same targets.
@@ -339,6 +551,11 @@ cudaError_t attn_prefill_flash_wgmma(const AttnPrefillParams& p, int n_splits, f
   args.part_o = part_o;
   args.part_ml = part_ml;
   const dim3 grid(ceil_div(p.T, kBM / (p.nq / p.nkv)) * p.nkv * n_splits);
+  if (p.variant == 2) {
+    CUDA_TRY(cudaFuncSetAttribute(attn_prefill_wgmma_pipe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(kSmem)));
+    return launch_pdl(attn_prefill_wgmma_pipe_kernel, grid, dim3(kThreads), kSmem, stream, args);
+  }
   return launch_pdl(attn_prefill_wgmma_kernel, grid, dim3(kThreads), kSmem, stream, args);
 }
 
