@@ -160,7 +160,9 @@ class CudaBackend final : public CudaBench {
                        CudaCheckpoint* cp = nullptr);
   Status prefill_gdn_mixer(CudaSequence& s, size_t l, int T, Profiler* prof, int split, CudaCheckpoint* cp);
   Status prefill_attention(const DeviceLayer& L, __nv_bfloat16* k, __nv_bfloat16* v, int T, int pos0, Profiler* prof);
-  Status prefill_layer(const DeviceLayer& L, int T, const std::function<Status()>& mixer, Profiler* prof);
+  // w16_layer: the index of L's resident fp16 copies (w16_off_), or -1 for a layer that has none (the MTP head's).
+  Status prefill_layer(const DeviceLayer& L, int T, const std::function<Status()>& mixer, Profiler* prof,
+                       int w16_layer = -1);
   Status prefill(CudaSequence& s, int64_t T, LogitsRows rows, std::vector<float>* logits, Profiler* prof,
                  int64_t split = 0, CudaCheckpoint* cp = nullptr);
   Status copy_recurrent(const CudaSequence& s, CudaCheckpoint& cp, int layer);

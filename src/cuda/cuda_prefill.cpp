@@ -157,7 +157,8 @@ Status CudaBackend::prefill_attention(const DeviceLayer& L, __nv_bfloat16* k, __
 
 // One layer over the T rows of the residual stream ph_: the input norm to fp16, the in projection to pproj_,
 // `mixer` (pproj_ to pob_), the out projection added to ph_, then the MoE block.
-Status CudaBackend::prefill_layer(const DeviceLayer& L, int T, const std::function<Status()>& mixer, Profiler* prof) {
+Status CudaBackend::prefill_layer(const DeviceLayer& L, int T, const std::function<Status()>& mixer, Profiler* prof,
+                                  int w16_layer) {
   const ModelConfig& c = config();
   const float eps = c.rms_norm_eps;
   const int H = c.hidden_size, k = c.num_experts_per_tok;
@@ -167,13 +168,9 @@ Status CudaBackend::prefill_layer(const DeviceLayer& L, int T, const std::functi
   const QMatrix& in = gdn ? L.gdn_in : L.attn_in;
   const QMatrix& out = gdn ? L.gdn_out : L.attn_out;
   // The model's layers have resident fp16 copies; the MTP head's layer (cuda_mtp.cpp) takes the dequantising tiles.
-  const DeviceLayer* first = model_->layers.data();
-  const std::less<const DeviceLayer*> before;
-  const bool model_layer = !before(&L, first) && before(&L, first + model_->layers.size());
-  const size_t l = model_layer ? static_cast<size_t>(&L - first) : 0;
-  const bool w16 = wgmma && T >= kW16MinRows && model_layer && l < w16_off_.size();
+  const bool w16 = wgmma && T >= kW16MinRows && w16_layer >= 0 && static_cast<size_t>(w16_layer) < w16_off_.size();
   auto resident = [&](QGemmParams& g, int i, const QMatrix& w) {
-    g.w16 = pw16_.ptr + w16_off_[l][i];
+    g.w16 = pw16_.ptr + w16_off_[static_cast<size_t>(w16_layer)][i];
     g.w16_bytes = static_cast<size_t>(w.rows) * w.cols * sizeof(__half);
     g.w16_expanded = true;
   };
@@ -207,10 +204,11 @@ Status CudaBackend::prefill_chunk(CudaSequence& s, const int* tokens, int T, Pro
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const DeviceLayer& L = m.layers[l];
     if (L.type == LayerType::linear_attention) {
-      RETURN_IF_ERROR(prefill_layer(L, T, [&] { return prefill_gdn_mixer(s, l, T, prof, split, cp); }, prof));
+      RETURN_IF_ERROR(
+          prefill_layer(L, T, [&] { return prefill_gdn_mixer(s, l, T, prof, split, cp); }, prof, static_cast<int>(l)));
     } else {
       RETURN_IF_ERROR(prefill_layer(L, T, [&] { return prefill_attention(L, s.k[l]->ptr, s.v[l]->ptr, T, pos0, prof); },
-                                    prof));
+                                    prof, static_cast<int>(l)));
     }
   }
   s.n += T;

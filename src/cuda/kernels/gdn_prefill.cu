@@ -161,7 +161,8 @@ template <int DK>
 cudaError_t launch(const GdnPrefillParams& p, const Scratch& s, cudaStream_t stream) {
   gdn_prep_kernel<DK><<<dim3((p.T + kPrepRows - 1) / kPrepRows, p.n_k), kThreads, 0, stream>>>(p, s);
   CUDA_TRY(cudaGetLastError());
-  switch (scan_for(p)) {
+  const GdnScan scan = scan_for(p);
+  switch (scan) {
     case GdnScan::chunked:
       CUDA_TRY(chunk_prep(p, s, stream));
       CUDA_TRY(scan_chunked(p, s, stream));
@@ -170,7 +171,7 @@ cudaError_t launch(const GdnPrefillParams& p, const Scratch& s, cudaStream_t str
     case GdnScan::chunked_wgmma: {
       CUDA_TRY(chunk_prep(p, s, stream));
       bool normed = false;
-      CUDA_TRY(scan_chunked_split(p, s, scan_for(p) == GdnScan::chunked_wgmma, &normed, stream));
+      CUDA_TRY(scan_chunked_split(p, s, scan == GdnScan::chunked_wgmma, &normed, stream));
       if (normed) return cudaSuccess;  // eq 19 and the ring done by the output pass
       break;
     }
