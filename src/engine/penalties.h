@@ -6,7 +6,8 @@
 //   l = l > 0 ? l / repetition : l * repetition          (every listed id; only when repetition != 1)
 //   l -= frequency * float(count) + presence             (listed ids with count > 0; only when either != 0)
 // The CUDA backend builds a table from the host history once per request (PenaltyTable::of), uploads it, and
-// appends each token it samples on the device itself (sample.cuh PenaltyState: add() is the same update);
+// appends each token it samples on the device itself (sample.cuh PenaltyState; the tests' host reference of both
+// steps is tests/engine/penalty_reference.h);
 // PenaltySync says whether a sequence's device table still holds the history the engine passes.
 #pragma once
 #include <cstddef>
@@ -25,15 +26,8 @@ struct PenaltyTable {
   // The table of history (prompt + generated, ids >= 0) with history[n_prompt:] generated (n_prompt is clamped to
   // history.size()). O(history): a hash of the ids seen.
   static PenaltyTable of(std::span<const int32_t> history, size_t n_prompt);
-  // One more generated id: its count + 1, appended with count 1 when new (what the device does after a choice).
-  void add(int32_t id);
   size_t size() const { return ids.size(); }
 };
-
-// Steps 2-3 of engine/sampler.h applied to the logits of the table's ids, in place: the host reference of the
-// device kernel (sample.cu penalize_kernel). Ids outside logits are skipped.
-void apply_penalties(std::span<float> logits, const PenaltyTable& table, float repetition, float presence,
-                     float frequency);
 
 // What a sequence's device penalty table holds: the history of DeviceSampling::history_id up to `length` ids.
 // A backend rebuilds the table unless holds() (the same request, its history grown by exactly the tokens the

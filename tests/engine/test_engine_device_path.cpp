@@ -10,6 +10,7 @@
 
 #include "common/engine_runs.h"
 #include "engine/penalties.h"
+#include "penalty_reference.h"
 #include "test_engine_util.h"
 
 namespace lily::test {
@@ -70,13 +71,13 @@ class DeviceLoopBackend final : public Backend {
     int32_t token = first;
     for (int i = 0; i < max_new; ++i) {
       RETURN_IF_ERROR(cpu_->forward(seq, std::span<const int32_t>(&token, 1), LogitsRows::last, &logits));
-      if (pen) apply_penalties(logits, pen->table, s.repetition_penalty, s.presence_penalty, s.frequency_penalty);
+      if (pen) test::apply_penalties(logits, pen->table, s.repetition_penalty, s.presence_penalty, s.frequency_penalty);
       // The draw is keyed by the position, as the device sampler's: one-token calls give the loop's tokens.
       SamplingParams p;
       p.temperature = s.temperature, p.top_k = s.top_k, p.top_p = s.top_p, p.min_p = s.min_p;
       p.seed = s.seed * 0x9E3779B97F4A7C15ull + static_cast<uint64_t>(seq.n_tokens());
       token = Sampler(p).sample(logits, {})->id;
-      if (pen) pen->table.add(token), pen->sync.advance();
+      if (pen) test::add_generated(pen->table, token), pen->sync.advance();
       if (!on_token(token)) break;
     }
     return ok_status();

@@ -1,6 +1,7 @@
 // engine/penalties.h: the distinct-id table a device sampler keeps (built from a history, updated per token) and
 // its host reference, bit-equal to Sampler's penalised logits; PenaltySync's rule for keeping a device table.
 #include "engine/penalties.h"
+#include "penalty_reference.h"
 
 #include <gtest/gtest.h>
 
@@ -53,7 +54,7 @@ TEST(PenaltyTable, OfListsDistinctIdsInOrderAndCountsOnlyTheGenerated) {
   EXPECT_EQ(PenaltyTable::of({}, 0).size(), 0u);
 }
 
-// add() after each generated token keeps the table equal to the one rebuilt from the grown history (what the
+// add_generated() after each generated token keeps the table equal to the one rebuilt from the grown history (what the
 // device's update after a choice must do, tests/cuda/kernels/test_sample.cpp checks the kernel against it).
 TEST(PenaltyTable, AddEqualsRebuildingFromTheHistory) {
   std::vector<int32_t> history = random_history(30, 40, 1);
@@ -61,7 +62,7 @@ TEST(PenaltyTable, AddEqualsRebuildingFromTheHistory) {
   PenaltyTable t = PenaltyTable::of(history, n_prompt);
   const std::vector<int32_t> generated = random_history(60, 50, 2);  // new ids (40..49) and repeats
   for (int32_t id : generated) {
-    t.add(id);
+    test::add_generated(t, id);
     history.push_back(id);
     const PenaltyTable want = PenaltyTable::of(history, n_prompt);
     ASSERT_EQ(t.ids, want.ids) << "after " << history.size() - n_prompt << " generated";
@@ -90,7 +91,7 @@ TEST(PenaltyTable, ApplyIsBitEqualToTheSampler) {
       std::vector<float> host = logits, table_side = logits;
       Result<SampleResult> r = Sampler(p).sample(host, history, n_prompt);
       ASSERT_TRUE(r.ok());
-      apply_penalties(table_side, PenaltyTable::of(history, n_prompt), c.repetition, c.presence, c.frequency);
+      test::apply_penalties(table_side, PenaltyTable::of(history, n_prompt), c.repetition, c.presence, c.frequency);
       size_t changed = 0;
       for (size_t i = 0; i < kVocab; ++i) {
         ASSERT_EQ(bits(table_side[i]), bits(host[i]))
@@ -111,13 +112,13 @@ TEST(PenaltyTable, ApplyIsBitEqualToTheSampler) {
 TEST(PenaltyTable, NeutralPenaltiesChangeNothing) {
   const std::vector<float> logits = random_logits(300, 3);
   std::vector<float> l = logits;
-  apply_penalties(l, PenaltyTable::of(random_history(80, 300, 4), 20), 1.0f, 0.0f, 0.0f);
+  test::apply_penalties(l, PenaltyTable::of(random_history(80, 300, 4), 20), 1.0f, 0.0f, 0.0f);
   for (size_t i = 0; i < l.size(); ++i) EXPECT_EQ(bits(l[i]), bits(logits[i])) << i;
   // Ids outside the logits are skipped, not written.
   PenaltyTable t;
   t.ids = {-1, 1000};
   t.counts = {1, 1};
-  apply_penalties(l, t, 2.0f, 1.0f, 1.0f);
+  test::apply_penalties(l, t, 2.0f, 1.0f, 1.0f);
   for (size_t i = 0; i < l.size(); ++i) EXPECT_EQ(bits(l[i]), bits(logits[i])) << i;
 }
 

@@ -132,7 +132,8 @@ __global__ void __launch_bounds__(kPenaltyThreads) penalize_kernel(const __grid_
   }
 }
 
-// The chosen id (*out_token) into the table: its count + 1, appended with count 1 when new (PenaltyTable::add).
+// The chosen id (*out_token) into the table: its count + 1, appended with count 1 when new (the tests' host
+// reference: tests/engine/penalty_reference.h add_generated).
 __global__ void count_token_kernel(const __grid_constant__ SampleParams p) {
   pdl_launch_dependents();
   pdl_wait();  // the token comes from the sample kernel

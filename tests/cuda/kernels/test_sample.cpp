@@ -2,7 +2,7 @@
 // softmax(logits / T) empirically, the top_k/top_p/min_p path against a CPU reference of engine/sampler.h
 // steps 6-10 (same SplitMix64 draw), determinism in (seed, step); with penalties (SampleParams::penalties) the
 // penalised logits bit-equal to Sampler's (engine/sampler.h steps 2-3), the choice made from them, and the table
-// counting each chosen id (engine/penalties.h PenaltyTable::add) over several steps.
+// counting each chosen id (as tests/engine/penalty_reference.h add_generated) over several steps.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
