@@ -310,7 +310,7 @@ cudaError_t launch_flash(const AttnPrefillParams& p, cudaStream_t stream) {
     args.part_o = reinterpret_cast<float*>(static_cast<char*>(p.scratch) + q_scratch_bytes(p.T, p.nq, D));
     args.part_ml = args.part_o + static_cast<size_t>(args.n_splits) * p.T * p.nq * D;
   }
-  if (p.variant == 1 || p.variant == 2) {
+  if (p.variant == 1) {
     CUDA_TRY(attn_prefill_flash_wgmma(p, args.n_splits, args.part_o, args.part_ml, stream));
   } else {
     const int rows_t = kBlockM / (p.nq / p.nkv);
@@ -342,7 +342,7 @@ cudaError_t attn_prefill(const AttnPrefillParams& p, cudaStream_t stream) {
   if (misaligned(p.scratch, 16) || misaligned(p.k_cache, 16) || misaligned(p.v_cache, 16) || misaligned(p.proj, 8) ||
       misaligned(p.out, 4))
     return cudaErrorInvalidValue;
-  if (p.variant != 0 && ((p.variant != 1 && p.variant != 2) || p.head_dim != 256)) return cudaErrorInvalidValue;
+  if (p.variant != 0 && (p.variant != 1 || p.head_dim != 256)) return cudaErrorInvalidValue;
   if (p.variant != 0 && !attn_prefill_wgmma_built()) return cudaErrorInvalidDeviceFunction;
   if (!p.flash_only)
     CUDA_TRY(launch_pdl(attn_prefill_prep_kernel, dim3(p.T, p.nq + p.nkv), dim3(p.head_dim), 0, stream, p));

@@ -30,9 +30,7 @@ struct AttnPrefillParams {
   size_t scratch_bytes = 0;
   // Flash stage: 0 = mma.sync (attn_prefill.cu, every shape it validates); 1 = Hopper wgmma
   // (attn_prefill_wgmma.cu: head_dim 256, sm_90a build, else cudaErrorInvalidValue / InvalidDeviceFunction
-  // before anything is launched); 2 = 1 with a tile's softmax overlapping the previous tile's P V (the same
-  // output bits as 1; written 2026-12-04 without a GPU, opt-in until measured: docs/PERF_NOTES.md). Same prep, KV
-  // split, combine, epilogue and outputs within rounding.
+  // before anything is launched). Same prep, KV split, combine, epilogue and outputs within rounding.
   int variant = 0;
   // Tests only: skip the prep (q already in the scratch, the new K/V rows already in the cache).
   bool flash_only = false;
@@ -41,7 +39,7 @@ struct AttnPrefillParams {
 size_t attn_prefill_scratch_bytes(int T, int nq, int head_dim);
 cudaError_t attn_prefill(const AttnPrefillParams& p, cudaStream_t stream);
 
-// The wgmma flash stage (attn_prefill_wgmma.cu), called by attn_prefill for variants 1 and 2: whether this build has its
+// The wgmma flash stage (attn_prefill_wgmma.cu), called by attn_prefill for variant 1: whether this build has its
 // sm_90a code for the current device, and the launch (n_splits > 1: unnormalised partials to part_o / part_ml
 // for attn_prefill's combine, as the mma.sync kernel).
 bool attn_prefill_wgmma_built();
