@@ -44,7 +44,8 @@ std::string KernelPaths::describe(const std::string& device) const {
   char line[320];
   std::snprintf(line, sizeof line,
                 "cuda: %s sm_%d%d (%s), prefill: %s, attention: %s, decode: %s, gated norm in %s, top-k in %s",
-                device.c_str(), cc_major, cc_minor, code, wgmma ? "wgmma (MoE: register-sourced tiles)" : "mma.sync",
+                device.c_str(), cc_major, cc_minor, code,
+                !wgmma ? "mma.sync" : expert_copies ? "wgmma (MoE: fp16 expert copies)" : "wgmma (MoE: register-sourced tiles)",
                 attn_wgmma ? "wgmma" : "mma.sync", sm90_code ? "PDL chain" : "stream order",
                 gdn_norm_in_step ? "gdn_step" : "out_proj", moe_select_in_experts ? "experts" : "moe_route");
   return line;
@@ -82,10 +83,17 @@ Status CudaBackend::fit_context() {
   CUDA_RETURN(cudaMemGetInfo(&free_b, &total_b), "cudaMemGetInfo");
   ContextFit f;
   f.free_bytes = free_b;
-  f.scratch_bytes = prefill_supported() ? prefill_scratch_needed() : 0;
   f.reserve_bytes = kRuntimeReserve;
   f.sequence = sequence_bytes(config());
   const int64_t model_max = config().max_position_embeddings;
+  // The experts' fp16 copies only where they fit beside the context asked for (auto: the model's whole context).
+  paths_.expert_copies = options_.expert_copies != 0 && paths_.wgmma && prefill_supported() && expert_copies_fit();
+  if (paths_.expert_copies) {
+    f.scratch_bytes = prefill_scratch_needed();
+    const int64_t want = options_.max_context == CudaBackendOptions::kContextAuto ? model_max : options_.max_context;
+    paths_.expert_copies = want >= 1 && check_context_fits(f, std::min(want, model_max), model_max, device_name_).ok();
+  }
+  f.scratch_bytes = prefill_supported() ? prefill_scratch_needed() : 0;
   if (options_.max_context == CudaBackendOptions::kContextAuto) {
     context_auto_ = true;
     options_.max_context = max_context_that_fits(f, model_max);

@@ -20,6 +20,9 @@ struct CudaBackendOptions {
   int64_t max_context = 32768;
   static constexpr int64_t kContextAuto = -1;
   int prefill_chunk = 4096;  // rows per prefill chunk; 0: prompts run token by token through the decode step
+  // 1: the MoE experts' resident fp16 copies for prefill (moe_prefill's fp16-copy tiles, Hopper; ~1.6 GB a layer
+  // at full geometry) where they fit beside the context; 0: never (prefill expands the 4-bit experts each chunk).
+  int expert_copies = 1;
 };
 
 // Applies a spec `key=value,key=value` to o (`--cuda-options`, `lily bench --variants`): the keys are listed by

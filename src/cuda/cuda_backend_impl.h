@@ -57,6 +57,7 @@ struct KernelPaths {
   bool attn_wgmma = false;  // prefill attention on wgmma (head_dim 256 only)
   bool gdn_norm_in_step = false;  // decode: gdn_step applies eq 19 over a cluster (else the out_proj prologue)
   bool moe_select_in_experts = false;  // decode: moe_expert_in selects the experts (else moe_route)
+  bool expert_copies = false;  // prefill: the experts' resident fp16 copies (fit_context: where they fit)
   std::string describe(const std::string& device) const;  // "cuda: <device> sm_90, prefill: wgmma, ..."
 };
 
@@ -155,6 +156,7 @@ class CudaBackend final : public CudaBench {
   // cuda_prefill.cpp
   bool prefill_supported() const;
   size_t prefill_scratch_needed() const;
+  bool expert_copies_fit() const;
   Status ensure_prefill_scratch();
   Status prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof, int split = 0,
                        CudaCheckpoint* cp = nullptr);
@@ -244,6 +246,10 @@ class CudaBackend final : public CudaBench {
   // w16_expanded; the wgmma path, chunks of >= kW16MinRows rows); w16_off_[l] = {in, out} offsets in halves.
   DeviceArray<__half> pw16_;
   std::vector<std::array<size_t, 2>> w16_off_;
+  // With paths_.expert_copies, every layer's experts expanded to fp16 once (moe_expand_w16), layer l's at
+  // pexp16_ + l expert16_stride_ (halves), for moe_prefill's fp16-copy tiles (MoePrefillParams::w16).
+  DeviceArray<__half> pexp16_;
+  size_t expert16_stride_ = 0;
   DeviceArray<__half> mtp_cat_;    // the MTP head's fc operand [rows, 2H] (cuda_mtp.cpp)
   // With the head enabled (enable_mtp): a plain forward chunk's final-norm rows after the pending one
   // [prefill_chunk + 1, H], and the tokens a draft or the head's catch-up reads [kMtpPendingRows].

@@ -11,15 +11,17 @@ namespace lily::cuda {
 
 namespace {
 
-// The options a spec may set: a name and the int member it sets. The kernel paths are not options: the backend
-// picks them from the binary's device code and the GPU (cuda_backend.cpp).
+// The options a spec may set: a name, the int member it sets and its largest value (1: a switch). The kernel paths
+// are not options: the backend picks them from the binary's device code and the GPU (cuda_backend.cpp).
 struct OptionKey {
   const char* name;
   int CudaBackendOptions::*number = nullptr;
+  int max = INT_MAX;
 };
 
 constexpr OptionKey kOptionKeys[] = {
     {"prefill_chunk", &CudaBackendOptions::prefill_chunk},
+    {"expert_copies", &CudaBackendOptions::expert_copies, 1},
 };
 
 Status set_option(const OptionKey& k, const std::string& v, CudaBackendOptions& o, const char* what) {
@@ -27,6 +29,8 @@ Status set_option(const OptionKey& k, const std::string& v, CudaBackendOptions& 
   const long x = std::strtol(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0' || x < 0 || x > INT_MAX)
     return invalid_argument("%s: %s=%s is not a non-negative integer", what, k.name, v.c_str());
+  if (x > k.max && k.max == 1) return invalid_argument("%s: %s=%s: must be 0 or 1", what, k.name, v.c_str());
+  if (x > k.max) return invalid_argument("%s: %s=%s: must be at most %d", what, k.name, v.c_str(), k.max);
   o.*k.number = static_cast<int>(x);
   return ok_status();
 }

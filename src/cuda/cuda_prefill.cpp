@@ -38,18 +38,25 @@ constexpr int kW16MinRows = 256;
 
 // The prefill scratch's arrays, in elements, from the chunk and the geometry.
 struct PrefillSizes {
-  size_t residual, proj, a_in, a_mixer, kernels_bytes, head_logits, w16;
+  size_t residual, proj, a_in, a_mixer, kernels_bytes, head_logits, w16, experts16;
   size_t bytes() const {
-    return 4 * residual + 4 * proj + 2 * a_in + 2 * a_mixer + kernels_bytes + 4 * head_logits + 2 * w16;
+    return 4 * residual + 4 * proj + 2 * a_in + 2 * a_mixer + kernels_bytes + 4 * head_logits + 2 * w16 +
+           2 * experts16;
   }
 };
 
 // A matrix's fp16 copy rounded up to 256 bytes (each copy starts 16-byte aligned, as the GEMM's copies need).
 size_t align_halves(size_t n) { return (n + 127) / 128 * 128; }
 
+// One layer's expert copies (moe_expand_w16), halves.
+size_t expert16_stride(const ModelConfig& c) {
+  return align_halves(moe_w16_halves(c.num_experts, c.hidden_size, c.moe_intermediate_size));
+}
+
 // w16: the dense projections take the fp16-W GEMM (the wgmma path and a chunk of >= kW16MinRows rows): their
-// resident fp16 copies.
-PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk, int head_rows, bool w16) {
+// resident fp16 copies; experts16: the experts' (KernelPaths::expert_copies).
+PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk, int head_rows, bool w16,
+                           bool experts16) {
   const size_t C = chunk, H = c.hidden_size, nq = c.num_attention_heads, D = c.head_dim;
   size_t proj_cols = 0;
   for (const DeviceLayer& l : m.layers)
@@ -76,18 +83,44 @@ PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk
         s.w16 += align_halves(static_cast<size_t>(q->rows) * q->cols);
     }
   }
+  s.experts16 = experts16 ? m.layers.size() * expert16_stride(c) : 0;
   return s;
+}
+
+// moe_prefill's expert GEMMs for a layer; w16: the layer's expert copies or nullptr.
+MoePrefillParams moe_params(const ModelConfig& c, const DeviceLayer& L, float* h, int T, void* scratch,
+                            size_t scratch_bytes, const __half* w16) {
+  MoePrefillParams p{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,
+                     L.shared_up, L.shared_down, h, L.post_norm, c.rms_norm_eps, T, c.num_experts_per_tok,
+                     scratch, scratch_bytes};
+  p.w16 = w16;
+  return p;
 }
 
 }  // namespace
 
 size_t CudaBackend::prefill_scratch_needed() const {
-  return prefill_sizes(config(), *model_, options_.prefill_chunk, kHeadRows, paths_.wgmma).bytes();
+  return prefill_sizes(config(), *model_, options_.prefill_chunk, kHeadRows, paths_.wgmma, paths_.expert_copies)
+      .bytes();
+}
+
+// The experts' shapes the copies take (moe_expand_w16): 4-bit routed and shared experts, the shared expert as wide
+// as a routed one, H a multiple of 128 and I of 64.
+bool CudaBackend::expert_copies_fit() const {
+  const ModelConfig& c = config();
+  if (c.moe_intermediate_size != c.shared_expert_intermediate_size || c.hidden_size % 128 != 0 ||
+      c.moe_intermediate_size % 64 != 0 || model_->layers.empty())
+    return false;
+  for (const DeviceLayer& L : model_->layers)
+    for (const QMatrix* q : {&L.expert_gate, &L.expert_up, &L.expert_down, &L.shared_gate, &L.shared_up, &L.shared_down})
+      if (q->bits != 4) return false;
+  return true;
 }
 
 Status CudaBackend::ensure_prefill_scratch() {
   if (prefill_bytes_ > 0) return ok_status();
-  const PrefillSizes z = prefill_sizes(config(), *model_, options_.prefill_chunk, kHeadRows, paths_.wgmma);
+  const PrefillSizes z =
+      prefill_sizes(config(), *model_, options_.prefill_chunk, kHeadRows, paths_.wgmma, paths_.expert_copies);
   RETURN_IF_ERROR(ph_.alloc(z.residual));
   RETURN_IF_ERROR(pproj_.alloc(z.proj));
   RETURN_IF_ERROR(pxb_.alloc(z.a_in));
@@ -111,8 +144,17 @@ Status CudaBackend::ensure_prefill_scratch() {
     }
     CUDA_RETURN(cudaStreamSynchronize(stream_), "the fp16 copies of the dense projections");
   }
+  RETURN_IF_ERROR(pexp16_.alloc(z.experts16));
+  if (z.experts16 > 0) {  // every layer's experts expanded once
+    expert16_stride_ = expert16_stride(config());
+    for (size_t l = 0; l < model_->layers.size(); ++l) {
+      const MoePrefillParams p = moe_params(config(), model_->layers[l], nullptr, 0, nullptr, 0, nullptr);
+      CUDA_RETURN(moe_expand_w16(p, pexp16_.ptr + l * expert16_stride_, stream_), "the fp16 copies of the experts");
+    }
+    CUDA_RETURN(cudaStreamSynchronize(stream_), "the fp16 copies of the experts");
+  }
   prefill_bytes_ = ph_.bytes() + pproj_.bytes() + pxb_.bytes() + pob_.bytes() + pscratch_.bytes() + plogits_.bytes() +
-                   pw16_.bytes();
+                   pw16_.bytes() + pexp16_.bytes();
   return ok_status();
 }
 
@@ -182,8 +224,9 @@ Status CudaBackend::prefill_layer(const DeviceLayer& L, int T, const std::functi
   if (w16) resident(gout, 1, out);
   STEP_OP(gdn ? "qgemm gdn_out" : "qgemm attn_out", out.bytes(), qgemm(gout, stream_),
           2.0 * rows * out.rows * out.cols);
-  MoePrefillParams moe{L.router, L.shared_gate_row, L.expert_gate, L.expert_up, L.expert_down, L.shared_gate,
-                       L.shared_up, L.shared_down, ph_.ptr, L.post_norm, eps, T, k, pscratch_.ptr, pscratch_.bytes()};
+  const bool copies = expert16_stride_ > 0 && w16_layer >= 0 && static_cast<size_t>(w16_layer) < model_->layers.size();
+  const MoePrefillParams moe = moe_params(c, L, ph_.ptr, T, pscratch_.ptr, pscratch_.bytes(),
+                                          copies ? pexp16_.ptr + static_cast<size_t>(w16_layer) * expert16_stride_ : nullptr);
   const double moe_flops = 2.0 * rows * H *
                            (3.0 * k * c.moe_intermediate_size + 3.0 * c.shared_expert_intermediate_size +
                             c.num_experts + 1);

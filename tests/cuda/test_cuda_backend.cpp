@@ -934,13 +934,17 @@ TEST(CudaOptions, SpecSetsOptionsAndNamesErrors) {
     EXPECT_EQ(st.code(), ErrorCode::invalid_argument) << spec;
     return st.message();
   };
-  EXPECT_NE(message("nope=1").find("--cuda-options: unknown key `nope` (known: prefill_chunk)"), std::string::npos);
+  EXPECT_NE(message("nope=1").find("--cuda-options: unknown key `nope` (known: prefill_chunk, expert_copies)"),
+            std::string::npos);
   EXPECT_NE(message("moe_fused=on").find("unknown key `moe_fused`"), std::string::npos);  // gone with its kernel
   EXPECT_NE(message("prefill_chunk").find("`prefill_chunk` is not key=value"), std::string::npos);
   EXPECT_NE(message("prefill_chunk=13x").find("is not a non-negative integer"), std::string::npos);
   EXPECT_NE(message("prefill_chunk=99999999999").find("is not a non-negative integer"), std::string::npos);
   EXPECT_NE(message("prefill_chunk=-1").find("is not a non-negative integer"), std::string::npos);
-  EXPECT_EQ(cuda::option_keys(), "prefill_chunk");
+  ASSERT_TRUE(cuda::apply_option_spec("expert_copies=0", o, "--x").ok());
+  EXPECT_EQ(o.expert_copies, 0);
+  EXPECT_NE(message("expert_copies=2").find("--cuda-options: expert_copies=2: must be 0 or 1"), std::string::npos);
+  EXPECT_EQ(cuda::option_keys(), "prefill_chunk, expert_copies");
 }
 
 }  // namespace

@@ -352,8 +352,14 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   // tiles take 322 (register-sourced ~557). Few-row tiles below 40 rows an expert; from 40 the register-sourced
   // tiles where they run (sm_90a), else few-row tiles to 64 rows, 128-row tiles from 96, 64-row ones between.
   const long routed = static_cast<long>(T) * k;
+  // The fp16 copies where given take the 192-row tiles from kW16MinRowsPerExpert rows an expert, or on request
+  // (tile_rows kRsRows); measured: docs/PERF_NOTES.md, 2026-12-04 (eleventh session).
+  const bool w16_ok = p.w16 && few_ok && wgmma_built();
+  const bool use_w16 = w16_ok && (p.tile_rows == kRsRows ||
+                                  (p.tile_rows == 0 && routed >= static_cast<long>(kW16MinRowsPerExpert) * E));
   const bool rs_auto = rs_ok && routed >= 40L * E && wgmma_built();
-  const int tile_rows = p.tile_rows ? p.tile_rows
+  const int tile_rows = use_w16       ? kRsRows
+                        : p.tile_rows ? p.tile_rows
                         : few_ok && routed < 40L * E ? kFewRows
                         : rs_auto                    ? kRsRows
                         : few_ok && routed <= 64L * E ? kFewRows
@@ -391,6 +397,8 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   g.gather = s.token_of;
   g.ws[0] = p.shared_gate_proj, g.ws[1] = p.shared_up, g.shared_expert = fold ? E : -1;
   auto grouped = [&](const TileArgs& t, int bits, bool swiglu) {
+    if (use_w16)
+      return launch_grouped_w16(t, swiglu ? p.w16 : p.w16 + size_t{2} * (E + 1) * H * I, tiles, swiglu, stream);
     if (tile_rows == kFewRows) return launch_grouped_few(t, tiles, swiglu, stream);
     if (tile_rows == kRsRows) return launch_grouped_rs(t, tiles, swiglu, stream);
     return launch_grouped(t, bits, tile_rows, tiles, swiglu, stream);

@@ -30,7 +30,21 @@ struct MoePrefillParams {
   // weights in registers on sm_90a; 4-bit, shared expert folded in, H and I multiples of 512); 0 picks from
   // T * top_k / E
   int tile_rows = 0;
+  // The experts' resident fp16 copies (moe_expand_w16 of these matrices), or nullptr. Where set, the 192-row
+  // tiles (tile_rows kRsRows, or 0 from kW16MinRowsPerExpert rows an expert) read them instead of expanding the
+  // 4-bit weights (launch_grouped_w16; sm_90a, 4-bit experts with the shared expert folded in).
+  const __half* w16 = nullptr;
 };
+
+// Rows an expert (T top_k / E) from which moe_prefill takes the fp16 copies when it has them.
+inline constexpr int kW16MinRowsPerExpert = 24;
+
+// The fp16 copies of one layer's experts (the routed ones and the shared one, index E): halves, and the
+// expansion (gate / up then down, each expert's weights in the order the w16 tiles' stages read them: 128-row x
+// 64-k tiles in the 128-byte swizzle). The values are those the register-sourced tiles compute (fp16 scale * q +
+// bias in one fp16 fma). 4-bit experts, I == Is, H a multiple of 128, I of 64; cudaErrorInvalidValue otherwise.
+size_t moe_w16_halves(int n_experts, int H, int I);
+cudaError_t moe_expand_w16(const MoePrefillParams& p, __half* out, cudaStream_t stream);
 
 // Scratch moe_prefill needs for T rows (linear in T; the caller bounds T by chunking).
 size_t moe_prefill_scratch_bytes(int T, int H, int I, int Is, int n_experts, int top_k);

@@ -33,6 +33,7 @@
 #include <algorithm>
 
 #include "cuda/kernels/qgemm.cuh"
+#include "cuda/kernels/moe_prefill_tiles.cuh"
 #include "cuda/kernels/qgemm_util.cuh"
 #include "cuda/kernels/quant_dot.cuh"
 #include "cuda/kernels/wgmma_util.cuh"
@@ -43,11 +44,10 @@ namespace {
 
 using namespace wgmma_util;
 
-constexpr int kChunks = kRsRows / 32;  // 32-row chunks of a tile (wgmma N = 32 each)
+using namespace grouped_tiles;
+
 constexpr int kStages = 6;             // ring depth
-constexpr int kLag = kStages - 2;      // steps in flight behind the producer's newest
-constexpr int kARows = 128;            // weight rows of an item (2 warpgroups x 64)
-constexpr int kRowsPer = kRsRows / 16;  // activation rows a producer thread copies a stage
+[[maybe_unused]] constexpr int kLag = kStages - 2;   // steps in flight behind the producer's newest
 static_assert(kARows == 128, "the producer warpgroup: one weight row a thread for the scales");
 constexpr int kThreads = 256 + 128;  // two consumer warpgroups, one producer warpgroup
 constexpr int kBBytes = kRsRows * 128;  // a stage's activation tile (fp16, 128-byte swizzle)
@@ -62,50 +62,16 @@ struct RsLayout {
     pitch = 2 * words;
   }
   __host__ __device__ size_t b_off(int s) const { return static_cast<size_t>(s) * kBBytes; }
-  __host__ __device__ size_t w_off(int s) const { return size_t{kStages} * kBBytes + static_cast<size_t>(s) * kWBytes; }
+  __host__ __device__ size_t w_off(int s) const { return b_off(kStages) + static_cast<size_t>(s) * kWBytes; }
   __host__ __device__ size_t scale_bytes() const { return size_t{kARows} * pitch * 2; }  // one array, one item
   // buffer b (item parity), array i (0 scales, 1 biases)
   __host__ __device__ size_t s_off(int b, int i) const {
-    return size_t{kStages} * (kBBytes + kWBytes) + (2 * b + i) * scale_bytes();
+    return w_off(kStages) + (2 * b + i) * scale_bytes();
   }
   __host__ __device__ size_t g_off() const { return s_off(2, 0); }
   __host__ __device__ size_t bar_off() const { return g_off() + kRsRows * 4; }
   __host__ __device__ size_t bytes() const { return bar_off() + 2 * kStages * 8 + 1024; }  // + alignment slack
 };
-
-struct Item {
-  int row0, rows, slice;
-  QMatrix w[2];
-};
-
-// Item `item` of the list: its tile's rows, its feature slice and matrices (w[1] = w[0] for the down projection).
-template <bool SWIGLU>
-__device__ __forceinline__ Item item_of(const TileArgs& p, int item, int slices) {
-  Item it;
-  const int tile = item / slices;
-  it.slice = item % slices;
-  const int e = __ldcg(p.tile_expert + tile);
-  it.row0 = __ldcg(p.tile_row0 + tile);
-  it.rows = __ldcg(p.tile_rows + tile);
-#pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    const QMatrix& src = e == p.shared_expert ? p.ws[SWIGLU ? m : 0] : p.w[SWIGLU ? m : 0];
-    it.w[m] = e == p.shared_expert ? src : src.expert(e);
-  }
-  return it;
-}
-
-// Weight row ar (0..127) of an item: its matrix and output feature.
-template <bool SWIGLU>
-__device__ __forceinline__ void weight_row(int ar, int slice, int& mat, int& feature) {
-  if constexpr (SWIGLU) {  // warpgroup ar / 64, warp (ar / 16) % 4, fragment half (ar / 8) % 2 = gate / up
-    mat = (ar >> 3) & 1;
-    feature = slice * 64 + 32 * (ar >> 6) + 8 * ((ar >> 4) & 3) + (ar & 7);
-  } else {
-    mat = 0;
-    feature = slice * 128 + ar;
-  }
-}
 
 #if defined(LILY_SM90A_PASS)
 // D[64, 32] (+)= A[64, 16] . B[32, 16]^T: A from registers (the mma.sync A fragment layout per warp), B K-major
@@ -313,28 +279,7 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_rs_kernel(const TileArgs 
 #pragma unroll
     for (int n = 0; n < kChunks; ++n) fence_regs(acc[n]);
     if (item + static_cast<int>(gridDim.x) >= items) pdl_launch_dependents();
-    // Epilogue: acc[n][4 j + q] row g (gate / feature f), token 32 n + 8 j + 2 c + q; [4 j + 2 + q] row g + 8.
-#pragma unroll
-    for (int n = 0; n < kChunks; ++n) {
-      if (n >= nch) continue;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-#pragma unroll
-        for (int q = 0; q < 2; ++q) {
-          const int t = 32 * n + 8 * j + 2 * c + q;
-          if (t >= it.rows) continue;
-          const size_t crow = static_cast<size_t>(it.row0 + t) * p.ldc;
-          if constexpr (SWIGLU) {
-            const int f = it.slice * 64 + 32 * cw + 8 * warp + g;
-            static_cast<__half*>(p.c)[crow + f] = __float2half_rn(siluf_(acc[n][4 * j + q]) * acc[n][4 * j + 2 + q]);
-          } else {
-            const int f = it.slice * 128 + ar0;
-            static_cast<float*>(p.c)[crow + f] = acc[n][4 * j + q];
-            static_cast<float*>(p.c)[crow + f + 8] = acc[n][4 * j + 2 + q];
-          }
-        }
-      }
-    }
+    store_item<SWIGLU>(p, it, acc, cw, warp, g, c);
   }
 #else
   (void)p;  // not an sm_90a pass: no wgmma (launch_grouped_rs refuses to launch, see wgmma_built)

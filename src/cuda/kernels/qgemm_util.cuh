@@ -54,6 +54,10 @@ long wgmma_dense_blocks(int M, int N);
 // cudaErrorInvalidDeviceFunction).
 inline constexpr int kRsRows = 192;
 cudaError_t launch_grouped_rs(const TileArgs& a, int max_tiles, bool swiglu, cudaStream_t stream);
+// The same tiles from the experts' resident fp16 copies (moe_prefill_w16.cu; w16: one projection's region of
+// moe_expand_w16's layout, the shared expert at tile-list index a.shared_expert, which must be set): both wgmma
+// operands in shared memory. sm_90a only.
+cudaError_t launch_grouped_w16(const TileArgs& a, const __half* w16, int max_tiles, bool swiglu, cudaStream_t stream);
 // A QMatrix the tile kernels take: 4- or 8-bit, K a multiple of 64, 16-byte aligned words.
 bool valid_qmatrix(const QMatrix& w);
 

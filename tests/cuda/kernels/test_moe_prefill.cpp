@@ -53,8 +53,9 @@ struct MoeModel {
   }
 };
 
-// h after moe_prefill for the rows h (T = h.size() / H) and tile_rows as given (0: moe_prefill's choice).
-std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int tile_rows = 0) {
+// h after moe_prefill for the rows h (T = h.size() / H) and tile_rows as given (0: moe_prefill's choice); with
+// w16, from the experts' fp16 copies (moe_expand_w16).
+std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int tile_rows = 0, bool w16 = false) {
   const int T = static_cast<int>(h.size() / m.H);
   DeviceBuffer<float> d_h(h), d_norm(m.norm_w);
   const size_t bytes = moe_prefill_scratch_bytes(T, m.H, m.I, m.I, m.E, m.k);
@@ -64,6 +65,13 @@ std::vector<float> run_moe(const MoeModel& m, const std::vector<float>& h, int t
   p.shared_gate_proj = m.q_sg, p.shared_up = m.q_su, p.shared_down = m.q_sd;
   p.h = d_h.get(), p.norm_w = d_norm.get(), p.eps = kEps, p.T = T, p.top_k = m.k;
   p.scratch = scratch.get(), p.scratch_bytes = bytes, p.tile_rows = tile_rows;
+  DeviceBuffer<uint16_t> copies(w16 ? moe_w16_halves(m.E, m.H, m.I) : 1);
+  if (w16) {
+    // NaN-poisoned first: every element the tiles read must have been written by the expansion.
+    EXPECT_EQ(cudaMemset(copies.get(), 0xFF, copies.size() * 2), cudaSuccess);
+    EXPECT_EQ(moe_expand_w16(p, reinterpret_cast<__half*>(copies.get()), nullptr), cudaSuccess);
+    p.w16 = reinterpret_cast<const __half*>(copies.get());
+  }
   EXPECT_EQ(moe_prefill(p, nullptr), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   return d_h.download();
@@ -162,12 +170,14 @@ std::vector<int> rows_to_check(int T, int spread) {
   return rows;
 }
 
-void check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int tile_rows = 0) {
+// Returns the GPU's h.
+std::vector<float> check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int tile_rows = 0,
+                             bool w16 = false) {
   const int T = static_cast<int>(h.size() / m.H);
   SCOPED_TRACE(testing::Message() << "H " << m.H << " E " << m.E << " I " << m.I << " k " << m.k << " T " << T
-                                  << " tile_rows " << tile_rows);
-  const std::vector<float> got = run_moe(m, h, tile_rows);
-  const std::vector<float> again = run_moe(m, h, tile_rows);
+                                  << " tile_rows " << tile_rows << (w16 ? " (fp16 copies)" : ""));
+  const std::vector<float> got = run_moe(m, h, tile_rows, w16);
+  const std::vector<float> again = run_moe(m, h, tile_rows, w16);
   EXPECT_TRUE(got == again) << "moe_prefill must be deterministic";
   int checked = 0, skipped = 0;
   double worst = 0;
@@ -176,10 +186,11 @@ void check_moe(const MoeModel& m, const std::vector<float>& h, int spread, int t
     (check_moe_row(m, &h[off], &got[off], t, worst) ? checked : skipped)++;
   }
   std::printf(
-      "moe_prefill H %d E %d T %d tile_rows %d: %d rows checked, %d skipped (k-th/(k+1)-th logit within "
+      "moe_prefill H %d E %d T %d tile_rows %d%s: %d rows checked, %d skipped (k-th/(k+1)-th logit within "
       "the error), largest |error| / tolerance %.3f\n",
-      m.H, m.E, T, tile_rows, checked, skipped, worst);
+      m.H, m.E, T, tile_rows, w16 ? " (fp16 copies)" : "", checked, skipped, worst);
   EXPECT_GT(checked, 0);
+  return got;
 }
 
 TEST(CudaMoePrefill, RejectsBadArguments) {
@@ -293,11 +304,65 @@ TEST(CudaMoePrefillRs, AgainstCpu) {
   check_moe(uneven, h, 8, kMoeRsTileRows);
 }
 
+// The tiles on the experts' resident fp16 copies (MoePrefillParams::w16, launch_grouped_w16) against the CPU on
+// the register-sourced tiles' cases, and against those tiles' outputs (the same fp16 weights, the same k16
+// products: the count of differing elements is printed).
+void check_w16(const MoeModel& m, const std::vector<float>& h, int spread) {
+  const std::vector<float> got = check_moe(m, h, spread, kMoeRsTileRows, true);
+  const std::vector<float> rs = run_moe(m, h, kMoeRsTileRows);
+  size_t differ = 0;
+  double worst = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (got[i] != rs[i]) ++differ, worst = std::max(worst, std::fabs(double{got[i]} - rs[i]) / (std::fabs(rs[i]) + 1e-6));
+  std::printf("  fp16 copies vs register-sourced tiles: %zu of %zu elements differ (worst relative %.2e)\n", differ,
+              got.size(), worst);
+}
+
+TEST(CudaMoePrefillW16, AgainstCpu) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  MoeModel mid(512, 16, 512, 4, 1700);
+  mid.upload();
+  for (int T : {1, 7, 33, 64, 65, 191, 192, 193, 300, 1025})
+    check_w16(mid, random_vector(static_cast<size_t>(T) * mid.H, 1701 + T), 12);
+  MoeModel full(2048, 256, 512, 8, 1100);
+  full.upload();
+  for (int T : {3, 64, 65, 256}) check_w16(full, random_vector(static_cast<size_t>(T) * full.H, 1750 + T), 4);
+  check_w16(full, random_vector(size_t{4097} * full.H, 1200), 4);
+  MoeModel uneven(2048, 256, 512, 8, 1300);
+  const std::vector<float> h = plant_uneven(uneven, 2049);
+  uneven.upload();
+  check_w16(uneven, h, 8);
+}
+
+TEST(CudaMoePrefillW16, RejectsWhatItDoesNotTake) {
+  SKIP_WITHOUT_GPU();
+  MoeModel m(128, 16, 64, 4, 900);  // H 128, I 64: expandable
+  m.upload();
+  MoePrefillParams p;
+  p.router = m.q_router, p.gate = m.q_gate, p.up = m.q_up, p.down = m.q_down;
+  p.shared_gate_proj = m.q_sg, p.shared_up = m.q_su, p.shared_down = m.q_sd;
+  EXPECT_EQ(moe_expand_w16(p, nullptr, nullptr), cudaErrorInvalidValue);
+  DeviceBuffer<uint16_t> out(moe_w16_halves(m.E, m.H, m.I));
+  __half* const o = reinterpret_cast<__half*>(out.get());
+  EXPECT_EQ(moe_expand_w16(p, o, nullptr), cudaSuccess);
+  MoePrefillParams bad = p;
+  bad.shared_up.rows = 32;  // the shared expert's shape differs from the routed ones'
+  EXPECT_EQ(moe_expand_w16(bad, o, nullptr), cudaErrorInvalidValue);
+  bad = p;
+  bad.gate.bits = 8;
+  EXPECT_EQ(moe_expand_w16(bad, o, nullptr), cudaErrorInvalidValue);
+  EXPECT_EQ(moe_expand_w16(p, o + 1, nullptr), cudaErrorInvalidValue);  // not 16-byte aligned
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // ---- timings (print only)
 // ----------------------------------------------------------------------------------------
 
 // One moe_prefill layer at full geometry (E 256, H 2048, I 512, k 8), cold weights, CUDA-graph replay: us.
-double moe_layer_us(const DeviceBuffer<uint16_t>& pool, int T, int tile_rows) {
+// With w16, the experts' fp16 copies (of the first graph iteration's matrices: each layer's 1.6 GB is far past the
+// L2, so one copy is as cold as many; the routing, not the values, sets the work).
+double moe_layer_us(const DeviceBuffer<uint16_t>& pool, int T, int tile_rows, const __half* w16 = nullptr) {
   const int E = 256, H = 2048, I = 512, k = 8;
   const size_t bytes = moe_prefill_scratch_bytes(T, H, I, I, E, k);
   DeviceBuffer<unsigned char> scratch(bytes);
@@ -317,7 +382,7 @@ double moe_layer_us(const DeviceBuffer<uint16_t>& pool, int T, int tile_rows) {
         p.shared_up = bench_qmatrix(pool, I, H, 4, base + 6);
         p.shared_down = bench_qmatrix(pool, H, I, 4, base + 7);
         p.h = h.get(), p.norm_w = norm_w.get(), p.T = T, p.top_k = k;
-        p.scratch = scratch.get(), p.scratch_bytes = bytes, p.tile_rows = tile_rows;
+        p.scratch = scratch.get(), p.scratch_bytes = bytes, p.tile_rows = tile_rows, p.w16 = w16;
         return moe_prefill(p, st);
       },
       3, 3);
@@ -329,7 +394,7 @@ TEST(CudaMoePrefillBench, FullGeometry) {
   const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
   std::printf("\nmoe_prefill full geometry (E 256, H 2048, I 512, k 8), cold weights, CUDA-graph replay:\n");
   // LILY_MOE_BENCH_T=256,1024 times only those T (e.g. to profile one shape under ncu).
-  std::vector<int> Ts = {4096, 2048, 1024, 512, 256};
+  std::vector<int> Ts = {4096, 2048, 1536, 1024, 768, 512, 256};
   if (const char* env = std::getenv("LILY_MOE_BENCH_T")) {
     Ts.clear();
     for (const char* q = env; *q;) {
@@ -340,14 +405,30 @@ TEST(CudaMoePrefillBench, FullGeometry) {
       q = *end == ',' ? end + 1 : end;
     }
   }
+  // The fp16 copies of the first iteration's experts (moe_layer_us).
+  DeviceBuffer<uint16_t> copies(wgmma_built() ? moe_w16_halves(256, H, I) : 1);
+  if (wgmma_built()) {
+    MoePrefillParams p;
+    p.router = bench_qmatrix(pool, 256, H, 8, 0);
+    p.gate = bench_qmatrix(pool, 256 * I, H, 4, 2), p.up = bench_qmatrix(pool, 256 * I, H, 4, 3);
+    p.down = bench_qmatrix(pool, 256 * H, I, 4, 4);
+    p.gate.rows = p.up.rows = I, p.down.rows = H;
+    p.shared_gate_proj = bench_qmatrix(pool, I, H, 4, 5), p.shared_up = bench_qmatrix(pool, I, H, 4, 6);
+    p.shared_down = bench_qmatrix(pool, H, I, 4, 7);
+    ASSERT_CUDA(moe_expand_w16(p, reinterpret_cast<__half*>(copies.get()), nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+  }
   for (int T : Ts) {
-    for (const int tile_rows : {0, 32, 64, 128, kMoeRsTileRows}) {
-      if (tile_rows == kMoeRsTileRows && !wgmma_built()) continue;
-      const double us = moe_layer_us(pool, T, tile_rows);
+    for (const int tile_rows : {0, 32, 64, 128, kMoeRsTileRows, -1}) {
+      if ((tile_rows == kMoeRsTileRows || tile_rows < 0) && !wgmma_built()) continue;
+      const bool w16 = tile_rows < 0;  // the fp16 copies' tiles
+      const double us = moe_layer_us(pool, T, w16 ? kMoeRsTileRows : tile_rows,
+                                     w16 ? reinterpret_cast<const __half*>(copies.get()) : nullptr);
       const double flops = 2.0 * T * (k + 1) * 3.0 * H * I;  // routed + shared expert
       std::printf(
           "  T %5d tile_rows %3d%s: %9.1f us  %6.2f us/token  experts %6.1f TFLOP/s (%4.1f%% of 790)\n", T,
-          tile_rows, tile_rows ? "" : " (auto)", us, us / T, flops / (us * 1e6), 100 * flops / (us * 1e6) / 790);
+          w16 ? kMoeRsTileRows : tile_rows, w16 ? " (fp16 copies)" : tile_rows ? "" : " (auto)", us, us / T,
+          flops / (us * 1e6), 100 * flops / (us * 1e6) / 790);
     }
     // The same expert FLOPs as two dense GEMMs over T k rows (perfectly even loads, no gather): what the
     // grouped GEMMs would take if routing cost nothing.
