@@ -270,6 +270,33 @@ TEST(CudaBackend, DecodeAfterChunkedPrefillEqualsSinglePrefill) {
   EXPECT_EQ(a, c);
 }
 
+// The experts' fp16 copies (CudaBackendOptions::expert_copies, Hopper) change no bit: a 2,000-token prompt on
+// full4 (the copies' tiles from 1,280 rows) gives the same logits of every row with and without them, and the
+// paths line says which ran.
+TEST(CudaBackend, ExpertCopiesChangeNoLogit) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("full4");
+  cuda::CudaBackendOptions with{4096, 4096}, without{4096, 4096};
+  without.expert_copies = 0;
+  auto a = cuda::make_cuda_bench(w, with), b = cuda::make_cuda_bench(w, without);
+  ASSERT_TRUE(a.ok() && b.ok());
+  const bool copies = (*a)->kernel_paths().find("fp16 expert copies") != std::string::npos;
+  std::printf("expert copies %s: %s\n", copies ? "on" : "off (not a Hopper build / GPU)", (*a)->kernel_paths().c_str());
+  EXPECT_EQ((*b)->kernel_paths().find("fp16 expert copies"), std::string::npos);
+  cudaDeviceProp prop{};
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  EXPECT_EQ(copies, prop.major == 9 && prop.minor == 0 && cuda::wgmma_built());
+  const auto prompt = random_tokens(2000, w->config.vocab_size, 31);
+  std::vector<float> la, lb;
+  auto sa = (*a)->new_sequence(), sb = (*b)->new_sequence();
+  ASSERT_TRUE((*a)->forward(*sa, prompt, LogitsRows::all, &la).ok());
+  ASSERT_TRUE((*b)->forward(*sb, prompt, LogitsRows::all, &lb).ok());
+  ASSERT_EQ(la.size(), lb.size());
+  size_t differ = 0;
+  for (size_t i = 0; i < la.size(); ++i) differ += la[i] != lb[i];
+  EXPECT_EQ(differ, 0u) << "of " << la.size() << " logits";
+}
+
 // A prompt longer than one chunk (4097 rows: a full chunk and one row) on the tiny model against the CPU.
 TEST(CudaBackend, PromptLongerThanAChunkTiny) {
   SKIP_WITHOUT_GPU();

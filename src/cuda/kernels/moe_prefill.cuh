@@ -37,7 +37,7 @@ struct MoePrefillParams {
 };
 
 // Rows an expert (T top_k / E) from which moe_prefill takes the fp16 copies when it has them.
-inline constexpr int kW16MinRowsPerExpert = 24;
+inline constexpr int kW16MinRowsPerExpert = 40;
 
 // The fp16 copies of one layer's experts (the routed ones and the shared one, index E): halves, and the
 // expansion (gate / up then down, each expert's weights in the order the w16 tiles' stages read them: 128-row x

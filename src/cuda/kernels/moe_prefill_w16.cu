@@ -5,9 +5,12 @@
 // (128 weight rows x 64 k, 16 KB, already in the 128-byte swizzle), so a stage's weights are one bulk copy
 // (cp.async.bulk, completing on the stage's mbarrier) and the consumers only issue wgmmas with both operands in
 // shared memory: one m64nNk16 a 16-k slice, N = the tile's rows rounded up to 32 (up to kRsRows = 192).
-// The work items, their weight-row order (gate / up interleaved), the tile list and the epilogue are those of
-// the register-sourced kernel (moe_prefill_tiles.cuh); the producer warpgroup copies the gathered activation
-// rows with cp.async as there.
+// The weights and the activations stream through rings of their own, so that the DRAM stream runs as far ahead
+// as its ring allows whatever the gathered rows do: lane 0 of the producer warpgroup's first warp issues the
+// weight stages (kWStages deep), its other three warps copy the tile's gathered activation rows with cp.async
+// (kBStages deep, each thread's stage landing as a cp.async arrive on the stage's barrier). The work items, their
+// weight-row order (gate / up interleaved), the tile list and the epilogue are those of the register-sourced
+// kernel (moe_prefill_tiles.cuh).
 // The two numbers at 4,096 rows, a layer: 232 GFLOP (294 us at 790 TFLOP/s); the fp16 experts 257 x 6 MB =
 // 1.62 GB (379 us at 4.27 TB/s): bound by the weight read. Shared memory read a 16-k slice per block: A 2 x 2 KB,
 // B 2 x N 32 bytes (N = 128: 12 KB in 128 cycles of MMA, under the 128 bytes a cycle).
@@ -30,15 +33,20 @@ namespace {
 using namespace wgmma_util;
 using namespace grouped_tiles;
 
-constexpr int kStages = 5;                 // ring depth
-[[maybe_unused]] constexpr int kLag = kStages - 2;       // steps in flight behind the producer's newest
-constexpr int kThreads = 256 + 128;        // two consumer warpgroups, one producer warpgroup
-constexpr int kBBytes = kRsRows * 128;     // a stage's activation tile (fp16, 128-byte swizzle)
-constexpr int kWHalves = kARows * 64;      // a stage's weights: 128 rows x 64 k (one tile of the copies)
+constexpr int kWStages = 7;               // weight ring depth (the DRAM stream)
+constexpr int kBStages = 4;               // activation ring depth (gathered rows, from the L2)
+constexpr int kBThreads = 96;             // producer warps 1-3 copy the activation rows; warp 0 lane 0 the weights
+constexpr int kThreads = 256 + 128;       // two consumer warpgroups, one producer warpgroup
+constexpr int kBBytes = kRsRows * 128;    // a stage's activation tile (fp16, 128-byte swizzle)
+constexpr int kWHalves = kARows * 64;     // a stage's weights: 128 rows x 64 k (one tile of the copies)
 constexpr int kWBytes = kWHalves * 2;
-constexpr size_t kBarOff = size_t{kStages} * (kBBytes + kWBytes) + kRsRows * 4;  // after the stages and gather
-constexpr size_t kSmem = kBarOff + 2 * kStages * 8 + 1024;                        // + alignment slack
+[[maybe_unused]] constexpr int kBRowsPer = kRsRows * 8 / kBThreads;     // activation rows a copying thread takes a stage (16 B each)
+constexpr size_t kWOff = size_t{kBStages} * kBBytes;
+constexpr size_t kGOff = kWOff + size_t{kWStages} * kWBytes;  // the item's gather indices
+constexpr size_t kBarOff = kGOff + kRsRows * 4;
+constexpr size_t kSmem = kBarOff + 2 * (kWStages + kBStages) * 8 + 1024;  // + alignment slack
 static_assert(kSmem <= 232448, "shared memory");
+static_assert(kRsRows * 8 % kBThreads == 0 && kBThreads % 8 == 0, "activation copy split");
 
 #if defined(LILY_SM90A_PASS)
 // D[64, 32 NCH] (+)= A[64, 16] . B[32 NCH, 16]^T, both K-major in shared memory (descriptors da, db); scale_d 0
@@ -142,6 +150,11 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
                "r"(bytes)
                : "memory");
 }
+// An arrive on bar once this thread's earlier cp.async copies have landed (counted in the barrier's init count).
+__device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void b_threads_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kBThreads) : "memory"); }
 // bytes from global src to shared dst by the copy engine, counted on mbarrier bar's transaction count.
 __device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
@@ -164,15 +177,19 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_w16_kernel(const __grid_c
   const TileArgs& p = args.t;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* const smem = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  const uint32_t full0 = smem_u32(smem + kBarOff), empty0 = full0 + 8 * kStages;
+  // Barriers: full / empty of each weight stage, then of each activation stage.
+  const uint32_t fw0 = smem_u32(smem + kBarOff), ew0 = fw0 + 8 * kWStages, fb0 = ew0 + 8 * kWStages,
+                 eb0 = fb0 + 8 * kBStages;
   const int tid = threadIdx.x, KT = p.K / 64;
   const int slices = p.N / (SWIGLU ? 64 : 128);
-  auto b_off = [](int s) { return static_cast<size_t>(s) * kBBytes; };
-  auto w_off = [](int s) { return size_t{kStages} * kBBytes + static_cast<size_t>(s) * kWBytes; };
   if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(full0 + 8 * s, 129);   // the producer's threads after their copies, + one with the bulk copy's bytes
-      mbar_init(empty0 + 8 * s, 256);  // the consumers' threads, each after the stage's wgmmas completed
+    for (int s = 0; s < kWStages; ++s) {
+      mbar_init(fw0 + 8 * s, 1);    // the weight issuer's arrive with the bulk copy's bytes
+      mbar_init(ew0 + 8 * s, 256);  // the consumers' threads, each after the stage's wgmmas completed
+    }
+    for (int s = 0; s < kBStages; ++s) {
+      mbar_init(fb0 + 8 * s, kBThreads);  // each copying thread's cp.async arrive
+      mbar_init(eb0 + 8 * s, 256);
     }
     fence_mbar_init();
   }
@@ -181,49 +198,54 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_w16_kernel(const __grid_c
   const int items = __ldcg(p.tile_count) * slices;
 
   if (tid >= 256) {
-    // ---------------- producer warpgroup
-    const int t = tid - 256, ch = t & 7, r0 = t >> 3, b_dst = r0 * 128 + ((ch ^ (r0 & 7)) << 4);
-    int* const gidx = reinterpret_cast<int*>(smem + size_t{kStages} * (kBBytes + kWBytes));
-    int gs = 0, slot = 0;  // steps issued; the slot of step gs
-    uint32_t phase = 0;    // (gs / kStages) & 1
-    int pslot = 0;         // the stage publish releases next, mod kStages
-    auto publish = [&]() {
-      fence_proxy_async();
-      mbar_arrive(full0 + 8 * pslot);
-      pslot = pslot + 1 == kStages ? 0 : pslot + 1;
-    };
+    const int t = tid - 256;
+    if (t < 32) {
+      // ---------------- weight issuer (warp 0 of the producer warpgroup, one lane): up to kWStages stages ahead of
+      // the consumers, independent of the activation copies.
+      if (t != 0) return;
+      int gs = 0, slot = 0;
+      uint32_t phase = 0;
+      for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        const int tile = item / slices, slice = item % slices;
+        const __half* const wsrc = args.w16 + static_cast<size_t>(__ldcg(p.tile_expert + tile)) * args.expert_halves +
+                                   static_cast<size_t>(slice) * KT * kWHalves;
+        for (int kt = 0; kt < KT; ++kt, ++gs, slot = slot + 1 == kWStages ? (phase ^= 1, 0) : slot + 1) {
+          if (gs >= kWStages) mbar_wait(ew0 + 8 * slot, phase ^ 1);
+          mbar_arrive_expect_tx(fw0 + 8 * slot, kWBytes);
+          bulk_copy(smem_u32(smem + kWOff + static_cast<size_t>(slot) * kWBytes), wsrc + static_cast<size_t>(kt) * kWHalves,
+                    kWBytes, fw0 + 8 * slot);
+        }
+      }
+      return;
+    }
+    // ---------------- activation copies (warps 1-3): the tile's gathered rows, chunk ch of rows r0 + 12 i
+    const int u = t - 32, ch = u & 7, r0 = u >> 3;
+    int* const gidx = reinterpret_cast<int*>(smem + kGOff);
+    int gs = 0, slot = 0;
+    uint32_t phase = 0;
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
       const Item it = item_of<SWIGLU>(p, item, slices);
-      producer_bar_sync();  // every producer thread is done with the previous item's gather indices
-      for (int r = t; r < it.rows; r += 128) gidx[r] = p.gather ? __ldcg(p.gather + it.row0 + r) : it.row0 + r;
-      producer_bar_sync();
-      const __half* src[kRowsPer];
+      b_threads_sync();  // every copying thread is done with the previous item's gather indices
+      for (int r = u; r < it.rows; r += kBThreads) gidx[r] = p.gather ? __ldcg(p.gather + it.row0 + r) : it.row0 + r;
+      b_threads_sync();
+      const __half* src[kBRowsPer];
+      int dst[kBRowsPer];
 #pragma unroll
-      for (int i = 0; i < kRowsPer; ++i) {
-        const int r = r0 + 16 * i;
+      for (int i = 0; i < kBRowsPer; ++i) {
+        const int r = r0 + (kBThreads / 8) * i;
         src[i] = r < it.rows ? p.a + static_cast<size_t>(gidx[r]) * p.K + ch * 8 : nullptr;
+        dst[i] = r * 128 + ((ch ^ (r & 7)) << 4);
       }
-      const __half* const wsrc = args.w16 + static_cast<size_t>(it.expert) * args.expert_halves +
-                                 static_cast<size_t>(it.slice) * KT * kWHalves;
-      for (int kt = 0; kt < KT; ++kt, ++gs, slot = slot + 1 == kStages ? (phase ^= 1, 0) : slot + 1) {
-        if (gs >= kLag) {
-          cp_async_wait<kLag - 1>();
-          publish();  // step gs - kLag
-        }
-        if (gs >= kStages) mbar_wait(empty0 + 8 * slot, phase ^ 1);
-        if (t == 0) {
-          mbar_arrive_expect_tx(full0 + 8 * slot, kWBytes);
-          bulk_copy(smem_u32(smem + w_off(slot)), wsrc + static_cast<size_t>(kt) * kWHalves, kWBytes, full0 + 8 * slot);
-        }
-        unsigned char* const bs = smem + b_off(slot) + b_dst;
+      for (int kt = 0; kt < KT; ++kt, ++gs, slot = slot + 1 == kBStages ? (phase ^= 1, 0) : slot + 1) {
+        if (gs >= kBStages) mbar_wait(eb0 + 8 * slot, phase ^ 1);
+        unsigned char* const bs = smem + static_cast<size_t>(slot) * kBBytes;
 #pragma unroll
-        for (int i = 0; i < kRowsPer; ++i)
-          if (src[i]) cp_async_16(bs + i * 16 * 128, src[i] + kt * 64, true);
-        cp_async_commit();
+        for (int i = 0; i < kBRowsPer; ++i)
+          if (src[i]) cp_async_16(bs + dst[i], src[i] + kt * 64, true);
+        cp_async_arrive(fb0 + 8 * slot);
       }
     }
     cp_async_wait<0>();
-    for (int s = gs - kLag < 0 ? 0 : gs - kLag; s < gs; ++s) publish();
     return;
   }
 
@@ -231,19 +253,21 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_w16_kernel(const __grid_c
   const int cw = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const uint32_t base = smem_u32(smem);
   float acc[kChunks][16];
-  int gs = 0, slot = 0, prev_slot = 0;  // steps consumed, the slot of step gs and of step gs - 1
-  uint32_t phase = 0;                   // (gs / kStages) & 1
+  int gs = 0, ws = 0, bs = 0, prev_ws = 0, prev_bs = 0;  // steps consumed; this step's and the last one's slots
+  uint32_t wphase = 0, bphase = 0;
   // An item's K loop with N = 32 NCH (one instantiation a width: no register moves between a step's wgmmas).
   auto run_item = [&](auto nch_tag) {
     constexpr int NCH = decltype(nch_tag)::value;
 #pragma unroll 1
     for (int kt = 0; kt < KT; ++kt) {
-      mbar_wait(full0 + 8 * slot, phase);
+      mbar_wait(fb0 + 8 * bs, bphase);
+      fence_proxy_async();  // the activation rows came through the generic proxy (cp.async)
+      mbar_wait(fw0 + 8 * ws, wphase);
       wgmma_fence();
 #pragma unroll
       for (int n = 0; n < kChunks; ++n) fence_regs(acc[n]);
-      const uint64_t da = desc_sw128(base + static_cast<uint32_t>(w_off(slot)) + cw * (64 * 128));
-      const uint64_t db = desc_sw128(base + static_cast<uint32_t>(b_off(slot)));
+      const uint64_t da = desc_sw128(base + static_cast<uint32_t>(kWOff + static_cast<size_t>(ws) * kWBytes) + cw * (64 * 128));
+      const uint64_t db = desc_sw128(base + static_cast<uint32_t>(bs) * kBBytes);
       issue<NCH>(acc, da, db, kt);
       wgmma_commit();
 #pragma unroll
@@ -251,10 +275,14 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_w16_kernel(const __grid_c
       wgmma_wait<1>();
 #pragma unroll
       for (int n = 0; n < kChunks; ++n) fence_regs(acc[n]);
-      if (gs > 0) mbar_arrive(empty0 + 8 * prev_slot);
+      if (gs > 0) {
+        mbar_arrive(ew0 + 8 * prev_ws);
+        mbar_arrive(eb0 + 8 * prev_bs);
+      }
       ++gs;
-      prev_slot = slot;
-      if (++slot == kStages) slot = 0, phase ^= 1;
+      prev_ws = ws, prev_bs = bs;
+      if (++ws == kWStages) ws = 0, wphase ^= 1;
+      if (++bs == kBStages) bs = 0, bphase ^= 1;
     }
   };
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
