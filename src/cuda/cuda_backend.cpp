@@ -86,12 +86,18 @@ Status CudaBackend::fit_context() {
   f.reserve_bytes = kRuntimeReserve;
   f.sequence = sequence_bytes(config());
   const int64_t model_max = config().max_position_embeddings;
-  // The experts' fp16 copies only where they fit beside the context asked for (auto: the model's whole context).
+  // The experts' fp16 copies only where they leave room for what a server holds beside them at the context asked
+  // for (auto: the model's whole context): kMaxBatchRows sequences (its parallel streams) and the engine's
+  // default session cache (kSessionCacheHeadroom), not the one sequence the context check counts.
   paths_.expert_copies = options_.expert_copies != 0 && paths_.wgmma && prefill_supported() && expert_copies_fit();
   if (paths_.expert_copies) {
-    f.scratch_bytes = prefill_scratch_needed();
-    const int64_t want = options_.max_context == CudaBackendOptions::kContextAuto ? model_max : options_.max_context;
-    paths_.expert_copies = want >= 1 && check_context_fits(f, std::min(want, model_max), model_max, device_name_).ok();
+    const int64_t want = std::min(
+        options_.max_context == CudaBackendOptions::kContextAuto ? model_max : options_.max_context, model_max);
+    ContextFit room = f;
+    room.scratch_bytes = prefill_scratch_needed();
+    room.reserve_bytes += kSessionCacheHeadroom + (kMaxBatchRows - 1) * (f.sequence.fixed + f.sequence.per_token *
+                                                                         static_cast<size_t>(std::max<int64_t>(want, 0)));
+    paths_.expert_copies = want >= 1 && check_context_fits(room, want, model_max, device_name_).ok();
   }
   f.scratch_bytes = prefill_supported() ? prefill_scratch_needed() : 0;
   if (options_.max_context == CudaBackendOptions::kContextAuto) {

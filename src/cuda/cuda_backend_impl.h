@@ -208,6 +208,9 @@ class CudaBackend final : public CudaBench {
   // Device memory left for the runtime beside the weights, one sequence and the scratch: the CUDA context's own
   // allocations grow with graphs and modules (measured ~0.3-0.5 GB on the H200 after the first captures).
   static constexpr size_t kRuntimeReserve = size_t{1} << 30;
+  // What the experts' fp16 copies leave free beyond the parallel streams' sequences: the engine's default session
+  // cache budget (EngineOptions::session_cache_bytes, 8 GiB).
+  static constexpr size_t kSessionCacheHeadroom = size_t{8} << 30;
   static constexpr int kMaxSplits = 256;
   static constexpr int kRingSize = 1024;
   static constexpr int kSampleScratch = 2 * 1024 * 64;
