@@ -89,15 +89,11 @@ Status CudaBackend::fit_context() {
   // The experts' fp16 copies only where they leave room for what a server holds beside them at the context asked
   // for (auto: the model's whole context): kMaxBatchRows sequences (its parallel streams) and the engine's
   // default session cache (kSessionCacheHeadroom), not the one sequence the context check counts.
-  paths_.expert_copies = options_.expert_copies != 0 && paths_.wgmma && prefill_supported() && expert_copies_fit();
-  if (paths_.expert_copies) {
+  if (options_.expert_copies != 0 && paths_.wgmma && prefill_supported() && expert_copies_fit()) {
+    f.scratch_bytes = prefill_scratch_needed();  // without the copies
     const int64_t want = std::min(
         options_.max_context == CudaBackendOptions::kContextAuto ? model_max : options_.max_context, model_max);
-    ContextFit room = f;
-    room.scratch_bytes = prefill_scratch_needed();
-    room.reserve_bytes += kSessionCacheHeadroom + (kMaxBatchRows - 1) * (f.sequence.fixed + f.sequence.per_token *
-                                                                         static_cast<size_t>(std::max<int64_t>(want, 0)));
-    paths_.expert_copies = want >= 1 && check_context_fits(room, want, model_max, device_name_).ok();
+    paths_.expert_copies = optional_fits(f, expert_copies_bytes(), want, model_max, kMaxBatchRows, kSessionCacheHeadroom);
   }
   f.scratch_bytes = prefill_supported() ? prefill_scratch_needed() : 0;
   if (options_.max_context == CudaBackendOptions::kContextAuto) {

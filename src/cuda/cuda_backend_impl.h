@@ -157,6 +157,7 @@ class CudaBackend final : public CudaBench {
   bool prefill_supported() const;
   size_t prefill_scratch_needed() const;
   bool expert_copies_fit() const;
+  size_t expert_copies_bytes() const;  // every layer's (paths_.expert_copies)
   Status ensure_prefill_scratch();
   Status prefill_chunk(CudaSequence& s, const int* tokens, int T, Profiler* prof, int split = 0,
                        CudaCheckpoint* cp = nullptr);

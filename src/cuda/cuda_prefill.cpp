@@ -104,6 +104,10 @@ size_t CudaBackend::prefill_scratch_needed() const {
       .bytes();
 }
 
+size_t CudaBackend::expert_copies_bytes() const {
+  return model_->layers.size() * expert16_stride(config()) * sizeof(__half);
+}
+
 // The experts' shapes the copies take (moe_expand_w16): 4-bit routed and shared experts, the shared expert as wide
 // as a routed one, H a multiple of 128 and I of 64.
 bool CudaBackend::expert_copies_fit() const {

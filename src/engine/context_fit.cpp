@@ -52,4 +52,14 @@ Status check_context_fits(const ContextFit& f, int64_t context, int64_t model_ma
                (long long)fits, (long long)fits);
 }
 
+bool optional_fits(const ContextFit& f, size_t extra, int64_t context, int64_t model_max, int streams,
+                   size_t headroom) {
+  if (context < 1 || context > model_max || streams < 1) return false;
+  ContextFit room = f;
+  room.scratch_bytes += extra;
+  room.reserve_bytes += headroom + static_cast<size_t>(streams - 1) *
+                                       (f.sequence.fixed + f.sequence.per_token * static_cast<size_t>(context));
+  return context <= max_context_that_fits(room, model_max);
+}
+
 }  // namespace lily

@@ -33,4 +33,10 @@ int64_t max_context_that_fits(const ContextFit& f, int64_t model_max);
 // ok when `context` tokens fit; else an error naming what it needs, what is free and the largest context that fits.
 Status check_context_fits(const ContextFit& f, int64_t context, int64_t model_max, const std::string& device);
 
+// Whether an optional allocation of `extra` bytes (the CUDA backend's fp16 expert copies) leaves room for what a
+// server holds beside it: `streams` sequences of `context` tokens and `headroom` more bytes (its session cache),
+// on top of f's scratch and reserve. A context below 1 or above model_max never fits.
+bool optional_fits(const ContextFit& f, size_t extra, int64_t context, int64_t model_max, int streams,
+                   size_t headroom);
+
 }  // namespace lily

@@ -71,5 +71,36 @@ TEST(ContextFit, TheModelOnAnH200) {
   EXPECT_NE(none.message().find("too little for any context"), std::string::npos) << none.message();
 }
 
+// The optional allocation (the CUDA backend's fp16 expert copies, 64.7 GB at full geometry) is taken only with room
+// for 8 sequences of the context and an 8 GiB session cache beside it.
+TEST(ContextFit, OptionalAllocationLeavesRoomForTheStreams) {
+  ContextFit f;
+  f.sequence = {1000, 100};
+  f.scratch_bytes = 5000, f.reserve_bytes = 4000;
+  // 4 streams of 50 tokens: 4 x (1000 + 5000) + scratch 5000 + extra 2000 + reserve 4000 + headroom 3000.
+  f.free_bytes = 4 * 6000 + 5000 + 2000 + 4000 + 3000;
+  EXPECT_TRUE(optional_fits(f, 2000, 50, 1 << 20, 4, 3000));
+  EXPECT_FALSE(optional_fits(f, 2001, 50, 1 << 20, 4, 3000));  // one byte more
+  EXPECT_FALSE(optional_fits(f, 2000, 51, 1 << 20, 4, 3000));  // one token more in each of the 4
+  EXPECT_TRUE(optional_fits(f, 2000, 50 + 3 * 60, 1 << 20, 1, 3000));  // one stream holds the others' bytes
+  EXPECT_FALSE(optional_fits(f, 0, 0, 1 << 20, 4, 3000));             // no context
+  EXPECT_FALSE(optional_fits(f, 0, 50, 40, 4, 3000));                 // past the model's maximum
+  EXPECT_FALSE(optional_fits(f, 0, 50, 1 << 20, 0, 3000));            // no stream
+  // The model with 3 GiB of other scratch and 64,700 MiB of copies: 120 GiB free after the weights (an H200) holds
+  // them beside 8 sequences of the model's 262,144 tokens (~116 GiB in all); 110 GiB beside 8 of 32K (~81 GiB)
+  // only; the 60 GiB of an 80 GB card, never.
+  ContextFit h;
+  h.sequence = sequence_bytes(full_geometry());
+  h.scratch_bytes = size_t{3} << 30, h.reserve_bytes = size_t{1} << 30;
+  const size_t copies = size_t{64700} << 20, cache = size_t{8} << 30;
+  h.free_bytes = size_t{120} << 30;
+  EXPECT_TRUE(optional_fits(h, copies, 262144, 262144, 8, cache));
+  h.free_bytes = size_t{110} << 30;
+  EXPECT_TRUE(optional_fits(h, copies, 32768, 262144, 8, cache));
+  EXPECT_FALSE(optional_fits(h, copies, 262144, 262144, 8, cache));
+  h.free_bytes = size_t{60} << 30;
+  EXPECT_FALSE(optional_fits(h, copies, 4096, 262144, 8, cache));
+}
+
 }  // namespace
 }  // namespace lily
