@@ -12,6 +12,7 @@
 #include <numeric>
 #include <random>
 #include <cstdlib>
+#include <functional>
 #include <vector>
 
 #include <cuda_fp16.h>
@@ -282,26 +283,31 @@ TEST(CudaMoePrefill, OneExpertTakesEveryRowAndTies) {
   check_moe(m, h256, 8, 32);
 }
 
-// The register-sourced wgmma tiles (tile_rows kMoeRsTileRows = 192, launch_grouped_rs) against the CPU: a geometry
-// with H = I = 512 (K of both GEMMs one multiple of 512: 8 steps, more than the ring's 6) at T from 1 row to
+// The cases of the 192-row tiles (the register-sourced ones, tile_rows kMoeRsTileRows = 192, launch_grouped_rs, and
+// those on the fp16 copies), check(model, h, spread) on each: a geometry with H = I = 512 (K of both GEMMs one multiple of 512: 8 steps, more than the ring's 6) at T from 1 row to
 // ~256 rows an expert (two tiles each: a full one and a tail; 1 to 6 chunks of 32 rows), the full geometry at
 // the chunk boundaries and 4,097 rows, and the uneven loads (expert 7 takes all 2,049 rows: 11 tiles).
-TEST(CudaMoePrefillRs, AgainstCpu) {
-  SKIP_WITHOUT_GPU();
-  SKIP_WITHOUT_HOPPER();
+void for_each_192_row_case(const std::function<void(const MoeModel&, const std::vector<float>&, int)>& check) {
   MoeModel mid(512, 16, 512, 4, 1700);
   mid.upload();
   for (int T : {1, 7, 33, 64, 65, 191, 192, 193, 300, 1025})
-    check_moe(mid, random_vector(static_cast<size_t>(T) * mid.H, 1701 + T), 12, kMoeRsTileRows);
+    check(mid, random_vector(static_cast<size_t>(T) * mid.H, 1701 + T), 12);
   MoeModel full(2048, 256, 512, 8, 1100);
   full.upload();
-  for (int T : {3, 64, 65, 256})
-    check_moe(full, random_vector(static_cast<size_t>(T) * full.H, 1750 + T), 4, kMoeRsTileRows);
-  check_moe(full, random_vector(size_t{4097} * full.H, 1200), 4, kMoeRsTileRows);
+  for (int T : {3, 64, 65, 256}) check(full, random_vector(static_cast<size_t>(T) * full.H, 1750 + T), 4);
+  check(full, random_vector(size_t{4097} * full.H, 1200), 4);
   MoeModel uneven(2048, 256, 512, 8, 1300);
   const std::vector<float> h = plant_uneven(uneven, 2049);
   uneven.upload();
-  check_moe(uneven, h, 8, kMoeRsTileRows);
+  check(uneven, h, 8);
+}
+
+TEST(CudaMoePrefillRs, AgainstCpu) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  for_each_192_row_case([](const MoeModel& m, const std::vector<float>& h, int spread) {
+    check_moe(m, h, spread, kMoeRsTileRows);
+  });
 }
 
 // The tiles on the experts' resident fp16 copies (MoePrefillParams::w16, launch_grouped_w16) against the CPU on
@@ -321,18 +327,7 @@ void check_w16(const MoeModel& m, const std::vector<float>& h, int spread) {
 TEST(CudaMoePrefillW16, AgainstCpu) {
   SKIP_WITHOUT_GPU();
   SKIP_WITHOUT_HOPPER();
-  MoeModel mid(512, 16, 512, 4, 1700);
-  mid.upload();
-  for (int T : {1, 7, 33, 64, 65, 191, 192, 193, 300, 1025})
-    check_w16(mid, random_vector(static_cast<size_t>(T) * mid.H, 1701 + T), 12);
-  MoeModel full(2048, 256, 512, 8, 1100);
-  full.upload();
-  for (int T : {3, 64, 65, 256}) check_w16(full, random_vector(static_cast<size_t>(T) * full.H, 1750 + T), 4);
-  check_w16(full, random_vector(size_t{4097} * full.H, 1200), 4);
-  MoeModel uneven(2048, 256, 512, 8, 1300);
-  const std::vector<float> h = plant_uneven(uneven, 2049);
-  uneven.upload();
-  check_w16(uneven, h, 8);
+  for_each_192_row_case(check_w16);
 }
 
 TEST(CudaMoePrefillW16, RejectsWhatItDoesNotTake) {
