@@ -284,8 +284,8 @@ TEST(CudaMoePrefill, OneExpertTakesEveryRowAndTies) {
 }
 
 // The cases of the 192-row tiles (the register-sourced ones, tile_rows kMoeRsTileRows = 192, launch_grouped_rs, and
-// those on the fp16 copies), check(model, h, spread) on each: a geometry with H = I = 512 (K of both GEMMs one multiple of 512: 8 steps, more than the ring's 6) at T from 1 row to
-// ~256 rows an expert (two tiles each: a full one and a tail; 1 to 6 chunks of 32 rows), the full geometry at
+// those on the fp16 copies), check(model, h, spread) on each: a geometry with H = I = 512 (K of both GEMMs one
+// multiple of 512: 8 steps, more than the ring's 6) at T from 1 row to ~256 rows an expert (two tiles each: a full one and a tail; 1 to 6 chunks of 32 rows), the full geometry at
 // the chunk boundaries and 4,097 rows, and the uneven loads (expert 7 takes all 2,049 rows: 11 tiles).
 void for_each_192_row_case(const std::function<void(const MoeModel&, const std::vector<float>&, int)>& check) {
   MoeModel mid(512, 16, 512, 4, 1700);
