@@ -202,6 +202,41 @@ inline QMatrix bench_qmatrix(const DeviceBuffer<uint16_t>& pool, int rows, int c
   return m;
 }
 
+// A CUDA graph captured once from launch(stream) on a non-blocking stream of its own and replayed (as the decode
+// step replays its graphs); destroys graph, executable and stream with itself.
+class CapturedGraph {
+ public:
+  CapturedGraph() = default;
+  CapturedGraph(const CapturedGraph&) = delete;
+  CapturedGraph& operator=(const CapturedGraph&) = delete;
+  ~CapturedGraph() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+    if (stream_) cudaStreamDestroy(stream_);
+  }
+  template <class Launch>
+  cudaError_t capture(Launch launch) {
+    cudaError_t e = cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return e;
+    if ((e = cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal)) != cudaSuccess) return e;
+    const cudaError_t launched = launch(stream_);
+    e = cudaStreamEndCapture(stream_, &graph_);
+    if (launched != cudaSuccess) return launched;
+    if (e != cudaSuccess) return e;
+    return cudaGraphInstantiate(&exec_, graph_, 0);
+  }
+  // One replay, waited for.
+  cudaError_t replay() {
+    const cudaError_t e = cudaGraphLaunch(exec_, stream_);
+    return e != cudaSuccess ? e : cudaStreamSynchronize(stream_);
+  }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+};
+
 // Mean device microseconds of one launch(i, stream) call: `iters` calls captured in one CUDA graph (as the
 // decode step replays them), one warm-up replay, then the median over `reps` timed replays. -1 on error.
 template <class Launch>

@@ -262,26 +262,16 @@ TEST(CudaSample, KnobsFromDeviceMatchTheDirectLaunch) {
   }
   // One graph, captured with the stale numbers, replayed for two requests.
   const Case& c = cases[2];
-  cudaStream_t stream;
-  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
   ASSERT_CUDA(rig.set_step(1));
-  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  ASSERT_CUDA(rig.launch_on(c.stale, 1, stream, knobs.get()));
-  ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
-  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  CapturedGraph graph;
+  ASSERT_CUDA(graph.capture([&](cudaStream_t stream) { return rig.launch_on(c.stale, 1, stream, knobs.get()); }));
   for (uint64_t seed : {11ull, 12ull}) {
     const Sampling& r = c.real;
     const int want = cpu_sample_top(l, r, seed, 1);
     ASSERT_CUDA(knobs.upload(std::vector<SampleKnobs>{{r.temperature, r.top_k, r.top_p, r.min_p, seed}}));
-    ASSERT_CUDA(cudaGraphLaunch(exec, stream));
-    ASSERT_CUDA(cudaStreamSynchronize(stream));
+    ASSERT_CUDA(graph.replay());
     EXPECT_EQ(rig.out(), want) << "graph replay, seed " << seed;
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST(CudaSample, RejectsBadArguments) {
@@ -516,15 +506,11 @@ TEST(CudaSamplePenalties, KnobsFromDeviceServeEveryRequestFromOneGraph) {
   SampleRig rig(logits, 8);
   PenaltyRig table(kVocab, 1024);
   DeviceBuffer<SampleKnobs> knobs(1);
-  cudaStream_t stream;
-  ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
   ASSERT_CUDA(rig.set_step(2));
-  ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  ASSERT_CUDA(rig.launch_on({}, 0, stream, knobs.get(), &table.state(), Penalties{1.9f, 1.9f, 1.9f}));
-  ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
-  ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  CapturedGraph graph;
+  ASSERT_CUDA(graph.capture([&](cudaStream_t stream) {
+    return rig.launch_on({}, 0, stream, knobs.get(), &table.state(), Penalties{1.9f, 1.9f, 1.9f});
+  }));
   for (const Penalties& pen : {Penalties{0.5f, 0.25f, 1.3f}, Penalties{-1.0f, 0.0f, 0.7f}}) {
     SampleKnobs k;
     k.presence_penalty = pen.presence, k.frequency_penalty = pen.frequency, k.repetition_penalty = pen.repetition;
@@ -534,15 +520,11 @@ TEST(CudaSamplePenalties, KnobsFromDeviceServeEveryRequestFromOneGraph) {
     // The uploads above are on the legacy stream, and a pageable cudaMemcpy may return before its DMA lands: the
     // graph runs on a non-blocking stream, so wait for them (without this the last logits raced the kernel).
     ASSERT_CUDA(cudaDeviceSynchronize());
-    ASSERT_CUDA(cudaGraphLaunch(exec, stream));
-    ASSERT_CUDA(cudaStreamSynchronize(stream));
+    ASSERT_CUDA(graph.replay());
     int want_token = -1;
     expect_bits_equal(rig.logits(), host_penalised(logits, history, n_prompt, pen, &want_token), "graph replay");
     EXPECT_EQ(rig.out(), want_token) << "presence " << pen.presence;
   }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
 }
 
 TEST(CudaSamplePenalties, RejectsBadArguments) {
