@@ -398,7 +398,7 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   g.ws[0] = p.shared_gate_proj, g.ws[1] = p.shared_up, g.shared_expert = fold ? E : -1;
   auto grouped = [&](const TileArgs& t, int bits, bool swiglu) {
     if (use_w16)
-      return launch_grouped_w16(t, swiglu ? p.w16 : p.w16 + size_t{2} * (E + 1) * H * I, tiles, swiglu, stream);
+      return launch_grouped_w16(t, swiglu ? p.w16 : p.w16 + moe_w16_down_offset(E, H, I), tiles, swiglu, stream);
     if (tile_rows == kFewRows) return launch_grouped_few(t, tiles, swiglu, stream);
     if (tile_rows == kRsRows) return launch_grouped_rs(t, tiles, swiglu, stream);
     return launch_grouped(t, bits, tile_rows, tiles, swiglu, stream);

@@ -44,6 +44,7 @@ inline constexpr int kW16MinRowsPerExpert = 40;
 // 64-k tiles in the 128-byte swizzle). The values are those the register-sourced tiles compute (fp16 scale * q +
 // bias in one fp16 fma). 4-bit experts, I == Is, H a multiple of 128, I of 64; cudaErrorInvalidValue otherwise.
 size_t moe_w16_halves(int n_experts, int H, int I);
+size_t moe_w16_down_offset(int n_experts, int H, int I);  // halves before the down projections' copies
 cudaError_t moe_expand_w16(const MoePrefillParams& p, __half* out, cudaStream_t stream);
 
 // Scratch moe_prefill needs for T rows (linear in T; the caller bounds T by chunking).

@@ -379,6 +379,7 @@ cudaError_t launch_grouped_w16(const TileArgs& a, const __half* w16, int max_til
 namespace lily::cuda {
 
 size_t moe_w16_halves(int n_experts, int H, int I) { return size_t{3} * (n_experts + 1) * H * I; }
+size_t moe_w16_down_offset(int n_experts, int H, int I) { return size_t{2} * (n_experts + 1) * H * I; }
 
 cudaError_t moe_expand_w16(const MoePrefillParams& p, __half* out, cudaStream_t stream) {
   using namespace qgemm_util;
@@ -391,8 +392,8 @@ cudaError_t moe_expand_w16(const MoePrefillParams& p, __half* out, cudaStream_t 
                   fits(p.shared_down, H, I);
   if (!ok) return cudaErrorInvalidValue;
   ExpandArgs gu{{p.gate, p.up}, {p.shared_gate_proj, p.shared_up}, E, I, H, out};
-  ExpandArgs dn{{p.down, p.down}, {p.shared_down, p.shared_down}, E, H, I, out + size_t{2} * (E + 1) * H * I};
-  const size_t gu_threads = size_t{2} * (E + 1) * H * I / 8, dn_threads = gu_threads / 2;
+  ExpandArgs dn{{p.down, p.down}, {p.shared_down, p.shared_down}, E, H, I, out + moe_w16_down_offset(E, H, I)};
+  const size_t gu_threads = moe_w16_down_offset(E, H, I) / 8, dn_threads = gu_threads / 2;
   expand_kernel<true><<<static_cast<unsigned>((gu_threads + 255) / 256), 256, 0, stream>>>(gu);
   CUDA_TRY(cudaGetLastError());
   expand_kernel<false><<<static_cast<unsigned>((dn_threads + 255) / 256), 256, 0, stream>>>(dn);
