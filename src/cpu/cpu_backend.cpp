@@ -10,10 +10,17 @@ namespace lily {
 namespace {
 
 // The saved form (Checkpoint::save / SequenceState::save): n, the layer count, then per layer its arrays, each
-// as a float count and the floats (k, v for a sequence; conv, S for both).
-void put(ByteWriter& out, const std::vector<float>& a) {
-  out.pod<uint64_t>(a.size());
-  out.bytes(a.data(), a.size() * sizeof(float));
+// as a float count and the floats (k, v for a sequence; conv, S for both); then the MTP head's part: a byte (1:
+// the sequence carries the head's state), and when 1 the head's KV length m, its k and v rows [0, m) (a
+// sequence only), its pending rows [n - m, H] and their tokens (n - m - 1 of them, none when n == m).
+void put(ByteWriter& out, const float* a, size_t count) {
+  out.pod<uint64_t>(count);
+  out.bytes(a, count * sizeof(float));
+}
+void put(ByteWriter& out, const std::vector<float>& a) { put(out, a.data(), a.size()); }
+void put(ByteWriter& out, const std::vector<int32_t>& ids) {
+  out.pod<uint64_t>(ids.size());
+  out.bytes(ids.data(), ids.size() * sizeof(int32_t));
 }
 
 // An array of `expect` floats, or of none when `may_be_empty` (a Gated DeltaNet state before its first token).
@@ -26,6 +33,17 @@ Status get(ByteReader& in, std::vector<float>& a, size_t expect, bool may_be_emp
                         expect);
   a.resize(count);
   return in.bytes(a.data(), count * sizeof(float), what);
+}
+
+// An array of exactly `expect` values (floats, or token ids), named `what` in the error.
+template <typename T>
+Status get_exact(ByteReader& in, std::vector<T>& a, size_t expect, const char* what) {
+  uint64_t count = 0;
+  RETURN_IF_ERROR(in.pod(&count, what));
+  if (count != expect)
+    return format_error("%s: %llu values, expected %zu", what, (unsigned long long)count, expect);
+  a.resize(count);
+  return in.bytes(a.data(), count * sizeof(T), what);
 }
 
 struct StateSizes {
@@ -50,7 +68,9 @@ class CpuCheckpoint final : public Checkpoint {
  public:
   int64_t n = 0;
   std::vector<std::vector<float>> conv, S;  // per layer (empty for attention layers)
-  // The MTP head's part (when enabled): its KV length and the hidden rows and tokens it has not read yet.
+  // The MTP head's part (mtp_on: taken from a sequence with the head): its KV length and the hidden rows and
+  // tokens it has not read yet.
+  bool mtp_on = false;
   int64_t mtp_n = 0;
   std::vector<float> mtp_hidden;
   std::vector<int32_t> mtp_tokens;
@@ -64,6 +84,12 @@ class CpuCheckpoint final : public Checkpoint {
     out.pod<int64_t>(n);
     out.pod<uint32_t>(static_cast<uint32_t>(conv.size()));
     for (size_t i = 0; i < conv.size(); ++i) put(out, conv[i]), put(out, S[i]);
+    out.pod<uint8_t>(mtp_on ? 1 : 0);
+    if (mtp_on) {  // no KV: a restore truncates the sequence's
+      out.pod<int64_t>(mtp_n);
+      put(out, mtp_hidden);
+      put(out, mtp_tokens);
+    }
     return ok_status();
   }
 };
@@ -115,6 +141,7 @@ class CpuSequence final : public SequenceState {
       cp->S.push_back(l.S);
     }
     if (mtp_on) {
+      cp->mtp_on = true;
       cp->mtp_n = std::min(mtp.n, n);  // draft entries (positions >= n) are not part of the sequence
       if (mtp.n <= n) {
         cp->mtp_hidden = mtp.pending_hidden;
@@ -127,6 +154,7 @@ class CpuSequence final : public SequenceState {
     auto* cp = dynamic_cast<const CpuCheckpoint*>(&base);
     if (!cp || cp->conv.size() != layers.size()) return invalid_argument("checkpoint is not from this backend/model");
     if (cp->n > n) return invalid_argument("checkpoint at %lld is past the sequence end %lld", (long long)cp->n, (long long)n);
+    if (mtp_on && !cp->mtp_on) return invalid_argument("checkpoint without the MTP head's state");
     if (mtp_on && cp->mtp_n > mtp.n)
       return invalid_argument("checkpoint's MTP head state (%lld positions) is past the sequence's (%lld)",
                               (long long)cp->mtp_n, (long long)mtp.n);
@@ -158,13 +186,57 @@ class CpuSequence final : public SequenceState {
     mtp.chain_hidden.clear();
   }
 
+  // The head's state as the next forward finds it (drop_drafts): the entries a draft wrote at positions >= n
+  // and the chained row are left out, as checkpoint() leaves them out; a draft from the pending rows has read
+  // them all (none pending then, the head at n).
   Status save(ByteWriter& out) const override {
     out.pod<int64_t>(n);
     out.pod<uint32_t>(static_cast<uint32_t>(layers.size()));
     for (const auto& l : layers) put(out, l.k), put(out, l.v), put(out, l.conv), put(out, l.S);
+    out.pod<uint8_t>(mtp_on ? 1 : 0);
+    if (mtp_on) {
+      const int64_t m = std::min(mtp.n, n);
+      const auto kv = static_cast<size_t>(m * kv_row);
+      out.pod<int64_t>(m);
+      put(out, mtp.kv.k.data(), kv);
+      put(out, mtp.kv.v.data(), kv);
+      put(out, mtp.n <= n ? mtp.pending_hidden : std::vector<float>{});
+      put(out, mtp.n <= n ? mtp.pending_tokens : std::vector<int32_t>{});
+    }
     return ok_status();
   }
 };
+
+// The MTP head's part of a saved sequence or checkpoint at position n (after the layers): into `m` when
+// `keep` (the backend has the head on; `kv`: a sequence's, with its KV rows), else read past. The pending rows
+// are the positions m->n .. n-1, always: every path that leaves the head behind the main model leaves exactly
+// those rows for it.
+Status read_mtp(ByteReader& in, int64_t n, int64_t kv_row, int64_t H, bool keep, bool kv, MtpState* m) {
+  uint8_t has = 0;
+  RETURN_IF_ERROR(in.pod(&has, "MTP head flag"));
+  if (has > 1) return format_error("MTP head flag %u", static_cast<unsigned>(has));
+  if (!has) {
+    if (keep)
+      return error(ErrorCode::unsupported,
+                   "saved without the MTP head's state, which this backend's sequences carry (enable_mtp)");
+    return ok_status();
+  }
+  MtpState read;
+  int64_t at = 0;
+  RETURN_IF_ERROR(in.pod(&at, "MTP head position"));
+  if (at < 0 || at > n) return format_error("the MTP head at %lld, the sequence at %lld", (long long)at, (long long)n);
+  const int64_t P = n - at;
+  if (kv) {
+    RETURN_IF_ERROR(get_exact(in, read.kv.k, static_cast<size_t>(at * kv_row), "MTP k"));
+    RETURN_IF_ERROR(get_exact(in, read.kv.v, static_cast<size_t>(at * kv_row), "MTP v"));
+  }
+  RETURN_IF_ERROR(get_exact(in, read.pending_hidden, static_cast<size_t>(P * H), "MTP pending rows"));
+  RETURN_IF_ERROR(get_exact(in, read.pending_tokens, static_cast<size_t>(std::max<int64_t>(P - 1, 0)),
+                            "MTP pending tokens"));
+  read.n = at;
+  if (keep) *m = std::move(read);
+  return ok_status();
+}
 
 Status check_tokens(std::span<const int32_t> tokens, int64_t V) {
   if (tokens.empty()) return invalid_argument("forward: no tokens");
@@ -208,6 +280,7 @@ Result<std::unique_ptr<SequenceState>> CpuBackend::load_sequence(ByteReader& in)
     RETURN_IF_ERROR(get(in, l.conv, attn ? 0 : sz.conv, s->n == 0, "conv state", i));
     RETURN_IF_ERROR(get(in, l.S, attn ? 0 : sz.S, s->n == 0, "recurrent state", i));
   }
+  RETURN_IF_ERROR(read_mtp(in, s->n, s->kv_row, s->hidden, mtp_on_, /*kv=*/true, &s->mtp));
   return std::unique_ptr<SequenceState>(std::move(s));
 }
 
@@ -222,6 +295,15 @@ Result<std::unique_ptr<Checkpoint>> CpuBackend::load_checkpoint(ByteReader& in) 
     const bool attn = c.layer_types[i] == LayerType::full_attention;
     RETURN_IF_ERROR(get(in, cp->conv[i], attn ? 0 : sz.conv, cp->n == 0, "conv state", i));
     RETURN_IF_ERROR(get(in, cp->S[i], attn ? 0 : sz.S, cp->n == 0, "recurrent state", i));
+  }
+  MtpState m;
+  const int64_t kv_row = static_cast<int64_t>(c.num_key_value_heads) * c.head_dim;
+  RETURN_IF_ERROR(read_mtp(in, cp->n, kv_row, c.hidden_size, mtp_on_, /*kv=*/false, &m));
+  if (mtp_on_) {
+    cp->mtp_on = true;
+    cp->mtp_n = m.n;
+    cp->mtp_hidden = std::move(m.pending_hidden);
+    cp->mtp_tokens = std::move(m.pending_tokens);
   }
   return std::unique_ptr<Checkpoint>(std::move(cp));
 }

@@ -27,6 +27,7 @@ class CpuBackend final : public Backend {
                        std::vector<float>* logits) override;
   bool has_mtp() const override { return weights_->mtp.has_value(); }
   Status enable_mtp() override;
+  bool mtp_enabled() const override { return mtp_on_; }
   Status mtp_draft(SequenceState& seq, int32_t token, std::vector<float>* logits) override;
   Status forward_verify(SequenceState& seq, std::span<const int32_t> tokens, std::vector<float>* logits) override;
   Status accept_verified(SequenceState& seq, int64_t n_keep) override;

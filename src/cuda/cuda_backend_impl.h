@@ -92,6 +92,7 @@ class CudaBackend final : public CudaBench {
   // cuda_mtp.cpp: the head needs the prefill kernels (mtp_rows).
   bool has_mtp() const override;
   Status enable_mtp() override;
+  bool mtp_enabled() const override { return mtp_on_; }
   Status mtp_draft(SequenceState& seq, int32_t token, std::vector<float>* logits) override;
   Status mtp_draft_argmax(SequenceState& seq, int32_t token, int32_t* id) override;
   Result<std::unique_ptr<Checkpoint>> forward_with_checkpoint(SequenceState& seq, std::span<const int32_t> tokens,

@@ -46,9 +46,9 @@ SequenceLayout SequenceLayout::of(const ModelConfig& c, int64_t capacity, bool m
     L.off_a[l] = at, at += align_up(L.kv_n * sizeof(__nv_bfloat16));
     L.off_b[l] = at, at += align_up(L.kv_n * sizeof(__nv_bfloat16));
   }
+  L.hidden = static_cast<size_t>(c.hidden_size);
   if (mtp) {
     L.mtp = true;
-    L.hidden = static_cast<size_t>(c.hidden_size);
     L.mtp_k_off = at, at += align_up(L.kv_n * sizeof(__nv_bfloat16));
     L.mtp_v_off = at, at += align_up(L.kv_n * sizeof(__nv_bfloat16));
     L.mtp_pending_off = at, at += align_up(L.mtp_pending_bytes());
@@ -97,6 +97,7 @@ std::unique_ptr<CudaCheckpoint> CudaCheckpoint::allocate(const SequenceLayout& L
   auto cp = std::make_unique<CudaCheckpoint>();
   cp->n = at;
   cp->recurrent_bytes = L.recurrent_bytes;
+  cp->hidden = L.hidden;
   if (!cp->storage.alloc(L.recurrent_bytes + L.mtp_pending_bytes()).ok()) return nullptr;
   if (L.mtp)  // the recurrent region's size is a multiple of kAlign
     cp->mtp_pending = span_at<float>(cp->storage, L.recurrent_bytes, L.mtp_pending_bytes() / sizeof(float));
@@ -141,9 +142,10 @@ Status CudaSequence::restore(const Checkpoint& base) {
   if (cp->n > n)
     return invalid_argument("checkpoint at %lld is past the sequence end %lld", (long long)cp->n,
                             (long long)n);
-  // A checkpoint without the head's part (loaded from disk, or from a sequence without the head) restarts the
-  // head at the checkpoint's position with no pending rows: its drafts are poor until it has read a few rows,
-  // but the position invariant mtp_n + P = n holds (accept_verified relies on it).
+  // A checkpoint without the head's part (from a sequence without the head: a backend with the head on takes
+  // and loads none such) restarts the head at the checkpoint's position with no pending rows: its drafts are
+  // poor until it has read a few rows, but the position invariant mtp_n + P = n holds (accept_verified relies
+  // on it).
   const bool cp_mtp = mtp_on && cp->mtp_on && cp->mtp_pending.ptr;
   const int64_t cp_mtp_n = cp_mtp ? cp->mtp_n : cp->n;
   if (mtp_on && cp_mtp && cp_mtp_n > mtp_n)
@@ -231,14 +233,67 @@ Status save_region(ByteWriter& out, const void* device, size_t bytes, const char
   return cuda_status(cudaMemcpy(out.grow(bytes), device, bytes, cudaMemcpyDeviceToHost), what);
 }
 
+// `expect` bytes to `device`, or read past them when device is null (the MTP head's part in a backend without
+// the head).
 Status load_region(ByteReader& in, void* device, size_t expect, const char* what) {
   uint64_t bytes = 0;
   RETURN_IF_ERROR(in.pod(&bytes, what));
   if (bytes != expect)
     return format_error("%s of %llu bytes, this model's is %zu", what, (unsigned long long)bytes, expect);
   ASSIGN_OR_RETURN(std::span<const uint8_t> src, in.view(expect, what));
-  if (expect == 0) return ok_status();
+  if (expect == 0 || !device) return ok_status();
   return cuda_status(cudaMemcpy(device, src.data(), expect, cudaMemcpyHostToDevice), what);
+}
+
+void put_ids(ByteWriter& out, const std::vector<int32_t>& ids) {
+  out.pod<uint64_t>(ids.size());
+  out.bytes(ids.data(), ids.size() * sizeof(int32_t));
+}
+
+// The MTP head's part after the main state (the header's layout): its flag, length m and pending row count P.
+// A saved head is m + P = n with at most kMtpPendingRows rows, as every path that leaves it behind leaves it.
+struct MtpPart {
+  bool has = false;
+  int64_t m = 0;
+  int32_t rows = 0;
+};
+
+void put_mtp_head(ByteWriter& out, bool on, int64_t m, int32_t rows) {
+  out.pod<uint8_t>(on ? 1 : 0);
+  if (!on) return;
+  out.pod<int64_t>(m);
+  out.pod<int32_t>(rows);
+}
+
+Result<MtpPart> read_mtp_head(ByteReader& in, int64_t n, bool keep) {
+  uint8_t has = 0;
+  RETURN_IF_ERROR(in.pod(&has, "MTP head flag"));
+  if (has > 1) return format_error("MTP head flag %u", static_cast<unsigned>(has));
+  MtpPart p;
+  if (!has) {
+    if (keep)
+      return error(ErrorCode::unsupported,
+                   "saved without the MTP head's state, which this backend's sequences carry (enable_mtp)");
+    return p;
+  }
+  p.has = true;
+  RETURN_IF_ERROR(in.pod(&p.m, "MTP head position"));
+  RETURN_IF_ERROR(in.pod(&p.rows, "MTP pending row count"));
+  if (p.m < 0 || p.m > n || p.rows < 0 || p.rows > SequenceLayout::kMtpPendingRows || p.m + p.rows != n)
+    return format_error("the MTP head at %lld with %d pending rows, the sequence at %lld (at most %d rows)",
+                        (long long)p.m, p.rows, (long long)n, SequenceLayout::kMtpPendingRows);
+  return p;
+}
+
+// The pending rows' tokens: P-1 of them (none when no row is pending).
+Status read_mtp_tokens(ByteReader& in, int32_t rows, std::vector<int32_t>* ids) {
+  uint64_t count = 0;
+  RETURN_IF_ERROR(in.pod(&count, "MTP pending tokens"));
+  const size_t expect = rows > 0 ? static_cast<size_t>(rows - 1) : 0;
+  if (count != expect)
+    return format_error("MTP pending tokens: %llu, expected %zu", (unsigned long long)count, expect);
+  ids->resize(expect);
+  return in.bytes(ids->data(), expect * sizeof(int32_t), "MTP pending tokens");
 }
 
 }  // namespace
@@ -247,9 +302,18 @@ Status load_region(ByteReader& in, void* device, size_t expect, const char* what
 // backend's stream is idle between calls (see the header).
 Status CudaCheckpoint::save(ByteWriter& out) const {
   out.pod<int64_t>(n);
-  return save_region(out, storage.ptr, recurrent_bytes, "checkpoint recurrent state");
+  RETURN_IF_ERROR(save_region(out, storage.ptr, recurrent_bytes, "checkpoint recurrent state"));
+  put_mtp_head(out, mtp_on, mtp_n, mtp_rows);
+  if (!mtp_on) return ok_status();
+  RETURN_IF_ERROR(save_region(out, mtp_pending.ptr, static_cast<size_t>(mtp_rows) * hidden * sizeof(float),
+                              "checkpoint MTP pending rows"));
+  put_ids(out, mtp_tokens);
+  return ok_status();
 }
 
+// The head's state as the next forward finds it (mtp_prepare): a draft's entries at positions >= n and the
+// chained row are left out, as checkpoint() leaves them out (a draft from the pending rows has read them all:
+// none pending then, the head at n).
 Status CudaSequence::save(ByteWriter& out) const {
   out.pod<int64_t>(n);
   RETURN_IF_ERROR(save_region(out, storage.ptr, layout.recurrent_bytes, "recurrent state"));
@@ -260,6 +324,16 @@ Status CudaSequence::save(ByteWriter& out) const {
     RETURN_IF_ERROR(save_region(out, base + layout.off_a[l], used, "k cache"));
     RETURN_IF_ERROR(save_region(out, base + layout.off_b[l], used, "v cache"));
   }
+  const int64_t m = std::min(mtp_n, n);
+  const int32_t rows = mtp_n <= n ? mtp_rows : 0;
+  put_mtp_head(out, mtp_on, m, rows);
+  if (!mtp_on) return ok_status();
+  const size_t head_used = kv_used_bytes(layout, capacity, m);
+  RETURN_IF_ERROR(save_region(out, base + layout.mtp_k_off, head_used, "MTP k cache"));
+  RETURN_IF_ERROR(save_region(out, base + layout.mtp_v_off, head_used, "MTP v cache"));
+  RETURN_IF_ERROR(save_region(out, mtp_pending.ptr, static_cast<size_t>(rows) * layout.hidden * sizeof(float),
+                              "MTP pending rows"));
+  put_ids(out, rows > 0 ? mtp_tokens : std::vector<int32_t>{});
   return ok_status();
 }
 
@@ -278,10 +352,24 @@ Status CudaSequence::load(ByteReader& in) {
     RETURN_IF_ERROR(load_region(in, base + layout.off_a[l], used, "k cache"));
     RETURN_IF_ERROR(load_region(in, base + layout.off_b[l], used, "v cache"));
   }
+  ASSIGN_OR_RETURN(MtpPart head, read_mtp_head(in, at, layout.mtp));
+  const bool keep = head.has && layout.mtp;  // else the head's part, if any, is read past
+  std::vector<int32_t> ids;
+  if (head.has) {
+    const size_t head_used = kv_used_bytes(layout, capacity, head.m);
+    RETURN_IF_ERROR(load_region(in, keep ? base + layout.mtp_k_off : nullptr, head_used, "MTP k cache"));
+    RETURN_IF_ERROR(load_region(in, keep ? base + layout.mtp_v_off : nullptr, head_used, "MTP v cache"));
+    RETURN_IF_ERROR(load_region(in, keep ? mtp_pending.ptr : nullptr,
+                                static_cast<size_t>(head.rows) * layout.hidden * sizeof(float), "MTP pending rows"));
+    RETURN_IF_ERROR(read_mtp_tokens(in, head.rows, &ids));
+  }
   const int host_pos = static_cast<int>(at);
   CUDA_RETURN(cudaMemcpy(pos.ptr, &host_pos, sizeof(int), cudaMemcpyHostToDevice), "load position");
   n = at;
-  mtp_n = at;  // the head's state is not saved: it starts over here (see restore)
+  mtp_n = keep ? head.m : at;
+  mtp_rows = keep ? head.rows : 0;
+  mtp_tokens = keep ? std::move(ids) : std::vector<int32_t>{};
+  mtp_chained = false;
   return ok_status();
 }
 
@@ -290,7 +378,20 @@ Status CudaCheckpoint::load(ByteReader& in) {
   RETURN_IF_ERROR(in.pod(&at, "checkpoint position"));
   if (at < 0) return format_error("checkpoint position %lld", (long long)at);
   RETURN_IF_ERROR(load_region(in, storage.ptr, recurrent_bytes, "checkpoint recurrent state"));
+  const bool with_head = mtp_pending.ptr != nullptr;  // allocated for a backend with the head on
+  ASSIGN_OR_RETURN(MtpPart head, read_mtp_head(in, at, with_head));
+  const bool keep = head.has && with_head;
+  std::vector<int32_t> ids;
+  if (head.has) {
+    const size_t bytes = static_cast<size_t>(head.rows) * hidden * sizeof(float);
+    RETURN_IF_ERROR(load_region(in, keep ? mtp_pending.ptr : nullptr, bytes, "checkpoint MTP pending rows"));
+    RETURN_IF_ERROR(read_mtp_tokens(in, head.rows, &ids));
+  }
   n = at;
+  mtp_on = keep;
+  mtp_n = keep ? head.m : 0;
+  mtp_rows = keep ? head.rows : 0;
+  mtp_tokens = std::move(ids);
   return ok_status();
 }
 

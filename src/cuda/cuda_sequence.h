@@ -14,9 +14,11 @@
 //
 // Saved (the session cache's disk tier): n, the recurrent region's bytes as they are (the layout is a
 // function of the model, so the same offsets on load), then the KV rows [0, n) of each attention layer; a
-// checkpoint is n and its recurrent region. The KV rows are bf16 as on the device, so a saved CUDA sequence
-// loads only into the CUDA backend (the file names its backend). The head's state is not saved (as on the CPU
-// backend): a loaded sequence or checkpoint has none, and the head starts over at its position.
+// checkpoint is n and its recurrent region. Then the MTP head's part, as on the CPU backend: a byte (1: the head
+// is on), and when 1 the head's KV length m and pending row count P (m + P = n), the head's k and v rows [0, m)
+// (a sequence only), the P pending rows [P, H] (fp32) and their P-1 tokens. The KV rows are bf16 as on the
+// device, so a saved CUDA sequence loads only into the CUDA backend (the file names its backend). A backend
+// without the head reads past its part; one with the head refuses a saved form without it (Backend::load_sequence).
 //
 // Copies run on the legacy default stream, then the host waits for them: the backend's own stream is
 // non-blocking (no implicit ordering with stream 0) and has finished every kernel touching a sequence when
@@ -121,7 +123,7 @@ struct SequenceLayout {
   size_t pos_off = 0, total_bytes = 0;
   // The MTP head's arrays (mtp: enabled): its k and v (kv_n each), the pending rows and the chained row.
   bool mtp = false;
-  size_t hidden = 0;  // H
+  size_t hidden = 0;  // H (with the head on or off)
   size_t mtp_k_off = 0, mtp_v_off = 0, mtp_pending_off = 0, mtp_chain_off = 0;
   size_t mtp_pending_bytes() const { return mtp ? kMtpPendingRows * hidden * sizeof(float) : 0; }
   static SequenceLayout of(const ModelConfig& c, int64_t capacity, bool mtp = false);
@@ -132,6 +134,7 @@ class CudaCheckpoint final : public Checkpoint {
   int64_t n = 0;
   DeviceBlock storage;                                    // the sequence's recurrent region (then the mtp rows)
   size_t recurrent_bytes = 0;                             // [0, recurrent_bytes) of storage
+  size_t hidden = 0;                                      // H (the width of the mtp rows)
   std::vector<std::optional<DeviceSpan<float>>> conv, S;  // views into storage (Gated DeltaNet layers)
   // The MTP head's part (mtp_on: written from a sequence with the head): its KV length and the pending rows
   // [mtp_rows, H] (in storage after the recurrent region) with their tokens, as the CPU backend's checkpoint.

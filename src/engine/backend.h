@@ -18,15 +18,17 @@
 
 namespace lily {
 
-// The recurrent part of a sequence at one position: conv and Gated DeltaNet state. The KV cache is not copied:
-// restoring truncates it to `n_tokens` (docs/DESIGN.md section 2).
+// The recurrent part of a sequence at one position: conv and Gated DeltaNet state (and, with the MTP head
+// enabled, the head's KV length and the main model's rows it has not read yet). The KV caches are not copied:
+// restoring truncates them (docs/DESIGN.md section 2).
 class Checkpoint {
  public:
   virtual ~Checkpoint() = default;
   virtual int64_t n_tokens() const = 0;
   virtual size_t bytes() const = 0;
-  // Appends the recurrent state in the backend's own layout, for Backend::load_checkpoint of the same backend
-  // and model (the session cache's disk tier; the file around it names both).
+  // Appends the recurrent state in the backend's own layout (the MTP head's part too, when the sequence had
+  // one), for Backend::load_checkpoint of the same backend and model (the session cache's disk tier; the file
+  // around it names both).
   virtual Status save(ByteWriter& out) const {
     (void)out;
     return error(ErrorCode::unsupported, "this backend cannot save a checkpoint");
@@ -42,8 +44,9 @@ class SequenceState {
   // Back to a checkpoint taken from this sequence (or one with the same token prefix) at most n_tokens() ago.
   virtual Status restore(const Checkpoint& cp) = 0;
   virtual std::unique_ptr<SequenceState> clone() const = 0;
-  // Appends the KV cache up to n_tokens() and the recurrent state, for Backend::load_sequence (as
-  // Checkpoint::save). Called between forward calls, like checkpoint().
+  // Appends the KV cache up to n_tokens() and the recurrent state, and with the MTP head enabled the head's
+  // state as the next forward would find it (its KV entries up to the position, its pending rows: no draft's),
+  // for Backend::load_sequence (as Checkpoint::save). Called between forward calls, like checkpoint().
   virtual Status save(ByteWriter& out) const {
     (void)out;
     return error(ErrorCode::unsupported, "this backend cannot save a sequence");
@@ -145,6 +148,8 @@ class Backend {
   // before any sequence exists.
   virtual bool has_mtp() const { return false; }
   virtual Status enable_mtp() { return error(ErrorCode::unsupported, "%s backend has no MTP head", name()); }
+  // enable_mtp() succeeded: sequences (and their saved form) carry the head's state.
+  virtual bool mtp_enabled() const { return false; }
   // One draft step: the head reads `token` (the token after the sequence's last position, or the previous
   // draft) with the hidden state it pairs with (the main model's at the last consumed position, or the head's
   // own output of the previous step) and writes the logits [vocab_size] of the token after it. Drafts never
@@ -200,7 +205,9 @@ class Backend {
 
   // A new sequence / checkpoint from what SequenceState::save / Checkpoint::save of this backend and model
   // wrote. Sizes that do not match this model are a format error; a sequence this backend has no memory for
-  // (or a context longer than max_context()) is out_of_range.
+  // (or a context longer than max_context()) is out_of_range. The MTP head's part: skipped without
+  // enable_mtp(); with it, a saved form without one is unsupported (the head's KV cannot be rebuilt from the
+  // main model's state: only a prefill computes the hidden rows it reads).
   virtual Result<std::unique_ptr<SequenceState>> load_sequence(ByteReader& in) {
     (void)in;
     return error(ErrorCode::unsupported, "the %s backend cannot load a saved sequence", name());

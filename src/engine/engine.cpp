@@ -109,7 +109,12 @@ uint64_t next_history_id() {
 std::unique_ptr<SessionDisk> open_disk(const EngineOptions& o, const Backend& backend) {
   if (o.disk.dir.empty()) return nullptr;
   CHECK(!o.model_fingerprint.empty(), "a disk tier needs the model fingerprint");
-  return SessionDisk::open(o.disk, SessionFileOwner{o.model_fingerprint, backend.name()});
+  // The files say whether their states carry the MTP head's (engine/session_file.h): they do when the backend
+  // has it on.
+  const bool mtp = backend.mtp_enabled();
+  CHECK(!mtp || !o.mtp_fingerprint.empty(), "a disk tier with the MTP head on needs the head's fingerprint");
+  return SessionDisk::open(o.disk,
+                           SessionFileOwner{o.model_fingerprint, backend.name(), mtp ? o.mtp_fingerprint : ""});
 }
 
 }  // namespace

@@ -36,9 +36,11 @@ struct EngineOptions {
   // (engine/speculative.h); the backend must have had enable_mtp() called (load_model does).
   int speculative_tokens = 0;
   // The session cache's disk tier (`--cache-dir`); none when disk.dir is empty. Its files are marked with
-  // model_fingerprint (engine/session_file.h; load_model sets it) and the backend's name.
+  // model_fingerprint (engine/session_file.h; load_model sets it) and the backend's name, and with
+  // mtp_fingerprint when the backend has the MTP head on (Backend::mtp_enabled; load_model sets it too): their
+  // states then hold the head's state as well.
   SessionDiskOptions disk;
-  std::string model_fingerprint;
+  std::string model_fingerprint, mtp_fingerprint;
 };
 
 struct GenerationRequest {

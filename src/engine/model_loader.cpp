@@ -73,6 +73,7 @@ Result<LoadedModel> load_model(const ModelLoadOptions& o, const std::function<vo
   EngineOptions engine = o.engine;
   engine.max_context = ctx;
   engine.model_fingerprint = model_fingerprint(*weights);
+  engine.mtp_fingerprint = mtp_fingerprint(*weights);
   LoadedModel out{std::make_unique<Engine>(std::move(backend), tokenizer, engine),
                   tokenizer,
                   defaults,

@@ -19,6 +19,7 @@ constexpr size_t kHeaderBytes = 128;
 // Bounds on what a header may announce, so a corrupt size cannot ask for absurd allocations: the meta is
 // token ids and positions (a 262,144-token context is 1 MiB of ids).
 constexpr uint64_t kMaxMetaBytes = 64ull << 20;
+constexpr size_t kMtpFingerprintBytes = 64;
 
 struct Header {
   char magic[8];
@@ -126,6 +127,7 @@ struct Meta {
   std::vector<int32_t> tokens;
   int64_t anchor = 0;
   std::vector<int64_t> marks, checkpoints;
+  std::string mtp;  // the MTP head's fingerprint; "": no head state
 };
 
 Status parse_meta(std::span<const uint8_t> bytes, Meta& m) {
@@ -144,6 +146,9 @@ Status parse_meta(std::span<const uint8_t> bytes, Meta& m) {
     list->resize(k);
     RETURN_IF_ERROR(in.bytes(list->data(), k * sizeof(int64_t), "positions"));
   }
+  char mtp[kMtpFingerprintBytes];
+  RETURN_IF_ERROR(in.bytes(mtp, sizeof mtp, "MTP head fingerprint"));
+  m.mtp = field(mtp, sizeof mtp);
   if (in.left() != 0) return format_error("%zu bytes after the meta", in.left());
   const auto len = static_cast<int64_t>(n);
   for (size_t i = 0; i < m.checkpoints.size(); ++i)
@@ -154,6 +159,19 @@ Status parse_meta(std::span<const uint8_t> bytes, Meta& m) {
   if (m.anchor < 0 || m.anchor > len)
     return format_error("anchor %lld outside [0, %lld]", (long long)m.anchor, (long long)len);
   return ok_status();
+}
+
+// A server with the MTP head on takes only files with its head's state (session_file.h says why); one without
+// takes either kind (the backend reads past the head's part).
+Status check_mtp(const std::string& file_mtp, const SessionFileOwner& owner) {
+  if (owner.mtp.empty() || file_mtp == owner.mtp) return ok_status();
+  if (file_mtp.empty())
+    return error(ErrorCode::unsupported,
+                 "saved without the MTP head's state (by a server without --speculative); this server drafts with "
+                 "the head, whose state only a prefill rebuilds");
+  return error(ErrorCode::unsupported,
+               "the MTP head's state of another head (fingerprint %.12s..., this head's %.12s...)", file_mtp.c_str(),
+               owner.mtp.c_str());
 }
 
 // Header and meta checked (their hash included); the caller reads the payload.
@@ -169,7 +187,8 @@ Status read_head(File& f, const SessionFileOwner& owner, Header& h, std::vector<
   std::span<const uint8_t> meta(head.data() + kHeaderBytes, h.meta_bytes);
   if (meta_hash(head.data(), meta) != h.meta_hash)
     return format_error("checksum mismatch in the header or token ids");
-  return parse_meta(meta, m);
+  RETURN_IF_ERROR(parse_meta(meta, m));
+  return check_mtp(m.mtp, owner);
 }
 
 }  // namespace
@@ -178,7 +197,8 @@ std::string model_fingerprint(const ModelWeights& w) {
   Sha256 h;
   const std::string cfg = w.config.to_json_text(false);
   h.update(cfg.data(), cfg.size());
-  std::string desc = format("|%s|%zu|%zu|", layout_name(w.layout), w.n_tensors, w.tensor_bytes);
+  std::string desc = format("|%s|%zu|%zu|", layout_name(w.layout), w.n_tensors - w.mtp_tensors,
+                            w.tensor_bytes - w.mtp_tensor_bytes);
   h.update(desc.data(), desc.size());
   hash_linear(h, "embed_tokens", w.embed_tokens);
   hash_linear(h, "lm_head", w.lm_head);
@@ -191,6 +211,20 @@ std::string model_fingerprint(const ModelWeights& w) {
     else
       hash_linear(h, "in_proj_qkv", l.gdn.in_proj_qkv);
   }
+  return h.hex_digest();
+}
+
+std::string mtp_fingerprint(const ModelWeights& w) {
+  if (!w.mtp) return "";
+  const MtpWeights& m = *w.mtp;
+  Sha256 h;
+  std::string desc = format("mtp|%zu|%zu|", w.mtp_tensors, w.mtp_tensor_bytes);
+  h.update(desc.data(), desc.size());
+  hash_linear(h, "fc", m.fc);
+  hash_linear(h, "q_proj", m.layer.attn.q_proj);
+  for (const std::vector<float>* v : {&m.pre_fc_norm_embedding, &m.pre_fc_norm_hidden, &m.norm,
+                                      &m.layer.input_norm, &m.layer.post_attention_norm})
+    hash_floats(h, *v);
   return h.hex_digest();
 }
 
@@ -223,6 +257,9 @@ Status write_parts(int fd, const SessionFileOwner& owner, const SessionSnapshot&
   w.bytes(s.recent_marks.data(), s.recent_marks.size() * sizeof(int64_t));
   w.pod<uint32_t>(static_cast<uint32_t>(s.checkpoints.size()));
   for (const auto& [pos, cp] : s.checkpoints) w.pod<int64_t>(pos);
+  char mtp[kMtpFingerprintBytes] = {};
+  std::memcpy(mtp, owner.mtp.data(), std::min(owner.mtp.size(), sizeof mtp));
+  w.bytes(mtp, sizeof mtp);
   RETURN_IF_ERROR(write_all(fd, head.data(), head.size()));
 
   Xxh64 hash;

@@ -224,13 +224,18 @@ class Binder {
     return moe(p, lw.moe);
   }
 
+  // The head's tensors are also counted apart (ModelWeights::mtp_tensors): the session files' model
+  // fingerprint leaves them out, so that it does not depend on whether the head is there (--mtp-from).
   Status mtp(MtpWeights& w) {
+    const size_t n0 = m_.n_tensors, b0 = m_.tensor_bytes;
     const int64_t H = cfg_.hidden_size;
     ASSIGN_OR_RETURN(w.fc, linear("mtp.fc", H, 2 * H));
     ASSIGN_OR_RETURN(w.pre_fc_norm_embedding, norm("mtp.pre_fc_norm_embedding.weight", H));
     ASSIGN_OR_RETURN(w.pre_fc_norm_hidden, norm("mtp.pre_fc_norm_hidden.weight", H));
     ASSIGN_OR_RETURN(w.norm, norm("mtp.norm.weight", H));
-    return layer("mtp.layers.0.", LayerType::full_attention, w.layer);
+    RETURN_IF_ERROR(layer("mtp.layers.0.", LayerType::full_attention, w.layer));
+    m_.mtp_tensors = m_.n_tensors - n0, m_.mtp_tensor_bytes = m_.tensor_bytes - b0;
+    return ok_status();
   }
 
  private:

@@ -76,6 +76,7 @@ struct ModelWeights {
   std::optional<MtpWeights> mtp;
   size_t n_tensors = 0;       // tensors bound
   size_t tensor_bytes = 0;    // bytes of the bound tensors
+  size_t mtp_tensors = 0, mtp_tensor_bytes = 0;  // of those, the MTP head's
   std::shared_ptr<TensorStore> store;  // owns the mappings
   std::shared_ptr<TensorStore> mtp_store;  // the head's, when it came from another directory (attach_mtp)
 

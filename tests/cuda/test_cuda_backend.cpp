@@ -3,7 +3,8 @@
 //  - full width, 4 layers (3 Gated DeltaNet + 1 attention, 256 experts, full vocabulary), teacher-forced over 256
 //    positions: top-1 agreement >= 99% and relative logit error <= 2e-2;
 //  - checkpoint/restore and device sampling reproducibility; a saved sequence and checkpoint (the disk tier's
-//    SequenceState::save / Backend::load_sequence) continue bit-identically, through a session file too;
+//    SequenceState::save / Backend::load_sequence) continue bit-identically, through a session file too, and with
+//    the MTP head on draft as the original (a backend without the head reads past its part);
 //  - the prefill path: chunked prompts against the CPU reference and against the token-by-token decode path,
 //    decode after a chunked prefill equal to decode after a single prefill, a prompt longer than a chunk;
 //  - several-row steps (forward_batch, decode_batch_on_device) equal to each row's one-row step, to the bit;
@@ -932,7 +933,7 @@ TEST(CudaBackend, SessionFileRoundTrip) {
   snap.tokens = prompt;
   snap.anchor = 20;
   snap.state = saved(*seq);
-  const SessionFileOwner owner{model_fingerprint(*w), b.name()};
+  const SessionFileOwner owner{model_fingerprint(*w), b.name(), ""};
   const std::string path = ::testing::TempDir() + "/lily_cuda_session.lsess";
   std::remove(path.c_str());
   auto bytes = write_session_file(path, owner, snap);
@@ -948,6 +949,98 @@ TEST(CudaBackend, SessionFileRoundTrip) {
   ASSERT_TRUE(b.forward(*(*loaded)->state, next, LogitsRows::all, &l2).ok());
   ASSERT_EQ(l1.size(), l2.size());
   EXPECT_EQ(0, std::memcmp(l1.data(), l2.data(), l1.size() * sizeof(float)));
+}
+
+// With the MTP head on, a saved sequence (with two pending rows after a verification) and checkpoint carry the
+// head's state: after a load and restore the head drafts as the original does; a backend without the head reads
+// past its part and continues as the original, one with the head refuses a saved form without it; a damaged
+// head part is a format error.
+TEST(CudaBackend, SavedMtpStateDraftsAsTheOriginal) {
+  SKIP_WITHOUT_GPU();
+  auto w = synth_model("tiny");
+  auto made = cuda::make_cuda_backend(w, {2048});
+  auto made_plain = cuda::make_cuda_backend(w, {2048});
+  ASSERT_TRUE(made.ok() && made_plain.ok());
+  Backend& b = **made;
+  Backend& plain = **made_plain;
+  ASSERT_TRUE(b.enable_mtp().ok());
+  ASSERT_TRUE(b.mtp_enabled());
+  EXPECT_FALSE(plain.mtp_enabled());
+  const int64_t V = w->config.vocab_size;
+  const std::vector<int32_t> prompt = random_tokens(30, static_cast<int>(V), 910);
+  auto s = b.new_sequence();
+  auto fwc = b.forward_with_checkpoint(*s, std::span<const int32_t>(prompt).first(24), 16, LogitsRows::none, nullptr);
+  ASSERT_TRUE(fwc.ok() && *fwc) << fwc.status().message();
+  std::unique_ptr<Checkpoint> cp = std::move(*fwc);
+  std::vector<float> l, d1;
+  ASSERT_TRUE(b.mtp_draft(*s, prompt[24], &d1).ok());
+  ASSERT_TRUE(b.forward_verify(*s, std::vector<int32_t>{prompt[24], argmax(d1.data(), V), 5}, &l).ok());
+  ASSERT_TRUE(b.accept_verified(*s, 2).ok());  // two pending rows
+  const std::vector<uint8_t> state = saved(*s);
+  std::vector<uint8_t> cp_bytes;
+  ByteWriter cw(cp_bytes);
+  ASSERT_TRUE(cp->save(cw).ok());
+  ByteReader sin(state), cin(cp_bytes);
+  auto s2 = b.load_sequence(sin);
+  auto cp2 = b.load_checkpoint(cin);
+  ASSERT_TRUE(s2.ok()) << s2.status().message();
+  ASSERT_TRUE(cp2.ok()) << cp2.status().message();
+  EXPECT_EQ(sin.left(), 0u);
+  EXPECT_EQ(cin.left(), 0u);
+  EXPECT_EQ(saved(**s2), state) << "saved again: the same bytes";
+  // Two chained drafts, a plain forward and a draft after it: the same on the original and the loaded state.
+  auto drafts = [&](SequenceState& q, int32_t t) {
+    std::vector<float> a, c, e;
+    EXPECT_TRUE(b.mtp_draft(q, t, &a).ok());
+    EXPECT_TRUE(b.mtp_draft(q, argmax(a.data(), V), &c).ok());
+    EXPECT_TRUE(b.forward(q, std::vector<int32_t>{7, 8, 9}, LogitsRows::none, nullptr).ok());
+    EXPECT_TRUE(b.mtp_draft(q, 10, &e).ok());
+    a.insert(a.end(), c.begin(), c.end());
+    a.insert(a.end(), e.begin(), e.end());
+    return a;
+  };
+  auto same = [&](const std::vector<float>& x, const std::vector<float>& y, const char* what) {
+    const Agreement ag = compare_logits(x, y, V);
+    const bool bits = x.size() == y.size() && std::memcmp(x.data(), y.data(), x.size() * sizeof(float)) == 0;
+    std::printf("[tiny] saved MTP state, %s: %s (relative error %.3g)\n", what, bits ? "bit-identical" : "differs",
+                ag.rel);
+    EXPECT_LE(ag.rel, 1e-5) << what;
+    EXPECT_EQ(ag.top1, 1.0) << what;
+  };
+  auto twin = s->clone();
+  ASSERT_TRUE(twin);
+  same(drafts(*twin, 6), drafts(**s2, 6), "the loaded sequence");
+  ASSERT_TRUE(s->restore(*cp).ok());
+  ASSERT_TRUE((*s2)->restore(**cp2).ok());
+  same(drafts(*s, prompt[16]), drafts(**s2, prompt[16]), "the loaded checkpoint");
+
+  // Without the head: its part read past, the main state continues as the original's.
+  ByteReader pin(state);
+  auto p2 = plain.load_sequence(pin);
+  ASSERT_TRUE(p2.ok()) << p2.status().message();
+  EXPECT_EQ(pin.left(), 0u);
+  auto q = plain.new_sequence();
+  ASSERT_TRUE(plain.forward(*q, std::span<const int32_t>(prompt).first(24), LogitsRows::none, nullptr).ok());
+  ASSERT_TRUE(plain.forward(*q, std::vector<int32_t>{prompt[24], argmax(d1.data(), V)}, LogitsRows::none,
+                            nullptr).ok());
+  std::vector<float> la, lb;
+  ASSERT_TRUE(plain.forward(**p2, std::vector<int32_t>{3, 4}, LogitsRows::all, &la).ok());
+  ASSERT_TRUE(plain.forward(*q, std::vector<int32_t>{3, 4}, LogitsRows::all, &lb).ok());
+  EXPECT_LE(compare_logits(lb, la, V).rel, 1e-5);
+  // With the head, a saved form without it is refused.
+  const std::vector<uint8_t> plain_state = saved(*q);
+  ByteReader rin(plain_state);
+  auto refused = b.load_sequence(rin);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_EQ(refused.status().code(), ErrorCode::unsupported) << refused.status().message();
+  // Cut anywhere in the head's part (after the main part, the plain state less its flag byte): a format error.
+  for (size_t cut : {plain_state.size() - 1, plain_state.size() + 8, (plain_state.size() + state.size()) / 2,
+                     state.size() - 1}) {
+    ByteReader in(std::span<const uint8_t>(state).first(cut));
+    auto r = b.load_sequence(in);
+    ASSERT_FALSE(r.ok()) << cut;
+    EXPECT_EQ(r.status().code(), ErrorCode::format) << r.status().message();
+  }
 }
 
 // The option specs of `lily bench --variants` and `--cuda-options` (cuda::apply_option_spec; no GPU needed).
