@@ -89,12 +89,6 @@ int run_serve(const ServeArgs& a) {
   o.http.max_body_bytes = a.max_body_mb << 20;
   o.engine.session_cache_bytes = a.cache_mb << 20;
   o.engine.disk.dir = a.cache_dir;
-  if (!a.cache_dir.empty() && o.engine.speculative_tokens > 0) {
-    // A session file holds the main model's state only; the MTP head's own KV would be missing after a restart.
-    std::fprintf(stderr, "lily serve: --cache-dir and --speculative together are not supported yet (session files "
-                         "do not hold the MTP head's state)\n");
-    return 2;
-  }
   if (!a.cache_disk_budget.empty()) {
     Result<uint64_t> budget = parse_byte_size(a.cache_disk_budget);
     if (!budget.ok() || *budget == 0) {

@@ -1,8 +1,10 @@
 """`lily serve --cache-dir`: sessions that survive a restart (the real binary, the tiny model, CPU backend).
 A conversation's second turn after SIGTERM or SIGKILL of the server resumes from the session file (cached_tokens
-> 0) with the same greedy output as without a restart; truncated, corrupted, foreign, junk and unreadable files
-and unusable directories are refused with a warning naming the file and the reason, and the request prefills with
-the same output; --cache-disk-budget evicts files.
+> 0) with the same greedy output as without a restart, with --speculative mtp:K too (the files then hold the MTP
+head's state); truncated, corrupted, foreign, junk and unreadable files, and files without the head's state on a
+server with it, and unusable directories are refused with a warning naming the file and the reason, and the
+request prefills with the same output; a file with the head's state resumes a server without --speculative;
+--cache-disk-budget evicts files.
 Run: LILY_BIN=build/lily python3 tests/python/test_session_disk.py [TEST_NAME...]"""
 import json
 import os
@@ -17,6 +19,7 @@ import time
 from lily_harness import LILY_BIN, LilyServer, Runner, main_guard, make_tiny_model
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely; when unsure, say so."
+SPEC = ("--speculative", "mtp:2")
 
 
 def chat(server, messages):
@@ -75,11 +78,12 @@ class Suite:
         os.makedirs(d)
         return d
 
-    def first_turn(self, d, sig=signal.SIGTERM, model=None):
-        """Turn one on a server with --cache-dir d, then the server is stopped with `sig`; the new session file."""
+    def first_turn(self, d, sig=signal.SIGTERM, model=None, extra=()):
+        """Turn one on a server with --cache-dir d (and `extra` arguments), then the server is stopped with `sig`;
+        the new session file."""
         before = set(session_files(d)) if os.path.isdir(d) else set()
-        extra = ["--served-model-name", "tiny"] if model else []
-        s = LilyServer(model or self.model, "--cache-dir", d, *extra).start()
+        name = ["--served-model-name", "tiny"] if model else []
+        s = LilyServer(model or self.model, "--cache-dir", d, *name, *extra).start()
         try:
             reply, _ = chat(s, turn_one())
             if model is None:
@@ -95,11 +99,13 @@ class Suite:
         assert len(files) == 1, (files, before)
         return files[0]
 
-    def second_turn(self, d, expect_cached):
-        """Turn two on a restarted server; checks the output against the reference; returns its stderr lines."""
-        s = LilyServer(self.model, "--cache-dir", d).start()
+    def second_turn(self, d, expect_cached, extra=()):
+        """Turn two on a restarted server (with `extra` arguments); checks the output against the reference;
+        returns its stderr lines (its metrics in self.last_metrics)."""
+        s = LilyServer(self.model, "--cache-dir", d, *extra).start()
         try:
             reply, usage = chat(s, turn_two(self.reply1))
+            self.last_metrics = s.metrics()
             lines = list(s.lines)
             assert s.stop() == 0
         finally:
@@ -282,12 +288,28 @@ class Suite:
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30)
             assert p.returncode == 2 and msg in p.stderr.decode(), (p.returncode, p.stderr)
 
-    def test_speculative_with_cache_dir_is_refused(self):
-        p = subprocess.run([LILY_BIN, "serve", "--model", self.model, "--port", "0", "--cache-dir",
-                            os.path.join(self.tmp, "s"), "--speculative", "mtp:1"],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=30)
-        assert p.returncode == 2 and "--cache-dir and --speculative together" in p.stderr.decode(), \
-            (p.returncode, p.stderr)
+    def test_speculative_resumes_after_restart(self):
+        """With --speculative the files hold the MTP head's state too: the second turn after a restart resumes from
+        the file (the reference's cached tokens and greedy output, those of a server without speculation) and
+        drafts."""
+        d = self.fresh_dir()
+        self.first_turn(d, extra=SPEC)
+        lines = self.second_turn(d, expect_cached=True, extra=SPEC)
+        assert not [l for l in lines if "refusing" in l], lines
+        assert self.last_metrics["lily_speculative_drafted_tokens_total"] > 0, self.last_metrics
+
+    def test_files_with_and_without_the_mtp_head(self):
+        """A file without the head's state (written without --speculative) is refused by a server with it, left in
+        place, and the request prefills; a file with it resumes a server without --speculative."""
+        d = self.fresh_dir()
+        f = self.first_turn(d)
+        line = self.refused(self.second_turn(d, expect_cached=False, extra=SPEC), f,
+                            "saved without the MTP head's state")
+        assert line.endswith("; left in place") and os.path.exists(f), line
+        d = self.fresh_dir()
+        self.first_turn(d, extra=SPEC)
+        lines = self.second_turn(d, expect_cached=True)
+        assert not [l for l in lines if "refusing" in l], lines
 
 
 def main():
