@@ -41,8 +41,9 @@ std::vector<int32_t> stop_token_ids(const ModelConfig& config, const SamplingDef
                                     const Tokenizer& tokenizer);
 
 // With engine.speculative_tokens > 0 the checkpoint (or mtp_from) must have the MTP head and the backend must
-// implement speculative verification (the CPU backend does; the CUDA backend does not yet): otherwise loading
-// fails with an error that says which, rather than running without speculation.
+// draft and verify with it (Backend::enable_mtp: the CPU backend always, the CUDA backend where its prefill path
+// takes the geometry): otherwise loading fails with an error that says which, rather than running without
+// speculation.
 // `stage` (optional) is told each step before it starts ("mapping weights", "creating the backend", ...).
 Result<LoadedModel> load_model(const ModelLoadOptions& options,
                                const std::function<void(const std::string&)>& stage = {});
