@@ -29,6 +29,32 @@ inline std::vector<uint8_t> saved(const Checkpoint& c) {
   return out;
 }
 
+// An entry of `n` tokens on `be` with checkpoints at 8 and 16, as the cache holds it (anchor 16, the recent
+// marks given), and its snapshot.
+struct Entry {
+  std::unique_ptr<CachedSequence> seq;
+  SessionSnapshot snap;
+};
+inline Entry entry(Backend& be, int n, int salt, std::vector<int64_t> marks) {
+  Entry e;
+  e.seq = std::make_unique<CachedSequence>();
+  e.seq->state = be.new_sequence();
+  e.seq->tokens = ids(n, salt);
+  forward(be, *e.seq->state, std::span(e.seq->tokens).first(8));
+  e.seq->checkpoints[8] = e.seq->state->checkpoint();
+  forward(be, *e.seq->state, std::span(e.seq->tokens).subspan(8, 8));
+  e.seq->checkpoints[16] = e.seq->state->checkpoint();
+  forward(be, *e.seq->state, std::span(e.seq->tokens).subspan(16));
+  e.seq->anchor = 16;
+  e.seq->recent_marks = std::move(marks);
+  e.snap.tokens = e.seq->tokens;
+  e.snap.anchor = e.seq->anchor;
+  e.snap.recent_marks = e.seq->recent_marks;
+  e.snap.state = saved(*e.seq->state);
+  e.snap.checkpoints = e.seq->checkpoints;
+  return e;
+}
+
 // The owner of the tiny model's files on the CPU backend; `mtp`: a server with the MTP head on.
 inline SessionFileOwner owner(bool mtp = false) {
   return {model_fingerprint(*tiny_model().weights), "cpu", mtp ? mtp_fingerprint(*tiny_model().weights) : ""};

@@ -84,30 +84,7 @@ TEST(SessionSerialization, ShortOrMisshapenStateIsAFormatError) {
   EXPECT_NE(r.status().message().find("99 layers"), std::string::npos) << r.status().message();
 }
 
-// An entry of `n` tokens with checkpoints at 8 and 16, as the cache holds it, and its snapshot.
-struct Entry {
-  std::unique_ptr<CachedSequence> seq;
-  SessionSnapshot snap;
-};
-Entry entry(Backend& be, int n, int salt) {
-  Entry e;
-  e.seq = std::make_unique<CachedSequence>();
-  e.seq->state = be.new_sequence();
-  e.seq->tokens = ids(n, salt);
-  forward(be, *e.seq->state, std::span(e.seq->tokens).first(8));
-  e.seq->checkpoints[8] = e.seq->state->checkpoint();
-  forward(be, *e.seq->state, std::span(e.seq->tokens).subspan(8, 8));
-  e.seq->checkpoints[16] = e.seq->state->checkpoint();
-  forward(be, *e.seq->state, std::span(e.seq->tokens).subspan(16));
-  e.seq->anchor = 16;
-  e.seq->recent_marks = {16, n - 1};
-  e.snap.tokens = e.seq->tokens;
-  e.snap.anchor = e.seq->anchor;
-  e.snap.recent_marks = e.seq->recent_marks;
-  e.snap.state = saved(*e.seq->state);
-  e.snap.checkpoints = e.seq->checkpoints;
-  return e;
-}
+Entry entry(Backend& be, int n, int salt) { return test::entry(be, n, salt, {16, n - 1}); }
 
 TEST(SessionFile, RoundTripsAnEntry) {
   TempDir dir("sessfile");
