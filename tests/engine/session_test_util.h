@@ -13,18 +13,12 @@
 
 namespace lily::test {
 
-inline std::vector<uint8_t> saved(const SequenceState& s) {
+// The saved form of a SequenceState or a Checkpoint.
+template <typename Saveable>
+std::vector<uint8_t> saved(const Saveable& x) {
   std::vector<uint8_t> out;
   ByteWriter w(out);
-  Status st = s.save(w);
-  EXPECT_TRUE(st.ok()) << st.message();
-  return out;
-}
-
-inline std::vector<uint8_t> saved(const Checkpoint& c) {
-  std::vector<uint8_t> out;
-  ByteWriter w(out);
-  Status st = c.save(w);
+  Status st = x.save(w);
   EXPECT_TRUE(st.ok()) << st.message();
   return out;
 }
