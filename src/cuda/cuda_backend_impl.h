@@ -248,7 +248,8 @@ class CudaBackend final : public CudaBench {
   DeviceArray<float> ph_, pproj_, plogits_;
   DeviceArray<__half> pxb_, pob_;  // fp16 A operands of the prefill GEMMs
   // Every layer's dense projections (in, out) expanded to fp16 once, kept for the fp16-W GEMM (QGemmParams::w16,
-  // w16_expanded; the wgmma path, chunks of >= kW16MinRows rows); w16_off_[l] = {in, out} offsets in halves.
+  // w16_expanded; the wgmma path, chunks of >= kW16MinRows rows; qgemm_w16_halves each, in its tile order);
+  // w16_off_[l] = {in, out} offsets in halves.
   DeviceArray<__half> pw16_;
   std::vector<std::array<size_t, 2>> w16_off_;
   // With paths_.expert_copies, every layer's experts expanded to fp16 once (moe_expand_w16), layer l's at

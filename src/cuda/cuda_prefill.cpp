@@ -33,7 +33,10 @@ namespace {
 // -> 6.3, attn_in 5.7 -> 3.9, attn_out 3.4 -> 2.1 with an expansion every call (docs/PERF_NOTES.md, 2026-12-03,
 // ninth session). Since 2026-12-04 every layer's projections are expanded once (2.57 GB at full geometry, counted
 // in the prefill scratch) and kept: 1K prompt 36.33 -> 35.07 ms, 4K 98.46 -> 97.29; without the per-call expansion
-// 256 rows win too (the 256-token prompt 18.71 ms from 512 rows, 18.15 from 256).
+// 256 rows win too (the 256-token prompt 18.71 ms from 512 rows, 18.15 from 256). The copies are in the tile order
+// of qgemm_w16_halves (rows padded to a multiple of 256: gdn_in's 12,352 rows to 12,544, +23.6 MB over the 30 GDN
+// layers; the other projections' row counts are multiples of 256): a block's W tile of a step is one contiguous
+// 32 KB (measured: docs/PERF_NOTES.md 2026-12-07).
 constexpr int kW16MinRows = 256;
 
 // The prefill scratch's arrays, in elements, from the chunk and the geometry.
@@ -80,7 +83,7 @@ PrefillSizes prefill_sizes(const ModelConfig& c, const DeviceModel& m, int chunk
     for (const DeviceLayer& l : m.layers) {
       const bool gdn = l.type == LayerType::linear_attention;
       for (const QMatrix* q : {gdn ? &l.gdn_in : &l.attn_in, gdn ? &l.gdn_out : &l.attn_out})
-        s.w16 += align_halves(static_cast<size_t>(q->rows) * q->cols);
+        s.w16 += align_halves(qgemm_w16_halves(*q));  // rows padded to a multiple of 256 (the copy's tile order)
     }
   }
   s.experts16 = experts16 ? m.layers.size() * expert16_stride(c) : 0;
@@ -143,7 +146,7 @@ Status CudaBackend::ensure_prefill_scratch() {
       for (int i = 0; i < 2; ++i) {
         w16_off_[l][i] = off;
         CUDA_RETURN(qgemm_expand_w16(*mats[i], pw16_.ptr + off, stream_), "the fp16 copy of a dense projection");
-        off += align_halves(static_cast<size_t>(mats[i]->rows) * mats[i]->cols);
+        off += align_halves(qgemm_w16_halves(*mats[i]));
       }
     }
     CUDA_RETURN(cudaStreamSynchronize(stream_), "the fp16 copies of the dense projections");
@@ -217,7 +220,7 @@ Status CudaBackend::prefill_layer(const DeviceLayer& L, int T, const std::functi
   const bool w16 = wgmma && T >= kW16MinRows && w16_layer >= 0 && static_cast<size_t>(w16_layer) < w16_off_.size();
   auto resident = [&](QGemmParams& g, int i, const QMatrix& w) {
     g.w16 = pw16_.ptr + w16_off_[static_cast<size_t>(w16_layer)][i];
-    g.w16_bytes = static_cast<size_t>(w.rows) * w.cols * sizeof(__half);
+    g.w16_bytes = qgemm_w16_halves(w) * sizeof(__half);
     g.w16_expanded = true;
   };
   QGemmParams gin{in, pxb_.ptr, T, GemmOut::f32, pproj_.ptr, 0, wgmma, pscratch_.ptr, pscratch_.bytes()};

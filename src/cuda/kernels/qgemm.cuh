@@ -38,17 +38,29 @@ struct QGemmParams {
   // 128-row tiles and the tail rows run as two GEMMs (the tail on the mma.sync tiles, split-K where it can).
   void* split_scratch = nullptr;
   size_t split_scratch_bytes = 0;
-  // With a 16-byte aligned buffer of >= N * K * 2 bytes here, the wgmma path runs a GEMM on W in fp16 whose
-  // producer only copies: bit-identical to the dequantising tiles (the same fp16 values). w16_expanded: the buffer
-  // already holds W expanded by qgemm_expand_w16 (kept across calls); else each call first expands W into it.
+  // With a 16-byte aligned buffer of >= qgemm_w16_halves(w) * 2 bytes here, the wgmma path runs a GEMM on W in fp16
+  // whose producer only copies: bit-identical to the dequantising tiles (the same fp16 values). w16_expanded: the
+  // buffer already holds W expanded by qgemm_expand_w16 (kept across calls); else each call first expands W into it.
   // The mma.sync path ignores both.
   __half* w16 = nullptr;
   size_t w16_bytes = 0;
   bool w16_expanded = false;
+  // Test-only (the backend leaves it at 0): 0 lets the wgmma path choose its tiles' width (256 where
+  // qgemm_util::wgmma_dense_wide, else 128); 128 or 256 forces it (anything else: cudaErrorInvalidValue), so that a
+  // test can run both widths on grids of any size.
+  int wgmma_tile_n = 0;
 };
-// W expanded to fp16 into w16 (w.rows * w.cols halves, 16-byte aligned): the values qgemm's tiles compute (fp32
-// scale * q + bias rounded once), for QGemmParams::w16 with w16_expanded (Hopper builds; else
-// cudaErrorInvalidDeviceFunction).
+// The fp16 copy of W that qgemm_expand_w16 writes and QGemmParams::w16 reads, in halves: W's rows padded with zero
+// rows up to a multiple of 256, as 32 KB tiles in tile order. Tile (b, kt) (rows 256 b .. 256 b + 255, columns
+// 64 kt .. 64 kt + 63) starts at (b K / 64 + kt) 256 x 64 halves; row r of the tile is 128 bytes at 128 r, its
+// 16-byte chunk c (columns 8 c .. 8 c + 7) at chunk c ^ (r & 7): the wgmma kernels' 128-byte swizzled shared-memory
+// layout, so that a block's W tile of a step is 32 KB contiguous in global memory.
+inline size_t qgemm_w16_halves(const QMatrix& w) {
+  return static_cast<size_t>((w.rows + 255) / 256) * 256 * static_cast<size_t>(w.cols);
+}
+// W expanded to fp16 into w16 (qgemm_w16_halves(w) halves, 16-byte aligned, in that layout): the values qgemm's tiles
+// compute (fp32 scale * q + bias rounded once), zeros in the padding rows; for QGemmParams::w16 with w16_expanded
+// (Hopper builds; else cudaErrorInvalidDeviceFunction).
 cudaError_t qgemm_expand_w16(const QMatrix& w, __half* w16, cudaStream_t stream);
 // The parts qgemm splits K into for a GEMM of M rows by w given scratch (1: no split).
 int qgemm_split_k_parts(int M, const QMatrix& w);

@@ -29,9 +29,14 @@
 // Accumulators: 64 x BN per consumer warpgroup, BN / 2 fp32 registers a thread, in the mma.sync C-fragment
 // order: for n8 block j, d[4j], d[4j + 1] at row 16 warp + lane / 4, columns 8 j + 2 (lane % 4) + {0, 1};
 // d[4j + 2], d[4j + 3] eight rows below. Epilogue as qgemm.cu (f32, f16, add_f32; tails in M and N).
-// With QGemmParams::w16 the packed W is first expanded to fp16 in device memory (expand_w16_kernel, the same values)
-// and qgemm_w16_kernel's producer only copies A and W tiles into a ring of KS slots: the consumers' loop is the same
-// (consume_steps), the sums bit-identical; at M 4096 it runs ~405 against ~275 TFLOP/s (the expansion included).
+// With QGemmParams::w16 the packed W is first expanded to fp16 in device memory (expand_w16_kernel, the same values;
+// the backend keeps every dense projection's copy resident), in tile order: 32 KB tiles of 256 W rows x 64 k, the
+// rows padded with zeros to a multiple of 256, each tile already in the slots' 128-byte swizzle (qgemm.cuh
+// qgemm_w16_halves). The GEMM on it only copies: the producer's 128 threads cp.async the A and W tiles into a ring
+// of KS slots (qgemm_w16_kernel); its consumers' loop is the same (consume_steps), the sums bit-identical.
+// At M 4,096 with 256-wide tiles ~406 against ~275 TFLOP/s for the dequantising kernel with row-major copies (H200);
+// the tile order (a block's W tile of a step one contiguous 32 KB instead of 256 rows K * 2 bytes apart) took gdn
+// in_proj in the 4K prefill 412 -> 481 TFLOP/s on an H100 (docs/PERF_NOTES.md 2026-12-07).
 // (Until 2026-12-02 the kernel also ran moe_prefill's grouped expert GEMMs, with 64-row tiles and gate / up in
 // one tile; the register-sourced tiles of moe_prefill_rs.cu replaced it there: git history.)
 // FLOPs 2 M N K; bytes as qgemm.cu. Shared memory a step (BN = 256, 4-bit): wgmma reads 80 KB (each
@@ -415,59 +420,76 @@ __global__ void __launch_bounds__(384, 1) qgemm_wgmma_kernel(const WgArgs p) {
 }
 
 // ---- W expanded to fp16 in device memory first (QGemmParams::w16)
-// expand_w16_kernel writes w16[n K + k] = the value qgemm's tiles compute for W[n, k] (fp32 scale * q + bias,
-// rounded once to fp16), so the fp16-W GEMM sees the same operands as the dequantising one and sums the same
-// k16 products in the same order: bit-identical results. A thread expands 8 elements (one 32-bit word of
-// 4-bit codes, two of 8-bit). It waits for the previous kernel first: the buffer may still be read by an
-// earlier GEMM.
+// expand_w16_kernel writes the copy in the tile order of qgemm_w16_halves (qgemm.cuh): W's rows padded with zero
+// rows to a multiple of 256, 32 KB tiles of 256 rows x 64 k, tile (b, kt) at (b KT + kt) 32 KB, each tile already in
+// the 128-byte swizzle of the shared-memory slots. Thread i writes 16-byte chunk i of the copy: tile i / 2048, row
+// r = (i / 8) % 256 of it, stored chunk i % 8 = column chunk (i % 8) ^ (r & 7). The values are those qgemm's tiles
+// compute for W[n, k] (fp32 scale * q + bias, rounded once to fp16), so the fp16-W GEMMs see the same operands as
+// the dequantising one and sum the same k16 products in the same order: bit-identical results. A thread expands 8
+// elements (one 32-bit word of 4-bit codes, two of 8-bit). It waits for the previous kernel first: the buffer may
+// still be read by an earlier GEMM.
 struct ExpandArgs {
   QMatrix w;
   __half* out;
+  long chunks;  // qgemm_w16_halves(w) / 8
 };
+
+// Elements 8 k8 .. 8 k8 + 7 of row n of w, as fp16 (the dequantising producer's arithmetic).
+template <int BITS>
+__device__ __forceinline__ uint4 expand8(const QMatrix& w, long n, int k8) {
+  const size_t g = static_cast<size_t>(n) * (w.cols / kWgGroup) + k8 * 8 / kWgGroup;
+  const float s0 = bf16_bits_to_float(ld_bf16_bits(w.scales + g)),
+              b0 = bf16_bits_to_float(ld_bf16_bits(w.biases + g));
+  const float s = BITS == 4 ? 256.0f * s0 : s0, b = BITS == 4 ? b0 - 128.0f * s0 : b0;
+  uint4 o;
+  if constexpr (BITS == 4) {
+    const uint32_t word = __ldg(w.w + n * (w.cols / 8) + k8);
+    const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
+    o.x = pack_f16(fmaf(nibble_as_float<0>(lo), s, b), fmaf(nibble_as_float<0>(hi), s, b));
+    o.y = pack_f16(fmaf(nibble_as_float<1>(lo), s, b), fmaf(nibble_as_float<1>(hi), s, b));
+    o.z = pack_f16(fmaf(nibble_as_float<2>(lo), s, b), fmaf(nibble_as_float<2>(hi), s, b));
+    o.w = pack_f16(fmaf(nibble_as_float<3>(lo), s, b), fmaf(nibble_as_float<3>(hi), s, b));
+  } else {
+    const uint32_t w0 = __ldg(w.w + n * (w.cols / 4) + 2 * k8), w1 = __ldg(w.w + n * (w.cols / 4) + 2 * k8 + 1);
+    o.x = pack_f16(fmaf(byte_as_float<0>(w0), s, b), fmaf(byte_as_float<1>(w0), s, b));
+    o.y = pack_f16(fmaf(byte_as_float<2>(w0), s, b), fmaf(byte_as_float<3>(w0), s, b));
+    o.z = pack_f16(fmaf(byte_as_float<0>(w1), s, b), fmaf(byte_as_float<1>(w1), s, b));
+    o.w = pack_f16(fmaf(byte_as_float<2>(w1), s, b), fmaf(byte_as_float<3>(w1), s, b));
+  }
+  return o;
+}
+
 template <int BITS>
 __global__ void expand_w16_kernel(const ExpandArgs args) {
   pdl_wait();
   const QMatrix& w = args.w;
-  __half* const out = args.out;
-  const long runs_per_row = w.cols / 8, i = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < static_cast<long>(w.rows) * runs_per_row) {
-    const long n = i / runs_per_row;
-    const int k8 = static_cast<int>(i % runs_per_row);
-    const size_t g = static_cast<size_t>(n) * (w.cols / kWgGroup) + k8 * 8 / kWgGroup;
-    const float s0 = bf16_bits_to_float(ld_bf16_bits(w.scales + g)),
-                b0 = bf16_bits_to_float(ld_bf16_bits(w.biases + g));
-    const float s = BITS == 4 ? 256.0f * s0 : s0, b = BITS == 4 ? b0 - 128.0f * s0 : b0;
-    uint4 o;
-    if constexpr (BITS == 4) {
-      const uint32_t word = __ldg(w.w + n * (w.cols / 8) + k8);
-      const uint32_t lo = word & 0x0F0F0F0Fu, hi = (word >> 4) & 0x0F0F0F0Fu;
-      o.x = pack_f16(fmaf(nibble_as_float<0>(lo), s, b), fmaf(nibble_as_float<0>(hi), s, b));
-      o.y = pack_f16(fmaf(nibble_as_float<1>(lo), s, b), fmaf(nibble_as_float<1>(hi), s, b));
-      o.z = pack_f16(fmaf(nibble_as_float<2>(lo), s, b), fmaf(nibble_as_float<2>(hi), s, b));
-      o.w = pack_f16(fmaf(nibble_as_float<3>(lo), s, b), fmaf(nibble_as_float<3>(hi), s, b));
-    } else {
-      const uint32_t w0 = __ldg(w.w + n * (w.cols / 4) + 2 * k8),
-                     w1 = __ldg(w.w + n * (w.cols / 4) + 2 * k8 + 1);
-      o.x = pack_f16(fmaf(byte_as_float<0>(w0), s, b), fmaf(byte_as_float<1>(w0), s, b));
-      o.y = pack_f16(fmaf(byte_as_float<2>(w0), s, b), fmaf(byte_as_float<3>(w0), s, b));
-      o.z = pack_f16(fmaf(byte_as_float<0>(w1), s, b), fmaf(byte_as_float<1>(w1), s, b));
-      o.w = pack_f16(fmaf(byte_as_float<2>(w1), s, b), fmaf(byte_as_float<3>(w1), s, b));
-    }
-    *reinterpret_cast<uint4*>(out + n * w.cols + k8 * 8) = o;
-  }
+  const long i = static_cast<long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= args.chunks) return;
+  const int KT = w.cols / kWgGroup;
+  const long tile = i >> 11;  // 2048 chunks a tile: 256 rows x 8
+  const int r = static_cast<int>(i >> 3) & 255, pos = static_cast<int>(i) & 7;
+  const long n = tile / KT * 256 + r;
+  const int k8 = static_cast<int>(tile % KT) * 8 + (pos ^ (r & 7));
+  reinterpret_cast<uint4*>(args.out)[i] = n < w.rows ? expand8<BITS>(w, n, k8) : make_uint4(0u, 0u, 0u, 0u);
 }
 
-// Deepest ring of A and fp16 W tiles that fits (8 at most).
+[[maybe_unused]] constexpr int kW16TileBytes = 256 * 128;  // a tile of the copy: 256 rows x 64 fp16
+
+// Deepest ring of A and fp16 W tiles that fits (8 at most), and its shared memory (+ 1024 for the alignment).
 constexpr int w16_ring(int BN) {
   const int fit = (kSmemMax - 1024 - 256) / (kBM * 128 + BN * 128);
   return fit < 8 ? fit : 8;
 }
+constexpr size_t w16_smem(int BN, int KS) {
+  return 1024 + static_cast<size_t>(KS) * (kBM * 128 + BN * 128) + size_t{2} * KS * sizeof(uint64_t);
+}
 
-// The GEMM on fp16 W: the producer warpgroup only copies (cp.async, 16 bytes a copy) the A tile and the W
-// tile of step kt + KS - 1 into slot (kt + KS - 1) % KS, both K-major with the 128-byte swizzle; the
-// consumers as in qgemm_wgmma_kernel. Step kt: the producer waits for its copies of step kt, fences them to
-// the async proxy and arrives on full[kt % KS] (128 arrivals), then waits until step kt - 1 is consumed and
-// loads step kt + KS - 1 into its slot.
+// The GEMM on fp16 W: the producer warpgroup only copies (cp.async, 16 bytes a copy) the A tile and the
+// W tile of step kt + KS - 1 into slot (kt + KS - 1) % KS, both K-major with the 128-byte swizzle; the consumers as
+// in qgemm_wgmma_kernel. Step kt: the producer waits for its copies of step kt, fences them to the async proxy and
+// arrives on full[kt % KS] (128 arrivals), then waits until step kt - 1 is consumed and loads step kt + KS - 1 into
+// its slot. The block's BN W rows are rows n0 % 256 .. of the copy's 256-row tile n0 / 256 (a half of it at BN =
+// 128), already swizzled: each 16-byte chunk sits at the same offset from the first of those rows as in the slot.
 struct W16Args {
   WgArgs g;
   const __half* w16;
@@ -514,7 +536,8 @@ __global__ void __launch_bounds__(384, 1) qgemm_w16_kernel(const W16Args args) {
       if (a_ok[i])
         a_ptr[i] += static_cast<size_t>(p.gather ? __ldcg(p.gather + row0 + r) : row0 + r) * K + ch * 8;
     }
-    const __half* const b_ptr = w16 + static_cast<size_t>(n0 + r0) * K + ch * 8;
+    const unsigned char* const b_ptr = reinterpret_cast<const unsigned char*>(w16) +
+                                       static_cast<size_t>(n0 / 256) * KT * kW16TileBytes + (n0 % 256) * 128 + dst;
     auto issue = [&](int kt) {
       unsigned char* const as = a_s + (kt % KS) * kABytes + dst;
 #pragma unroll
@@ -522,8 +545,10 @@ __global__ void __launch_bounds__(384, 1) qgemm_w16_kernel(const W16Args args) {
       unsigned char* const bs = b_s + (kt % KS) * kBBytes + dst;
 #pragma unroll
       for (int i = 0; i < kBChunks; ++i) {
-        const bool ok = n0 + r0 + 16 * i < p.N;
-        cp_async_16(bs + i * 16 * 128, ok ? b_ptr + static_cast<size_t>(16 * i) * K + kt * kWgGroup : w16,
+        const bool ok = n0 + r0 + 16 * i < p.N;  // the copy's padding rows are zeros; not read
+        cp_async_16(bs + i * 16 * 128,
+                    ok ? static_cast<const void*>(b_ptr + static_cast<size_t>(kt) * kW16TileBytes + i * 16 * 128)
+                       : static_cast<const void*>(w16),
                     ok);
       }
     };
@@ -564,9 +589,9 @@ __global__ void __launch_bounds__(384, 1) qgemm_w16_kernel(const W16Args args) {
 }
 
 cudaError_t expand_w16(const QMatrix& w, __half* w16, cudaStream_t stream) {
-  const long runs = static_cast<long>(w.rows) * (w.cols / 8);
-  const unsigned blocks = static_cast<unsigned>((runs + 255) / 256);
-  const ExpandArgs e{w, w16};
+  const long chunks = static_cast<long>(qgemm_w16_halves(w) / 8);
+  const unsigned blocks = static_cast<unsigned>((chunks + 255) / 256);
+  const ExpandArgs e{w, w16, chunks};
   return w.bits == 8 ? launch_pdl(expand_w16_kernel<8>, dim3(blocks), dim3(256), 0, stream, e)
                      : launch_pdl(expand_w16_kernel<4>, dim3(blocks), dim3(256), 0, stream, e);
 }
@@ -575,7 +600,7 @@ template <int BN>
 cudaError_t launch_w16(const WgArgs& a, const QMatrix& w, __half* w16, bool expanded, cudaStream_t stream) {
   if (!expanded) CUDA_TRY(expand_w16(w, w16, stream));
   constexpr int KS = w16_ring(BN);
-  constexpr size_t smem = 1024 + size_t{KS} * (kBM * 128 + BN * 128) + size_t{2} * KS * sizeof(uint64_t);
+  constexpr size_t smem = w16_smem(BN, KS);
   static_assert(KS >= 3 && smem <= kSmemMax, "shared memory");
   const dim3 grid((a.M + kBM - 1) / kBM, (a.N + BN - 1) / BN);
   if (grid.y > 65535u) return cudaErrorInvalidValue;
@@ -634,15 +659,16 @@ cudaError_t qgemm_wgmma(const QGemmParams& p, cudaStream_t stream) {
   const int ldc = p.ldc ? p.ldc : w.rows;
   if (!w.w || !w.scales || !w.biases || w.rows < 1 || w.cols < kWgGroup || w.cols % kWgGroup != 0 ||
       (w.bits != 4 && w.bits != 8) || !aligned16(w.w) || !p.a || !p.c || p.M < 1 || ldc < w.rows ||
-      !aligned16(p.a) || (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32)) {
+      !aligned16(p.a) || (p.out != GemmOut::f32 && p.out != GemmOut::f16 && p.out != GemmOut::add_f32) ||
+      (p.wgmma_tile_n != 0 && p.wgmma_tile_n != 128 && p.wgmma_tile_n != 256)) {
     return cudaErrorInvalidValue;
   }
   if (!wgmma_built()) return cudaErrorInvalidDeviceFunction;
   WgArgs a;
   a.w[0] = a.w[1] = w;
   a.a = p.a, a.M = p.M, a.N = w.rows, a.K = w.cols, a.out = p.out, a.c = p.c, a.ldc = ldc;
-  const bool wide = wgmma_dense_wide(a.M, a.N);
-  if (p.w16 && p.w16_bytes >= static_cast<size_t>(w.rows) * w.cols * sizeof(__half) && aligned16(p.w16)) {
+  const bool wide = p.wgmma_tile_n ? p.wgmma_tile_n == 256 : wgmma_dense_wide(a.M, a.N);
+  if (p.w16 && p.w16_bytes >= qgemm_w16_halves(w) * sizeof(__half) && aligned16(p.w16)) {
     return wide ? launch_w16<256>(a, w, p.w16, p.w16_expanded, stream)
                 : launch_w16<128>(a, w, p.w16, p.w16_expanded, stream);
   }

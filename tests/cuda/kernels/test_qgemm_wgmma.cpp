@@ -273,10 +273,16 @@ TEST(CudaQgemmWgmma, DirectCallAndBadShapes) {
   EXPECT_EQ(qgemm_expand_w16(p.w, as_f16_mut(w16) + 1, nullptr), cudaErrorInvalidValue);  // not 16-byte aligned
   p.w.cols = 96;
   EXPECT_EQ(qgemm_expand_w16(p.w, as_f16_mut(w16), nullptr), cudaErrorInvalidValue);
+  p.w.cols = 128;
+  p.a = as_f16(a);
+  for (const int tile_n : {-1, 64, 512}) {  // the test-only width knob takes 0, 128 and 256 only
+    p.wgmma_tile_n = tile_n;
+    EXPECT_EQ(qgemm_wgmma(p, nullptr), cudaErrorInvalidValue) << "wgmma_tile_n " << tile_n;
+  }
 }
 
-// W expanded to fp16 first (QGemmParams::w16), then the copying GEMM: the
-// same fp16 operands and the same k16 order as the dequantising tiles, so every output bit must be equal.
+// W expanded to fp16 first (QGemmParams::w16), then the copying GEMM (qgemm_w16_kernel at the backend's choice of
+// width): the same fp16 operands and the same k16 order as the dequantising tiles, so every output bit must be equal.
 TEST(CudaQgemmWgmma, W16EqualsDequantisingTiles) {
   SKIP_WITHOUT_GPU();
   SKIP_WITHOUT_HOPPER();
@@ -302,7 +308,7 @@ TEST(CudaQgemmWgmma, W16EqualsDequantisingTiles) {
     // Paths: the dequantising tiles; W expanded by the call; W expanded once beforehand (qgemm_expand_w16, into a
     // buffer first filled with NaN bits, so that a missing expansion cannot pass) and kept (w16_expanded).
     std::vector<float> got[3];
-    DeviceBuffer<uint16_t> w16(static_cast<size_t>(c.N) * c.K + 8);
+    DeviceBuffer<uint16_t> w16(qgemm_w16_halves(p.w) + 8);
     for (int path = 0; path < 3; ++path) {
       DeviceBuffer<uint16_t> cb(to_f16(c0));
       DeviceBuffer<float> cf(c0);
@@ -334,6 +340,264 @@ TEST(CudaQgemmWgmma, W16EqualsDequantisingTiles) {
   }
 }
 
+// ---- the fp16 copy's tile order
+
+// The fp16 value qgemm_expand_w16 writes for W[n][k], computed on the host with the device's operations (4-bit:
+// fmaf(0.5 + q / 256, 256 s, b - 128 s), 8-bit: fmaf(q, s, b), both fp32, then one round-to-nearest to fp16), so
+// that the layout check below can ask for equal bits.
+uint16_t expanded_bits(const HostQMatrix& m, int n, int k) {
+  const int per_word = 32 / m.bits;
+  const uint32_t word = m.words[n * m.words_per_row() + k / per_word];
+  const uint32_t q = (word >> ((k % per_word) * m.bits)) & ((1u << m.bits) - 1);
+  const size_t g = static_cast<size_t>(n) * m.groups_per_row() + k / kQuantGroup;
+  const float s = bf16_bits_to_float(m.scales[g]), b = bf16_bits_to_float(m.biases[g]);
+  const float v = m.bits == 4 ? std::fmaf(0.5f + static_cast<float>(q) / 256.0f, 256.0f * s, b - 128.0f * s)
+                              : std::fmaf(static_cast<float>(q), s, b);
+  return to_f16_bits(v);
+}
+
+// qgemm_expand_w16's layout, element by element, into a buffer first filled with NaN bits (with 8 guard halves past
+// qgemm_w16_halves that must stay NaN): half h of the copy is tile h / 16384 = (row block b, step kt) with b = tile /
+// KT, kt = tile % KT; within the tile, row r = (h / 64) % 256 and stored chunk (h / 8) % 8, which holds column chunk
+// ((h / 8) % 8) ^ (r & 7); element h % 8 of it. So W[256 b + r][64 kt + 8 (chunk ^ (r & 7)) + h % 8], or +0.0 for the
+// padding rows 256 b + r >= N.
+TEST(CudaQgemmWgmma, W16CopyTileOrder) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  struct Case {
+    int N, K, bits;
+  };
+  const Case cases[] = {{300, 128, 4}, {300, 128, 8}, {200, 192, 4}, {512, 64, 8}, {12352, 2048, 4}};
+  uint32_t seed = 15000;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(testing::Message() << "N " << c.N << " K " << c.K << " bits " << c.bits);
+    HostQMatrix hw = fast_qmatrix(c.N, c.K, c.bits, seed += 11);
+    const QMatrix w = hw.upload();
+    const size_t halves = qgemm_w16_halves(w);
+    ASSERT_EQ(halves, static_cast<size_t>((c.N + 255) / 256) * 256 * c.K);
+    DeviceBuffer<uint16_t> w16(halves + 8);
+    ASSERT_CUDA(cudaMemset(w16.get(), 0xff, w16.size() * 2));
+    ASSERT_CUDA(qgemm_expand_w16(w, as_f16_mut(w16), nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    const std::vector<uint16_t> got = w16.download();
+    const int KT = c.K / 64;
+    size_t bad = 0;
+    for (size_t h = 0; h < halves; ++h) {
+      const size_t tile = h / 16384;
+      const int r = static_cast<int>(h / 64 % 256), chunk = static_cast<int>(h / 8 % 8), e = static_cast<int>(h % 8);
+      const int n = static_cast<int>(tile / KT) * 256 + r,
+                k = static_cast<int>(tile % KT) * 64 + 8 * (chunk ^ (r & 7)) + e;
+      const uint16_t want = n < c.N ? expanded_bits(hw, n, k) : uint16_t{0};
+      if (got[h] != want && bad++ < 8) {
+        ADD_FAILURE() << "half " << h << " (tile " << tile << ", row " << r << ", stored chunk " << chunk
+                      << "): bits 0x" << std::hex << got[h] << ", want 0x" << want << std::dec << " = W[" << n
+                      << "][" << k << "]" << (n < c.N ? "" : " (padding row: zero)");
+      }
+    }
+    EXPECT_EQ(bad, 0u) << "elements of the copy not in qgemm_w16_halves's tile order";
+    for (size_t h = halves; h < got.size(); ++h) EXPECT_EQ(got[h], 0xffff) << "wrote past the copy at half " << h;
+  }
+}
+
+// A QGemmParams output buffer holding c0 (fp16 or fp32 by p.out) and its contents as floats after a call.
+struct OutBuf {
+  DeviceBuffer<uint16_t> h;
+  DeviceBuffer<float> f;
+  bool f16;
+  OutBuf(const std::vector<float>& c0, GemmOut out) : f16(out == GemmOut::f16) {
+    if (f16) h = DeviceBuffer<uint16_t>(to_f16(c0));
+    else f = DeviceBuffer<float>(c0);
+  }
+  void* ptr() const { return f16 ? static_cast<void*>(h.get()) : static_cast<void*>(f.get()); }
+  std::vector<float> get() const {
+    if (!f16) return f.download();
+    std::vector<float> v;
+    for (uint16_t b : h.download()) v.push_back(f16_bits_to_float(b));
+    return v;
+  }
+};
+
+// Every element of `got` has the bits of the same element of `want` (rows of ldc floats).
+void expect_same_bits(const std::vector<float>& got, const std::vector<float>& want, int ldc, const char* what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  size_t differ = 0, first = 0;
+  for (size_t i = 0; i < got.size(); ++i)
+    if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0 && differ++ == 0) first = i;
+  EXPECT_EQ(differ, 0u) << what << ": " << differ << " elements differ, the first at row " << first / ldc << " col "
+                        << first % ldc << ": " << got[first] << " against " << want[first];
+}
+
+// The fp16-W kernel on the tile-order copy (qgemm_w16_kernel, 128- and 256-wide tiles forced with
+// QGemmParams::wgmma_tile_n, so that both run at every M, N) against the dequantising kernel at the same width, on
+// fresh random weights and activations: the same fp16 operands, the same wgmma sequence, so every output bit must be
+// equal (asserted on every element, the row padding past N included: all start from the same c0, and nothing may
+// be written past N). Then against the CPU reference on sampled elements (tolerance as MatchesMmaSyncAndCpu).
+// Shapes: M 1, 127, 128, 129, 255, 256, 257, 4097 (tails in the last 128-row tile), N 12352 (48 x 256 + 64: the
+// copy's padded rows), 2048, 300 (one full 256-row tile and a tail) and 200 (< 256), K 2048 and 4096, 4- and 8-bit
+// W; the output modes rotate over the row counts, all three at 4097 x 2048 and at 129 x 300. At M 257 the kernel
+// also expands W itself (w16_expanded false, into a NaN-filled buffer of its own).
+TEST(CudaQgemmWgmma, W16TileOrderEqualsDequantising) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  struct Case {
+    int N, K, bits;
+  };
+  const Case cases[] = {{12352, 2048, 4}, {2048, 4096, 4}, {300, 4096, 8}, {200, 2048, 8}, {12352, 2048, 8}};
+  const int Ms[] = {1, 127, 128, 129, 255, 256, 257, 4097};
+  uint32_t seed = 16000;
+  int mode = 0;
+  for (const Case& c : cases) {
+    const Weights wt(c.N, c.K, c.bits, seed += 13);
+    DeviceBuffer<uint16_t> w16(qgemm_w16_halves(wt.dev)), w16_call(qgemm_w16_halves(wt.dev));
+    ASSERT_CUDA(cudaMemset(w16.get(), 0xff, w16.size() * 2));
+    ASSERT_CUDA(qgemm_expand_w16(wt.dev, as_f16_mut(w16), nullptr));
+    for (const int M : Ms) {
+      // 8-bit gdn_in is there for its N tail in 8 bits: M 4097 is covered by the 4-bit case.
+      if (M == 4097 && c.N == 12352 && c.bits == 8) continue;
+      const bool all_modes = (M == 4097 && c.N == 2048) || (M == 129 && c.N == 300);
+      for (int m = 0; m < (all_modes ? 3 : 1); ++m) {
+        const GemmOut out = static_cast<GemmOut>((mode + m) % 3);
+        SCOPED_TRACE(testing::Message() << "M " << M << " N " << c.N << " K " << c.K << " bits " << c.bits << " out "
+                                        << static_cast<int>(out));
+        std::vector<float> a = random_vector(static_cast<size_t>(M) * c.K, seed += 3);
+        for (float& v : a) v = f16_round(v);
+        const int ldc = c.N + (M % 2) * 3;  // a row stride other than N for odd M
+        const std::vector<float> c0 = random_vector(static_cast<size_t>(M) * ldc, seed + 1);
+        DeviceBuffer<uint16_t> d_a(to_f16(a));
+        QGemmParams p;
+        p.w = wt.dev;
+        p.a = as_f16(d_a);
+        p.M = M;
+        p.out = out;
+        p.ldc = ldc;
+        for (const int tile_n : {256, 128}) {
+          SCOPED_TRACE(testing::Message() << "tiles " << tile_n << " wide");
+          p.wgmma_tile_n = tile_n;
+          // Paths: 0 the dequantising kernel, 1 qgemm_w16_kernel on the copy, 2 (M 257) qgemm_w16_kernel expanding
+          // W first.
+          std::vector<float> got[3];
+          for (int path = 0; path < (M == 257 ? 3 : 2); ++path) {
+            OutBuf cb(c0, out);
+            p.c = cb.ptr();
+            p.w16 = path == 0 ? nullptr : as_f16_mut(path == 2 ? w16_call : w16);
+            p.w16_bytes = path == 0 ? 0 : w16.size() * 2;
+            p.w16_expanded = path != 2;
+            if (path == 2) ASSERT_CUDA(cudaMemset(w16_call.get(), 0xff, w16_call.size() * 2));
+            ASSERT_CUDA(qgemm_wgmma(p, nullptr));
+            ASSERT_CUDA(cudaDeviceSynchronize());
+            got[path] = cb.get();
+          }
+          expect_same_bits(got[1], got[0], ldc, "fp16-W kernel vs the dequantising kernel");
+          if (M == 257) expect_same_bits(got[2], got[1], ldc, "fp16-W kernel expanding W itself vs on the copy");
+          if (HasFailure()) return;
+
+          // Nothing past N (the three paths agree there, so check one against c0) and the CPU reference on sampled
+          // elements: all rows up to 80, else the first and last 8 and 16 spread between; all columns up to 512,
+          // else every 13th and the last 16.
+          auto c_init = [&](size_t i) { return out == GemmOut::f16 ? f16_round(c0[i]) : c0[i]; };
+          int bad = 0;
+          for (int r = 0; r < M; ++r)
+            for (int n = c.N; n < ldc; ++n) {
+              const size_t i = static_cast<size_t>(r) * ldc + n;
+              if (got[1][i] != c_init(i) && bad++ < 5) ADD_FAILURE() << "wrote past N at row " << r << " col " << n;
+            }
+          std::vector<int> rows, cols;
+          for (int r = 0; r < M; ++r)
+            if (M <= 80 || r < 8 || r >= M - 8 || r % (M / 16) == 0) rows.push_back(r);
+          for (int n = 0; n < c.N; ++n)
+            if (c.N <= 512 || n % 13 == 0 || n >= c.N - 16) cols.push_back(n);
+          for (int r : rows) {
+            const float* x = &a[static_cast<size_t>(r) * c.K];
+            for (int n : cols) {
+              const size_t i = static_cast<size_t>(r) * ldc + n;
+              const Dot d = dot_row(wt.rows[n], x);
+              double ref = d.dot, tol = d.tol();
+              if (out == GemmOut::add_f32) ref += c0[i], tol += 1e-6 * std::fabs(c0[i]);
+              if (out == GemmOut::f16) tol += kF16 * std::fabs(ref);
+              if (!(std::fabs(got[1][i] - ref) <= tol) && bad++ < 5) {
+                ADD_FAILURE() << "vs CPU: row " << r << " col " << n << ": got " << got[1][i] << " want " << ref
+                              << " tol " << tol;
+              }
+            }
+          }
+          EXPECT_EQ(bad, 0) << "fp16-W kernel vs CPU";
+          if (HasFailure()) return;
+        }
+      }
+      ++mode;
+    }
+  }
+}
+
+// Exact-integer probe of the fp16-W kernel's W stages on the tile-order copy (read it first if
+// W16TileOrderEqualsDequantising fails): 8-bit codes, scale 1, bias 256 kt in step kt (exact in bf16 and, with the
+// code, in fp16: at most 1535), code of W[n][k] = k % 64 + 64 (n / 128 % 2) + 128 (n % 2); row m of A has a single 1,
+// at column k_m = 3 m % 384 (K = 384: six steps, so the ring wraps and every barrier changes phase). So C[m][n] =
+// W[n][k_m] exactly, and a wrong value v names the weight it came from: step v / 256, column v % 64 within it, the
+// 128-row half of the copy's 256-row tile (v / 64 % 2) and the row's parity (v / 128 % 2). N = 512 (two tiles of the
+// copy); M 256 and 128. Run on the dequantising kernel too: if it fails as well, the probe is wrong, not the copy.
+TEST(CudaQgemmWgmma, W16LayoutProbe) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  const int N = 512, K = 384, KT = K / 64;
+  HostQMatrix w;
+  w.rows = N, w.cols = K, w.bits = 8;
+  w.words.assign(N * w.words_per_row(), 0u);
+  for (int n = 0; n < N; ++n)
+    for (int k = 0; k < K; ++k) {
+      const uint32_t code = k % 64 + 64 * (n / 128 % 2) + 128 * (n % 2);
+      w.words[n * w.words_per_row() + k / 4] |= code << (8 * (k % 4));
+    }
+  w.scales.assign(N * w.groups_per_row(), to_bf16_bits(1.0f));
+  w.biases.resize(N * w.groups_per_row());
+  for (int n = 0; n < N; ++n)
+    for (int kt = 0; kt < KT; ++kt) w.biases[n * KT + kt] = to_bf16_bits(256.0f * kt);
+  const QMatrix dw = w.upload();
+  DeviceBuffer<uint16_t> w16(qgemm_w16_halves(dw));
+  ASSERT_CUDA(qgemm_expand_w16(dw, as_f16_mut(w16), nullptr));
+  auto want = [&](int m, int n) {
+    const int k = 3 * m % K;
+    return static_cast<float>(k % 64 + 64 * (n / 128 % 2) + 128 * (n % 2) + 256 * (k / 64));
+  };
+  for (const int M : {256, 128}) {
+    std::vector<float> a(static_cast<size_t>(M) * K, 0.0f);
+    for (int m = 0; m < M; ++m) a[static_cast<size_t>(m) * K + 3 * m % K] = 1.0f;
+    DeviceBuffer<uint16_t> d_a(to_f16(a));
+    for (int path = 0; path < 3; ++path) {  // qgemm_w16_kernel<256>, qgemm_w16_kernel<128>, the dequantising kernel
+      const char* name[3] = {"qgemm_w16_kernel<256>", "qgemm_w16_kernel<128>", "dequantising kernel"};
+      SCOPED_TRACE(testing::Message() << name[path] << ", M " << M);
+      DeviceBuffer<float> d_c(static_cast<size_t>(M) * N);
+      QGemmParams p;
+      p.w = dw;
+      p.a = as_f16(d_a);
+      p.M = M;
+      p.c = d_c.get();
+      p.wgmma_tile_n = path == 1 ? 128 : 256;
+      if (path < 2) p.w16 = as_f16_mut(w16), p.w16_bytes = w16.size() * 2, p.w16_expanded = true;
+      ASSERT_CUDA(qgemm_wgmma(p, nullptr));
+      ASSERT_CUDA(cudaDeviceSynchronize());
+      const std::vector<float> got = d_c.download();
+      int bad = 0;
+      for (int m = 0; m < M; ++m)
+        for (int n = 0; n < N; ++n) {
+          const float v = got[static_cast<size_t>(m) * N + n], wv = want(m, n);
+          if (v == wv || bad++ >= 12) continue;
+          const int iv = static_cast<int>(v);
+          testing::Message why;
+          if (v == iv && iv >= 0 && iv < 256 * KT) {
+            why << " (got the weight of step " << iv / 256 << ", column " << iv % 64 << " of the step, W-tile half "
+                << iv / 64 % 2 << ", row parity " << iv / 128 % 2 << "; want step " << 3 * m % K / 64 << ", column "
+                << 3 * m % K % 64 << ", half " << n / 128 % 2 << ", parity " << n % 2 << ")";
+          } else {
+            why << " (not a single weight)";
+          }
+          ADD_FAILURE() << "C[" << m << "][" << n << "] = " << v << ", want " << wv << why;
+        }
+      EXPECT_EQ(bad, 0);
+    }
+  }
+}
+
 // ---- timings (print only)
 // ----------------------------------------------------------------------------------------
 
@@ -352,7 +616,7 @@ TEST(CudaQgemmWgmmaBench, DenseShapes) {
   const DeviceBuffer<uint16_t> pool = bench_pool(size_t{3} << 30);
   const DeviceBuffer<uint16_t> a = bench_pool(size_t{4096} * 4096 * 2, 7);  // fp16 activations in +-[1, 1.25)
   DeviceBuffer<float> c(size_t{4096} * 12352);
-  DeviceBuffer<uint16_t> w16(size_t{12352} * 4096);
+  DeviceBuffer<uint16_t> w16(size_t{(12352 + 255) / 256 * 256} * 4096);  // the largest shape's qgemm_w16_halves
   for (const int M : {256, 1024, 4096}) {
   std::printf(
       "\nqgemm at M %d, cold weights (a different copy per call), CUDA-graph replay: mma.sync | wgmma | wgmma on "
@@ -378,6 +642,57 @@ TEST(CudaQgemmWgmmaBench, DenseShapes) {
     std::printf("  %-16s N %6d K %5d q%d: %9.1f us %6.1f TFLOP/s | %9.1f us %6.1f TFLOP/s | %9.1f us %6.1f TFLOP/s\n",
                 s.name, s.N, s.K, s.bits, us[0], tf[0], us[1], tf[1], us[2], tf[2]);
   }
+  }
+}
+
+// The fp16-W GEMM on resident copies (expanded once, as the backend keeps them; four copies, one a call, so that W
+// comes cold from HBM as in the prefill) at the prefill's dense shapes: qgemm_w16_kernel at 256-wide tiles | what the
+// backend runs (256-wide where wgmma_dense_wide, else 128-wide, marked).
+TEST(CudaQgemmWgmmaBench, W16Resident) {
+  SKIP_WITHOUT_GPU();
+  SKIP_WITHOUT_HOPPER();
+  struct Shape {
+    const char* name;
+    int N, K;
+  };
+  const Shape shapes[] = {{"gdn in_proj", 12352, 2048}, {"attn in", 9216, 2048}, {"out_proj", 2048, 4096}};
+  const int kMaxM = 8192;
+  const int kIters = 4, copies = kIters;  // a graph of 4 calls, each on a copy of its own (> the L2 together)
+  const DeviceBuffer<uint16_t> pool = bench_pool(size_t{256} << 20);
+  const DeviceBuffer<uint16_t> a = bench_pool(size_t{kMaxM} * 4096 * 2, 7);  // fp16 activations in +-[1, 1.25)
+  DeviceBuffer<float> c(size_t{kMaxM} * 12352);
+  for (const Shape& s : shapes) {
+    const size_t halves = qgemm_w16_halves(bench_qmatrix(pool, s.N, s.K, 4, 0));
+    DeviceBuffer<uint16_t> w16(halves * copies);
+    for (int i = 0; i < copies; ++i)
+      ASSERT_CUDA(qgemm_expand_w16(bench_qmatrix(pool, s.N, s.K, 4, i), as_f16_mut(w16) + halves * i, nullptr));
+    ASSERT_CUDA(cudaDeviceSynchronize());
+    std::printf(
+        "\n%s N %d K %d q4, fp16 W resident (%d copies), CUDA-graph replay: 256-wide tiles | the backend's choice\n",
+        s.name, s.N, s.K, copies);
+    for (const int M : {1024, 2048, 4096, 8192}) {
+      double us[2] = {0, 0}, tf[2] = {0, 0};
+      for (int path = 0; path < 2; ++path) {
+        us[path] = graph_time_us(
+            [&](int i, cudaStream_t st) {
+              QGemmParams p;
+              p.w = bench_qmatrix(pool, s.N, s.K, 4, i % copies);
+              p.a = as_f16(a);
+              p.M = M;
+              p.c = c.get();
+              p.w16 = as_f16_mut(w16) + halves * (i % copies);
+              p.w16_bytes = halves * 2;
+              p.w16_expanded = true;
+              p.wgmma_tile_n = path == 0 ? 256 : 0;
+              return qgemm_wgmma(p, st);
+            },
+            kIters);
+        tf[path] = us[path] > 0 ? 2.0 * M * s.N * s.K / (us[path] * 1e6) : 0;
+      }
+      const bool wide = static_cast<long>((M + 127) / 128) * ((s.N + 255) / 256) >= 132;  // wgmma_dense_wide
+      std::printf("  M %5d: %9.1f us %6.1f TFLOP/s | %9.1f us %6.1f TFLOP/s (%s)\n", M, us[0], tf[0], us[1], tf[1],
+                  wide ? "256" : "128");
+    }
   }
 }
 
