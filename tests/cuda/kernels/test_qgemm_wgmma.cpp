@@ -63,23 +63,42 @@ struct Weights {
   }
 };
 
+// One GEMM's inputs on fresh random values: fp16-exact activations a [M, K], the output's initial c0 at a row stride
+// other than N for odd M (so that the epilogue's stride is exercised), and the params of W x a into it.
+struct GemmInputs {
+  std::vector<float> a, c0;
+  int ldc;
+  DeviceBuffer<uint16_t> d_a;
+  QGemmParams p;
+  GemmInputs(const Weights& wt, int M, GemmOut out, uint32_t seed)
+      : a(random_vector(static_cast<size_t>(M) * wt.host.cols, seed)),
+        c0(random_vector(static_cast<size_t>(M) * (wt.host.rows + (M % 2) * 3), seed + 1)),
+        ldc(wt.host.rows + (M % 2) * 3),
+        d_a(to_f16(round_f16(a))) {
+    a = round_f16(a);
+    p.w = wt.dev;
+    p.a = as_f16(d_a);
+    p.M = M;
+    p.out = out;
+    p.ldc = ldc;
+  }
+  static std::vector<float> round_f16(std::vector<float> v) {
+    for (float& x : v) x = f16_round(x);
+    return v;
+  }
+};
+
 void check_wgmma(const Weights& wt, int M, GemmOut out, uint32_t seed) {
   const int N = wt.host.rows, K = wt.host.cols;
   const std::vector<std::vector<float>>& w_rows = wt.rows;
   const std::vector<double>& w_max = wt.max_abs;
   SCOPED_TRACE(testing::Message() << "M " << M << " N " << N << " K " << K << " bits " << wt.host.bits
                                   << " out " << static_cast<int>(out));
-  std::vector<float> a = random_vector(static_cast<size_t>(M) * K, seed);
-  for (float& v : a) v = f16_round(v);
-  const int ldc = N + (M % 2) * 3;  // a row stride other than N for odd M
-  const std::vector<float> c0 = random_vector(static_cast<size_t>(M) * ldc, seed + 1);
-  DeviceBuffer<uint16_t> d_a(to_f16(a));
-  QGemmParams p;
-  p.w = wt.dev;
-  p.a = as_f16(d_a);
-  p.M = M;
-  p.out = out;
-  p.ldc = ldc;
+  GemmInputs in(wt, M, out, seed);
+  const std::vector<float>& a = in.a;
+  const std::vector<float>& c0 = in.c0;
+  const int ldc = in.ldc;
+  QGemmParams& p = in.p;
   bool ok_w = false, ok_m = false;
   const std::vector<float> got = run_path(p, true, c0, &ok_w);
   const std::vector<float> base = run_path(p, false, c0, &ok_m);
@@ -459,17 +478,11 @@ TEST(CudaQgemmWgmma, W16TileOrderEqualsDequantising) {
         const GemmOut out = static_cast<GemmOut>((mode + m) % 3);
         SCOPED_TRACE(testing::Message() << "M " << M << " N " << c.N << " K " << c.K << " bits " << c.bits << " out "
                                         << static_cast<int>(out));
-        std::vector<float> a = random_vector(static_cast<size_t>(M) * c.K, seed += 3);
-        for (float& v : a) v = f16_round(v);
-        const int ldc = c.N + (M % 2) * 3;  // a row stride other than N for odd M
-        const std::vector<float> c0 = random_vector(static_cast<size_t>(M) * ldc, seed + 1);
-        DeviceBuffer<uint16_t> d_a(to_f16(a));
-        QGemmParams p;
-        p.w = wt.dev;
-        p.a = as_f16(d_a);
-        p.M = M;
-        p.out = out;
-        p.ldc = ldc;
+        GemmInputs in(wt, M, out, seed += 3);
+        const std::vector<float>& a = in.a;
+        const std::vector<float>& c0 = in.c0;
+        const int ldc = in.ldc;
+        QGemmParams& p = in.p;
         for (const int tile_n : {256, 128}) {
           SCOPED_TRACE(testing::Message() << "tiles " << tile_n << " wide");
           p.wgmma_tile_n = tile_n;
