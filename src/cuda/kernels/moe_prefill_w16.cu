@@ -145,6 +145,11 @@ __device__ __forceinline__ void issue(float (&acc)[kChunks][16], uint64_t da, ui
   for (int j = 0; j < 4; ++j) wgmma_ss<NCH>(acc, da + ((32 * j) >> 4), db + ((32 * j) >> 4), kt > 0 || j > 0);
 }
 
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
+               "r"(bytes)
+               : "memory");
+}
 // An arrive on bar once this thread's earlier cp.async copies have landed (counted in the barrier's init count).
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
@@ -159,6 +164,14 @@ constexpr uint64_t kEvictFirst = 0x12F0000000000000ull, kEvictLast = 0x14F000000
 __device__ __forceinline__ void cp_async_16_hint(void* dst_s, const void* src, uint64_t pol) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(dst_s));
   asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "l"(pol) : "memory");
+}
+// bytes from global src to shared dst by the copy engine, counted on mbarrier bar's transaction count.
+__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+          dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(pol)
+      : "memory");
 }
 #endif
 

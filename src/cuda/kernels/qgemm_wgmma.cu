@@ -475,13 +475,10 @@ __global__ void expand_w16_kernel(const ExpandArgs args) {
 
 [[maybe_unused]] constexpr int kW16TileBytes = 256 * 128;  // a tile of the copy: 256 rows x 64 fp16
 
-// Deepest ring of A and fp16 W tiles that fits (8 at most), and its shared memory (+ 1024 for the alignment).
+// Deepest ring of A and fp16 W tiles that fits (8 at most).
 constexpr int w16_ring(int BN) {
   const int fit = (kSmemMax - 1024 - 256) / (kBM * 128 + BN * 128);
   return fit < 8 ? fit : 8;
-}
-constexpr size_t w16_smem(int BN, int KS) {
-  return 1024 + static_cast<size_t>(KS) * (kBM * 128 + BN * 128) + size_t{2} * KS * sizeof(uint64_t);
 }
 
 // The GEMM on fp16 W: the producer warpgroup only copies (cp.async, 16 bytes a copy) the A tile and the
@@ -600,7 +597,7 @@ template <int BN>
 cudaError_t launch_w16(const WgArgs& a, const QMatrix& w, __half* w16, bool expanded, cudaStream_t stream) {
   if (!expanded) CUDA_TRY(expand_w16(w, w16, stream));
   constexpr int KS = w16_ring(BN);
-  constexpr size_t smem = w16_smem(BN, KS);
+  constexpr size_t smem = 1024 + size_t{KS} * (kBM * 128 + BN * 128) + size_t{2} * KS * sizeof(uint64_t);
   static_assert(KS >= 3 && smem <= kSmemMax, "shared memory");
   const dim3 grid((a.M + kBM - 1) / kBM, (a.N + BN - 1) / BN);
   if (grid.y > 65535u) return cudaErrorInvalidValue;

@@ -1,8 +1,7 @@
 // Hopper (sm_90a) device helpers shared by the warpgroup-MMA kernels (qgemm_wgmma.cu, moe_prefill_rs.cu,
-// moe_prefill_w16.cu, attn_prefill_wgmma.cu): mbarriers (CTA scope), bulk copies onto mbarriers (the copy engine),
-// the generic -> async proxy fence, the producer warpgroup's named barrier, the wgmma fence / commit / wait
-// wrappers, the register fence around asynchronous accumulators and the descriptor of a K-major operand in the
-// 128-byte swizzled layout.
+// attn_prefill_wgmma.cu): mbarriers (CTA scope), the generic -> async proxy fence, the producer warpgroup's named
+// barrier, the wgmma fence / commit / wait wrappers, the register fence around asynchronous accumulators and the
+// descriptor of a K-major operand in the 128-byte swizzled layout.
 // Use them only inside `#if defined(LILY_SM90A_PASS)`: the instructions exist in an sm_90a device pass only (the
 // kernels compile to nothing elsewhere and their launchers refuse to launch, see wgmma_built). In their own
 // namespace so that they never collide with other kernels' helpers.
@@ -48,26 +47,6 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   while (!mbar_try_wait(bar, parity)) {
   }
 }
-// An arrive that first raises the barrier's expected transaction bytes of the current phase by `bytes` (the bulk
-// copies that complete on it; their bytes may land before this arrive: the phase completes only once every expected
-// arrival, this one included, has come and the transaction count is back at zero).
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar),
-               "r"(bytes)
-               : "memory");
-}
-
-// ---- bulk copies (the copy engine): `bytes` (a multiple of 16; src, dst 16-byte aligned) from global src to shared
-// dst, counted as complete_tx bytes on mbarrier bar.
-// Into this CTA, under L2 policy pol (the 64-bit operand of .L2::cache_hint).
-__device__ __forceinline__ void bulk_copy(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar, uint64_t pol) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-          dst),
-      "l"(src), "r"(bytes), "r"(bar), "l"(pol)
-      : "memory");
-}
-
 // Generic-proxy writes to shared memory (st.shared, cp.async) made visible to the async proxy (wgmma).
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
