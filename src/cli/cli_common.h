@@ -41,7 +41,7 @@ inline constexpr const char* kCtxSizeHelp =
 inline constexpr const char* kSpeculativeHelp =
     "mtp:K (K = 1..3): speculative decoding, K tokens drafted per step by the checkpoint's multi-token-prediction "
     "head and verified in one forward (greedy output unchanged, sampled output equally distributed); off by "
-    "default. CPU backend only for now";
+    "default; CPU and CUDA backends";
 inline constexpr const char* kMtpFromHelp =
     "take the MTP head from this checkpoint of the same model (e.g. the Hugging Face one; mlx-lm conversions have "
     "none)";
