@@ -358,7 +358,7 @@ cudaError_t moe_prefill(const MoePrefillParams& p, cudaStream_t stream) {
   const bool use_w16 = w16_ok && (p.tile_rows == kRsRows ||
                                   (p.tile_rows == 0 && routed >= static_cast<long>(kW16MinRowsPerExpert) * E));
   const bool rs_auto = rs_ok && routed >= 40L * E && wgmma_built();
-  const int tile_rows = use_w16       ? kW16Rows
+  const int tile_rows = use_w16       ? kRsRows
                         : p.tile_rows ? p.tile_rows
                         : few_ok && routed < 40L * E ? kFewRows
                         : rs_auto                    ? kRsRows

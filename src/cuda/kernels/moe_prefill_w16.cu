@@ -33,23 +33,20 @@ namespace {
 using namespace wgmma_util;
 using namespace grouped_tiles;
 
-#ifndef LILY_W16_WSTAGES  // EXPERIMENT (2026-12-07): ring-depth variants, removed once measured
-#define LILY_W16_WSTAGES 7
-#define LILY_W16_BSTAGES 4
-#endif
-constexpr int kWStages = LILY_W16_WSTAGES;  // weight ring depth (the DRAM stream)
-constexpr int kBStages = LILY_W16_BSTAGES;  // activation ring depth (gathered rows, from the L2)
+constexpr int kWStages = 7;               // weight ring depth (the DRAM stream)
+constexpr int kBStages = 4;               // activation ring depth (gathered rows, from the L2)
 constexpr int kBThreads = 96;             // producer warps 1-3 copy the activation rows; warp 0 lane 0 the weights
 constexpr int kThreads = 256 + 128;       // two consumer warpgroups, one producer warpgroup
-constexpr int kBBytes = kW16Rows * 128;    // a stage's activation tile (fp16, 128-byte swizzle)
+constexpr int kBBytes = kRsRows * 128;    // a stage's activation tile (fp16, 128-byte swizzle)
 constexpr int kWHalves = kARows * 64;     // a stage's weights: 128 rows x 64 k (one tile of the copies)
 constexpr int kWBytes = kWHalves * 2;
-constexpr int kBRowsPer = kW16Rows * 8 / kBThreads;     // activation rows a copying thread takes a stage (16 B each)
+[[maybe_unused]] constexpr int kBRowsPer = kRsRows * 8 / kBThreads;     // activation rows a copying thread takes a stage (16 B each)
 constexpr size_t kWOff = size_t{kBStages} * kBBytes;
-constexpr size_t kBarOff = kWOff + size_t{kWStages} * kWBytes;
+constexpr size_t kGOff = kWOff + size_t{kWStages} * kWBytes;  // the item's gather indices
+constexpr size_t kBarOff = kGOff + kRsRows * 4;
 constexpr size_t kSmem = kBarOff + 2 * (kWStages + kBStages) * 8 + 1024;  // + alignment slack
 static_assert(kSmem <= 232448, "shared memory");
-static_assert(kW16Rows * 8 % kBThreads == 0 && kBThreads % 8 == 0, "activation copy split");
+static_assert(kRsRows * 8 % kBThreads == 0 && kBThreads % 8 == 0, "activation copy split");
 
 #if defined(LILY_SM90A_PASS)
 // D[64, 32 NCH] (+)= A[64, 16] . B[32 NCH, 16]^T, both K-major in shared memory (descriptors da, db); scale_d 0
@@ -157,6 +154,7 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 __device__ __forceinline__ void cp_async_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
+__device__ __forceinline__ void b_threads_sync() { asm volatile("bar.sync 1, %0;" ::"n"(kBThreads) : "memory"); }
 // L2 cache policies as the 64-bit operands of .L2::cache_hint (the encodings createpolicy yields for a whole-
 // fraction evict-first / evict-last policy on sm_90, as constants: ptxas has miscompiled createpolicy.fractional
 // with cp.async, docs/PERF_NOTES.md 2026-12-03). The weights, each read once a chunk, are evicted first; the
@@ -232,46 +230,32 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_w16_kernel(const __grid_c
       }
       return;
     }
-    // ---------------- activation copies (warps 1-3): the tile's gathered rows, chunk ch of rows r0 + 12 i. Each
-    // thread holds its rows' gather indices in registers; the next item's tile and indices are read while this
-    // item's stages are issued, so that an item boundary costs no dependent load before its first copy.
+    // ---------------- activation copies (warps 1-3): the tile's gathered rows, chunk ch of rows r0 + 12 i
     const int u = t - 32, ch = u & 7, r0 = u >> 3;
-    auto gather_rows = [&](int row0, int rows, int (&g)[kBRowsPer]) {
-#pragma unroll
-      for (int i = 0; i < kBRowsPer; ++i) {
-        const int r = r0 + (kBThreads / 8) * i;
-        g[i] = r >= rows ? -1 : p.gather ? __ldcg(p.gather + row0 + r) : row0 + r;
-      }
-    };
-    int cur[kBRowsPer], nxt[kBRowsPer];
-    if (static_cast<int>(blockIdx.x) < items) {
-      const Item first = item_of<SWIGLU>(p, blockIdx.x, slices);
-      gather_rows(first.row0, first.rows, cur);
-    }
+    int* const gidx = reinterpret_cast<int*>(smem + kGOff);
     int gs = 0, slot = 0;
     uint32_t phase = 0;
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const int next = item + static_cast<int>(gridDim.x);
-      int nrow0 = 0, nrows = 0;
-      if (next < items) {
-        const int tile = next / slices;
-        nrow0 = __ldcg(p.tile_row0 + tile), nrows = __ldcg(p.tile_rows + tile);
+      const Item it = item_of<SWIGLU>(p, item, slices);
+      b_threads_sync();  // every copying thread is done with the previous item's gather indices
+      for (int r = u; r < it.rows; r += kBThreads) gidx[r] = p.gather ? __ldcg(p.gather + it.row0 + r) : it.row0 + r;
+      b_threads_sync();
+      const __half* src[kBRowsPer];
+      int dst[kBRowsPer];
+#pragma unroll
+      for (int i = 0; i < kBRowsPer; ++i) {
+        const int r = r0 + (kBThreads / 8) * i;
+        src[i] = r < it.rows ? p.a + static_cast<size_t>(gidx[r]) * p.K + ch * 8 : nullptr;
+        dst[i] = r * 128 + ((ch ^ (r & 7)) << 4);
       }
       for (int kt = 0; kt < KT; ++kt, ++gs, slot = slot + 1 == kBStages ? (phase ^= 1, 0) : slot + 1) {
         if (gs >= kBStages) mbar_wait(eb0 + 8 * slot, phase ^ 1);
         unsigned char* const bs = smem + static_cast<size_t>(slot) * kBBytes;
 #pragma unroll
-        for (int i = 0; i < kBRowsPer; ++i) {
-          const int r = r0 + (kBThreads / 8) * i;
-          if (cur[i] >= 0)
-            cp_async_16_hint(bs + r * 128 + ((ch ^ (r & 7)) << 4),
-                             p.a + static_cast<size_t>(cur[i]) * p.K + ch * 8 + kt * 64, kEvictLast);
-        }
+        for (int i = 0; i < kBRowsPer; ++i)
+          if (src[i]) cp_async_16_hint(bs + dst[i], src[i] + kt * 64, kEvictLast);
         cp_async_arrive(fb0 + 8 * slot);
-        if (kt == 0) gather_rows(nrow0, nrows, nxt);  // after the first stage's copies: the tile has landed
       }
-#pragma unroll
-      for (int i = 0; i < kBRowsPer; ++i) cur[i] = nxt[i];
     }
     cp_async_wait<0>();
     return;
@@ -313,12 +297,8 @@ __global__ void __launch_bounds__(kThreads, 1) grouped_w16_kernel(const __grid_c
       if (++bs == kBStages) bs = 0, bphase ^= 1;
     }
   };
-  // The next item's tile is read while this one runs (its loads complete under the K loop).
-  Item nit{};
-  if (static_cast<int>(blockIdx.x) < items) nit = item_of<SWIGLU>(p, blockIdx.x, slices);
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const Item it = nit;
-    if (item + static_cast<int>(gridDim.x) < items) nit = item_of<SWIGLU>(p, item + gridDim.x, slices);
+    const Item it = item_of<SWIGLU>(p, item, slices);
     switch ((it.rows + 31) / 32) {  // the tile's 32-row chunks (warpgroup-uniform)
       case 1: run_item(std::integral_constant<int, 1>{}); break;
       case 2: run_item(std::integral_constant<int, 2>{}); break;

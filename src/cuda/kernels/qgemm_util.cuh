@@ -53,10 +53,6 @@ long wgmma_dense_blocks(int M, int N);
 // tile. 4-bit matrices; N a multiple of 64 (swiglu) or 128, K a multiple of 512 up to 4096; sm_90a only (else
 // cudaErrorInvalidDeviceFunction).
 inline constexpr int kRsRows = 192;
-#ifndef LILY_W16_ROWS  // EXPERIMENT (2026-12-07): the fp16-copy tiles' rows, removed once measured
-#define LILY_W16_ROWS 192
-#endif
-inline constexpr int kW16Rows = LILY_W16_ROWS;  // rows of the fp16-copy tiles (launch_grouped_w16)
 cudaError_t launch_grouped_rs(const TileArgs& a, int max_tiles, bool swiglu, cudaStream_t stream);
 // The same tiles from the experts' resident fp16 copies (moe_prefill_w16.cu; w16: one projection's region of
 // moe_expand_w16's layout, the shared expert at tile-list index a.shared_expert, which must be set): both wgmma
