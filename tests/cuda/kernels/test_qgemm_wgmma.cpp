@@ -553,16 +553,7 @@ TEST(CudaQgemmWgmma, W16LayoutProbe) {
   SKIP_WITHOUT_GPU();
   SKIP_WITHOUT_HOPPER();
   const int N = 512, K = 384, KT = K / 64;
-  HostQMatrix w;
-  w.rows = N, w.cols = K, w.bits = 8;
-  w.words.assign(N * w.words_per_row(), 0u);
-  for (int n = 0; n < N; ++n)
-    for (int k = 0; k < K; ++k) {
-      const uint32_t code = k % 64 + 64 * (n / 128 % 2) + 128 * (n % 2);
-      w.words[n * w.words_per_row() + k / 4] |= code << (8 * (k % 4));
-    }
-  w.scales.assign(N * w.groups_per_row(), to_bf16_bits(1.0f));
-  w.biases.resize(N * w.groups_per_row());
+  HostQMatrix w = exact_q8(N, K, [](int n, int k) { return k % 64 + 64 * (n / 128 % 2) + 128 * (n % 2); });
   for (int n = 0; n < N; ++n)
     for (int kt = 0; kt < KT; ++kt) w.biases[n * KT + kt] = to_bf16_bits(256.0f * kt);
   const QMatrix dw = w.upload();
