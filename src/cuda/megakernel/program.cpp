@@ -31,7 +31,7 @@ int row_quantum(const Op& op) {
 
 size_t instr_weight_bytes(const Op& op, const Instr& in) {
   const size_t rows = static_cast<size_t>(in.row_end - in.row_begin);
-  if (op.code == Opcode::gdn_head) return rows * kGdnDim * kGdnCols * 4;
+  if (op.code == Opcode::gdn_head) return rows * kGdnDim * kGdnDim * 4;
   if (op.code == Opcode::moe_in) return rows * 2 * (op.moe.gate.bytes() / op.moe.gate.rows);
   if (op.code == Opcode::moe_out) return rows * (op.moe.top_k + 1) * (op.moe.down.bytes() / op.moe.down.rows);
   QMatrix slice = op.m;
@@ -68,22 +68,8 @@ Result<int> Program::add_gemv(const QMatrix& m, const float* in, float* out, std
   return id;
 }
 
-Result<int> Program::add_gated_gemv(const QMatrix& m, const float* o, const float* z, const float* norm_w, float* out,
-                                    std::vector<int> waits, const float* residual, float eps) {
-  if (m.bits != 4 || m.cols != 4096)
-    return invalid_argument("megakernel gated gemv: %d-bit [%d, %d] (takes 4-bit with 4096 columns)", m.bits, m.rows,
-                            m.cols);
-  if (!z || !norm_w || !aligned16(z) || !aligned16(norm_w))
-    return invalid_argument("megakernel gated gemv: z and norm_w must be non-null and 16-byte aligned");
-  ASSIGN_OR_RETURN(const int id, add_gemv(m, o, out, std::move(waits), nullptr, eps, residual));
-  ops_[static_cast<size_t>(id)].flags |= kGatedNorm;
-  ops_[static_cast<size_t>(id)].norm_w = norm_w;
-  ops_[static_cast<size_t>(id)].gate = z;
-  return id;
-}
-
-Result<int> Program::add_gdn_heads(const GdnArgs& g, float* out, int in_proj) {
-  if (!g.proj || !g.conv_ring || !g.conv_w || !g.A_log || !g.dt_bias || !g.S || !g.pos || !out)
+Result<int> Program::add_gdn_heads(const GdnArgs& g, float* out, int in_proj, float eps) {
+  if (!g.proj || !g.conv_ring || !g.conv_w || !g.A_log || !g.dt_bias || !g.norm_w || !g.S || !g.pos || !out)
     return invalid_argument("megakernel gdn: a null operand");
   if (g.n_k <= 0 || g.n_v <= 0 || g.n_v % g.n_k != 0) return invalid_argument("megakernel gdn: %d / %d heads", g.n_v, g.n_k);
   if (!aligned16(g.S)) return invalid_argument("megakernel gdn: the state must be 16-byte aligned");
@@ -92,8 +78,9 @@ Result<int> Program::add_gdn_heads(const GdnArgs& g, float* out, int in_proj) {
   Op op;
   op.code = Opcode::gdn_head;
   op.gdn = g;
-  op.m.rows = g.n_v * (kGdnDim / kGdnCols);  // the schedule cuts "rows": here (value head, column block) units
+  op.m.rows = g.n_v;  // the schedule cuts "rows": here value heads
   op.out = out;
+  op.eps = eps;
   op.wait[0] = in_proj;
   op.signal = id;
   ops_.push_back(op);

@@ -140,8 +140,8 @@ __device__ __forceinline__ char* free_page(const Ring& ring, uint32_t k, uint64_
   return ring.pages + p * kPageBytes;
 }
 
-// The loader warp: every page of every gemv / MoE instruction of the block, in order, as soon as its ring slot is
-// free; lane 0 issues the copies. It waits for no dependency but the router of a MoE op whose pages hold routed experts' weights
+// The loader warp: every page of every instruction of the block, in order, as soon as its ring slot is free; lane 0
+// issues the copies. It waits for no dependency but the router of a MoE op whose pages hold routed experts' weights
 // (the whole warp then takes the selection); the shared expert's pages go first. (Issuing later instructions' pages
 // while a router runs was measured slower: their copies queue ahead of the routed pages, PERF_NOTES.)
 __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring) {
@@ -152,8 +152,18 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned l
     const Instr in = pv.instrs[i];
     const Opcode code = pv.ops[in.op].code;
     uint64_t* full;
-    if (code == Opcode::gdn_head) continue;  // no pages: the consumers read a column block's state themselves
-    if (code == Opcode::moe_in) {  // 16 (slot, row) pairs a page: gate rows at 0, up rows at 16 KB
+    if (code == Opcode::gdn_head) {  // each head's state: rows 0-63, then 64-127 (32 KB each)
+      const float* S = pv.ops[in.op].gdn.S;
+      for (int h = in.row_begin; h < in.row_end; ++h) {
+        for (int half = 0; half < 2; ++half, ++k) {
+          if (!leader) continue;
+          char* page = free_page(ring, k, full);
+          constexpr uint32_t kHalfBytes = kGdnDim * kGdnDim * 2;
+          mbar_expect_tx(full, kHalfBytes);
+          bulk_copy(page, S + (static_cast<size_t>(h) * kGdnDim + half * (kGdnDim / 2)) * kGdnDim, kHalfBytes, full);
+        }
+      }
+    } else if (code == Opcode::moe_in) {  // 16 (slot, row) pairs a page: gate rows at 0, up rows at 16 KB
       const MoeArgs moe = pv.ops[in.op].moe;
       for (int r0 = in.row_begin; r0 < in.row_end; r0 += kMoeInRowsPerPage, ++k) {
         const int slot = r0 / moe.inter, row = r0 % moe.inter, n = min(kMoeInRowsPerPage, in.row_end - r0);
@@ -249,73 +259,44 @@ __device__ __forceinline__ int dot_q4_i8(uint4 w, uint4 xa, uint4 xb) {
   return __dp4a(static_cast<int>((w.w >> 4) & kLow), static_cast<int>(xb.w), acc);
 }
 
-constexpr int kXPerThread = kXFloats / 4 / kConsumerThreads + 1;  // float4s of x a thread: moe_out's 4608 floats
-
-// The x prologue's multipliers, which no op writes: loaded before the input wait, so that their latency overlaps it.
-// RMSNorm: norm_w[4i .. 4i + 3] for float4 i of x; the gated norm: the head's norm_w[4i % kGdnDim ..]; else ones.
-__device__ __forceinline__ void load_norm_w(const Op& op, int cols, float4 (&w)[kXPerThread]) {
-  const int n4 = cols / 4;
-  const float4* w4 = reinterpret_cast<const float4*>(op.norm_w);
-#pragma unroll
-  for (int t = 0; t < kXPerThread; ++t) {
-    const int i = threadIdx.x + t * kConsumerThreads;
-    w[t] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-    if (i < n4 && (op.flags & kRmsNorm)) w[t] = __ldg(w4 + i);
-    if (i < n4 && (op.flags & kGatedNorm)) w[t] = __ldg(w4 + i % (kGdnDim / 4));
-  }
-}
-
-// x_s (padded) = in; in / RMS(in) * norm_w; or eq 19, norm_w * in / RMS(in over its head) * silu(gate), where
-// warp w's lanes hold head w + 16 t of float4s t (kGdnDim = 128 columns: 32 float4s, one a lane), so a head's sum
-// of squares is one warp sum. `w`: load_norm_w's multipliers. Activations are read through the L2 (__ldcg): other
-// SMs wrote them in this step, and this SM's L1 may hold last step's lines.
-__device__ void load_x(const Op& op, int cols, const float4 (&w)[kXPerThread], float* x_s, float* red_s,
-                       const XInt8& xi) {
-  static_assert(kGdnDim / 4 == 32 && kConsumerThreads % kGdnDim == 0, "a head of the gated norm is one warp's float4s");
+// x_s (padded) = in, or in / RMS(in) * norm_w. Activations are read through the L2 (__ldcg): other SMs wrote them
+// in this step, and this SM's L1 may hold last step's lines.
+__device__ void load_x(const Op& op, int cols, float* x_s, float* red_s, const XInt8& xi) {
+  constexpr int kPerThread = kXFloats / 4 / kConsumerThreads + 1;  // float4s: moe_out's 4608 floats at most
   const int n4 = cols / 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float4* in4 = reinterpret_cast<const float4*>(op.in);
-  const bool gated = op.flags & kGatedNorm;
-  float4 v[kXPerThread], z[kXPerThread];
+  float4 v[kPerThread];
   float ss = 0.0f;
 #pragma unroll
-  for (int t = 0; t < kXPerThread; ++t) {
+  for (int t = 0; t < kPerThread; ++t) {
     const int i = threadIdx.x + t * kConsumerThreads;
     v[t] = i < n4 ? __ldcg(in4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    z[t] = gated && i < n4 ? __ldcg(reinterpret_cast<const float4*>(op.gate) + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     ss += (v[t].x * v[t].x + v[t].y * v[t].y) + (v[t].z * v[t].z + v[t].w * v[t].w);
   }
-  if (gated) {
+  float inv_rms = 1.0f;
+  const bool norm = op.flags & kRmsNorm;
+  if (norm) {
+    ss = warp_sum(ss);
+    if (lane == 0) red_s[warp] = ss;
+    consumer_sync();
+    float total = 0.0f;
 #pragma unroll
-    for (int t = 0; t < kXPerThread; ++t) {
-      if (t * kConsumerThreads >= n4) break;  // warp-uniform: n4 is a multiple of the consumer threads
-      const float hs = warp_sum((v[t].x * v[t].x + v[t].y * v[t].y) + (v[t].z * v[t].z + v[t].w * v[t].w));
-      v[t] = x4_gated(v[t], rsqrtf(hs / static_cast<float>(kGdnDim) + op.eps), w[t], z[t]);
-      *reinterpret_cast<float4*>(x_s + xpad(4 * (threadIdx.x + t * kConsumerThreads))) = v[t];
-    }
-  } else {
-    float inv_rms = 1.0f;
-    if (op.flags & kRmsNorm) {
-      ss = warp_sum(ss);
-      if (lane == 0) red_s[warp] = ss;
-      consumer_sync();
-      float total = 0.0f;
+    for (int w = 0; w < kConsumerWarps; ++w) total += red_s[w];
+    inv_rms = rsqrtf(total / static_cast<float>(cols) + op.eps);
+  }
+  const float4* w4 = reinterpret_cast<const float4*>(op.norm_w);
 #pragma unroll
-      for (int r = 0; r < kConsumerWarps; ++r) total += red_s[r];
-      inv_rms = rsqrtf(total / static_cast<float>(cols) + op.eps);
-    }
-#pragma unroll
-    for (int t = 0; t < kXPerThread; ++t) {
-      const int i = threadIdx.x + t * kConsumerThreads;
-      if (i < n4) {
-        v[t] = make_float4(v[t].x * inv_rms * w[t].x, v[t].y * inv_rms * w[t].y, v[t].z * inv_rms * w[t].z,
-                           v[t].w * inv_rms * w[t].w);
-        *reinterpret_cast<float4*>(x_s + xpad(4 * i)) = v[t];
-      }
+  for (int t = 0; t < kPerThread; ++t) {
+    const int i = threadIdx.x + t * kConsumerThreads;
+    if (i < n4) {
+      const float4 w = norm ? __ldg(w4 + i) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+      v[t] = make_float4(v[t].x * inv_rms * w.x, v[t].y * inv_rms * w.y, v[t].z * inv_rms * w.z, v[t].w * inv_rms * w.w);
+      *reinterpret_cast<float4*>(x_s + xpad(4 * i)) = v[t];
     }
   }
   if (op.flags & kInt8X) {
 #pragma unroll
-    for (int t = 0; t < kXPerThread; ++t) {
+    for (int t = 0; t < kPerThread; ++t) {
       const int i = threadIdx.x + t * kConsumerThreads;
       if (t * kConsumerThreads >= n4) break;  // warp-uniform: n4 is a multiple of the consumer threads
       quantize_x4(v[t], i, xi);
@@ -454,121 +435,98 @@ __device__ void moe_out_pages(const Op& op, const Instr& in, const float* x_s, c
   }
 }
 
-// The Gated DeltaNet step of one unit (Opcode::gdn_head): columns j0 .. j0 + 31 of value head h, the chain's
-// gdn_step arithmetic (gdn.cu) on 512 threads: thread (warp r, lane j) holds rows 8r .. 8r + 7 of column j0 + j of
-// the head's state (each warp's loads and stores are coalesced 128-byte row pieces).
-//   eq 14  conv + SiLU of the 288 channels the unit reads (q, k of its key head, its 32 v columns; thread tid <
-//          288 one each), ring slot pos % 4 updated (q / k channels by the key head's first unit only: every unit of
-//          the key head computes the same values)
+// The Gated DeltaNet step of value heads [row_begin, row_end) (Opcode::gdn_head), the chain's gdn_step arithmetic
+// (gdn.cu) on 512 threads: thread (quarter, j) holds rows 32 quarter .. +31 of column j of the head's state, which
+// arrives as two pages (rows 0-63: quarters 0-1, rows 64-127: quarters 2-3).
+//   eq 14  conv + SiLU of the 384 channels the head reads (q, k of its key head, its v), ring slot pos % 4 updated
 //   eq 16  q_hat = q / |q| / sqrt(d_k), k_hat = k / |k|;  eq 17  beta, decay
 //   eq 18  S' = decay S; e = (v - S'^T k_hat) beta; S = S' + k_hat e^T; o = S'^T q_hat + e (k_hat . q_hat)
-// Eq 19 (the gated norm over the head's 128 columns) is the out-projection's prologue (OpFlags::kGatedNorm).
-constexpr int kGdnBlocks = kGdnDim / kGdnCols;        // units a head
-constexpr int kGdnRows = kGdnDim / kConsumerWarps;    // state rows a thread
-constexpr int kGdnChannels = 2 * kGdnDim + kGdnCols;  // eq 14's channels a unit
-static_assert(kGdnCols == 32 && kConsumerThreads >= kGdnChannels, "a lane a column, a thread a conv channel");
-
-// What a unit reads that no op of the step writes (the state slice, eq 14's history and weights, the gate
-// constants): gdn_unit_load issues it before the input wait for the instruction's first unit.
-struct GdnUnitIn {
-  float s[kGdnRows];
-  float hist[3], conv_w[4];  // threads < kGdnChannels
-  float A_log, dt_bias;
-  int pos;
-};
-
-// Thread tid's eq 14 channel of unit (h, j0) (q, k of key head kh, then the unit's v columns), or -1.
-__device__ __forceinline__ int gdn_channel(const GdnArgs& g, int h, int kh, int j0, int tid) {
-  const int key_dim = g.n_k * kGdnDim;
-  if (tid < kGdnDim) return kh * kGdnDim + tid;
-  if (tid < 2 * kGdnDim) return key_dim + kh * kGdnDim + (tid - kGdnDim);
-  if (tid < kGdnChannels) return 2 * key_dim + h * kGdnDim + j0 + (tid - 2 * kGdnDim);
-  return -1;
-}
-
-__device__ __forceinline__ void gdn_unit_load(const GdnArgs& g, int unit, GdnUnitIn& u) {
-  constexpr int D = kGdnDim, K = 4;
-  const int h = unit / kGdnBlocks, j0 = (unit % kGdnBlocks) * kGdnCols, kh = h / (g.n_v / g.n_k);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int conv_dim = (2 * g.n_k + g.n_v) * D;
-  const float* S = g.S + (static_cast<size_t>(h) * D + warp * kGdnRows) * D + j0 + lane;
-#pragma unroll
-  for (int r = 0; r < kGdnRows; ++r) u.s[r] = __ldcg(S + static_cast<size_t>(r) * D);
-  u.A_log = __ldg(g.A_log + h);
-  u.dt_bias = __ldg(g.dt_bias + h);
-  u.pos = __ldcg(g.pos);
-  const int ch = gdn_channel(g, h, kh, j0, threadIdx.x);
-  if (ch >= 0) {
-#pragma unroll
-    for (int t = 0; t < K; ++t) u.conv_w[t] = __ldg(g.conv_w + static_cast<size_t>(ch) * K + t);
-#pragma unroll
-    for (int t = 0; t < K - 1; ++t) u.hist[t] = __ldcg(g.conv_ring + static_cast<size_t>((u.pos + 1 + t) % K) * conv_dim + ch);
-  }
-}
-
-__device__ void gdn_unit(const Op& op, int unit, const GdnUnitIn& u, float* scratch) {
-  constexpr int D = kGdnDim, K = 4;
+//   eq 19  out = norm_w * o / RMS(o) * silu(z)
+__device__ void gdn_heads(const Op& op, const Instr& in, float* scratch, float* red_s, const Ring& ring, uint32_t& k) {
+  constexpr int D = kGdnDim, K = 4, kRows = D / 4;
+  static_assert(kConsumerThreads == 4 * D, "a consumer thread per (row quarter, column) of a head's state");
   const GdnArgs& g = op.gdn;
   const int key_dim = g.n_k * D, value_dim = g.n_v * D, conv_dim = 2 * key_dim + value_dim;
-  const int h = unit / kGdnBlocks, cb = unit % kGdnBlocks, j0 = cb * kGdnCols, kh = h / (g.n_v / g.n_k);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   float* q_s = scratch;
   float* k_s = q_s + D;
-  float* v_s = k_s + D;                                     // [kGdnCols]
-  float* part_s = v_s + kGdnCols;                           // [2][kConsumerWarps][kGdnCols]: S'^T k_hat, S'^T q_hat
-  float* norm_s = part_s + 2 * kConsumerWarps * kGdnCols;  // 1/|q|, 1/|k|, raw q.k
-  const int ch = gdn_channel(g, h, kh, j0, tid);
-  if (ch >= 0) {
-    const float x_now = __ldcg(g.proj + ch);
-    float acc = 0.0f;
+  float* v_s = k_s + D;
+  float* part_s = v_s + D;       // [2][4][D]: partial S'^T k_hat, S'^T q_hat per quarter
+  float* norm_s = part_s + 8 * D;  // 1/|q|, 1/|k|, raw q.k
+  const int tid = threadIdx.x, j = tid % D, quarter = tid / D, warp = tid >> 5, lane = tid & 31;
+  const int pos = __ldcg(g.pos);
+  for (int h = in.row_begin; h < in.row_end; ++h, k += 2) {
+    const int kh = h / (g.n_v / g.n_k);
+    if (tid < 3 * D) {
+      const int ch = tid < D ? kh * D + tid : tid < 2 * D ? key_dim + kh * D + (tid - D) : 2 * key_dim + h * D + (tid - 2 * D);
+      float x[K];
 #pragma unroll
-    for (int t = 0; t < K - 1; ++t) acc += u.conv_w[t] * u.hist[t];
-    acc += u.conv_w[K - 1] * x_now;
-    if (tid >= 2 * D || (h % (g.n_v / g.n_k) == 0 && cb == 0))
-      g.conv_ring[static_cast<size_t>(u.pos % K) * conv_dim + ch] = x_now;
-    const float y = gdn_silu(acc);
-    if (tid < D) q_s[tid] = y;
-    else if (tid < 2 * D) k_s[tid - D] = y;
-    else v_s[tid - 2 * D] = y;
-  }
-  const float b_logit = __ldcg(g.proj + conv_dim + value_dim + h);
-  const float a_in = __ldcg(g.proj + conv_dim + value_dim + g.n_v + h) + u.dt_bias;
-  consumer_sync();
-  if (warp < 3) {
-    float acc = 0.0f;
-    for (int i = lane; i < D; i += 32) acc += warp == 0 ? q_s[i] * q_s[i] : warp == 1 ? k_s[i] * k_s[i] : q_s[i] * k_s[i];
-    acc = warp_sum(acc);
-    if (lane == 0) norm_s[warp] = warp == 2 ? acc : 1.0f / sqrtf(acc + 1e-6f);
-  }
-  float beta, decay;
-  gdn_gates(b_logit, a_in, u.A_log, beta, decay);
-  consumer_sync();
-  const float q_inv = norm_s[0] * (1.0f / sqrtf(static_cast<float>(D))), k_inv = norm_s[1];
-  const float kq = norm_s[2] * q_inv * k_inv;
-  float s_reg[kGdnRows];
-  float sk = 0.0f, sq = 0.0f;
+      for (int t = 0; t < K - 1; ++t) x[t] = __ldcg(g.conv_ring + static_cast<size_t>((pos + 1 + t) % K) * conv_dim + ch);
+      x[K - 1] = __ldcg(g.proj + ch);
+      float acc = 0.0f;
 #pragma unroll
-  for (int r = 0; r < kGdnRows; ++r) {
-    const int i = warp * kGdnRows + r;
-    s_reg[r] = u.s[r] * decay;
-    sk += s_reg[r] * (k_s[i] * k_inv);
-    sq += s_reg[r] * (q_s[i] * q_inv);
-  }
-  part_s[warp * kGdnCols + lane] = sk;
-  part_s[(kConsumerWarps + warp) * kGdnCols + lane] = sq;
-  consumer_sync();
-  float kv = 0.0f, sqv = 0.0f;
+      for (int t = 0; t < K; ++t) acc += __ldg(g.conv_w + static_cast<size_t>(ch) * K + t) * x[t];
+      g.conv_ring[static_cast<size_t>(pos % K) * conv_dim + ch] = x[K - 1];
+      const float y = gdn_silu(acc);
+      (tid < D ? q_s : tid < 2 * D ? k_s : v_s)[tid % D] = y;
+    }
+    const float z = quarter == 0 ? __ldcg(g.proj + conv_dim + h * D + j) : 0.0f;
+    const float b_logit = __ldcg(g.proj + conv_dim + value_dim + h);
+    const float a_in = __ldcg(g.proj + conv_dim + value_dim + g.n_v + h) + __ldg(g.dt_bias + h);
+    consumer_sync();
+    if (warp < 3) {
+      float acc = 0.0f;
+      for (int i = lane; i < D; i += 32) acc += warp == 0 ? q_s[i] * q_s[i] : warp == 1 ? k_s[i] * k_s[i] : q_s[i] * k_s[i];
+      acc = warp_sum(acc);
+      if (lane == 0) norm_s[warp] = warp == 2 ? acc : 1.0f / sqrtf(acc + 1e-6f);
+    }
+    float beta, decay;
+    gdn_gates(b_logit, a_in, __ldg(g.A_log + h), beta, decay);
+    consumer_sync();
+    const float q_inv = norm_s[0] * (1.0f / sqrtf(static_cast<float>(D))), k_inv = norm_s[1];
+    const float kq = norm_s[2] * q_inv * k_inv;
+    if (tid < D) {  // q_s, k_s are not read again before the barrier below (the norms were taken before the last)
+      q_s[tid] *= q_inv;
+      k_s[tid] *= k_inv;
+    }
+    consumer_sync();
+    const int p = static_cast<int>((k + quarter / 2) % kPages);
+    mbar_wait(&ring.full[p], ((k + quarter / 2) / kPages) & 1);
+    const float* page = reinterpret_cast<const float*>(ring.pages + p * kPageBytes) + (quarter % 2) * kRows * D;
+    float s_reg[kRows];
+    float sk = 0.0f, sq = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kConsumerWarps; ++w) {
-    kv += part_s[w * kGdnCols + lane];
-    sqv += part_s[(kConsumerWarps + w) * kGdnCols + lane];
-  }
-  const float e = (v_s[lane] - kv) * beta;
-  float* S = g.S + (static_cast<size_t>(h) * D + warp * kGdnRows) * D + j0 + lane;
+    for (int r = 0; r < kRows; ++r) {
+      const int i = quarter * kRows + r;
+      s_reg[r] = page[r * D + j] * decay;
+      sk += s_reg[r] * k_s[i];
+      sq += s_reg[r] * q_s[i];
+    }
+    __syncwarp();
+    if (lane == 0) {  // each warp has read its page; the other page it never reads
+      mbar_arrive(&ring.empty[k % kPages]);
+      mbar_arrive(&ring.empty[(k + 1) % kPages]);
+    }
+    part_s[quarter * D + j] = sk;
+    part_s[4 * D + quarter * D + j] = sq;
+    consumer_sync();
+    float kv = 0.0f, sqv = 0.0f;
 #pragma unroll
-  for (int r = 0; r < kGdnRows; ++r) S[static_cast<size_t>(r) * D] = s_reg[r] + (k_s[warp * kGdnRows + r] * k_inv) * e;
-  if (warp == 0) op.out[h * D + j0 + lane] = sqv + e * kq;
-  consumer_sync();  // scratch free for the next unit
+    for (int q = 0; q < 4; ++q) kv += part_s[q * D + j], sqv += part_s[4 * D + q * D + j];
+    const float e = (v_s[j] - kv) * beta;
+    float* S = g.S + (static_cast<size_t>(h) * D + quarter * kRows) * D + j;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) S[static_cast<size_t>(r) * D] = s_reg[r] + k_s[quarter * kRows + r] * e;
+    const float o = sqv + e * kq;
+    if (quarter == 0) {
+      const float ss = warp_sum(o * o);
+      if (lane == 0) red_s[warp] = ss;
+    }
+    consumer_sync();
+    const float total = (red_s[0] + red_s[1]) + (red_s[2] + red_s[3]);
+    const float inv_rms = rsqrtf(total / static_cast<float>(D) + op.eps);
+    if (quarter == 0) op.out[h * D + j] = __ldg(g.norm_w + j) * (o * inv_rms) * siluf_(z);
+    consumer_sync();  // scratch and red_s free for the next head
+  }
 }
 
 __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring,
@@ -580,34 +538,25 @@ __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigne
     if (marks) marks[0] = globaltimer();
     const Instr in = pv.instrs[i];
     const Op op = pv.ops[in.op];
+    wait_inputs(pv, op, epoch);
+    if (marks) marks[1] = globaltimer();
     if (op.code == Opcode::gdn_head) {
-      GdnUnitIn u;
-      gdn_unit_load(op.gdn, in.row_begin, u);  // before the wait: nothing in the step writes it
-      wait_inputs(pv, op, epoch);
-      if (marks) marks[1] = marks[2] = globaltimer();
-      for (int unit = in.row_begin; unit < in.row_end; ++unit) {
-        if (unit > in.row_begin) gdn_unit_load(op.gdn, unit, u);
-        gdn_unit(op, unit, u, x_s);
-      }
+      if (marks) marks[2] = globaltimer();
+      gdn_heads(op, in, x_s, red_s, ring, k);
       if (marks) marks[3] = marks[4] = globaltimer();
       if (threadIdx.x == 0) signal(pv, op.signal);
       if (marks) marks[5] = globaltimer(), marks[6] = 0;
       continue;
     }
-    const int cols = op.code == Opcode::moe_out ? (op.moe.top_k + 1) * op.moe.inter : op.m.cols;
-    float4 norm_w[kXPerThread];
-    load_norm_w(op, cols, norm_w);  // before the wait: no op writes it
-    wait_inputs(pv, op, epoch);
-    if (marks) marks[1] = globaltimer();
     unsigned long long page_wait = 0;
     unsigned long long* wait_ns = marks ? &page_wait : nullptr;
     const bool int8 = op.flags & kInt8X;
     if (op.code == Opcode::moe_out) {
-      load_x(op, cols, norm_w, x_s, red_s, xi);
+      load_x(op, (op.moe.top_k + 1) * op.moe.inter, x_s, red_s, xi);
       if (marks) marks[2] = globaltimer();
       moe_out_pages(op, in, x_s, ring, k, wait_ns);
     } else {
-      load_x(op, cols, norm_w, x_s, red_s, xi);
+      load_x(op, op.m.cols, x_s, red_s, xi);
       if (marks) marks[2] = globaltimer();
       if (op.code == Opcode::moe_in) {
         if (int8) {
