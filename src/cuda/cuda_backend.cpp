@@ -46,7 +46,8 @@ std::string KernelPaths::describe(const std::string& device) const {
                 "cuda: %s sm_%d%d (%s), prefill: %s, attention: %s, decode: %s, gated norm in %s, top-k in %s",
                 device.c_str(), cc_major, cc_minor, code,
                 !wgmma ? "mma.sync" : expert_copies ? "wgmma (MoE: fp16 expert copies)" : "wgmma (MoE: register-sourced tiles)",
-                attn_wgmma ? "wgmma" : "mma.sync", sm90_code ? "PDL chain" : "stream order",
+                attn_wgmma ? "wgmma" : "mma.sync",
+                megakernel == 2 ? "megakernel (int8 x)" : megakernel ? "megakernel" : sm90_code ? "PDL chain" : "stream order",
                 gdn_norm_in_step ? "gdn_step" : "out_proj", moe_select_in_experts ? "experts" : "moe_route");
   return line;
 }
@@ -130,6 +131,7 @@ Status CudaBackend::init() {
   }
   model_ = std::move(uploaded).value();
   RETURN_IF_ERROR(fit_context());
+  RETURN_IF_ERROR(init_megakernel());
   const ModelConfig& c = config();
   const size_t H = c.hidden_size, D = c.head_dim, nq = c.num_attention_heads, I = c.moe_intermediate_size;
   size_t proj_rows = 0;

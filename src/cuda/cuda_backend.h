@@ -23,6 +23,11 @@ struct CudaBackendOptions {
   // 1: the MoE experts' resident fp16 copies for prefill (moe_prefill's fp16-copy tiles, Hopper; ~1.6 GB a layer
   // at full geometry) where they fit beside the context; 0: never (prefill expands the 4-bit experts each chunk).
   int expert_copies = 1;
+  // The batch-1 decode step: 0 the kernel-per-op chain (one CUDA graph of ~264 launches); 1 the persistent
+  // megakernel (megakernel/: one launch interprets the 40 layers and the lm_head, fp32 activations); 2 the same
+  // with the GEMVs' activations quantized to int8 (dp4a). 1 and 2 need an sm_90a build on a Hopper GPU and the
+  // model's own geometry; several-row steps, verification and the MTP head stay on the chain.
+  int megakernel = 0;
 };
 
 // Applies a spec `key=value,key=value` to o (`--cuda-options`, `lily bench --variants`): the keys are listed by

@@ -58,6 +58,7 @@ struct KernelPaths {
   bool gdn_norm_in_step = false;  // decode: gdn_step applies eq 19 over a cluster (else the out_proj prologue)
   bool moe_select_in_experts = false;  // decode: moe_expert_in selects the experts (else moe_route)
   bool expert_copies = false;  // prefill: the experts' resident fp16 copies (fit_context: where they fit)
+  int megakernel = 0;          // decode: CudaBackendOptions::megakernel once init_megakernel accepted it
   std::string describe(const std::string& device) const;  // "cuda: <device> sm_90, prefill: wgmma, ..."
 };
 
@@ -154,6 +155,12 @@ class CudaBackend final : public CudaBench {
   // there is none.
   Result<cudaGraphExec_t> row_graph(const std::string& key, const std::function<Status()>& enqueue);
   Status run_step(CudaSequence& s, const DeviceSampling* sampling);
+  // cuda_megakernel.cpp: the megakernel's checks and scratch (options_.megakernel; sets paths_.megakernel), the
+  // program of a sequence's batch-1 step (its layers and lm_head: h_ -> logits_), built and uploaded once per
+  // sequence (before the step's graph is captured).
+  Status init_megakernel();
+  Result<mk::Program> step_program(const CudaSequence& s) const;
+  Status ensure_step_program(CudaSequence& s);
   // cuda_prefill.cpp
   bool prefill_supported() const;
   size_t prefill_scratch_needed() const;
@@ -265,6 +272,11 @@ class CudaBackend final : public CudaBench {
   DeviceArray<float> mtp_cat32_;  // the decode path's fc input [kMaxBatchRows, 2H] (mtp_rows_decode)
   DeviceArray<int> mtp_pos_;      // its rows' positions in the head's KV cache
   bool context_auto_ = false;  // --ctx-size auto: enable_mtp fits the context again
+  // The megakernel's scratch (init_megakernel): per layer the router's logits and the experts' activations, then
+  // the attention's partial outputs and their max / sum (offsets in floats); one block per SM.
+  DeviceArray<float> mk_scratch_;
+  size_t mk_logits_off_ = 0, mk_act_off_ = 0, mk_part_o_off_ = 0, mk_part_ml_off_ = 0;
+  int mk_blocks_ = 0;
   DeviceArray<unsigned char> pscratch_;
   size_t prefill_bytes_ = 0;
   GraphCaptureStats capture_stats_;

@@ -1,7 +1,9 @@
 // The decode step (eqs 4-6 with every block) as the chain of launches one CUDA graph captures (cuda_graph.cpp):
 // embed; per Gated DeltaNet layer gemv in, gdn_step, gemv out; per attention layer gemv in, attn_prep, attn_decode,
 // attn_combine, gemv out; per MoE block moe_route, moe_expert_in, moe_expert_out; lm_head, sample, advance. Each
-// kernel is the fast one where its launcher takes the geometry, else the generic one (kernels/dispatch.cuh).
+// kernel is the fast one where its launcher takes the geometry, else the generic one (kernels/dispatch.cuh). With
+// the decode megakernel (paths_.megakernel, cuda_megakernel.cpp) a batch-1 step is embed, one persistent launch
+// for the layers and the lm_head, sample, advance.
 //
 // The step takes 1 to kMaxBatchRows rows, one token of a different sequence each (continuous batching): the GEMVs
 // read their weights once for all rows (gemv_rows), the per-sequence kernels and the MoE kernels run every row in
@@ -175,14 +177,20 @@ Status CudaBackend::enqueue_step(std::span<CudaSequence* const> rows, int n_spli
   } else {
     STEP_OP("embed", R * m.embed.bytes() / m.embed.rows, embed_rows(m.embed, token_in_.ptr, R, h_.ptr, stream_));
   }
-  for (size_t l = 0; l < m.layers.size(); ++l) {
-    if (m.layers[l].type == LayerType::linear_attention) RETURN_IF_ERROR(enqueue_gdn_layer(rows, l, chained, prof));
-    else RETURN_IF_ERROR(enqueue_attention_layer(rows, l, n_splits, chained, prof));
-    RETURN_IF_ERROR(enqueue_moe_block(R, l, prof));
+  if (paths_.megakernel != 0 && R == 1 && !chained) {  // the layers and the lm_head in one persistent launch
+    RETURN_IF_ERROR(ensure_step_program(*rows[0]));  // graph_for builds it before the capture
+    const mk::DeviceProgram& program = *rows[0]->step_program;
+    STEP_OP("megakernel", m.decode_weight_bytes() - m.embed.bytes() / m.embed.rows, program.launch(stream_));
+  } else {
+    for (size_t l = 0; l < m.layers.size(); ++l) {
+      if (m.layers[l].type == LayerType::linear_attention) RETURN_IF_ERROR(enqueue_gdn_layer(rows, l, chained, prof));
+      else RETURN_IF_ERROR(enqueue_attention_layer(rows, l, n_splits, chained, prof));
+      RETURN_IF_ERROR(enqueue_moe_block(R, l, prof));
+    }
+    const GemvParams head = gemv_of(m.lm_head, h_.ptr, GemvPrologue::rms_norm, m.final_norm, c.rms_norm_eps, nullptr,
+                                    logits_.ptr, R, st.h, st.logits);
+    STEP_OP("gemv lm_head", m.lm_head.bytes(), dispatch::gemv_rows(head, stream_));
   }
-  const GemvParams head = gemv_of(m.lm_head, h_.ptr, GemvPrologue::rms_norm, m.final_norm, c.rms_norm_eps, nullptr,
-                                  logits_.ptr, R, st.h, st.logits);
-  STEP_OP("gemv lm_head", m.lm_head.bytes(), dispatch::gemv_rows(head, stream_));
   for (size_t r = 0; r < sampling.size(); ++r) {
     const DeviceSampling& sp = sampling[r];
     SampleParams p{logits_.ptr + r * st.logits, c.vocab_size, sp.temperature, sp.top_k, sp.top_p, sp.min_p,

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "cuda/kernels/sample.cuh"
+#include "cuda/megakernel/step.cuh"
 #include "engine/backend.h"
 #include "engine/penalties.h"
 
@@ -170,6 +171,9 @@ class CudaSequence final : public SequenceState {
   // Per layer: attention layers use k/v, Gated DeltaNet layers conv/S (views into storage).
   std::vector<std::optional<DeviceSpan<__nv_bfloat16>>> k, v;
   std::vector<std::optional<DeviceSpan<float>>> conv, S;
+  // With the decode megakernel (CudaBackend::ensure_step_program): the batch-1 step's program, which bakes this
+  // sequence's pointers as its graphs do (declared first: the graphs that launch it go first).
+  std::unique_ptr<mk::DeviceProgram> step_program;
   GraphMap graphs;
   // Between forward_verify and accept_verified (cuda_verify.cpp): the position of the first verified row and how
   // many there are; -1 / 0 otherwise (no other call takes the sequence meanwhile).

@@ -12,6 +12,8 @@
 //  - speculative verification (forward_verify, accept_verified) equal to plain one-token forwards, to the bit;
 //  - the MTP head's draft (enable_mtp, mtp_draft) against the CPU backend's after the same calls, greedy
 //    speculative decoding (K = 1, 3) token for token the plain loop's, the head's state through checkpoints;
+//  - the decode megakernel (--cuda-options megakernel=1 / 2) on full4: teacher-forced through its steps, logits
+//    identical across runs, the device loop after it, other geometries refused;
 //  - the kernel paths chosen at start (by the device code in the binary) and the context that fits.
 #include <gtest/gtest.h>
 
@@ -32,6 +34,7 @@
 #include "engine/speculative.h"
 #include "cuda/kernels/common.cuh"
 #include "cuda/kernels/trace.cuh"
+#include "cuda/megakernel/step.cuh"
 #include "model/synth.h"
 
 namespace lily {
@@ -149,6 +152,68 @@ TEST(CudaBackend, TeacherForcedFullWidthFourLayers) {
   auto step = cuda::make_cuda_backend(w, {1024, 0});
   ASSERT_TRUE(step.ok()) << step.status().message();
   expect_teacher_forced(**step, tokens, ref, V, format("[full4] teacher-forced %d positions (decode steps)", T));
+}
+
+// The decode megakernel (--cuda-options megakernel=1: fp32 activations, 2: int8) on full4: every position through
+// its step, teacher-forced against the CPU reference by the end-to-end bar; the logits of two runs identical to the
+// bit; the device loop (the sample kernel after the megakernel, greedy and seeded) equal to the host's argmax of
+// the step's logits and reproducible; a model of another geometry refused at start with the reason.
+TEST(CudaBackend, MegakernelDecodeMatchesCpuFull) {
+  SKIP_WITHOUT_GPU();
+  if (!cuda::mk::step_supported()) GTEST_SKIP() << "the megakernel needs an sm_90a build on a Hopper GPU";
+  auto w = synth_model("full4");
+  CpuBackend cpu(w);
+  const int T = 256;
+  const int64_t V = w->config.vocab_size;
+  auto tokens = random_tokens(T, static_cast<int>(V), 5);
+  std::vector<float> ref;
+  auto s1 = cpu.new_sequence();
+  ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
+  for (int mode : {1, 2}) {
+    cuda::CudaBackendOptions step_opts{1024, 0};
+    step_opts.megakernel = mode;
+    auto step = cuda::make_cuda_bench(w, step_opts);
+    ASSERT_TRUE(step.ok()) << step.status().message();
+    EXPECT_NE((*step)->kernel_paths().find("decode: megakernel"), std::string::npos) << (*step)->kernel_paths();
+    expect_teacher_forced(**step, tokens, ref, V,
+                          format("[full4] teacher-forced %d positions (megakernel=%d decode steps)", T, mode));
+    auto logits_of = [&](Backend& b) {
+      std::vector<float> l;
+      auto seq = b.new_sequence();
+      EXPECT_TRUE(b.forward(*seq, std::span<const int32_t>(tokens.data(), 40), LogitsRows::all, &l).ok());
+      return l;
+    };
+    const std::vector<float> a = logits_of(**step), b = logits_of(**step);
+    ASSERT_EQ(a.size(), b.size());
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "megakernel=" << mode;
+    // Prefill on the prefill kernels, then the device loop on the megakernel's steps.
+    cuda::CudaBackendOptions loop_opts{1024};
+    loop_opts.megakernel = mode;
+    auto loop = cuda::make_cuda_backend(w, loop_opts);
+    ASSERT_TRUE(loop.ok()) << loop.status().message();
+    auto run = [&](const DeviceSampling& sp) {
+      auto seq = (*loop)->new_sequence();
+      EXPECT_TRUE((*loop)->forward(*seq, std::span<const int32_t>(tokens.data(), 19), LogitsRows::none, nullptr).ok());
+      std::vector<int32_t> out;
+      EXPECT_TRUE((*loop)->generate_on_device(*seq, tokens[19], sp, 24, [&](int32_t t) {
+        out.push_back(t);
+        return true;
+      }).ok());
+      return out;
+    };
+    EXPECT_EQ(run({}), greedy(**loop, std::vector<int32_t>(tokens.begin(), tokens.begin() + 20), 24))
+        << "megakernel=" << mode;
+    const DeviceSampling hot{1.0f, 0, 1.0f, 0.0f, 42};
+    EXPECT_EQ(run(hot), run(hot)) << "megakernel=" << mode;
+  }
+  cuda::CudaBackendOptions tiny_opts{1024};
+  tiny_opts.megakernel = 1;
+  auto tiny = cuda::make_cuda_backend(synth_model("tiny"), tiny_opts);
+  ASSERT_FALSE(tiny.ok());
+  EXPECT_EQ(tiny.status().code(), ErrorCode::unsupported);
+  EXPECT_NE(tiny.status().message().find("megakernel=1: the decode megakernel runs Qwen3.6-35B-A3B's geometry"),
+            std::string::npos)
+      << tiny.status().message();
 }
 
 // The block timeline (trace_decode, kernels/trace.cuh) on full4: every op of every step is one launch, named in
@@ -1063,7 +1128,7 @@ TEST(CudaOptions, SpecSetsOptionsAndNamesErrors) {
     EXPECT_EQ(st.code(), ErrorCode::invalid_argument) << spec;
     return st.message();
   };
-  EXPECT_NE(message("nope=1").find("--cuda-options: unknown key `nope` (known: prefill_chunk, expert_copies)"),
+  EXPECT_NE(message("nope=1").find("--cuda-options: unknown key `nope` (known: prefill_chunk, expert_copies, megakernel)"),
             std::string::npos);
   EXPECT_NE(message("moe_fused=on").find("unknown key `moe_fused`"), std::string::npos);  // gone with its kernel
   EXPECT_NE(message("prefill_chunk").find("`prefill_chunk` is not key=value"), std::string::npos);
@@ -1073,7 +1138,10 @@ TEST(CudaOptions, SpecSetsOptionsAndNamesErrors) {
   ASSERT_TRUE(cuda::apply_option_spec("expert_copies=0", o, "--x").ok());
   EXPECT_EQ(o.expert_copies, 0);
   EXPECT_NE(message("expert_copies=2").find("--cuda-options: expert_copies=2: must be 0 or 1"), std::string::npos);
-  EXPECT_EQ(cuda::option_keys(), "prefill_chunk, expert_copies");
+  ASSERT_TRUE(cuda::apply_option_spec("megakernel=2", o, "--x").ok());
+  EXPECT_EQ(o.megakernel, 2);
+  EXPECT_NE(message("megakernel=3").find("--cuda-options: megakernel=3: must be at most 2"), std::string::npos);
+  EXPECT_EQ(cuda::option_keys(), "prefill_chunk, expert_copies, megakernel");
 }
 
 }  // namespace

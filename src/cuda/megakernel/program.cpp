@@ -20,7 +20,9 @@ namespace {
 
 int row_quantum(const Op& op) {
   switch (op.code) {
-    case Opcode::gdn_head: return 1;
+    case Opcode::gdn_head:
+    case Opcode::attn_part:
+    case Opcode::attn_merge: return 1;
     case Opcode::moe_in: return kMoeInRowsPerPage;
     case Opcode::moe_out: return kMoeOutRowsPerPage;
     default: return gemv_row_quantum(op.m.cols, op.m.bits);
@@ -31,7 +33,8 @@ int row_quantum(const Op& op) {
 
 size_t instr_weight_bytes(const Op& op, const Instr& in) {
   const size_t rows = static_cast<size_t>(in.row_end - in.row_begin);
-  if (op.code == Opcode::gdn_head) return rows * kGdnDim * kGdnDim * 4;
+  if (op.code == Opcode::gdn_head) return rows * kGdnDim * kGdnCols * 4;
+  if (op.code == Opcode::attn_part || op.code == Opcode::attn_merge) return 0;  // the cache rows depend on *pos
   if (op.code == Opcode::moe_in) return rows * 2 * (op.moe.gate.bytes() / op.moe.gate.rows);
   if (op.code == Opcode::moe_out) return rows * (op.moe.top_k + 1) * (op.moe.down.bytes() / op.moe.down.rows);
   QMatrix slice = op.m;
@@ -68,8 +71,50 @@ Result<int> Program::add_gemv(const QMatrix& m, const float* in, float* out, std
   return id;
 }
 
-Result<int> Program::add_gdn_heads(const GdnArgs& g, float* out, int in_proj, float eps) {
-  if (!g.proj || !g.conv_ring || !g.conv_w || !g.A_log || !g.dt_bias || !g.norm_w || !g.S || !g.pos || !out)
+Result<int> Program::add_gated_gemv(const QMatrix& m, const float* o, const float* z, const float* norm_w, float* out,
+                                    std::vector<int> waits, const float* residual, float eps) {
+  if (m.bits != 4 || m.cols != 4096)
+    return invalid_argument("megakernel gated gemv: %d-bit [%d, %d] (takes 4-bit with 4096 columns)", m.bits, m.rows,
+                            m.cols);
+  if (!z || !norm_w || !aligned16(z) || !aligned16(norm_w))
+    return invalid_argument("megakernel gated gemv: z and norm_w must be non-null and 16-byte aligned");
+  ASSIGN_OR_RETURN(const int id, add_gemv(m, o, out, std::move(waits), nullptr, eps, residual));
+  ops_[static_cast<size_t>(id)].flags |= kGatedNorm;
+  ops_[static_cast<size_t>(id)].norm_w = norm_w;
+  ops_[static_cast<size_t>(id)].gate = z;
+  return id;
+}
+
+Result<int> Program::add_attention(const AttnArgs& a, float* out, int in_proj) {
+  if (!a.proj || !a.q_norm || !a.k_norm || !a.k_cache || !a.v_cache || !a.pos || !a.part_o || !a.part_ml || !out)
+    return invalid_argument("megakernel attention: a null operand");
+  if (!aligned16(a.proj) || !aligned16(a.k_cache) || !aligned16(a.v_cache) || !aligned16(a.q_norm) ||
+      !aligned16(a.k_norm))
+    return invalid_argument("megakernel attention: the projection, norms and caches must be 16-byte aligned");
+  if (a.n_splits < 1 || a.n_splits > 132)
+    return invalid_argument("megakernel attention: %d splits (takes 1 to 132)", a.n_splits);
+  const int id = static_cast<int>(ops_.size());
+  if (in_proj < -1 || in_proj >= id) return invalid_argument("megakernel attention: waits on op %d of %d", in_proj, id);
+  Op part;
+  part.code = Opcode::attn_part;
+  part.attn = a;
+  part.m.rows = kAttnKvHeads * a.n_splits;  // units: (kv head, split)
+  part.wait[0] = in_proj;
+  part.signal = id;
+  ops_.push_back(part);
+  Op merge;
+  merge.code = Opcode::attn_merge;
+  merge.attn = a;
+  merge.m.rows = kAttnQHeads * (kAttnDim / 32);  // units: (query head, 32 dimensions)
+  merge.out = out;
+  merge.wait[0] = id;
+  merge.signal = id + 1;
+  ops_.push_back(merge);
+  return id + 1;
+}
+
+Result<int> Program::add_gdn_heads(const GdnArgs& g, float* out, int in_proj) {
+  if (!g.proj || !g.conv_ring || !g.conv_w || !g.A_log || !g.dt_bias || !g.S || !g.pos || !out)
     return invalid_argument("megakernel gdn: a null operand");
   if (g.n_k <= 0 || g.n_v <= 0 || g.n_v % g.n_k != 0) return invalid_argument("megakernel gdn: %d / %d heads", g.n_v, g.n_k);
   if (!aligned16(g.S)) return invalid_argument("megakernel gdn: the state must be 16-byte aligned");
@@ -78,9 +123,8 @@ Result<int> Program::add_gdn_heads(const GdnArgs& g, float* out, int in_proj, fl
   Op op;
   op.code = Opcode::gdn_head;
   op.gdn = g;
-  op.m.rows = g.n_v;  // the schedule cuts "rows": here value heads
+  op.m.rows = g.n_v * (kGdnDim / kGdnCols);  // the schedule cuts "rows": here (value head, column block) units
   op.out = out;
-  op.eps = eps;
   op.wait[0] = in_proj;
   op.signal = id;
   ops_.push_back(op);

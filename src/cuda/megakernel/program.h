@@ -20,22 +20,46 @@
 namespace lily::cuda::mk {
 
 enum class Opcode : uint16_t {
-  gemv_q4 = 1,   // y[rows] = W x (+ residual), W 4- or 8-bit [rows, cols], x = in or RMSNorm(in) * norm_w
-  gdn_head = 2,  // the Gated DeltaNet step of value heads [row_begin, row_end) (eqs 14-19, docs/MODEL.md)
+  gemv_q4 = 1,   // y[rows] = W x (+ residual), W 4- or 8-bit [rows, cols], x = in, RMSNorm(in) * norm_w or eq 19
+  gdn_head = 2,  // the Gated DeltaNet step of (value head, 32-column block) pairs [row_begin, row_end) (eqs 14-18)
   moe_in = 3,    // act[s][i] = silu(G_s x)[i] (U_s x)[i] for the shared expert (s = 0) and the routed ones (eq 24)
   moe_out = 4,   // out[r] = residual[r] + sum_s w_s (D_s act[s])[r] (eqs 24-25)
+  attn_part = 5,   // gated attention, eqs 9-11: (kv head, split) units' partial softmax(q K^T) V over their rows
+  attn_merge = 6,  // eqs 11-12: the splits merged, times sigmoid(gate); units (query head, 32 dimensions)
 };
 
-// The Gated DeltaNet step's operands (Opcode::gdn_head): d_k = d_v = 128, conv kernel 4. The state of a head,
-// S[h] (128 x 128 fp32, 64 KB), streams in through the loader's pages (two 32 KB pages) like weights: no kernel
-// writes it within a step but this op, once per head.
+// The gated attention layer's operands (Opcode::attn_part / attn_merge; eqs 9-12): 16 query heads, 2 kv heads,
+// head_dim 256, partial RoPE on the first 64 dimensions, the bf16 K / V caches [max_ctx, 2, 256] of the chain
+// (attention.cuh). A step attends over rows 0..*pos; an attn_part unit (kv head m, split s) takes the rows
+// [s c, min((s + 1) c, n)) with n = *pos + 1 and c = ceil(n / n_splits) rounded up to 16, as attn_decode does. Rows
+// < *pos stream in through the loader's pages (32 rows of one kv head a page, K then V); row *pos is this step's:
+// every unit computes its kv head's k and v from the projection, unit s = 0 appends them to the caches.
+struct AttnArgs {
+  const float* proj = nullptr;    // [nq * 2 * 256 (q | gate per head) + 2 * 256 (k) + 2 * 256 (v)]
+  const float* q_norm = nullptr;  // [256]
+  const float* k_norm = nullptr;  // [256]
+  __nv_bfloat16* k_cache = nullptr;
+  __nv_bfloat16* v_cache = nullptr;
+  const int* pos = nullptr;  // device: this token's position
+  float* part_o = nullptr;   // [n_splits, nq, 256]: unnormalised partial outputs
+  float* part_ml = nullptr;  // [n_splits, nq, 2]: the partials' max (natural-log units) and sum of exp
+  int n_splits = 1;
+  float rope_theta = 1e7f;
+  float eps = 1e-6f;
+};
+constexpr int kAttnQHeads = 16, kAttnKvHeads = 2, kAttnDim = 256, kAttnRotary = 64;
+
+// The Gated DeltaNet step's operands (Opcode::gdn_head): d_k = d_v = 128, conv kernel 4. An instruction's unit is
+// one 32-column block of a value head (the delta rule's columns are independent): its slice of the state S[h]
+// (128 rows x 32 columns fp32, 16 KB) is read by the consumers themselves before they wait for their input (no op
+// of the step writes it but this one). The op writes o = S^T q_hat (eq 18); eq 19's gated norm is the
+// out-projection's prologue (OpFlags::kGatedNorm), which reads every column of a head anyway.
 struct GdnArgs {
   const float* proj = nullptr;     // [conv_dim (q|k|v) + value_dim (z) + n_v (b) + n_v (a)]: the in-projection
   float* conv_ring = nullptr;      // [4, conv_dim]: pre-conv vectors, position p in slot p % 4
   const float* conv_w = nullptr;   // [conv_dim, 4]
   const float* A_log = nullptr;    // [n_v]
   const float* dt_bias = nullptr;  // [n_v]
-  const float* norm_w = nullptr;   // [d_v]: the gated RMSNorm's multiplier (eq 19)
   float* S = nullptr;              // [n_v, d_k, d_v] fp32
   const int* pos = nullptr;        // device: this token's position
   int n_k = 16, n_v = 32;
@@ -58,6 +82,7 @@ enum OpFlags : uint16_t {
   kRmsNorm = 1,   // x = in / RMS(in) * norm_w (eqs 1-2, multiplier form)
   kResidual = 2,  // y = residual + W x (residual may alias y)
   kInt8X = 4,     // x quantized to int8 per 32-element vector, dot products on dp4a (else fp32 FMAs)
+  kGatedNorm = 8, // x = norm_w * in / RMS(in over its head of kGdnDim columns) * silu(gate) (eq 19)
 };
 
 constexpr int kMaxWaits = 2;
@@ -67,10 +92,12 @@ struct Op {
   Opcode code = Opcode::gemv_q4;
   uint16_t flags = 0;
   QMatrix m;                      // gemv_q4
-  GdnArgs gdn;                    // gdn_head; out = the gated-normed o [n_v * d_v]
+  GdnArgs gdn;                    // gdn_head; out = o [n_v * d_v] before eq 19
+  AttnArgs attn;                  // attn_part (out: part_o / part_ml), attn_merge (out: [16 * 256])
   MoeArgs moe;                    // moe_in (in: h, out: act [(top_k + 1) * I]), moe_out (in: act, residual: h)
   const float* in = nullptr;      // [cols]
-  const float* norm_w = nullptr;  // [cols] (kRmsNorm)
+  const float* norm_w = nullptr;  // [cols] (kRmsNorm), [kGdnDim] (kGatedNorm)
+  const float* gate = nullptr;    // [cols] (kGatedNorm): z
   float eps = 1e-6f;
   const float* residual = nullptr;  // [rows] (kResidual)
   float* out = nullptr;             // [rows]
@@ -109,6 +136,7 @@ int gemv_row_quantum(int cols, int bits = 4);
 constexpr int kMoeInRowsPerPage = 16;
 constexpr int kMoeOutRowsPerPage = 8;
 constexpr int kGdnDim = 128;  // d_k = d_v of the gdn_head op
+constexpr int kGdnCols = 32;  // the columns of a value head's state one gdn_head unit steps
 
 // The host side: ops added in step order, then a schedule for n_blocks SMs, uploaded once.
 class Program {
@@ -117,6 +145,10 @@ class Program {
   // 4-bit with cols 2048 or 4096, its scales and biases 16-byte aligned.
   Result<int> add_gemv(const QMatrix& m, const float* in, float* out, std::vector<int> waits,
                        const float* norm_w = nullptr, float eps = 1e-6f, const float* residual = nullptr);
+  // y = W x (+ residual) with x = eq 19's gated norm of `o` (heads of kGdnDim columns) by `z` and norm_w [kGdnDim]:
+  // the Gated DeltaNet layer's out-projection. W must be 4-bit with 4096 columns.
+  Result<int> add_gated_gemv(const QMatrix& m, const float* o, const float* z, const float* norm_w, float* out,
+                             std::vector<int> waits, const float* residual = nullptr, float eps = 1e-6f);
   // GEMVs added from now on quantize x to int8 and use dp4a (OpFlags::kInt8X).
   void set_int8_activations(bool on) { int8_x_ = on; }
 
@@ -144,9 +176,15 @@ class Program {
   Result<int> add_moe(const QMatrix& router, MoeArgs moe, float* h, const float* norm_w, float* logits, float* act,
                       int h_op, float eps = 1e-6f);
 
-  // Adds the Gated DeltaNet step of every value head (one instruction a head), reading the in-projection op
-  // `in_proj` (its whole output; -1: none, for op tests), writing eq 19's x (the out-projection's input) to out [n_v * 128].
-  Result<int> add_gdn_heads(const GdnArgs& g, float* out, int in_proj, float eps = 1e-6f);
+  // Adds the gated attention of one token (attn_part over the kv heads' splits, then attn_merge), reading the
+  // in-projection op `in_proj` (-1: none, for op tests), writing softmax(q K^T / 16) V * sigmoid(gate) to out
+  // [16 * 256] (the out-projection's input). Returns attn_merge's op id. Up to 132 splits.
+  Result<int> add_attention(const AttnArgs& a, float* out, int in_proj);
+
+  // Adds the Gated DeltaNet step of every value head (n_v * kGdnDim / kGdnCols units: a head's 32-column blocks),
+  // reading the in-projection op `in_proj` (-1: none, for op tests), writing o = S^T q_hat (eq 18, before eq 19's
+  // gated norm: add_gated_gemv) to out [n_v * 128].
+  Result<int> add_gdn_heads(const GdnArgs& g, float* out, int in_proj);
 
  private:
   std::vector<Op> ops_;

@@ -30,6 +30,28 @@ constexpr int kScalesAt = 32768;
 constexpr int kBiasesAt = 34816;
 constexpr int kMoeOutWeightsAt = 9 * kMoeOutRowsPerPage * 256;  // after moe_out's 9 slots of 8 down rows
 __device__ constexpr int rows_per_page(int cols, int bits) { return bits == 4 && cols == 2048 ? 32 : 16; }
+// An attn_part page: 32 cache rows of one kv head, K rows at 0 and V rows at kAttnVAt, each row at a pitch of
+// kAttnPitch bytes (512 bytes of bf16 and 16 of padding, so that the score loads' 8-lane phases hit distinct banks).
+constexpr int kAttnRowsPerPage = 32;
+constexpr int kAttnPitch = 2 * kAttnDim + 16;
+constexpr int kAttnVAt = kAttnRowsPerPage * kAttnPitch;
+static_assert(2 * kAttnVAt <= kPageBytes, "an attention page fits a ring slot");
+constexpr int kAttnGroup = kAttnQHeads / kAttnKvHeads;  // query heads of a kv head
+constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+
+// Unit u = (kv head m, split s) of attn_part: its cache rows [begin, end) of n = pos + 1, as attn_decode's.
+struct AttnRange {
+  int m, s, begin, end;
+};
+__device__ __forceinline__ AttnRange attn_range(const AttnArgs& a, int unit, int pos) {
+  AttnRange r;
+  r.m = unit / a.n_splits, r.s = unit % a.n_splits;
+  const int n = pos + 1;
+  const int chunk = ((n + a.n_splits - 1) / a.n_splits + 15) / 16 * 16;
+  r.begin = min(r.s * chunk, n);
+  r.end = min(r.begin + chunk, n);
+  return r;
+}
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -140,8 +162,8 @@ __device__ __forceinline__ char* free_page(const Ring& ring, uint32_t k, uint64_
   return ring.pages + p * kPageBytes;
 }
 
-// The loader warp: every page of every instruction of the block, in order, as soon as its ring slot is free; lane 0
-// issues the copies. It waits for no dependency but the router of a MoE op whose pages hold routed experts' weights
+// The loader warp: every page of every gemv / MoE instruction of the block, in order, as soon as its ring slot is
+// free; lane 0 issues the copies. It waits for no dependency but the router of a MoE op whose pages hold routed experts' weights
 // (the whole warp then takes the selection); the shared expert's pages go first. (Issuing later instructions' pages
 // while a router runs was measured slower: their copies queue ahead of the routed pages, PERF_NOTES.)
 __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring) {
@@ -152,18 +174,27 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned l
     const Instr in = pv.instrs[i];
     const Opcode code = pv.ops[in.op].code;
     uint64_t* full;
-    if (code == Opcode::gdn_head) {  // each head's state: rows 0-63, then 64-127 (32 KB each)
-      const float* S = pv.ops[in.op].gdn.S;
-      for (int h = in.row_begin; h < in.row_end; ++h) {
-        for (int half = 0; half < 2; ++half, ++k) {
+    if (code == Opcode::gdn_head || code == Opcode::attn_merge) continue;  // no pages (the heads read their state)
+    if (code == Opcode::attn_part) {  // the cached rows < pos of each unit, 32 a page, one bulk copy a row
+      const AttnArgs a = pv.ops[in.op].attn;
+      const int pos = __ldcg(a.pos);
+      for (int u = in.row_begin; u < in.row_end; ++u) {
+        const AttnRange r = attn_range(a, u, pos);
+        for (int b = r.begin; b < r.end; b += kAttnRowsPerPage, ++k) {
           if (!leader) continue;
+          const int copied = max(0, min(min(b + kAttnRowsPerPage, r.end), pos) - b);
           char* page = free_page(ring, k, full);
-          constexpr uint32_t kHalfBytes = kGdnDim * kGdnDim * 2;
-          mbar_expect_tx(full, kHalfBytes);
-          bulk_copy(page, S + (static_cast<size_t>(h) * kGdnDim + half * (kGdnDim / 2)) * kGdnDim, kHalfBytes, full);
+          mbar_expect_tx(full, static_cast<uint32_t>(copied) * 4 * kAttnDim);
+          for (int i = 0; i < copied; ++i) {
+            const size_t row = (static_cast<size_t>(b + i) * kAttnKvHeads + r.m) * kAttnDim;
+            bulk_copy(page + i * kAttnPitch, a.k_cache + row, 2 * kAttnDim, full);
+            bulk_copy(page + kAttnVAt + i * kAttnPitch, a.v_cache + row, 2 * kAttnDim, full);
+          }
         }
       }
-    } else if (code == Opcode::moe_in) {  // 16 (slot, row) pairs a page: gate rows at 0, up rows at 16 KB
+      continue;
+    }
+    if (code == Opcode::moe_in) {  // 16 (slot, row) pairs a page: gate rows at 0, up rows at 16 KB
       const MoeArgs moe = pv.ops[in.op].moe;
       for (int r0 = in.row_begin; r0 < in.row_end; r0 += kMoeInRowsPerPage, ++k) {
         const int slot = r0 / moe.inter, row = r0 % moe.inter, n = min(kMoeInRowsPerPage, in.row_end - r0);
@@ -259,44 +290,73 @@ __device__ __forceinline__ int dot_q4_i8(uint4 w, uint4 xa, uint4 xb) {
   return __dp4a(static_cast<int>((w.w >> 4) & kLow), static_cast<int>(xb.w), acc);
 }
 
-// x_s (padded) = in, or in / RMS(in) * norm_w. Activations are read through the L2 (__ldcg): other SMs wrote them
-// in this step, and this SM's L1 may hold last step's lines.
-__device__ void load_x(const Op& op, int cols, float* x_s, float* red_s, const XInt8& xi) {
-  constexpr int kPerThread = kXFloats / 4 / kConsumerThreads + 1;  // float4s: moe_out's 4608 floats at most
-  const int n4 = cols / 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const float4* in4 = reinterpret_cast<const float4*>(op.in);
-  float4 v[kPerThread];
-  float ss = 0.0f;
-#pragma unroll
-  for (int t = 0; t < kPerThread; ++t) {
-    const int i = threadIdx.x + t * kConsumerThreads;
-    v[t] = i < n4 ? __ldcg(in4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    ss += (v[t].x * v[t].x + v[t].y * v[t].y) + (v[t].z * v[t].z + v[t].w * v[t].w);
-  }
-  float inv_rms = 1.0f;
-  const bool norm = op.flags & kRmsNorm;
-  if (norm) {
-    ss = warp_sum(ss);
-    if (lane == 0) red_s[warp] = ss;
-    consumer_sync();
-    float total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kConsumerWarps; ++w) total += red_s[w];
-    inv_rms = rsqrtf(total / static_cast<float>(cols) + op.eps);
-  }
+constexpr int kXPerThread = kXFloats / 4 / kConsumerThreads + 1;  // float4s of x a thread: moe_out's 4608 floats
+
+// The x prologue's multipliers, which no op writes: loaded before the input wait, so that their latency overlaps it.
+// RMSNorm: norm_w[4i .. 4i + 3] for float4 i of x; the gated norm: the head's norm_w[4i % kGdnDim ..]; else ones.
+__device__ __forceinline__ void load_norm_w(const Op& op, int cols, float4 (&w)[kXPerThread]) {
+  const int n4 = cols / 4;
   const float4* w4 = reinterpret_cast<const float4*>(op.norm_w);
 #pragma unroll
-  for (int t = 0; t < kPerThread; ++t) {
+  for (int t = 0; t < kXPerThread; ++t) {
     const int i = threadIdx.x + t * kConsumerThreads;
-    if (i < n4) {
-      const float4 w = norm ? __ldg(w4 + i) : make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-      v[t] = make_float4(v[t].x * inv_rms * w.x, v[t].y * inv_rms * w.y, v[t].z * inv_rms * w.z, v[t].w * inv_rms * w.w);
-      *reinterpret_cast<float4*>(x_s + xpad(4 * i)) = v[t];
+    w[t] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+    if (i < n4 && (op.flags & kRmsNorm)) w[t] = __ldg(w4 + i);
+    if (i < n4 && (op.flags & kGatedNorm)) w[t] = __ldg(w4 + i % (kGdnDim / 4));
+  }
+}
+
+// x_s (padded) = in; in / RMS(in) * norm_w; or eq 19, norm_w * in / RMS(in over its head) * silu(gate), where
+// warp w's lanes hold head w + 16 t of float4s t (kGdnDim = 128 columns: 32 float4s, one a lane), so a head's sum
+// of squares is one warp sum. `w`: load_norm_w's multipliers. Activations are read through the L2 (__ldcg): other
+// SMs wrote them in this step, and this SM's L1 may hold last step's lines.
+__device__ void load_x(const Op& op, int cols, const float4 (&w)[kXPerThread], float* x_s, float* red_s,
+                       const XInt8& xi) {
+  static_assert(kGdnDim / 4 == 32 && kConsumerThreads % kGdnDim == 0, "a head of the gated norm is one warp's float4s");
+  const int n4 = cols / 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float4* in4 = reinterpret_cast<const float4*>(op.in);
+  const bool gated = op.flags & kGatedNorm;
+  float4 v[kXPerThread], z[kXPerThread];
+  float ss = 0.0f;
+#pragma unroll
+  for (int t = 0; t < kXPerThread; ++t) {
+    const int i = threadIdx.x + t * kConsumerThreads;
+    v[t] = i < n4 ? __ldcg(in4 + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    z[t] = gated && i < n4 ? __ldcg(reinterpret_cast<const float4*>(op.gate) + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    ss += (v[t].x * v[t].x + v[t].y * v[t].y) + (v[t].z * v[t].z + v[t].w * v[t].w);
+  }
+  if (gated) {
+#pragma unroll
+    for (int t = 0; t < kXPerThread; ++t) {
+      if (t * kConsumerThreads >= n4) break;  // warp-uniform: n4 is a multiple of the consumer threads
+      const float hs = warp_sum((v[t].x * v[t].x + v[t].y * v[t].y) + (v[t].z * v[t].z + v[t].w * v[t].w));
+      v[t] = x4_gated(v[t], rsqrtf(hs / static_cast<float>(kGdnDim) + op.eps), w[t], z[t]);
+      *reinterpret_cast<float4*>(x_s + xpad(4 * (threadIdx.x + t * kConsumerThreads))) = v[t];
+    }
+  } else {
+    float inv_rms = 1.0f;
+    if (op.flags & kRmsNorm) {
+      ss = warp_sum(ss);
+      if (lane == 0) red_s[warp] = ss;
+      consumer_sync();
+      float total = 0.0f;
+#pragma unroll
+      for (int r = 0; r < kConsumerWarps; ++r) total += red_s[r];
+      inv_rms = rsqrtf(total / static_cast<float>(cols) + op.eps);
+    }
+#pragma unroll
+    for (int t = 0; t < kXPerThread; ++t) {
+      const int i = threadIdx.x + t * kConsumerThreads;
+      if (i < n4) {
+        v[t] = make_float4(v[t].x * inv_rms * w[t].x, v[t].y * inv_rms * w[t].y, v[t].z * inv_rms * w[t].z,
+                           v[t].w * inv_rms * w[t].w);
+        *reinterpret_cast<float4*>(x_s + xpad(4 * i)) = v[t];
+      }
     }
   }
   if (op.flags & kInt8X) {
 #pragma unroll
-    for (int t = 0; t < kPerThread; ++t) {
+    for (int t = 0; t < kXPerThread; ++t) {
       const int i = threadIdx.x + t * kConsumerThreads;
       if (t * kConsumerThreads >= n4) break;  // warp-uniform: n4 is a multiple of the consumer threads
       quantize_x4(v[t], i, xi);
@@ -435,97 +495,300 @@ __device__ void moe_out_pages(const Op& op, const Instr& in, const float* x_s, c
   }
 }
 
-// The Gated DeltaNet step of value heads [row_begin, row_end) (Opcode::gdn_head), the chain's gdn_step arithmetic
-// (gdn.cu) on 512 threads: thread (quarter, j) holds rows 32 quarter .. +31 of column j of the head's state, which
-// arrives as two pages (rows 0-63: quarters 0-1, rows 64-127: quarters 2-3).
-//   eq 14  conv + SiLU of the 384 channels the head reads (q, k of its key head, its v), ring slot pos % 4 updated
+// The Gated DeltaNet step of one unit (Opcode::gdn_head): columns j0 .. j0 + 31 of value head h, the chain's
+// gdn_step arithmetic (gdn.cu) on 512 threads: thread (warp r, lane j) holds rows 8r .. 8r + 7 of column j0 + j of
+// the head's state (each warp's loads and stores are coalesced 128-byte row pieces).
+//   eq 14  conv + SiLU of the 288 channels the unit reads (q, k of its key head, its 32 v columns; thread tid <
+//          288 one each), ring slot pos % 4 updated (q / k channels by the key head's first unit only: every unit of
+//          the key head computes the same values)
 //   eq 16  q_hat = q / |q| / sqrt(d_k), k_hat = k / |k|;  eq 17  beta, decay
 //   eq 18  S' = decay S; e = (v - S'^T k_hat) beta; S = S' + k_hat e^T; o = S'^T q_hat + e (k_hat . q_hat)
-//   eq 19  out = norm_w * o / RMS(o) * silu(z)
-__device__ void gdn_heads(const Op& op, const Instr& in, float* scratch, float* red_s, const Ring& ring, uint32_t& k) {
-  constexpr int D = kGdnDim, K = 4, kRows = D / 4;
-  static_assert(kConsumerThreads == 4 * D, "a consumer thread per (row quarter, column) of a head's state");
+// Eq 19 (the gated norm over the head's 128 columns) is the out-projection's prologue (OpFlags::kGatedNorm).
+constexpr int kGdnBlocks = kGdnDim / kGdnCols;        // units a head
+constexpr int kGdnRows = kGdnDim / kConsumerWarps;    // state rows a thread
+constexpr int kGdnChannels = 2 * kGdnDim + kGdnCols;  // eq 14's channels a unit
+static_assert(kGdnCols == 32 && kConsumerThreads >= kGdnChannels, "a lane a column, a thread a conv channel");
+
+// What a unit reads that no op of the step writes (the state slice, eq 14's history and weights, the gate
+// constants): gdn_unit_load issues it before the input wait for the instruction's first unit.
+struct GdnUnitIn {
+  float s[kGdnRows];
+  float hist[3], conv_w[4];  // threads < kGdnChannels
+  float A_log, dt_bias;
+  int pos;
+};
+
+// Thread tid's eq 14 channel of unit (h, j0) (q, k of key head kh, then the unit's v columns), or -1.
+__device__ __forceinline__ int gdn_channel(const GdnArgs& g, int h, int kh, int j0, int tid) {
+  const int key_dim = g.n_k * kGdnDim;
+  if (tid < kGdnDim) return kh * kGdnDim + tid;
+  if (tid < 2 * kGdnDim) return key_dim + kh * kGdnDim + (tid - kGdnDim);
+  if (tid < kGdnChannels) return 2 * key_dim + h * kGdnDim + j0 + (tid - 2 * kGdnDim);
+  return -1;
+}
+
+__device__ __forceinline__ void gdn_unit_load(const GdnArgs& g, int unit, GdnUnitIn& u) {
+  constexpr int D = kGdnDim, K = 4;
+  const int h = unit / kGdnBlocks, j0 = (unit % kGdnBlocks) * kGdnCols, kh = h / (g.n_v / g.n_k);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int conv_dim = (2 * g.n_k + g.n_v) * D;
+  const float* S = g.S + (static_cast<size_t>(h) * D + warp * kGdnRows) * D + j0 + lane;
+#pragma unroll
+  for (int r = 0; r < kGdnRows; ++r) u.s[r] = __ldcg(S + static_cast<size_t>(r) * D);
+  u.A_log = __ldg(g.A_log + h);
+  u.dt_bias = __ldg(g.dt_bias + h);
+  u.pos = __ldcg(g.pos);
+  const int ch = gdn_channel(g, h, kh, j0, threadIdx.x);
+  if (ch >= 0) {
+#pragma unroll
+    for (int t = 0; t < K; ++t) u.conv_w[t] = __ldg(g.conv_w + static_cast<size_t>(ch) * K + t);
+#pragma unroll
+    for (int t = 0; t < K - 1; ++t) u.hist[t] = __ldcg(g.conv_ring + static_cast<size_t>((u.pos + 1 + t) % K) * conv_dim + ch);
+  }
+}
+
+__device__ void gdn_unit(const Op& op, int unit, const GdnUnitIn& u, float* scratch) {
+  constexpr int D = kGdnDim, K = 4;
   const GdnArgs& g = op.gdn;
   const int key_dim = g.n_k * D, value_dim = g.n_v * D, conv_dim = 2 * key_dim + value_dim;
+  const int h = unit / kGdnBlocks, cb = unit % kGdnBlocks, j0 = cb * kGdnCols, kh = h / (g.n_v / g.n_k);
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   float* q_s = scratch;
   float* k_s = q_s + D;
-  float* v_s = k_s + D;
-  float* part_s = v_s + D;       // [2][4][D]: partial S'^T k_hat, S'^T q_hat per quarter
-  float* norm_s = part_s + 8 * D;  // 1/|q|, 1/|k|, raw q.k
-  const int tid = threadIdx.x, j = tid % D, quarter = tid / D, warp = tid >> 5, lane = tid & 31;
-  const int pos = __ldcg(g.pos);
-  for (int h = in.row_begin; h < in.row_end; ++h, k += 2) {
-    const int kh = h / (g.n_v / g.n_k);
-    if (tid < 3 * D) {
-      const int ch = tid < D ? kh * D + tid : tid < 2 * D ? key_dim + kh * D + (tid - D) : 2 * key_dim + h * D + (tid - 2 * D);
-      float x[K];
+  float* v_s = k_s + D;                                     // [kGdnCols]
+  float* part_s = v_s + kGdnCols;                           // [2][kConsumerWarps][kGdnCols]: S'^T k_hat, S'^T q_hat
+  float* norm_s = part_s + 2 * kConsumerWarps * kGdnCols;  // 1/|q|, 1/|k|, raw q.k
+  const int ch = gdn_channel(g, h, kh, j0, tid);
+  if (ch >= 0) {
+    const float x_now = __ldcg(g.proj + ch);
+    float acc = 0.0f;
 #pragma unroll
-      for (int t = 0; t < K - 1; ++t) x[t] = __ldcg(g.conv_ring + static_cast<size_t>((pos + 1 + t) % K) * conv_dim + ch);
-      x[K - 1] = __ldcg(g.proj + ch);
-      float acc = 0.0f;
+    for (int t = 0; t < K - 1; ++t) acc += u.conv_w[t] * u.hist[t];
+    acc += u.conv_w[K - 1] * x_now;
+    if (tid >= 2 * D || (h % (g.n_v / g.n_k) == 0 && cb == 0))
+      g.conv_ring[static_cast<size_t>(u.pos % K) * conv_dim + ch] = x_now;
+    const float y = gdn_silu(acc);
+    if (tid < D) q_s[tid] = y;
+    else if (tid < 2 * D) k_s[tid - D] = y;
+    else v_s[tid - 2 * D] = y;
+  }
+  const float b_logit = __ldcg(g.proj + conv_dim + value_dim + h);
+  const float a_in = __ldcg(g.proj + conv_dim + value_dim + g.n_v + h) + u.dt_bias;
+  consumer_sync();
+  if (warp < 3) {
+    float acc = 0.0f;
+    for (int i = lane; i < D; i += 32) acc += warp == 0 ? q_s[i] * q_s[i] : warp == 1 ? k_s[i] * k_s[i] : q_s[i] * k_s[i];
+    acc = warp_sum(acc);
+    if (lane == 0) norm_s[warp] = warp == 2 ? acc : 1.0f / sqrtf(acc + 1e-6f);
+  }
+  float beta, decay;
+  gdn_gates(b_logit, a_in, u.A_log, beta, decay);
+  consumer_sync();
+  const float q_inv = norm_s[0] * (1.0f / sqrtf(static_cast<float>(D))), k_inv = norm_s[1];
+  const float kq = norm_s[2] * q_inv * k_inv;
+  float s_reg[kGdnRows];
+  float sk = 0.0f, sq = 0.0f;
 #pragma unroll
-      for (int t = 0; t < K; ++t) acc += __ldg(g.conv_w + static_cast<size_t>(ch) * K + t) * x[t];
-      g.conv_ring[static_cast<size_t>(pos % K) * conv_dim + ch] = x[K - 1];
-      const float y = gdn_silu(acc);
-      (tid < D ? q_s : tid < 2 * D ? k_s : v_s)[tid % D] = y;
-    }
-    const float z = quarter == 0 ? __ldcg(g.proj + conv_dim + h * D + j) : 0.0f;
-    const float b_logit = __ldcg(g.proj + conv_dim + value_dim + h);
-    const float a_in = __ldcg(g.proj + conv_dim + value_dim + g.n_v + h) + __ldg(g.dt_bias + h);
-    consumer_sync();
-    if (warp < 3) {
-      float acc = 0.0f;
-      for (int i = lane; i < D; i += 32) acc += warp == 0 ? q_s[i] * q_s[i] : warp == 1 ? k_s[i] * k_s[i] : q_s[i] * k_s[i];
-      acc = warp_sum(acc);
-      if (lane == 0) norm_s[warp] = warp == 2 ? acc : 1.0f / sqrtf(acc + 1e-6f);
-    }
-    float beta, decay;
-    gdn_gates(b_logit, a_in, __ldg(g.A_log + h), beta, decay);
-    consumer_sync();
-    const float q_inv = norm_s[0] * (1.0f / sqrtf(static_cast<float>(D))), k_inv = norm_s[1];
-    const float kq = norm_s[2] * q_inv * k_inv;
-    if (tid < D) {  // q_s, k_s are not read again before the barrier below (the norms were taken before the last)
-      q_s[tid] *= q_inv;
-      k_s[tid] *= k_inv;
-    }
-    consumer_sync();
-    const int p = static_cast<int>((k + quarter / 2) % kPages);
-    mbar_wait(&ring.full[p], ((k + quarter / 2) / kPages) & 1);
-    const float* page = reinterpret_cast<const float*>(ring.pages + p * kPageBytes) + (quarter % 2) * kRows * D;
-    float s_reg[kRows];
-    float sk = 0.0f, sq = 0.0f;
+  for (int r = 0; r < kGdnRows; ++r) {
+    const int i = warp * kGdnRows + r;
+    s_reg[r] = u.s[r] * decay;
+    sk += s_reg[r] * (k_s[i] * k_inv);
+    sq += s_reg[r] * (q_s[i] * q_inv);
+  }
+  part_s[warp * kGdnCols + lane] = sk;
+  part_s[(kConsumerWarps + warp) * kGdnCols + lane] = sq;
+  consumer_sync();
+  float kv = 0.0f, sqv = 0.0f;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int i = quarter * kRows + r;
-      s_reg[r] = page[r * D + j] * decay;
-      sk += s_reg[r] * k_s[i];
-      sq += s_reg[r] * q_s[i];
-    }
-    __syncwarp();
-    if (lane == 0) {  // each warp has read its page; the other page it never reads
-      mbar_arrive(&ring.empty[k % kPages]);
-      mbar_arrive(&ring.empty[(k + 1) % kPages]);
-    }
-    part_s[quarter * D + j] = sk;
-    part_s[4 * D + quarter * D + j] = sq;
-    consumer_sync();
-    float kv = 0.0f, sqv = 0.0f;
+  for (int w = 0; w < kConsumerWarps; ++w) {
+    kv += part_s[w * kGdnCols + lane];
+    sqv += part_s[(kConsumerWarps + w) * kGdnCols + lane];
+  }
+  const float e = (v_s[lane] - kv) * beta;
+  float* S = g.S + (static_cast<size_t>(h) * D + warp * kGdnRows) * D + j0 + lane;
 #pragma unroll
-    for (int q = 0; q < 4; ++q) kv += part_s[q * D + j], sqv += part_s[4 * D + q * D + j];
-    const float e = (v_s[j] - kv) * beta;
-    float* S = g.S + (static_cast<size_t>(h) * D + quarter * kRows) * D + j;
+  for (int r = 0; r < kGdnRows; ++r) S[static_cast<size_t>(r) * D] = s_reg[r] + (k_s[warp * kGdnRows + r] * k_inv) * e;
+  if (warp == 0) op.out[h * D + j0 + lane] = sqv + e * kq;
+  consumer_sync();  // scratch free for the next unit
+}
+
+// attn_part (eqs 9-11) for the units [row_begin, row_end) of an instruction, on 512 threads, fp32 on the CUDA cores
+// (K and V exact bf16, as cached; scores in log2 units with q pre-scaled by scale * log2(e), as attn_decode).
+//   prologue: warp w < 8 takes query head 8 m + w (lane l: dimensions 8 l .. 8 l + 7), warp 8 the kv head's k, warp 9
+//     its v: RMSNorm (multiplier form, as attn_prep), RoPE (rope_element), q into q_s, k and v rounded to bf16
+//     into kv_s (unit s = 0 appends them at row pos of the caches);
+//   per page (32 rows): scores, thread (warp w, lane l): head w / 2, row 16 (w % 2) + l % 16, dimensions
+//     128 (l / 16) ..+127 (the two halves summed by one shuffle); the online softmax, warp h < 8 for head h, lane
+//     = row; then O += P V, thread t: head t / 64, dimensions 4 (t % 64) ..+3, rows in order.
+// Row pos (this step's) is not in the cache yet: the page that holds it gets it from kv_s.
+// Returns the page counter after the instruction's pages.
+__device__ __noinline__ uint32_t attn_part_units(const AttnArgs* ap, Instr in, float* scratch, Ring ring, uint32_t k) {
+  constexpr int D = kAttnDim, G = kAttnGroup;
+  const AttnArgs a = *ap;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  float* q_s = scratch;                 // [G][D], pre-scaled
+  float* y_s = q_s + G * D;             // [G + 2][D]: the prologue's RMSNorm outputs (RoPE reads pairs)
+  float* sc_s = y_s;                    // [G][32] scores (after the prologue)
+  float* p_s = sc_s + G * 32;           // [G][32]
+  float* alpha_s = p_s + G * 32;        // [G]
+  __nv_bfloat16* kv_s = reinterpret_cast<__nv_bfloat16*>(y_s + (G + 2) * D);  // [2][D]: k, v of row pos
+  const int pos = __ldcg(a.pos);
+  const float q_mul = kLog2e / sqrtf(static_cast<float>(D));
+  for (int u = in.row_begin; u < in.row_end; ++u) {
+    const AttnRange r = attn_range(a, u, pos);
+    if (warp < G + 2) {  // eqs 9-10 (attn_prep's arithmetic)
+      const bool is_q = warp < G, is_v = warp == G + 1;
+      const int j = r.m * G + warp;
+      const float* src = is_q ? a.proj + static_cast<size_t>(j) * 2 * D
+                              : a.proj + static_cast<size_t>(kAttnQHeads) * 2 * D + ((is_v ? kAttnKvHeads : 0) + r.m) * D;
+      float x[8];
+      const float4 x0 = __ldcg(reinterpret_cast<const float4*>(src + 8 * lane));
+      const float4 x1 = __ldcg(reinterpret_cast<const float4*>(src + 8 * lane + 4));
+      x[0] = x0.x, x[1] = x0.y, x[2] = x0.z, x[3] = x0.w, x[4] = x1.x, x[5] = x1.y, x[6] = x1.z, x[7] = x1.w;
+      if (is_v) {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) S[static_cast<size_t>(r) * D] = s_reg[r] + k_s[quarter * kRows + r] * e;
-    const float o = sqv + e * kq;
-    if (quarter == 0) {
-      const float ss = warp_sum(o * o);
-      if (lane == 0) red_s[warp] = ss;
+        for (int i = 0; i < 8; ++i) kv_s[D + 8 * lane + i] = __float2bfloat16_rn(x[i]);
+      } else {
+        float ss = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ss += x[i] * x[i];
+        ss = warp_sum(ss);
+        const float inv = 1.0f / sqrtf(ss / static_cast<float>(D) + a.eps);
+        const float* w = is_q ? a.q_norm : a.k_norm;
+        float* y = y_s + warp * D;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) y[8 * lane + i] = __fmul_rn(__fmul_rn(x[i], inv), __ldg(w + 8 * lane + i));
+        __syncwarp();
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const float v = rope_element(y, 8 * lane + i, kAttnRotary, a.rope_theta, pos);
+          if (is_q) q_s[warp * D + 8 * lane + i] = v * q_mul;
+          else kv_s[8 * lane + i] = __float2bfloat16_rn(v);
+        }
+      }
     }
     consumer_sync();
-    const float total = (red_s[0] + red_s[1]) + (red_s[2] + red_s[3]);
-    const float inv_rms = rsqrtf(total / static_cast<float>(D) + op.eps);
-    if (quarter == 0) op.out[h * D + j] = __ldg(g.norm_w + j) * (o * inv_rms) * siluf_(z);
-    consumer_sync();  // scratch and red_s free for the next head
+    if (r.s == 0 && tid < 2 * D / 8) {  // append row pos (16 bytes a thread: k, then v)
+      const int half = tid / (D / 8), e = 8 * (tid % (D / 8));
+      __nv_bfloat16* cache = half ? a.v_cache : a.k_cache;
+      *reinterpret_cast<uint4*>(cache + (static_cast<size_t>(pos) * kAttnKvHeads + r.m) * D + e) =
+          *reinterpret_cast<const uint4*>(kv_s + half * D + e);
+    }
+    // Running softmax state: warp h < G keeps head h's (m_run, l_run) in every lane; thread t's O part o[4].
+    float m_run = -INFINITY, l_run = 0.0f;
+    float o[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const int ph = tid / 64, pd = 4 * (tid % 64);
+    const int sh = warp / 2, srow = 16 * (warp % 2) + lane % 16, shalf = lane / 16;
+    for (int b = r.begin; b < r.end; b += kAttnRowsPerPage, ++k) {
+      const int p = static_cast<int>(k % kPages), valid = min(kAttnRowsPerPage, r.end - b);
+      mbar_wait(&ring.full[p], (k / kPages) & 1);
+      char* page = ring.pages + p * kPageBytes;
+      if (pos >= b && pos < b + valid) {  // block-uniform: this page holds row pos
+        if (tid < 2 * D / 8) {
+          const int half = tid / (D / 8), e = 8 * (tid % (D / 8));
+          *reinterpret_cast<uint4*>(page + half * kAttnVAt + (pos - b) * kAttnPitch + 2 * e) =
+              *reinterpret_cast<const uint4*>(kv_s + half * D + e);
+        }
+        consumer_sync();
+      }
+      // Scores.
+      {
+        float acc = 0.0f;
+        if (srow < valid) {
+          const char* krow = page + srow * kAttnPitch + shalf * D;  // bytes: dimension 128 shalf
+          const float* q = q_s + sh * D + shalf * (D / 2);
+#pragma unroll 1
+          for (int c = 0; c < D / 2 / 8; ++c) {
+            const uint4 kw = *reinterpret_cast<const uint4*>(krow + 16 * c);
+            const float4 qa = *reinterpret_cast<const float4*>(q + 8 * c);
+            const float4 qb = *reinterpret_cast<const float4*>(q + 8 * c + 4);
+            acc = fmaf(qa.x, bf16_bits_to_float(static_cast<unsigned short>(kw.x & 0xFFFF)), acc);
+            acc = fmaf(qa.y, bf16_bits_to_float(static_cast<unsigned short>(kw.x >> 16)), acc);
+            acc = fmaf(qa.z, bf16_bits_to_float(static_cast<unsigned short>(kw.y & 0xFFFF)), acc);
+            acc = fmaf(qa.w, bf16_bits_to_float(static_cast<unsigned short>(kw.y >> 16)), acc);
+            acc = fmaf(qb.x, bf16_bits_to_float(static_cast<unsigned short>(kw.z & 0xFFFF)), acc);
+            acc = fmaf(qb.y, bf16_bits_to_float(static_cast<unsigned short>(kw.z >> 16)), acc);
+            acc = fmaf(qb.z, bf16_bits_to_float(static_cast<unsigned short>(kw.w & 0xFFFF)), acc);
+            acc = fmaf(qb.w, bf16_bits_to_float(static_cast<unsigned short>(kw.w >> 16)), acc);
+          }
+        }
+        acc += __shfl_xor_sync(0xffffffffu, acc, 16);
+        if (shalf == 0) sc_s[sh * 32 + srow] = acc;
+      }
+      consumer_sync();
+      if (warp < G) {  // the online softmax of head `warp` over the page's rows
+        const float sv = lane < valid ? sc_s[warp * 32 + lane] : -INFINITY;
+        const float m_new = fmaxf(m_run, warp_max(sv));  // finite: valid >= 1
+        const float alpha = exp2f(m_run - m_new);         // 0 on the first page (m_run = -inf)
+        const float pr = lane < valid ? exp2f(sv - m_new) : 0.0f;
+        l_run = l_run * alpha + warp_sum(pr);
+        m_run = m_new;
+        p_s[warp * 32 + lane] = pr;
+        if (lane == 0) alpha_s[warp] = alpha;
+      }
+      consumer_sync();
+      {
+        const float alpha = alpha_s[ph];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) o[i] *= alpha;
+        const char* vcol = page + kAttnVAt + 2 * pd;
+        for (int row = 0; row < valid; ++row) {
+          const uint2 vw = *reinterpret_cast<const uint2*>(vcol + row * kAttnPitch);
+          const float pr = p_s[ph * 32 + row];
+          o[0] = fmaf(pr, bf16_bits_to_float(static_cast<unsigned short>(vw.x & 0xFFFF)), o[0]);
+          o[1] = fmaf(pr, bf16_bits_to_float(static_cast<unsigned short>(vw.x >> 16)), o[1]);
+          o[2] = fmaf(pr, bf16_bits_to_float(static_cast<unsigned short>(vw.y & 0xFFFF)), o[2]);
+          o[3] = fmaf(pr, bf16_bits_to_float(static_cast<unsigned short>(vw.y >> 16)), o[3]);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&ring.empty[p]);
+      consumer_sync();  // sc_s / p_s / alpha_s free for the next page
+    }
+    const size_t head = static_cast<size_t>(r.s) * kAttnQHeads + r.m * G + ph;
+    *reinterpret_cast<float4*>(a.part_o + head * D + pd) = make_float4(o[0], o[1], o[2], o[3]);
+    if (warp < G && lane == 0) {
+      const size_t hh = static_cast<size_t>(r.s) * kAttnQHeads + r.m * G + warp;
+      a.part_ml[hh * 2] = m_run * kLn2;  // -inf stays -inf
+      a.part_ml[hh * 2 + 1] = l_run;
+    }
+    consumer_sync();  // scratch free for the next unit
+  }
+  return k;
+}
+
+// attn_merge for units [row_begin, row_end) = (query head j, dimensions 32 c .. +31): warp w sums the splits s = w,
+// w + 16, ... with weights exp(m_s - M) (every warp takes M itself), lane = dimension; warp 0 adds the 16 warps'
+// sums in order, divides by the sum of the weighted l_s and multiplies by sigmoid(gate).
+__device__ __noinline__ void attn_merge_units(const AttnArgs* ap, float* out, Instr in, float* scratch) {
+  constexpr int D = kAttnDim;
+  const AttnArgs a = *ap;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, S = a.n_splits;
+  float* acc_s = scratch;                        // [kConsumerWarps][32]
+  float* l_s = acc_s + kConsumerWarps * 32;      // [kConsumerWarps]
+  for (int u = in.row_begin; u < in.row_end; ++u) {
+    const int j = u / (D / 32), d = 32 * (u % (D / 32)) + lane;
+    float mx = -INFINITY;
+    for (int s = lane; s < S; s += 32) mx = fmaxf(mx, __ldcg(a.part_ml + (static_cast<size_t>(s) * kAttnQHeads + j) * 2));
+    mx = warp_max(mx);
+    float acc = 0.0f, l = 0.0f;
+    for (int s = warp; s < S; s += kConsumerWarps) {
+      const size_t head = static_cast<size_t>(s) * kAttnQHeads + j;
+      const float ms = __ldcg(a.part_ml + head * 2);
+      const float w = ms == -INFINITY ? 0.0f : expf(ms - mx);  // empty splits weigh nothing
+      l = fmaf(w, __ldcg(a.part_ml + head * 2 + 1), l);
+      acc = fmaf(w, __ldcg(a.part_o + head * D + d), acc);
+    }
+    acc_s[warp * 32 + lane] = acc;
+    if (lane == 0) l_s[warp] = l;
+    consumer_sync();
+    if (warp == 0) {
+      float o = 0.0f, lt = 0.0f;
+      for (int w = 0; w < kConsumerWarps; ++w) o += acc_s[w * 32 + lane], lt += l_s[w];
+      const float gate = __ldcg(a.proj + static_cast<size_t>(j) * 2 * D + D + d);
+      out[static_cast<size_t>(j) * D + d] = o / lt * (1.0f / (1.0f + expf(-gate)));
+    }
+    consumer_sync();
   }
 }
 
@@ -538,25 +801,46 @@ __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigne
     if (marks) marks[0] = globaltimer();
     const Instr in = pv.instrs[i];
     const Op op = pv.ops[in.op];
-    wait_inputs(pv, op, epoch);
-    if (marks) marks[1] = globaltimer();
     if (op.code == Opcode::gdn_head) {
-      if (marks) marks[2] = globaltimer();
-      gdn_heads(op, in, x_s, red_s, ring, k);
+      GdnUnitIn u;
+      gdn_unit_load(op.gdn, in.row_begin, u);  // before the wait: nothing in the step writes it
+      wait_inputs(pv, op, epoch);
+      if (marks) marks[1] = marks[2] = globaltimer();
+      for (int unit = in.row_begin; unit < in.row_end; ++unit) {
+        if (unit > in.row_begin) gdn_unit_load(op.gdn, unit, u);
+        gdn_unit(op, unit, u, x_s);
+      }
       if (marks) marks[3] = marks[4] = globaltimer();
       if (threadIdx.x == 0) signal(pv, op.signal);
       if (marks) marks[5] = globaltimer(), marks[6] = 0;
       continue;
     }
+    if (op.code == Opcode::attn_part || op.code == Opcode::attn_merge) {
+      wait_inputs(pv, op, epoch);
+      if (marks) marks[1] = marks[2] = globaltimer();
+      // Out of line (their own register allocation; the calls cost once an instruction), reading the program's
+      // copy of the operands (global, read-only) rather than a local copy of op.
+      if (op.code == Opcode::attn_part) k = attn_part_units(&pv.ops[in.op].attn, in, x_s, ring, k);
+      else attn_merge_units(&pv.ops[in.op].attn, op.out, in, x_s);
+      if (marks) marks[3] = marks[4] = globaltimer();
+      if (threadIdx.x == 0) signal(pv, op.signal);
+      if (marks) marks[5] = globaltimer(), marks[6] = 0;
+      continue;
+    }
+    const int cols = op.code == Opcode::moe_out ? (op.moe.top_k + 1) * op.moe.inter : op.m.cols;
+    float4 norm_w[kXPerThread];
+    load_norm_w(op, cols, norm_w);  // before the wait: no op writes it
+    wait_inputs(pv, op, epoch);
+    if (marks) marks[1] = globaltimer();
     unsigned long long page_wait = 0;
     unsigned long long* wait_ns = marks ? &page_wait : nullptr;
     const bool int8 = op.flags & kInt8X;
     if (op.code == Opcode::moe_out) {
-      load_x(op, (op.moe.top_k + 1) * op.moe.inter, x_s, red_s, xi);
+      load_x(op, cols, norm_w, x_s, red_s, xi);
       if (marks) marks[2] = globaltimer();
       moe_out_pages(op, in, x_s, ring, k, wait_ns);
     } else {
-      load_x(op, op.m.cols, x_s, red_s, xi);
+      load_x(op, cols, norm_w, x_s, red_s, xi);
       if (marks) marks[2] = globaltimer();
       if (op.code == Opcode::moe_in) {
         if (int8) {

@@ -1,14 +1,15 @@
 // The persistent decode kernel: one block per SM interprets its instruction list (program.h).
 //
-// Block = 8 consumer warps + 1 loader warp. Shared memory: a ring of 5 pages of 36 KB (a page = 32 rows of a
+// Block = 16 consumer warps + 1 loader warp. Shared memory: a ring of 5 pages of 36 KB (a page = 32 rows of a
 // 2048-column 4-bit matrix or 16 rows of a 4096-column one, weights then scales then biases, as in the checkpoint),
 // the input vector x (padded, quant_dot.cuh) and one full / one empty mbarrier per page.
 //   loader (one lane): walks the block's instructions and their pages in order; for each page it waits until the
 //     consumers have released it, then asks the bulk-copy engine (cp.async.bulk, Hopper) for the page's three
 //     contiguous pieces. It never waits for a dependency: weights stream up to 5 pages (184 KB) ahead of the
 //     instruction that is waiting for its input.
-//   consumers: per instruction wait for the counters it reads (one thread polls with ld.acquire.gpu, then a
-//     named barrier), build x (RMSNorm prologue) from L2, then per page: wait full, 4 (or 2) rows a warp with the
+//   consumers: per instruction load what no op of the step writes (the prologue's norm multipliers; a Gated
+//     DeltaNet unit's state slice, conv history and constants), wait for the counters it reads (one thread polls
+//     with ld.acquire.gpu, then a named barrier), build x (RMSNorm or gated-norm prologue) from L2, then per page: wait full, 4 (or 2) rows a warp with the
 //     gemv dot products of quant_dot.cuh, release the page; after the last page's stores a named barrier, a fence,
 //     and one release-add on the op's counter.
 // Memory-bound: a step moves the program's weight bytes once; the floor is bytes / 4.27 TB/s, plus one

@@ -1,6 +1,7 @@
-// The megakernel's Gated DeltaNet step (Opcode::gdn_head) against a CPU reference of eqs 14-19 on fresh random
-// inputs and against the chain's gdn_step kernel; a whole Gated DeltaNet layer (in-projection, step,
-// out-projection) against the kernel chain, and timed against it.
+// The megakernel's Gated DeltaNet step (Opcode::gdn_head) against a CPU reference of eqs 14-18 on fresh random
+// inputs and against the chain's gdn_step kernel; the out-projection with eq 19 as its prologue against the CPU
+// and the chain's gated gemv; a whole Gated DeltaNet layer (in-projection, step, out-projection) against the kernel
+// chain, and timed against it.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -49,13 +50,13 @@ struct GdnState {
   GdnArgs args() const {
     GdnArgs g;
     g.proj = d_proj.get(), g.conv_ring = d_ring.get(), g.conv_w = d_conv_w.get(), g.A_log = d_A_log.get();
-    g.dt_bias = d_dt_bias.get(), g.norm_w = d_norm_w.get(), g.S = d_S.get(), g.pos = d_pos.get();
+    g.dt_bias = d_dt_bias.get(), g.S = d_S.get(), g.pos = d_pos.get();
     g.n_k = kNk, g.n_v = kNv;
     return g;
   }
 };
 
-// Eqs 14-19 in double: the gated-normed o, the new state and the ring's new slot.
+// Eqs 14-18 in double: o = S^T q_hat (before eq 19) and the new state.
 void reference(const GdnState& st, std::vector<double>& out, std::vector<double>& S_new) {
   const int K = 4;
   std::vector<double> cc(kConv);
@@ -80,7 +81,6 @@ void reference(const GdnState& st, std::vector<double>& out, std::vector<double>
     const double a = st.proj[kConv + kValue + kNv + h] + st.dt_bias[h];
     const double softplus = a > 20 ? a : std::log1p(std::exp(a));
     const double decay = std::exp(-std::exp(double(st.A_log[h])) * softplus);
-    std::vector<double> o(kD);
     for (int j = 0; j < kD; ++j) {
       double kv = 0;
       for (int i = 0; i < kD; ++i) kv += decay * st.S[(size_t(h) * kD + i) * kD + j] * kh_[i];
@@ -91,14 +91,7 @@ void reference(const GdnState& st, std::vector<double>& out, std::vector<double>
         S_new[(size_t(h) * kD + i) * kD + j] = s;
         acc += s * qh[i];
       }
-      o[j] = acc;
-    }
-    double ss = 0;
-    for (double x : o) ss += x * x;
-    const double inv = 1.0 / std::sqrt(ss / kD + 1e-6);
-    for (int j = 0; j < kD; ++j) {
-      const double z = st.proj[kConv + h * kD + j];
-      out[h * kD + j] = st.norm_w[j] * o[j] * inv * z / (1.0 + std::exp(-z));
+      out[h * kD + j] = acc;
     }
   }
 }
@@ -133,12 +126,12 @@ TEST(MkGdn, HeadsMatchCpuAndTheChainKernel) {
   EXPECT_LE(worst_S, 1e-5);
   for (int ch = 0; ch < kConv; ++ch) ASSERT_EQ(ring[(st.pos % 4) * kConv + ch], st.proj[ch]) << "ring slot, channel " << ch;
 
-  // Bit-identical on any grid and run to run; against the chain's gdn_step (fused gated norm) within rounding.
+  // Bit-identical on any grid (1 and 5 blocks: several units an instruction) and run to run; against the chain's
+  // gdn_step (o before eq 19) within rounding.
   for (int n_blocks : {1, 5, device_sms()}) EXPECT_EQ(run_heads(st, n_blocks), out) << n_blocks << " blocks";
   st.reset();
   GdnStepParams g{st.d_proj.get(), st.d_ring.get(), st.d_conv_w.get(), st.d_A_log.get(), st.d_dt_bias.get(),
                   st.d_S.get(), st.d_pos.get(), kNk, kNv, kD, kD, 4, st.d_out.get()};
-  g.gate_z = st.d_proj.get() + kConv, g.norm_w = st.d_norm_w.get(), g.eps = 1e-6f;
   ASSERT_CUDA(gdn_step(g, nullptr));
   ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<float> chain_out = st.d_out.download(), chain_S = st.d_S.download();
@@ -150,9 +143,79 @@ TEST(MkGdn, HeadsMatchCpuAndTheChainKernel) {
   EXPECT_LE(d_S, 1e-5);
 }
 
+// The out-projection with eq 19 as its prologue (add_gated_gemv, fp32 and int8 x) against the CPU in double: y =
+// residual + W (norm_w * o / RMS(o_head) * silu(z)); fp32 within rounding, int8 within its quantization bound
+// (as MkStep.Int8GemvWithinItsQuantizationBound); the same bits on any grid; the chain's gated gemv within kChainX16.
+TEST(MkGdn, GatedOutProjectionMatchesCpuAndTheChain) {
+  SKIP_WITHOUT_STEP();
+  constexpr int kRows = 2048;
+  test::HostQMatrix hm = test::random_qmatrix(kRows, kValue, 4, 8151);
+  const std::vector<float> o = test::random_vector(kValue, 8152, 3.0f), z = test::random_vector(kValue, 8153, 2.0f);
+  const std::vector<float> norm_w = test::random_vector(kD, 8154, 0.1f, 1.0f), res = test::random_vector(kRows, 8155);
+  DeviceBuffer<float> d_o(o), d_z(z), d_norm(norm_w), d_res(res), d_y(kRows);
+  const QMatrix dm = hm.upload();
+  std::vector<double> x(kValue);
+  for (int hd = 0; hd < kNv; ++hd) {
+    double ss = 0;
+    for (int j = 0; j < kD; ++j) ss += double(o[hd * kD + j]) * o[hd * kD + j];
+    const double inv = 1.0 / std::sqrt(ss / kD + 1e-6);
+    for (int j = 0; j < kD; ++j) {
+      const double zz = z[hd * kD + j];
+      x[hd * kD + j] = norm_w[j] * o[hd * kD + j] * inv * zz / (1.0 + std::exp(-zz));
+    }
+  }
+  std::vector<double> amax(kValue / 32, 0.0);
+  for (int c = 0; c < kValue; ++c) amax[c / 32] = std::max(amax[c / 32], std::fabs(x[c]));
+  auto run = [&](int n_blocks, bool int8) -> std::vector<float> {
+    Program p;
+    p.set_int8_activations(int8);
+    auto op = p.add_gated_gemv(dm, d_o.get(), d_z.get(), d_norm.get(), d_y.get(), {}, d_res.get());
+    EXPECT_TRUE(op.ok()) << op.status().message();
+    EXPECT_TRUE(p.schedule(n_blocks).ok());
+    auto d = DeviceProgram::upload(p);
+    EXPECT_TRUE(d.ok());
+    if (!op.ok() || !d.ok()) return {};
+    EXPECT_EQ((*d)->launch(nullptr), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return d_y.download();
+  };
+  for (bool int8 : {false, true}) {
+    SCOPED_TRACE(int8 ? "int8 x" : "fp32 x");
+    const std::vector<float> y = run(device_sms(), int8);
+    ASSERT_EQ(y.size(), static_cast<size_t>(kRows));
+    int bad = 0;
+    double worst_ratio = 0;
+    for (int r = 0; r < kRows; ++r) {
+      double ref = res[r], abs_sum = 0, bound = 0;
+      for (int c = 0; c < kValue; ++c) {
+        const double w = hm.dequant(r, c);
+        ref += w * x[c], abs_sum += std::fabs(w * x[c]), bound += std::fabs(w) * amax[c / 32] / 254.0;
+      }
+      const double tol = (int8 ? bound * 1.01 : 0.0) + 3e-5 * abs_sum + 1e-5 * (std::fabs(ref) + 1.0);
+      worst_ratio = std::max(worst_ratio, std::fabs(y[r] - ref) / tol);
+      if (!(std::fabs(y[r] - ref) <= tol) && bad++ < 5) ADD_FAILURE() << "row " << r << ": " << y[r] << " vs " << ref;
+    }
+    EXPECT_EQ(bad, 0);
+    std::printf("gated out-projection (%s) vs CPU: worst error %.2f of the tolerance\n", int8 ? "int8" : "fp32",
+                worst_ratio);
+    for (int n_blocks : {1, 7}) EXPECT_EQ(run(n_blocks, int8), y) << n_blocks << " blocks";
+  }
+  const std::vector<float> mk = run(device_sms(), false);
+  GemvParams chain{dm, d_o.get(), GemvPrologue::gated_rms_norm, d_norm.get(), d_z.get(), kD, 1e-6f, d_res.get(),
+                   d_y.get()};
+  ASSERT_CUDA(gemv(chain, nullptr));
+  ASSERT_CUDA(cudaDeviceSynchronize());
+  const std::vector<float> chain_y = d_y.download();
+  double diff = 0, ymax = 0;
+  for (int r = 0; r < kRows; ++r) diff = std::max(diff, std::fabs(double(chain_y[r]) - mk[r])), ymax = std::max(ymax, std::fabs(double(chain_y[r])));
+  std::printf("gated out-projection vs the chain's gated gemv: max |diff| %.3g of max |y| %.3g\n", diff, ymax);
+  EXPECT_LE(diff, test_util::kChainX16 * ymax);
+}
+
 // ---- a whole Gated DeltaNet layer ------------------------------------------------------------------------------
 
-// n_layers Gated DeltaNet layers: h -> in_proj (RMSNorm) -> proj -> heads -> o -> out_proj + h -> h.
+// n_layers Gated DeltaNet layers: h -> in_proj (RMSNorm) -> proj -> heads -> o -> out_proj (eq 19 prologue) + h -> h.
+// The chain runs eq 19 in gdn_step (fused) and a plain out-projection gemv.
 struct GdnLayers {
   int n;
   std::vector<QMatrix> w_in, w_out;
@@ -187,7 +250,8 @@ struct GdnLayers {
       if (prev >= 0) waits.push_back(prev);
       ASSIGN_OR_RETURN(const int in, p.add_gemv(w_in[l], h.get(), s.d_proj.get(), waits, norm_in.get()));
       ASSIGN_OR_RETURN(const int heads, p.add_gdn_heads(s.args(), s.d_out.get(), in));
-      ASSIGN_OR_RETURN(prev, p.add_gemv(w_out[l], s.d_out.get(), h.get(), {heads}, nullptr, 1e-6f, h.get()));
+      ASSIGN_OR_RETURN(prev, p.add_gated_gemv(w_out[l], s.d_out.get(), s.d_proj.get() + kConv, s.d_norm_w.get(),
+                                              h.get(), {heads}, h.get()));
       if (!moe.empty()) {
         ASSIGN_OR_RETURN(prev, moe[l]->add_to(p, h.get(), norm_in.get(), act.get(), prev));
       }

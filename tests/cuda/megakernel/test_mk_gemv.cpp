@@ -85,9 +85,49 @@ TEST(MkProgram, RefusesWhatTheKernelCannotRun) {
   EXPECT_FALSE(p.add_gemv(fake_matrix(66, 2048, 0x10000), act, act, {}).ok()) << "rows not a multiple of 4";
   EXPECT_FALSE(p.add_gemv(fake_matrix(64, 2048, 0x10008), act, act, {}).ok()) << "misaligned weights";
   EXPECT_FALSE(p.add_gemv(fake_matrix(64, 2048, 0x10000), act, act, {0}).ok()) << "waits on itself";
+  EXPECT_FALSE(p.add_gated_gemv(fake_matrix(64, 2048, 0x10000), act, act, act, act, {}).ok()) << "gated: 2048 columns";
+  EXPECT_FALSE(p.add_gated_gemv(fake_matrix(64, 4096, 0x10000), act, nullptr, act, act, {}).ok()) << "gated: no z";
+  EXPECT_FALSE(p.add_gated_gemv(fake_matrix(64, 4096, 0x10000), act, act + 1, act, act, {}).ok()) << "gated: z misaligned";
   EXPECT_FALSE(p.schedule(4).ok()) << "no ops";
   ASSERT_TRUE(p.add_gemv(fake_matrix(64, 2048, 0x10000), act, act, {}).ok());
   EXPECT_FALSE(p.schedule(0).ok());
+  // A gated out-projection: the flag and the gate's address reach the op; its rows are cut like any gemv's.
+  auto gated = p.add_gated_gemv(fake_matrix(2048, 4096, 0x20000), act, act + 4, act + 8, act, {0}, act);
+  ASSERT_TRUE(gated.ok()) << gated.status().message();
+  const Op& op = p.ops()[static_cast<size_t>(*gated)];
+  EXPECT_EQ(op.flags, kGatedNorm | kResidual);
+  EXPECT_EQ(op.gate, act + 4);
+  EXPECT_EQ(op.norm_w, act + 8);
+  ASSERT_TRUE(p.schedule(7).ok());
+  EXPECT_EQ(p.signals_per_step(*gated), 7u);
+}
+
+// The Gated DeltaNet step's units are a head's 32-column blocks: 32 heads give 128 units, each in exactly one
+// instruction, at most one instruction a block.
+TEST(MkProgram, GdnHeadsAreColumnBlockUnits) {
+  float* f = reinterpret_cast<float*>(uintptr_t{1} << 20);
+  GdnArgs g;
+  g.proj = g.conv_w = g.A_log = g.dt_bias = f;
+  g.conv_ring = g.S = f;
+  g.pos = reinterpret_cast<const int*>(f);
+  for (int n_blocks : {7, 132}) {
+    SCOPED_TRACE(n_blocks);
+    Program p;
+    auto op = p.add_gdn_heads(g, f, -1);
+    ASSERT_TRUE(op.ok()) << op.status().message();
+    ASSERT_TRUE(p.schedule(n_blocks).ok());
+    EXPECT_EQ(p.ops()[0].m.rows, 32 * kGdnDim / kGdnCols);
+    EXPECT_EQ(p.signals_per_step(0), static_cast<uint32_t>(std::min(n_blocks, 128)));
+    std::vector<int> covered(128, 0);
+    for (const Instr& in : p.instrs()) {
+      for (int u = in.row_begin; u < in.row_end; ++u) ++covered[u];
+      EXPECT_EQ(instr_weight_bytes(p.ops()[0], in), static_cast<size_t>(in.row_end - in.row_begin) * kGdnDim * kGdnCols * 4);
+    }
+    EXPECT_EQ(std::count(covered.begin(), covered.end(), 1), 128);
+  }
+  GdnArgs bad = g;
+  bad.S = nullptr;
+  EXPECT_FALSE(Program().add_gdn_heads(bad, f, -1).ok()) << "no state";
 }
 
 // ---- on the GPU ----------------------------------------------------------------------------------------------

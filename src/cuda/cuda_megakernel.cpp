@@ -1,0 +1,114 @@
+// The batch-1 decode step on the persistent megakernel (megakernel/; --cuda-options megakernel=1 or 2): per
+// sequence, one program of the 40 layers and the lm_head, built once from the model and the sequence's state
+// (its pointers are baked in, as the chain's graph bakes them) and launched between the embedding lookup and the
+// sample kernel of the step's graph (cuda_decode.cpp enqueue_step).
+#include <cmath>
+#include <cstdio>
+
+#include "cuda/cuda_backend_impl.h"
+#include "cuda/megakernel/step.cuh"
+
+namespace lily::cuda {
+
+Status megakernel_geometry(const ModelConfig& c) {
+  const bool ok = c.hidden_size == 2048 && c.linear_num_key_heads == 16 && c.linear_num_value_heads == 32 &&
+                  c.linear_key_head_dim == mk::kGdnDim && c.linear_value_head_dim == mk::kGdnDim &&
+                  c.linear_conv_kernel_dim == 4 && c.num_attention_heads == mk::kAttnQHeads &&
+                  c.num_key_value_heads == mk::kAttnKvHeads && c.head_dim == mk::kAttnDim &&
+                  c.rotary_dim() == mk::kAttnRotary && c.moe_intermediate_size == 512 &&
+                  c.shared_expert_intermediate_size == 512 && c.num_experts > 0 && c.num_experts <= 256 &&
+                  c.num_experts_per_tok > 0 && c.num_experts_per_tok <= 8;
+  if (ok) return ok_status();
+  return error(ErrorCode::unsupported,
+               "the decode megakernel runs Qwen3.6-35B-A3B's geometry (hidden 2048; Gated DeltaNet 16 / 32 heads of "
+               "128; attention 16 / 2 heads of 256, rotary 64; experts of 512, top-k <= 8 of <= 256); this model has "
+               "hidden %d, Gated DeltaNet %d / %d heads of %d, attention %d / %d heads of %d, experts of %d, top-%d "
+               "of %d",
+               c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads, c.linear_value_head_dim,
+               c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.moe_intermediate_size,
+               c.num_experts_per_tok, c.num_experts);
+}
+
+Status CudaBackend::init_megakernel() {
+  if (options_.megakernel == 0) return ok_status();
+  if (!mk::step_supported())
+    return error(ErrorCode::unsupported,
+                 "--cuda-options megakernel=%d: the decode megakernel needs this binary's sm_90a code and a Hopper "
+                 "GPU (compute 9.0; %s is %d.%d)",
+                 options_.megakernel, device_name_.c_str(), paths_.cc_major, paths_.cc_minor);
+  const Status geometry = megakernel_geometry(config());
+  if (!geometry.ok())
+    return error(ErrorCode::unsupported, "--cuda-options megakernel=%d: %s", options_.megakernel,
+                 geometry.message().c_str());
+  const ModelConfig& c = config();
+  const size_t L = c.num_hidden_layers, E1 = static_cast<size_t>(c.num_experts) + 1;
+  const size_t act = static_cast<size_t>(c.num_experts_per_tok + 1) * c.moe_intermediate_size;
+  const size_t splits = static_cast<size_t>(attention_splits(options_.max_context));
+  // Per layer: the router's logits (read by every block's loader while the layer's MoE runs) and the experts'
+  // activations; one attention's partial outputs and their max / sum.
+  mk_logits_off_ = 0;
+  mk_act_off_ = (L * E1 + 63) / 64 * 64;
+  mk_part_o_off_ = mk_act_off_ + L * act;
+  mk_part_ml_off_ = mk_part_o_off_ + splits * mk::kAttnQHeads * mk::kAttnDim;
+  RETURN_IF_ERROR(mk_scratch_.alloc(mk_part_ml_off_ + splits * mk::kAttnQHeads * 2));
+  CUDA_RETURN(cudaDeviceGetAttribute(&mk_blocks_, cudaDevAttrMultiProcessorCount, 0), "SM count");
+  paths_.megakernel = options_.megakernel;
+  return ok_status();
+}
+
+Result<mk::Program> CudaBackend::step_program(const CudaSequence& s) const {
+  const ModelConfig& c = config();
+  const DeviceModel& m = *model_;
+  const float eps = c.rms_norm_eps;
+  const size_t E1 = static_cast<size_t>(c.num_experts) + 1;
+  const size_t act = static_cast<size_t>(c.num_experts_per_tok + 1) * c.moe_intermediate_size;
+  float* h = h_.ptr;
+  float* proj = proj_.ptr;
+  mk::Program p;
+  p.set_int8_activations(paths_.megakernel == 2);
+  int prev = -1;  // the op that last wrote h
+  for (size_t l = 0; l < m.layers.size(); ++l) {
+    const DeviceLayer& L = m.layers[l];
+    std::vector<int> h_wait;
+    if (prev >= 0) h_wait.push_back(prev);
+    if (L.type == LayerType::linear_attention) {
+      if (!s.conv[l] || !s.S[l]) return error(ErrorCode::internal, "layer %zu: the sequence has no recurrent state", l);
+      ASSIGN_OR_RETURN(const int in, p.add_gemv(L.gdn_in, h, proj, h_wait, L.input_norm, eps));
+      mk::GdnArgs g;
+      g.proj = proj, g.conv_ring = s.conv[l]->ptr, g.conv_w = L.conv_w, g.A_log = L.A_log, g.dt_bias = L.dt_bias;
+      g.S = s.S[l]->ptr, g.pos = s.pos.ptr, g.n_k = c.linear_num_key_heads, g.n_v = c.linear_num_value_heads;
+      ASSIGN_OR_RETURN(const int heads, p.add_gdn_heads(g, gdn_o_.ptr, in));
+      ASSIGN_OR_RETURN(prev, p.add_gated_gemv(L.gdn_out, gdn_o_.ptr, proj + c.linear_conv_dim(), L.gdn_norm, h,
+                                              {heads}, h, eps));
+    } else {
+      if (!s.k[l] || !s.v[l]) return error(ErrorCode::internal, "layer %zu: the sequence has no KV cache", l);
+      ASSIGN_OR_RETURN(const int in, p.add_gemv(L.attn_in, h, proj, h_wait, L.input_norm, eps));
+      mk::AttnArgs a;
+      a.proj = proj, a.q_norm = L.q_norm, a.k_norm = L.k_norm, a.k_cache = s.k[l]->ptr, a.v_cache = s.v[l]->ptr;
+      a.pos = s.pos.ptr, a.part_o = mk_scratch_.ptr + mk_part_o_off_, a.part_ml = mk_scratch_.ptr + mk_part_ml_off_;
+      a.n_splits = attention_splits(s.capacity), a.rope_theta = static_cast<float>(c.rope_theta), a.eps = eps;
+      ASSIGN_OR_RETURN(const int merge, p.add_attention(a, attn_out_.ptr, in));
+      ASSIGN_OR_RETURN(prev, p.add_gemv(L.attn_out, attn_out_.ptr, h, {merge}, nullptr, eps, h));
+    }
+    mk::MoeArgs moe;
+    moe.gate = L.expert_gate, moe.up = L.expert_up, moe.down = L.expert_down;
+    moe.s_gate = L.shared_gate, moe.s_up = L.shared_up, moe.s_down = L.shared_down;
+    moe.n_experts = c.num_experts, moe.top_k = c.num_experts_per_tok, moe.inter = c.moe_intermediate_size;
+    float* logits = mk_scratch_.ptr + mk_logits_off_ + l * E1;
+    float* act_l = mk_scratch_.ptr + mk_act_off_ + l * act;
+    ASSIGN_OR_RETURN(prev, p.add_moe(L.router_all, moe, h, L.post_norm, logits, act_l, prev, eps));
+  }
+  ASSIGN_OR_RETURN(const int head, p.add_gemv(m.lm_head, h, logits_.ptr, {prev}, m.final_norm, eps));
+  (void)head;
+  RETURN_IF_ERROR(p.schedule(mk_blocks_));
+  return p;
+}
+
+Status CudaBackend::ensure_step_program(CudaSequence& s) {
+  if (s.step_program) return ok_status();
+  ASSIGN_OR_RETURN(mk::Program p, step_program(s));
+  ASSIGN_OR_RETURN(s.step_program, mk::DeviceProgram::upload(p));
+  return ok_status();
+}
+
+}  // namespace lily::cuda
