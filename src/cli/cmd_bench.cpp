@@ -284,6 +284,15 @@ Status run_one(const BenchArgs& a, std::shared_ptr<const ModelWeights> weights, 
     std::printf("\nper-kernel breakdown of one decode step at context %d (events around each launch, no graph):\n",
                 a.profile_context);
     print_breakdown(kernels, out["kernels"]);
+    if (backend->kernel_paths().find("decode: megakernel") != std::string::npos) {
+      RETURN_IF_ERROR(backend->set_context_for_bench(*seq, a.profile_context));
+      double span = 0;
+      ASSIGN_OR_RETURN(std::string timeline, backend->megakernel_timeline(*seq, &span));
+      std::printf("\nthe megakernel's instruction timeline of one step at context %d, by op (%%globaltimer):\n%s",
+                  a.profile_context, timeline.c_str());
+      out["megakernel_timeline"] = timeline;
+      out["megakernel_span_us"] = span;
+    }
     if (a.trace_steps > 0) {
       RETURN_IF_ERROR(backend->set_context_for_bench(*seq, a.profile_context));
       ASSIGN_OR_RETURN(auto launches, backend->trace_decode(*seq, a.trace_steps));

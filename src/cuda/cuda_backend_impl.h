@@ -108,6 +108,7 @@ class CudaBackend final : public CudaBench {
   Result<double> time_decode_rows(std::span<SequenceState* const> seqs, int steps) override;
   Result<std::vector<KernelTiming>> profile_rows(std::span<SequenceState* const> seqs) override;
   Result<std::vector<TraceLaunch>> trace_decode(SequenceState& seq, int steps) override;
+  Result<std::string> megakernel_timeline(SequenceState& seq, double* span_us) override;  // cuda_megakernel.cpp
   Result<double> time_prefill(SequenceState& seq, int64_t n, std::vector<KernelTiming>* profile,
                               int64_t pos0 = 0) override;
   size_t prefill_scratch_bytes() const override { return prefill_bytes_; }

@@ -74,21 +74,25 @@ Result<mk::Program> CudaBackend::step_program(const CudaSequence& s) const {
     if (L.type == LayerType::linear_attention) {
       if (!s.conv[l] || !s.S[l]) return error(ErrorCode::internal, "layer %zu: the sequence has no recurrent state", l);
       ASSIGN_OR_RETURN(const int in, p.add_gemv(L.gdn_in, h, proj, h_wait, L.input_norm, eps));
+      p.label_op(in, "gdn_in");
       mk::GdnArgs g;
       g.proj = proj, g.conv_ring = s.conv[l]->ptr, g.conv_w = L.conv_w, g.A_log = L.A_log, g.dt_bias = L.dt_bias;
       g.S = s.S[l]->ptr, g.pos = s.pos.ptr, g.n_k = c.linear_num_key_heads, g.n_v = c.linear_num_value_heads;
       ASSIGN_OR_RETURN(const int heads, p.add_gdn_heads(g, gdn_o_.ptr, in));
       ASSIGN_OR_RETURN(prev, p.add_gated_gemv(L.gdn_out, gdn_o_.ptr, proj + c.linear_conv_dim(), L.gdn_norm, h,
                                               {heads}, h, eps));
+      p.label_op(prev, "gdn_out");
     } else {
       if (!s.k[l] || !s.v[l]) return error(ErrorCode::internal, "layer %zu: the sequence has no KV cache", l);
       ASSIGN_OR_RETURN(const int in, p.add_gemv(L.attn_in, h, proj, h_wait, L.input_norm, eps));
+      p.label_op(in, "attn_in");
       mk::AttnArgs a;
       a.proj = proj, a.q_norm = L.q_norm, a.k_norm = L.k_norm, a.k_cache = s.k[l]->ptr, a.v_cache = s.v[l]->ptr;
       a.pos = s.pos.ptr, a.part_o = mk_scratch_.ptr + mk_part_o_off_, a.part_ml = mk_scratch_.ptr + mk_part_ml_off_;
       a.n_splits = attention_splits(s.capacity), a.rope_theta = static_cast<float>(c.rope_theta), a.eps = eps;
       ASSIGN_OR_RETURN(const int merge, p.add_attention(a, attn_out_.ptr, in));
       ASSIGN_OR_RETURN(prev, p.add_gemv(L.attn_out, attn_out_.ptr, h, {merge}, nullptr, eps, h));
+      p.label_op(prev, "attn_out");
     }
     mk::MoeArgs moe;
     moe.gate = L.expert_gate, moe.up = L.expert_up, moe.down = L.expert_down;
@@ -97,9 +101,10 @@ Result<mk::Program> CudaBackend::step_program(const CudaSequence& s) const {
     float* logits = mk_scratch_.ptr + mk_logits_off_ + l * E1;
     float* act_l = mk_scratch_.ptr + mk_act_off_ + l * act;
     ASSIGN_OR_RETURN(prev, p.add_moe(L.router_all, moe, h, L.post_norm, logits, act_l, prev, eps));
+    p.label_op(prev - 2, "router");  // add_moe: router, moe_in, moe_out
   }
   ASSIGN_OR_RETURN(const int head, p.add_gemv(m.lm_head, h, logits_.ptr, {prev}, m.final_norm, eps));
-  (void)head;
+  p.label_op(head, "lm_head");
   RETURN_IF_ERROR(p.schedule(mk_blocks_));
   return p;
 }
@@ -109,6 +114,27 @@ Status CudaBackend::ensure_step_program(CudaSequence& s) {
   ASSIGN_OR_RETURN(mk::Program p, step_program(s));
   ASSIGN_OR_RETURN(s.step_program, mk::DeviceProgram::upload(p));
   return ok_status();
+}
+
+Result<std::string> CudaBackend::megakernel_timeline(SequenceState& base, double* span_us) {
+  if (paths_.megakernel == 0)
+    return error(ErrorCode::unsupported, "the instruction timeline is the megakernel's (--cuda-options megakernel=1 or 2)");
+  ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, 2));
+  RETURN_IF_ERROR(ensure_step_program(*s));
+  mk::DeviceProgram& d = *s->step_program;
+  RETURN_IF_ERROR(d.enable_trace());
+  s->graphs.clear();  // a graph bakes the program's view: captured again with the timeline on, and after it off
+  DeviceSampling greedy;
+  Status run = run_step(*s, &greedy);  // the capture's step
+  if (run.ok()) run = run_step(*s, &greedy);  // a replay, traced
+  cudaError_t sync = cudaStreamSynchronize(stream_);
+  d.disable_trace();
+  s->graphs.clear();
+  RETURN_IF_ERROR(run);
+  CUDA_RETURN(sync, "timeline step");
+  ASSIGN_OR_RETURN(std::vector<unsigned long long> marks, d.trace());
+  ASSIGN_OR_RETURN(mk::Program p, step_program(*s));  // the same program, rebuilt on the host for its labels
+  return p.summarize_trace_by_label(marks, span_us);
 }
 
 }  // namespace lily::cuda

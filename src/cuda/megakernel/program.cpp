@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 
 namespace lily::cuda::mk {
 
@@ -278,6 +279,76 @@ std::string Program::summarize_trace(const std::vector<unsigned long long>& mark
     out += line;
   }
   return out;
+}
+
+void Program::label_op(int op, std::string label) {
+  if (op < 0 || op >= static_cast<int>(ops_.size())) return;
+  if (labels_.size() < ops_.size()) labels_.resize(ops_.size());
+  labels_[static_cast<size_t>(op)] = std::move(label);
+}
+
+std::string Program::label_of(int op) const {
+  if (op >= 0 && static_cast<size_t>(op) < labels_.size() && !labels_[static_cast<size_t>(op)].empty())
+    return labels_[static_cast<size_t>(op)];
+  switch (ops_[static_cast<size_t>(op)].code) {
+    case Opcode::gemv_q4: return "gemv";
+    case Opcode::gdn_head: return "gdn_head";
+    case Opcode::moe_in: return "moe_in";
+    case Opcode::moe_out: return "moe_out";
+    case Opcode::attn_part: return "attn_part";
+    case Opcode::attn_merge: return "attn_merge";
+  }
+  return "op";
+}
+
+std::string Program::summarize_trace_by_label(const std::vector<unsigned long long>& marks, double* span_us) const {
+  if (marks.size() != instrs_.size() * kTraceMarks || instrs_.empty()) return "no timeline\n";
+  std::vector<unsigned long long> last_done(ops_.size(), 0);
+  unsigned long long t0 = ~0ull;
+  for (size_t i = 0; i < instrs_.size(); ++i) {
+    const unsigned long long* m = &marks[i * kTraceMarks];
+    const size_t o = static_cast<size_t>(instrs_[i].op);
+    last_done[o] = std::max(last_done[o], m[5]);
+    t0 = std::min(t0, m[0]);
+  }
+  struct Sum {
+    int ops = 0, instrs = 0;
+    double wait = 0, x = 0, pages = 0, share = 0;
+  };
+  std::map<std::string, Sum> by;
+  std::vector<std::string> order;  // labels in first-op order
+  unsigned long long prev = t0;
+  for (size_t o = 0; o < ops_.size(); ++o) {
+    const std::string l = label_of(static_cast<int>(o));
+    if (!by.count(l)) order.push_back(l);
+    Sum& s = by[l];
+    s.ops += 1;
+    const unsigned long long done = std::max(last_done[o], prev);  // ops finish in op order on the critical path
+    s.share += static_cast<double>(done - prev) / 1e3;
+    prev = done;
+  }
+  for (size_t i = 0; i < instrs_.size(); ++i) {
+    const unsigned long long* m = &marks[i * kTraceMarks];
+    Sum& s = by[label_of(instrs_[i].op)];
+    s.instrs += 1;
+    s.wait += static_cast<double>(m[1] - m[0]) / 1e3;
+    s.x += static_cast<double>(m[2] - m[1]) / 1e3;
+    s.pages += static_cast<double>(m[3] - m[2]) / 1e3;
+  }
+  const double span = static_cast<double>(prev - t0) / 1e3;
+  if (span_us) *span_us = span;
+  std::string out = "label           ops  instrs  wait us    x us  pages us   share us      %\n";
+  for (const std::string& l : order) {
+    const Sum& s = by[l];
+    const double n = std::max(s.instrs, 1);
+    char line[160];
+    std::snprintf(line, sizeof line, "%-14s %4d %7d %8.2f %7.2f %9.2f %10.1f %6.1f\n", l.c_str(), s.ops, s.instrs,
+                  s.wait / n, s.x / n, s.pages / n, s.share, span > 0 ? 100.0 * s.share / span : 0.0);
+    out += line;
+  }
+  char total[96];
+  std::snprintf(total, sizeof total, "step span %.1f us (first instruction's start to the last signal)\n", span);
+  return out + total;
 }
 
 }  // namespace lily::cuda::mk

@@ -168,6 +168,13 @@ class Program {
   // A timeline (DeviceProgram::trace) summed per op: the mean wait, x and page time of its instructions, and
   // when the op's last instruction finished and the next op's first input wait returned.
   std::string summarize_trace(const std::vector<unsigned long long>& marks) const;
+  // The same timeline by label (label_op; unlabelled ops by opcode: "gemv", "gdn_head", "attn_part", ...): per
+  // label its ops and instructions, the mean input wait, x and page time of an instruction, and its share of the
+  // step: the sum over its ops of (the op's last instruction done - the op before's), so the shares add up to the
+  // step's span from the first instruction's start to the last one's signal. Sets *span_us when given.
+  std::string summarize_trace_by_label(const std::vector<unsigned long long>& marks, double* span_us = nullptr) const;
+  void label_op(int op, std::string label);
+  std::string label_of(int op) const;
 
   // Adds the MoE block (eqs 20-25) on the residual stream h [H] in place: the router (8-bit [E + 1, H], the router's
   // rows then the shared expert gate's row, RMSNorm(h) * norm_w as input) writing `logits` [E + 1], moe_in writing
@@ -191,6 +198,7 @@ class Program {
   std::vector<Instr> instrs_;
   std::vector<int> list_begin_;
   std::vector<uint32_t> signals_;
+  std::vector<std::string> labels_;  // by op ("" : the opcode's name)
   bool int8_x_ = false;
 };
 

@@ -976,20 +976,22 @@ cudaError_t DeviceProgram::launch(cudaStream_t stream) const {
 }
 
 Status DeviceProgram::enable_trace() {
-  if (view_.trace) return ok_status();
-  void* t = nullptr;
-  const size_t bytes = static_cast<size_t>(n_instrs_) * kTraceMarks * sizeof(unsigned long long);
-  if (cudaMalloc(&t, bytes) != cudaSuccess || cudaMemset(t, 0, bytes) != cudaSuccess)
-    return error(ErrorCode::internal, "megakernel: no memory for the timeline");
-  allocations_.push_back(t);
-  view_.trace = static_cast<unsigned long long*>(t);
+  if (!trace_) {
+    void* t = nullptr;
+    const size_t bytes = static_cast<size_t>(n_instrs_) * kTraceMarks * sizeof(unsigned long long);
+    if (cudaMalloc(&t, bytes) != cudaSuccess || cudaMemset(t, 0, bytes) != cudaSuccess)
+      return error(ErrorCode::internal, "megakernel: no memory for the timeline");
+    allocations_.push_back(t);
+    trace_ = static_cast<unsigned long long*>(t);
+  }
+  view_.trace = trace_;
   return ok_status();
 }
 
 Result<std::vector<unsigned long long>> DeviceProgram::trace() const {
-  if (!view_.trace) return error(ErrorCode::invalid_argument, "megakernel: the timeline is off");
+  if (!trace_) return error(ErrorCode::invalid_argument, "megakernel: the timeline was never on");
   std::vector<unsigned long long> v(static_cast<size_t>(n_instrs_) * kTraceMarks);
-  if (cudaMemcpy(v.data(), view_.trace, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost) != cudaSuccess)
+  if (cudaMemcpy(v.data(), trace_, v.size() * sizeof(v[0]), cudaMemcpyDeviceToHost) != cudaSuccess)
     return error(ErrorCode::internal, "megakernel: reading the timeline failed");
   return v;
 }

@@ -44,8 +44,10 @@ class DeviceProgram {
   // The counters' values (for tests: after n steps counter i is n * signals_per_step(i)).
   Result<std::vector<unsigned long long>> counters() const;
   int n_blocks() const { return view_.n_blocks; }
-  // The instruction timeline (program.h kTraceMarks per instruction, the last step's): on from enable_trace().
+  // The instruction timeline (program.h kTraceMarks per instruction, the last traced step's): recorded by the
+  // launches from enable_trace() until disable_trace() (a captured graph keeps the setting of its capture).
   Status enable_trace();
+  void disable_trace() { view_.trace = nullptr; }
   Result<std::vector<unsigned long long>> trace() const;
 
  private:
@@ -53,6 +55,7 @@ class DeviceProgram {
   ProgramView view_;
   int n_counters_ = 0;
   int n_instrs_ = 0;
+  unsigned long long* trace_ = nullptr;  // the timeline's marks (enable_trace)
   std::vector<void*> allocations_;
 };
 

@@ -78,6 +78,37 @@ TEST(MkProgram, ScheduleCoversEveryRowOnceInOpOrder) {
   }
 }
 
+// The timeline by label: made-up marks of two blocks over three ops (two labelled "in", one unlabelled gemv); the
+// shares are the critical path op by op and add up to the span.
+TEST(MkProgram, TimelineByLabelAddsUpToTheSpan) {
+  float* act = reinterpret_cast<float*>(uintptr_t{1} << 20);
+  Program p;
+  auto a = p.add_gemv(fake_matrix(64, 2048, 0x10000), act, act, {}, act);
+  auto b = p.add_gemv(fake_matrix(64, 2048, 0x10000), act, act, {*a});
+  auto c = p.add_gemv(fake_matrix(64, 2048, 0x10000), act, act, {*b});
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok());
+  p.label_op(*a, "in");
+  p.label_op(*c, "in");
+  EXPECT_EQ(p.label_of(*b), "gemv");
+  ASSERT_TRUE(p.schedule(2).ok());
+  EXPECT_EQ(p.summarize_trace_by_label({}), "no timeline\n");
+  // Per instruction: start, ready, x built, pages done, synced, signalled (ns), page wait.
+  std::vector<unsigned long long> marks(p.instrs().size() * kTraceMarks, 0);
+  for (size_t i = 0; i < p.instrs().size(); ++i) {
+    const int op = p.instrs()[i].op;
+    const unsigned long long t = 1000 + 10000ull * op + 1000 * (i % 2);  // op o done by 1000 + 10,000 (o + 1) (+1,000)
+    unsigned long long* m = &marks[i * kTraceMarks];
+    m[0] = t, m[1] = t + 2000, m[2] = t + 3000, m[3] = t + 9000, m[4] = t + 9000, m[5] = t + 10000;
+  }
+  double span = 0;
+  const std::string t = p.summarize_trace_by_label(marks, &span);
+  // The last instruction signals at 1000 + 20,000 + 1,000 + 10,000 = 32,000 ns; the first starts at 1,000.
+  EXPECT_DOUBLE_EQ(span, 31.0) << t;
+  EXPECT_NE(t.find("in                2       4     2.00    1.00      6.00       21.0   67.7"), std::string::npos) << t;
+  EXPECT_NE(t.find("gemv              1       2     2.00    1.00      6.00       10.0   32.3"), std::string::npos) << t;
+  EXPECT_NE(t.find("step span 31.0 us"), std::string::npos) << t;
+}
+
 TEST(MkProgram, RefusesWhatTheKernelCannotRun) {
   float* act = reinterpret_cast<float*>(uintptr_t{1} << 20);
   Program p;
