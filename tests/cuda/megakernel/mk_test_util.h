@@ -45,6 +45,25 @@ struct Carver {
   }
 };
 
+// Schedules p on n_blocks, uploads it and runs one step; false (a test failure recorded) if any of it fails.
+inline bool run_once(Program& p, int n_blocks) {
+  const Status st = p.schedule(n_blocks);
+  if (!st.ok()) {
+    ADD_FAILURE() << st.message();
+    return false;
+  }
+  auto d = DeviceProgram::upload(p);
+  if (!d.ok()) {
+    ADD_FAILURE() << d.status().message();
+    return false;
+  }
+  if ((*d)->launch(nullptr) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+    ADD_FAILURE() << "the step failed: " << cudaGetErrorString(cudaGetLastError());
+    return false;
+  }
+  return true;
+}
+
 // Runs one step with the instruction timeline on and prints the first `ops` ops of its summary.
 inline void print_timeline(const Program& p, DeviceProgram& d, int ops) {
   if (!d.enable_trace().ok() || d.launch(nullptr) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {

@@ -137,12 +137,7 @@ std::vector<float> run_mk(AttnCase& c, int n_blocks) {
   Program p;
   auto op = p.add_attention(c.args(), c.out.get(), -1);
   EXPECT_TRUE(op.ok()) << op.status().message();
-  EXPECT_TRUE(p.schedule(n_blocks).ok());
-  auto d = DeviceProgram::upload(p);
-  EXPECT_TRUE(d.ok());
-  if (!op.ok() || !d.ok()) return {};
-  EXPECT_EQ((*d)->launch(nullptr), cudaSuccess);
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (!op.ok() || !test_util::run_once(p, n_blocks)) return {};
   return c.out.download();
 }
 

@@ -101,12 +101,7 @@ std::vector<float> run_heads(GdnState& st, int n_blocks) {
   Program p;
   auto op = p.add_gdn_heads(st.args(), st.d_out.get(), -1);
   EXPECT_TRUE(op.ok()) << op.status().message();
-  EXPECT_TRUE(p.schedule(n_blocks).ok());
-  auto d = DeviceProgram::upload(p);
-  EXPECT_TRUE(d.ok());
-  if (!d.ok()) return {};
-  EXPECT_EQ((*d)->launch(nullptr), cudaSuccess);
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  if (!op.ok() || !test_util::run_once(p, n_blocks)) return {};
   return st.d_out.download();
 }
 
@@ -171,12 +166,7 @@ TEST(MkGdn, GatedOutProjectionMatchesCpuAndTheChain) {
     p.set_int8_activations(int8);
     auto op = p.add_gated_gemv(dm, d_o.get(), d_z.get(), d_norm.get(), d_y.get(), {}, d_res.get());
     EXPECT_TRUE(op.ok()) << op.status().message();
-    EXPECT_TRUE(p.schedule(n_blocks).ok());
-    auto d = DeviceProgram::upload(p);
-    EXPECT_TRUE(d.ok());
-    if (!op.ok() || !d.ok()) return {};
-    EXPECT_EQ((*d)->launch(nullptr), cudaSuccess);
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    if (!op.ok() || !test_util::run_once(p, n_blocks)) return {};
     return d_y.download();
   };
   for (bool int8 : {false, true}) {
