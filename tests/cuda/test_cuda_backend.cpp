@@ -135,18 +135,31 @@ TEST(CudaBackend, GreedyMatchesCpuSmall) {
   expect_same_greedy("small");
 }
 
+// full4, 256 random tokens and the CPU reference's logits at every position (the end-to-end bar's reference).
+struct Full4Reference {
+  std::shared_ptr<const ModelWeights> w;
+  int64_t V = 0;
+  std::vector<int32_t> tokens;
+  std::vector<float> ref;
+};
+Full4Reference full4_reference() {
+  Full4Reference r;
+  r.w = synth_model("full4");
+  r.V = r.w->config.vocab_size;
+  r.tokens = random_tokens(256, static_cast<int>(r.V), 5);
+  CpuBackend cpu(r.w);
+  auto s = cpu.new_sequence();
+  EXPECT_TRUE(cpu.forward(*s, r.tokens, LogitsRows::all, &r.ref).ok());
+  return r;
+}
+
 TEST(CudaBackend, TeacherForcedFullWidthFourLayers) {
   SKIP_WITHOUT_GPU();
-  auto w = synth_model("full4");
-  CpuBackend cpu(w);
+  const Full4Reference r = full4_reference();
+  const auto& [w, V, tokens, ref] = r;
+  const int T = static_cast<int>(tokens.size());
   auto cuda = cuda::make_cuda_backend(w, {1024});
   ASSERT_TRUE(cuda.ok()) << cuda.status().message();
-  const int T = 256;
-  const int64_t V = w->config.vocab_size;
-  auto tokens = random_tokens(T, static_cast<int>(V), 5);
-  std::vector<float> ref;
-  auto s1 = cpu.new_sequence();
-  ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
   expect_teacher_forced(**cuda, tokens, ref, V, format("[full4] teacher-forced %d positions (prefill)", T));
   // The same positions through the decode step, one token at a time.
   auto step = cuda::make_cuda_backend(w, {1024, 0});
@@ -161,14 +174,9 @@ TEST(CudaBackend, TeacherForcedFullWidthFourLayers) {
 TEST(CudaBackend, MegakernelDecodeMatchesCpuFull) {
   SKIP_WITHOUT_GPU();
   if (!cuda::mk::step_supported()) GTEST_SKIP() << "the megakernel needs an sm_90a build on a Hopper GPU";
-  auto w = synth_model("full4");
-  CpuBackend cpu(w);
-  const int T = 256;
-  const int64_t V = w->config.vocab_size;
-  auto tokens = random_tokens(T, static_cast<int>(V), 5);
-  std::vector<float> ref;
-  auto s1 = cpu.new_sequence();
-  ASSERT_TRUE(cpu.forward(*s1, tokens, LogitsRows::all, &ref).ok());
+  const Full4Reference r = full4_reference();
+  const auto& [w, V, tokens, ref] = r;
+  const int T = static_cast<int>(tokens.size());
   for (int mode : {1, 2}) {
     cuda::CudaBackendOptions step_opts{1024, 0};
     step_opts.megakernel = mode;
