@@ -41,6 +41,14 @@ Status CudaBackend::init_megakernel() {
     return error(ErrorCode::unsupported, "--cuda-options megakernel=%d: %s", options_.megakernel,
                  geometry.message().c_str());
   const ModelConfig& c = config();
+  for (const DeviceLayer& layer : model_->layers) {
+    const QMatrix& r = layer.router_all;
+    if (r.rows != c.num_experts + 1 || r.bits != 8 || r.cols != 2048)
+      return error(ErrorCode::unsupported,
+                   "--cuda-options megakernel=%d: the megakernel reads the router and the shared expert gate as one "
+                   "8-bit matrix; this checkpoint quantized them differently (%d-bit router, %d-bit gate)",
+                   options_.megakernel, layer.router.bits, layer.shared_gate_row.bits);
+  }
   const size_t L = c.num_hidden_layers, E1 = static_cast<size_t>(c.num_experts) + 1;
   const size_t act = static_cast<size_t>(c.num_experts_per_tok + 1) * c.moe_intermediate_size;
   const size_t splits = static_cast<size_t>(attention_splits(options_.max_context));
