@@ -131,7 +131,6 @@ Status CudaBackend::init() {
   }
   model_ = std::move(uploaded).value();
   RETURN_IF_ERROR(fit_context());
-  RETURN_IF_ERROR(init_megakernel());
   const ModelConfig& c = config();
   const size_t H = c.hidden_size, D = c.head_dim, nq = c.num_attention_heads, I = c.moe_intermediate_size;
   size_t proj_rows = 0;
@@ -173,6 +172,7 @@ Status CudaBackend::init() {
   CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&ring_), R * kRingSize * sizeof(int), cudaHostAllocMapped),
               "ring");
   CUDA_RETURN(cudaHostGetDevicePointer(reinterpret_cast<void**>(&ring_dev_), ring_, 0), "ring");
+  RETURN_IF_ERROR(init_megakernel());  // after the scratch: it builds a program on it
   std::fprintf(stderr, "%s, context %lld\n", paths_.describe(device_name_).c_str(), (long long)options_.max_context);
   return ok_status();
 }

@@ -61,6 +61,16 @@ Status CudaBackend::init_megakernel() {
   RETURN_IF_ERROR(mk_scratch_.alloc(mk_part_ml_off_ + splits * mk::kAttnQHeads * 2));
   CUDA_RETURN(cudaDeviceGetAttribute(&mk_blocks_, cudaDevAttrMultiProcessorCount, 0), "SM count");
   paths_.megakernel = options_.megakernel;
+  // Every matrix checked now (bits, shapes, alignment) rather than at the first decode: a program built for a
+  // one-token sequence, not uploaded.
+  CudaSequence probe;
+  RETURN_IF_ERROR(probe.allocate(c, 1));
+  const Result<mk::Program> program = step_program(probe);
+  if (!program.ok()) {
+    paths_.megakernel = 0;
+    return error(ErrorCode::unsupported, "--cuda-options megakernel=%d: %s", options_.megakernel,
+                 program.status().message().c_str());
+  }
   return ok_status();
 }
 
