@@ -47,7 +47,7 @@ std::string KernelPaths::describe(const std::string& device) const {
                 device.c_str(), cc_major, cc_minor, code,
                 !wgmma ? "mma.sync" : expert_copies ? "wgmma (MoE: fp16 expert copies)" : "wgmma (MoE: register-sourced tiles)",
                 attn_wgmma ? "wgmma" : "mma.sync",
-                megakernel == 2 ? "megakernel (int8 x)" : megakernel ? "megakernel" : sm90_code ? "PDL chain" : "stream order",
+                megakernel ? "megakernel" : sm90_code ? "PDL chain" : "stream order",
                 gdn_norm_in_step ? "gdn_step" : "out_proj", moe_select_in_experts ? "experts" : "moe_route");
   return line;
 }

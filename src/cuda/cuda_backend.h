@@ -24,9 +24,9 @@ struct CudaBackendOptions {
   // at full geometry) where they fit beside the context; 0: never (prefill expands the 4-bit experts each chunk).
   int expert_copies = 1;
   // The batch-1 decode step: 0 the kernel-per-op chain (one CUDA graph of ~264 launches); 1 the persistent
-  // megakernel (megakernel/: one launch interprets the 40 layers and the lm_head, fp32 activations); 2 the same
-  // with the GEMVs' activations quantized to int8 (dp4a). 1 and 2 need an sm_90a build on a Hopper GPU and the
-  // model's own geometry; several-row steps, verification and the MTP head stay on the chain.
+  // megakernel (megakernel/: one launch interprets the 40 layers and the lm_head; slower than the chain so far,
+  // docs/PERF_NOTES.md). 1 needs an sm_90a build on a Hopper GPU and the model's own geometry; several-row steps,
+  // verification and the MTP head stay on the chain.
   int megakernel = 0;
 };
 

@@ -58,7 +58,7 @@ struct KernelPaths {
   bool gdn_norm_in_step = false;  // decode: gdn_step applies eq 19 over a cluster (else the out_proj prologue)
   bool moe_select_in_experts = false;  // decode: moe_expert_in selects the experts (else moe_route)
   bool expert_copies = false;  // prefill: the experts' resident fp16 copies (fit_context: where they fit)
-  int megakernel = 0;          // decode: CudaBackendOptions::megakernel once init_megakernel accepted it
+  bool megakernel = false;     // decode: the megakernel (CudaBackendOptions::megakernel, init_megakernel)
   std::string describe(const std::string& device) const;  // "cuda: <device> sm_90, prefill: wgmma, ..."
 };
 

@@ -52,7 +52,7 @@ class CudaBench : public Backend {
   // Replays `steps` decode steps (the step graph, greedy) with the block timeline recorded: every launch of
   // every step, in launch order (a -DLILY_TRACE=ON build only).
   virtual Result<std::vector<TraceLaunch>> trace_decode(SequenceState& seq, int steps) = 0;
-  // With the decode megakernel on (--cuda-options megakernel=1 or 2): one step replayed with its instruction
+  // With the decode megakernel on (--cuda-options megakernel=1): one step replayed with its instruction
   // timeline recorded (%globaltimer marks of every instruction), summarised by op label (mk::Program::
   // summarize_trace_by_label); *span_us gets the step's span. unsupported when the megakernel is off.
   virtual Result<std::string> megakernel_timeline(SequenceState& seq, double* span_us) = 0;

@@ -177,7 +177,7 @@ Status CudaBackend::enqueue_step(std::span<CudaSequence* const> rows, int n_spli
   } else {
     STEP_OP("embed", R * m.embed.bytes() / m.embed.rows, embed_rows(m.embed, token_in_.ptr, R, h_.ptr, stream_));
   }
-  if (paths_.megakernel != 0 && R == 1 && !chained) {  // the layers and the lm_head in one persistent launch
+  if (paths_.megakernel && R == 1 && !chained) {  // the layers and the lm_head in one persistent launch
     RETURN_IF_ERROR(ensure_step_program(*rows[0]));  // graph_for builds it before the capture
     const mk::DeviceProgram& program = *rows[0]->step_program;
     STEP_OP("megakernel", m.decode_weight_bytes() - m.embed.bytes() / m.embed.rows, program.launch(stream_));

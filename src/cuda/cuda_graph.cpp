@@ -38,7 +38,7 @@ Result<cudaGraphExec_t> CudaBackend::graph_for(CudaSequence& s, const DeviceSamp
   auto it = s.graphs.find(key);
   if (it != s.graphs.end()) return it->second->exec;
   if (s.graphs.size() >= kMaxGraphs) s.graphs.clear();  // none is in flight: every caller synchronised
-  if (paths_.megakernel != 0) RETURN_IF_ERROR(ensure_step_program(s));  // uploads: not while capturing
+  if (paths_.megakernel) RETURN_IF_ERROR(ensure_step_program(s));  // uploads: not while capturing
   CudaSequence* rows[] = {&s};
   const auto sampling = sp ? std::span<const DeviceSampling>(sp, 1) : std::span<const DeviceSampling>();
   ASSIGN_OR_RETURN(std::unique_ptr<GraphExec> exec,

@@ -1,4 +1,4 @@
-// The batch-1 decode step on the persistent megakernel (megakernel/; --cuda-options megakernel=1 or 2): per
+// The batch-1 decode step on the persistent megakernel (megakernel/; --cuda-options megakernel=1): per
 // sequence, one program of the 40 layers and the lm_head, built once from the model and the sequence's state
 // (its pointers are baked in, as the chain's graph bakes them) and launched between the embedding lookup and the
 // sample kernel of the step's graph (cuda_decode.cpp enqueue_step).
@@ -60,14 +60,14 @@ Status CudaBackend::init_megakernel() {
   mk_part_ml_off_ = mk_part_o_off_ + splits * mk::kAttnQHeads * mk::kAttnDim;
   RETURN_IF_ERROR(mk_scratch_.alloc(mk_part_ml_off_ + splits * mk::kAttnQHeads * 2));
   CUDA_RETURN(cudaDeviceGetAttribute(&mk_blocks_, cudaDevAttrMultiProcessorCount, 0), "SM count");
-  paths_.megakernel = options_.megakernel;
+  paths_.megakernel = true;
   // Every matrix checked now (bits, shapes, alignment) rather than at the first decode: a program built for a
   // one-token sequence, not uploaded.
   CudaSequence probe;
   RETURN_IF_ERROR(probe.allocate(c, 1));
   const Result<mk::Program> program = step_program(probe);
   if (!program.ok()) {
-    paths_.megakernel = 0;
+    paths_.megakernel = false;
     return error(ErrorCode::unsupported, "--cuda-options megakernel=%d: %s", options_.megakernel,
                  program.status().message().c_str());
   }
@@ -83,7 +83,6 @@ Result<mk::Program> CudaBackend::step_program(const CudaSequence& s) const {
   float* h = h_.ptr;
   float* proj = proj_.ptr;
   mk::Program p;
-  p.set_int8_activations(paths_.megakernel == 2);
   int prev = -1;  // the op that last wrote h
   for (size_t l = 0; l < m.layers.size(); ++l) {
     const DeviceLayer& L = m.layers[l];
@@ -135,8 +134,8 @@ Status CudaBackend::ensure_step_program(CudaSequence& s) {
 }
 
 Result<std::string> CudaBackend::megakernel_timeline(SequenceState& base, double* span_us) {
-  if (paths_.megakernel == 0)
-    return error(ErrorCode::unsupported, "the instruction timeline is the megakernel's (--cuda-options megakernel=1 or 2)");
+  if (!paths_.megakernel)
+    return error(ErrorCode::unsupported, "the instruction timeline is the megakernel's (--cuda-options megakernel=1)");
   ASSIGN_OR_RETURN(CudaSequence * s, check_sequence(base, 2));
   RETURN_IF_ERROR(ensure_step_program(*s));
   mk::DeviceProgram& d = *s->step_program;

@@ -22,7 +22,7 @@ struct OptionKey {
 constexpr OptionKey kOptionKeys[] = {
     {"prefill_chunk", &CudaBackendOptions::prefill_chunk},
     {"expert_copies", &CudaBackendOptions::expert_copies, 1},
-    {"megakernel", &CudaBackendOptions::megakernel, 2},
+    {"megakernel", &CudaBackendOptions::megakernel, 1},
 };
 
 Status set_option(const OptionKey& k, const std::string& v, CudaBackendOptions& o, const char* what) {

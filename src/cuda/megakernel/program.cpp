@@ -59,8 +59,7 @@ Result<int> Program::add_gemv(const QMatrix& m, const float* in, float* out, std
     return invalid_argument("megakernel gemv: waits on %zu ops (at most %d)", waits.size(), kMaxWaits);
   Op op;
   op.code = Opcode::gemv_q4;
-  const bool int8 = int8_x_ && m.bits == 4;  // 8-bit weights (the router) keep fp32 x
-  op.flags = static_cast<uint16_t>((norm_w ? kRmsNorm : 0) | (residual ? kResidual : 0) | (int8 ? kInt8X : 0));
+  op.flags = static_cast<uint16_t>((norm_w ? kRmsNorm : 0) | (residual ? kResidual : 0));
   op.m = m, op.in = in, op.norm_w = norm_w, op.eps = eps, op.residual = residual, op.out = out;
   const int id = static_cast<int>(ops_.size());
   for (size_t i = 0; i < waits.size(); ++i) {
@@ -159,7 +158,7 @@ Result<int> Program::add_moe(const QMatrix& router, MoeArgs moe, float* h, const
   const int id = static_cast<int>(ops_.size());
   Op in;
   in.code = Opcode::moe_in;
-  in.flags = static_cast<uint16_t>(kRmsNorm | (int8_x_ ? kInt8X : 0));
+  in.flags = kRmsNorm;
   in.m = moe.gate;  // the x prologue reads its columns
   in.m.rows = (moe.top_k + 1) * I;  // the schedule cuts (slot, row) pairs
   in.moe = moe;

@@ -81,8 +81,7 @@ struct MoeArgs {
 enum OpFlags : uint16_t {
   kRmsNorm = 1,   // x = in / RMS(in) * norm_w (eqs 1-2, multiplier form)
   kResidual = 2,  // y = residual + W x (residual may alias y)
-  kInt8X = 4,     // x quantized to int8 per 32-element vector, dot products on dp4a (else fp32 FMAs)
-  kGatedNorm = 8, // x = norm_w * in / RMS(in over its head of kGdnDim columns) * silu(gate) (eq 19)
+  kGatedNorm = 4, // x = norm_w * in / RMS(in over its head of kGdnDim columns) * silu(gate) (eq 19)
 };
 
 constexpr int kMaxWaits = 2;
@@ -149,8 +148,6 @@ class Program {
   // the Gated DeltaNet layer's out-projection. W must be 4-bit with 4096 columns.
   Result<int> add_gated_gemv(const QMatrix& m, const float* o, const float* z, const float* norm_w, float* out,
                              std::vector<int> waits, const float* residual = nullptr, float eps = 1e-6f);
-  // GEMVs added from now on quantize x to int8 and use dp4a (OpFlags::kInt8X).
-  void set_int8_activations(bool on) { int8_x_ = on; }
 
 
   // Deals every op's rows to n_blocks lists (each op cut into at most n_blocks slices of whole row quanta,
@@ -199,7 +196,6 @@ class Program {
   std::vector<int> list_begin_;
   std::vector<uint32_t> signals_;
   std::vector<std::string> labels_;  // by op ("" : the opcode's name)
-  bool int8_x_ = false;
 };
 
 size_t instr_weight_bytes(const Op& op, const Instr& in);

@@ -16,10 +16,9 @@ namespace lily::cuda::mk {
 namespace {
 
 constexpr int kXFloats = xpad_floats(9 * 512);  // the widest x: moe_out's act, 9 slots of 512
-constexpr int kMaxVecs = 4096 / kVecElems4;  // 32-element vectors of x
-// pages | x (fp32, padded) | block sums | x as int8 (32 B a vector) | its scale | its sum | mbarriers
-constexpr size_t kSmemBytes =
-    size_t{kPages} * kPageBytes + kXFloats * 4 + 32 * 4 + kMaxVecs * 32 + kMaxVecs * 8 + 2 * kPages * 8;
+// pages | x (fp32, padded) | block sums | mbarriers
+constexpr size_t kSmemBytes = size_t{kPages} * kPageBytes + kXFloats * 4 + 32 * 4 + 2 * kPages * 8;
+static_assert((size_t{kPages} * kPageBytes + kXFloats * 4 + 32 * 4) % 8 == 0, "the mbarriers are 8-byte aligned");
 
 
 #if defined(LILY_MK_DEVICE)
@@ -97,15 +96,6 @@ struct Ring {
   char* pages;
   uint64_t* full;   // [kPages]: the bulk copies of a page landed (1 arrival + transaction bytes)
   uint64_t* empty;  // [kPages]: every consumer warp is done reading it (kConsumerWarps arrivals)
-};
-
-// x quantized for dp4a (OpFlags::kInt8X): per 32-element vector v, q[2v], q[2v + 1] hold its int8 values in the
-// order of the 4-bit weight words' low and high nibbles (lo_k = elements 8k + 0, 2, 4, 6; hi_k = 8k + 1, 3, 5, 7:
-// q[2v] = {lo0, hi0, lo1, hi1}, q[2v + 1] = {lo2, hi2, lo3, hi3}), with x ~ scale[v] * q and sum[v] = sum of x.
-struct XInt8 {
-  uint4* q;
-  float* scale;
-  float* sum;
 };
 
 __device__ __forceinline__ unsigned long long globaltimer() {
@@ -254,42 +244,6 @@ __device__ __forceinline__ void wait_inputs(const ProgramView& pv, const Op& op,
   consumer_sync();
 }
 
-// Elements 4i..4i+3 of x (thread i % 8 of the 8 consecutive lanes that hold vector i / 8) into the int8 layout.
-__device__ __forceinline__ void quantize_x4(const float4 x, int i, const XInt8& xi) {
-  float amax = fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w)));
-  float sum = (x.x + x.y) + (x.z + x.w);
-#pragma unroll
-  for (int o = 1; o < 8; o <<= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    sum += __shfl_xor_sync(0xffffffffu, sum, o);
-  }
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  const int q0 = __float2int_rn(x.x * inv), q1 = __float2int_rn(x.y * inv);
-  const int q2 = __float2int_rn(x.z * inv), q3 = __float2int_rn(x.w * inv);
-  // This thread has elements 8k + 4h + 0..3 (k = (i % 8) / 2, h = i % 2): bytes 2h, 2h+1 of lo_k and of hi_k.
-  const uint32_t lo = (q0 & 0xFF) | ((q2 & 0xFF) << 8), hi = (q1 & 0xFF) | ((q3 & 0xFF) << 8);
-  const uint32_t lo_up = __shfl_xor_sync(0xffffffffu, lo, 1), hi_up = __shfl_xor_sync(0xffffffffu, hi, 1);
-  const int vec = i / 8, k = (i % 8) / 2;
-  if ((i & 1) == 0) {
-    uint32_t* q = reinterpret_cast<uint32_t*>(xi.q + 2 * vec);
-    *reinterpret_cast<uint2*>(q + 2 * k) = make_uint2(lo | (lo_up << 16), hi | (hi_up << 16));
-  }
-  if (i % 8 == 0) xi.scale[vec] = amax / 127.0f, xi.sum[vec] = sum;
-}
-
-// sum q_e x_e over one 16-byte vector of 4-bit weights against its int8 x (two uint4 of XInt8::q): 8 dp4a.
-__device__ __forceinline__ int dot_q4_i8(uint4 w, uint4 xa, uint4 xb) {
-  constexpr uint32_t kLow = 0x0F0F0F0Fu;
-  int acc = __dp4a(static_cast<int>(w.x & kLow), static_cast<int>(xa.x), 0);
-  acc = __dp4a(static_cast<int>((w.x >> 4) & kLow), static_cast<int>(xa.y), acc);
-  acc = __dp4a(static_cast<int>(w.y & kLow), static_cast<int>(xa.z), acc);
-  acc = __dp4a(static_cast<int>((w.y >> 4) & kLow), static_cast<int>(xa.w), acc);
-  acc = __dp4a(static_cast<int>(w.z & kLow), static_cast<int>(xb.x), acc);
-  acc = __dp4a(static_cast<int>((w.z >> 4) & kLow), static_cast<int>(xb.y), acc);
-  acc = __dp4a(static_cast<int>(w.w & kLow), static_cast<int>(xb.z), acc);
-  return __dp4a(static_cast<int>((w.w >> 4) & kLow), static_cast<int>(xb.w), acc);
-}
-
 constexpr int kXPerThread = kXFloats / 4 / kConsumerThreads + 1;  // float4s of x a thread: moe_out's 4608 floats
 
 // The x prologue's multipliers, which no op writes: loaded before the input wait, so that their latency overlaps it.
@@ -310,8 +264,7 @@ __device__ __forceinline__ void load_norm_w(const Op& op, int cols, float4 (&w)[
 // warp w's lanes hold head w + 16 t of float4s t (kGdnDim = 128 columns: 32 float4s, one a lane), so a head's sum
 // of squares is one warp sum. `w`: load_norm_w's multipliers. Activations are read through the L2 (__ldcg): other
 // SMs wrote them in this step, and this SM's L1 may hold last step's lines.
-__device__ void load_x(const Op& op, int cols, const float4 (&w)[kXPerThread], float* x_s, float* red_s,
-                       const XInt8& xi) {
+__device__ void load_x(const Op& op, int cols, const float4 (&w)[kXPerThread], float* x_s, float* red_s) {
   static_assert(kGdnDim / 4 == 32 && kConsumerThreads % kGdnDim == 0, "a head of the gated norm is one warp's float4s");
   const int n4 = cols / 4, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float4* in4 = reinterpret_cast<const float4*>(op.in);
@@ -354,14 +307,6 @@ __device__ void load_x(const Op& op, int cols, const float4 (&w)[kXPerThread], f
       }
     }
   }
-  if (op.flags & kInt8X) {
-#pragma unroll
-    for (int t = 0; t < kXPerThread; ++t) {
-      const int i = threadIdx.x + t * kConsumerThreads;
-      if (t * kConsumerThreads >= n4) break;  // warp-uniform: n4 is a multiple of the consumer threads
-      quantize_x4(v[t], i, xi);
-    }
-  }
   consumer_sync();
 }
 
@@ -369,10 +314,10 @@ __device__ void load_x(const Op& op, int cols, const float4 (&w)[kXPerThread], f
 // or 8-bit) of each page; lane j reads the 16-byte vectors v * 32 + j of those rows, so its slices of x are loaded
 // once per page. GATE_UP (moe_in): warp w takes the page's gate row w and up row w (page rows w and 16 + w) and
 // writes silu(gate) * up for its (slot, row) pair.
-template <int COLS, int BITS, bool INT8, bool GATE_UP>
-__device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, const XInt8& xi, const Ring& ring,
-                           uint32_t& k, unsigned long long* wait_ns) {
-  static_assert(!(INT8 && BITS == 8) && !(GATE_UP && (COLS != 2048 || BITS != 4)), "the combinations step.cu runs");
+template <int COLS, int BITS, bool GATE_UP>
+__device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, const Ring& ring, uint32_t& k,
+                           unsigned long long* wait_ns) {
+  static_assert(!(GATE_UP && (COLS != 2048 || BITS != 4)), "the combinations step.cu runs");
   constexpr int kRpp = rows_per_page(COLS, BITS);
   constexpr int kRpw = kRpp / kConsumerWarps;
   constexpr int kVecElems = BITS == 4 ? kVecElems4 : kVecElems8;
@@ -383,17 +328,6 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, row0 = GATE_UP ? warp : warp * kRpw;
   // The page row of this warp's r-th row.
   auto page_row = [&](int r) { return GATE_UP ? warp + r * kMoeInRowsPerPage : row0 + r; };
-  // int8: this lane's vectors of x stay in registers for all the instruction's pages.
-  uint4 xq[INT8 ? kV : 1][2];
-  float x_scale[INT8 ? kV : 1], x_sums[INT8 ? kV : 1];
-  if constexpr (INT8) {
-#pragma unroll
-    for (int v = 0; v < kV; ++v) {
-      const int vec = v * 32 + lane;
-      xq[v][0] = xi.q[2 * vec], xq[v][1] = xi.q[2 * vec + 1];
-      x_scale[v] = xi.scale[vec], x_sums[v] = xi.sum[vec];
-    }
-  }
   constexpr int kStep = GATE_UP ? kMoeInRowsPerPage : kRpp;
   for (int r0 = in.row_begin; r0 < in.row_end; r0 += kStep, ++k) {
     const int p = static_cast<int>(k % kPages), n = min(kStep, in.row_end - r0);
@@ -415,15 +349,7 @@ __device__ void gemv_pages(const Op& op, const Instr& in, const float* x_s, cons
 #pragma unroll
       for (int v = 0; v < kV; ++v) {
         const int vec = v * 32 + lane;
-        if constexpr (INT8) {
-#pragma unroll
-          for (int r = 0; r < kRpw; ++r) {
-            const uint4 w = *reinterpret_cast<const uint4*>(page + (page_row(r) * kVecsPerRow + vec) * 16);
-            const int g = page_row(r) * kGroupsPerRow + vec / kVecsPerGroup;
-            const float qx = x_scale[v] * static_cast<float>(dot_q4_i8(w, xq[v][0], xq[v][1]));
-            part[r] += fmaf(bf16_bits_to_float(s_s[g]), qx, bf16_bits_to_float(b_s[g]) * x_sums[v]);
-          }
-        } else if constexpr (BITS == 8) {
+        if constexpr (BITS == 8) {
 #pragma unroll
           for (int r = 0; r < kRpw; ++r) {  // the router's dot product (moe.cuh)
             const uint4 w = *reinterpret_cast<const uint4*>(page + (page_row(r) * kVecsPerRow + vec) * 16);
@@ -793,7 +719,7 @@ __device__ __noinline__ void attn_merge_units(const AttnArgs* ap, float* out, In
 }
 
 __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigned long long epoch, const Ring& ring,
-                              float* x_s, float* red_s, const XInt8& xi) {
+                              float* x_s, float* red_s) {
   uint32_t k = 0;
   const bool trace = pv.trace != nullptr && threadIdx.x == 0;
   for (int i = begin; i < end; ++i) {
@@ -834,33 +760,18 @@ __device__ void run_consumers(const ProgramView& pv, int begin, int end, unsigne
     if (marks) marks[1] = globaltimer();
     unsigned long long page_wait = 0;
     unsigned long long* wait_ns = marks ? &page_wait : nullptr;
-    const bool int8 = op.flags & kInt8X;
+    load_x(op, cols, norm_w, x_s, red_s);
+    if (marks) marks[2] = globaltimer();
     if (op.code == Opcode::moe_out) {
-      load_x(op, cols, norm_w, x_s, red_s, xi);
-      if (marks) marks[2] = globaltimer();
       moe_out_pages(op, in, x_s, ring, k, wait_ns);
+    } else if (op.code == Opcode::moe_in) {
+      gemv_pages<2048, 4, true>(op, in, x_s, ring, k, wait_ns);
+    } else if (op.m.bits == 8) {
+      gemv_pages<2048, 8, false>(op, in, x_s, ring, k, wait_ns);
+    } else if (op.m.cols == 2048) {
+      gemv_pages<2048, 4, false>(op, in, x_s, ring, k, wait_ns);
     } else {
-      load_x(op, cols, norm_w, x_s, red_s, xi);
-      if (marks) marks[2] = globaltimer();
-      if (op.code == Opcode::moe_in) {
-        if (int8) {
-          gemv_pages<2048, 4, true, true>(op, in, x_s, xi, ring, k, wait_ns);
-        } else {
-          gemv_pages<2048, 4, false, true>(op, in, x_s, xi, ring, k, wait_ns);
-        }
-      } else if (op.m.bits == 8) {
-        gemv_pages<2048, 8, false, false>(op, in, x_s, xi, ring, k, wait_ns);
-      } else if (op.m.cols == 2048) {
-        if (int8) {
-          gemv_pages<2048, 4, true, false>(op, in, x_s, xi, ring, k, wait_ns);
-        } else {
-          gemv_pages<2048, 4, false, false>(op, in, x_s, xi, ring, k, wait_ns);
-        }
-      } else if (int8) {
-        gemv_pages<4096, 4, true, false>(op, in, x_s, xi, ring, k, wait_ns);
-      } else {
-        gemv_pages<4096, 4, false, false>(op, in, x_s, xi, ring, k, wait_ns);
-      }
+      gemv_pages<4096, 4, false>(op, in, x_s, ring, k, wait_ns);
     }
     if (marks) marks[3] = globaltimer();
     consumer_sync();  // every store of the instruction issued (and x_s free for the next one)
@@ -879,11 +790,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
   ring.pages = smem;
   float* x_s = reinterpret_cast<float*>(smem + kPages * kPageBytes);
   float* red_s = x_s + kXFloats;
-  XInt8 xi;
-  xi.q = reinterpret_cast<uint4*>(red_s + 32);
-  xi.scale = reinterpret_cast<float*>(xi.q + 2 * kMaxVecs);
-  xi.sum = xi.scale + kMaxVecs;
-  ring.full = reinterpret_cast<uint64_t*>(xi.sum + kMaxVecs);
+  ring.full = reinterpret_cast<uint64_t*>(red_s + 32);
   ring.empty = ring.full + kPages;
   const int b = blockIdx.x, begin = pv.list_begin[b], end = pv.list_begin[b + 1];
   const unsigned long long epoch = pv.epochs[b];  // read by every thread before thread 0 advances it
@@ -900,7 +807,7 @@ __global__ void __launch_bounds__(kThreads, 1) step_kernel(const __grid_constant
     run_loader(pv, begin, end, epoch, ring);
     return;
   }
-  run_consumers(pv, begin, end, epoch, ring, x_s, red_s, xi);
+  run_consumers(pv, begin, end, epoch, ring, x_s, red_s);
   if (threadIdx.x == 0) pv.epochs[b] = epoch + 1;
 #endif
 }

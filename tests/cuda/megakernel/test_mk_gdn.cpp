@@ -138,9 +138,9 @@ TEST(MkGdn, HeadsMatchCpuAndTheChainKernel) {
   EXPECT_LE(d_S, 1e-5);
 }
 
-// The out-projection with eq 19 as its prologue (add_gated_gemv, fp32 and int8 x) against the CPU in double: y =
-// residual + W (norm_w * o / RMS(o_head) * silu(z)); fp32 within rounding, int8 within its quantization bound
-// (as MkStep.Int8GemvWithinItsQuantizationBound); the same bits on any grid; the chain's gated gemv within kChainX16.
+// The out-projection with eq 19 as its prologue (add_gated_gemv) against the CPU in double: y = residual + W
+// (norm_w * o / RMS(o_head) * silu(z)) within rounding; the same bits on any grid; the chain's gated gemv within
+// kChainX16.
 TEST(MkGdn, GatedOutProjectionMatchesCpuAndTheChain) {
   SKIP_WITHOUT_STEP();
   constexpr int kRows = 2048;
@@ -159,38 +159,30 @@ TEST(MkGdn, GatedOutProjectionMatchesCpuAndTheChain) {
       x[hd * kD + j] = norm_w[j] * o[hd * kD + j] * inv * zz / (1.0 + std::exp(-zz));
     }
   }
-  std::vector<double> amax(kValue / 32, 0.0);
-  for (int c = 0; c < kValue; ++c) amax[c / 32] = std::max(amax[c / 32], std::fabs(x[c]));
-  auto run = [&](int n_blocks, bool int8) -> std::vector<float> {
+  auto run = [&](int n_blocks) -> std::vector<float> {
     Program p;
-    p.set_int8_activations(int8);
     auto op = p.add_gated_gemv(dm, d_o.get(), d_z.get(), d_norm.get(), d_y.get(), {}, d_res.get());
     EXPECT_TRUE(op.ok()) << op.status().message();
     if (!op.ok() || !test_util::run_once(p, n_blocks)) return {};
     return d_y.download();
   };
-  for (bool int8 : {false, true}) {
-    SCOPED_TRACE(int8 ? "int8 x" : "fp32 x");
-    const std::vector<float> y = run(device_sms(), int8);
-    ASSERT_EQ(y.size(), static_cast<size_t>(kRows));
-    int bad = 0;
-    double worst_ratio = 0;
-    for (int r = 0; r < kRows; ++r) {
-      double ref = res[r], abs_sum = 0, bound = 0;
-      for (int c = 0; c < kValue; ++c) {
-        const double w = hm.dequant(r, c);
-        ref += w * x[c], abs_sum += std::fabs(w * x[c]), bound += std::fabs(w) * amax[c / 32] / 254.0;
-      }
-      const double tol = (int8 ? bound * 1.01 : 0.0) + 3e-5 * abs_sum + 1e-5 * (std::fabs(ref) + 1.0);
-      worst_ratio = std::max(worst_ratio, std::fabs(y[r] - ref) / tol);
-      if (!(std::fabs(y[r] - ref) <= tol) && bad++ < 5) ADD_FAILURE() << "row " << r << ": " << y[r] << " vs " << ref;
+  const std::vector<float> mk = run(device_sms());
+  ASSERT_EQ(mk.size(), static_cast<size_t>(kRows));
+  int bad = 0;
+  double worst_ratio = 0;
+  for (int r = 0; r < kRows; ++r) {
+    double ref = res[r], abs_sum = 0;
+    for (int c = 0; c < kValue; ++c) {
+      const double w = hm.dequant(r, c);
+      ref += w * x[c], abs_sum += std::fabs(w * x[c]);
     }
-    EXPECT_EQ(bad, 0);
-    std::printf("gated out-projection (%s) vs CPU: worst error %.2f of the tolerance\n", int8 ? "int8" : "fp32",
-                worst_ratio);
-    for (int n_blocks : {1, 7}) EXPECT_EQ(run(n_blocks, int8), y) << n_blocks << " blocks";
+    const double tol = 3e-5 * abs_sum + 1e-5 * (std::fabs(ref) + 1.0);
+    worst_ratio = std::max(worst_ratio, std::fabs(mk[r] - ref) / tol);
+    if (!(std::fabs(mk[r] - ref) <= tol) && bad++ < 5) ADD_FAILURE() << "row " << r << ": " << mk[r] << " vs " << ref;
   }
-  const std::vector<float> mk = run(device_sms(), false);
+  EXPECT_EQ(bad, 0);
+  std::printf("gated out-projection vs CPU: worst error %.2f of the tolerance\n", worst_ratio);
+  for (int n_blocks : {1, 7}) EXPECT_EQ(run(n_blocks), mk) << n_blocks << " blocks";
   GemvParams chain{dm, d_o.get(), GemvPrologue::gated_rms_norm, d_norm.get(), d_z.get(), kD, 1e-6f, d_res.get(),
                    d_y.get()};
   ASSERT_CUDA(gemv(chain, nullptr));
@@ -230,9 +222,8 @@ struct GdnLayers {
   DeviceBuffer<float> act{9 * 512};
   test_util::BenchMoe::Scratch moe_scratch;
 
-  Result<Program> program(int n_blocks, bool int8) {
+  Result<Program> program(int n_blocks) {
     Program p;
-    p.set_int8_activations(int8);
     int prev = -1;
     for (int l = 0; l < n; ++l) {
       GdnState& s = *st[l];
@@ -276,7 +267,7 @@ TEST(MkGdn, LayersMatchTheKernelChain) {
   ASSERT_CUDA(layers.chain(nullptr));
   ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<float> chain_h = layers.h.download(), chain_S = layers.st[1]->d_S.download();
-  auto prog = layers.program(device_sms(), false);
+  auto prog = layers.program(device_sms());
   ASSERT_TRUE(prog.ok()) << prog.status().message();
   auto d = DeviceProgram::upload(*prog);
   ASSERT_TRUE(d.ok());
@@ -307,16 +298,14 @@ TEST(MkGdnBench, ThirtyLayers) {
   for (int l = 0; l < 30; ++l) bytes += static_cast<double>(layers.w_in[l].bytes() + layers.w_out[l].bytes()) + 2.0 * kNv * kD * kD * 4;
   std::printf("\n");
   test::print_bandwidth("gdn layers, chain (90 launches)", test::graph_time_us([&](int, cudaStream_t s) { return layers.chain(s); }, 10), bytes);
-  for (bool int8 : {false, true}) {
-    auto prog = layers.program(device_sms(), int8);
-    ASSERT_TRUE(prog.ok()) << prog.status().message();
-    auto d = DeviceProgram::upload(*prog);
-    ASSERT_TRUE(d.ok());
-    const DeviceProgram& dp = **d;
-    test::print_bandwidth(int8 ? "gdn layers, megakernel, int8 x" : "gdn layers, megakernel, fp32 x",
-                          test::graph_time_us([&](int, cudaStream_t s) { return dp.launch(s); }, 10), bytes);
-    test_util::print_timeline(*prog, **d, 6);
-  }
+  auto prog = layers.program(device_sms());
+  ASSERT_TRUE(prog.ok()) << prog.status().message();
+  auto d = DeviceProgram::upload(*prog);
+  ASSERT_TRUE(d.ok());
+  const DeviceProgram& dp = **d;
+  test::print_bandwidth("gdn layers, megakernel", test::graph_time_us([&](int, cudaStream_t s) { return dp.launch(s); }, 10),
+                        bytes);
+  test_util::print_timeline(*prog, **d, 6);
 }
 
 // n Gated DeltaNet layers, each with its MoE block, their weights carved from benchmark pools.
@@ -353,7 +342,7 @@ TEST(MkLayers, GdnLayersWithMoeMatchTheChain) {
   ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<float> chain = layers.h.download();
   auto run = [&](int n_blocks) -> std::vector<float> {
-    auto prog = layers.program(n_blocks, false);
+    auto prog = layers.program(n_blocks);
     EXPECT_TRUE(prog.ok()) << prog.status().message();
     if (!prog.ok()) return {};
     auto d = DeviceProgram::upload(*prog);
@@ -387,11 +376,11 @@ TEST(MkLayerBench, ThirtyGdnLayersWithMoe) {
   std::printf("\n");
   test::print_bandwidth("gdn + moe layers, chain (180 launches)",
                         test::graph_time_us([&](int, cudaStream_t s) { return layers.chain(s); }, 10), bytes);
-  auto prog = layers.program(device_sms(), true);
+  auto prog = layers.program(device_sms());
   ASSERT_TRUE(prog.ok()) << prog.status().message();
   auto d = DeviceProgram::upload(*prog);
   ASSERT_TRUE(d.ok());
-  test::print_bandwidth("gdn + moe layers, megakernel, int8 x",
+  test::print_bandwidth("gdn + moe layers, megakernel",
                         test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10), bytes);
   test_util::print_timeline(*prog, **d, 12);
 }

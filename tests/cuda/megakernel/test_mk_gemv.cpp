@@ -192,9 +192,8 @@ struct Chain {
     }
   }
 
-  Result<Program> program(int n_blocks, bool int8 = false) {
+  Result<Program> program(int n_blocks) {
     Program p;
-    p.set_int8_activations(int8);
     int prev = -1;
     for (auto& L : layers) {
       std::vector<int> waits;
@@ -235,8 +234,8 @@ struct Chain {
   }
 };
 
-std::vector<std::vector<float>> run_steps(Chain& chain, int n_blocks, int steps, bool int8 = false) {
-  auto program = chain.program(n_blocks, int8);
+std::vector<std::vector<float>> run_steps(Chain& chain, int n_blocks, int steps) {
+  auto program = chain.program(n_blocks);
   EXPECT_TRUE(program.ok()) << program.status().message();
   if (!program.ok()) return {};
   auto d = DeviceProgram::upload(*program);
@@ -309,75 +308,6 @@ TEST(MkStep, GemvChainMatchesKernelChain) {
   EXPECT_LE(worst, test_util::kChainX16 * norm);
 }
 
-// int8 activations (dp4a) on one GEMV of each width against the CPU in double, within the rigorous bound of the
-// quantization: |error| <= sum_c |w_rc| * amax(vector of c) / 254 (+ the fp32 rounding of the plain path).
-TEST(MkStep, Int8GemvWithinItsQuantizationBound) {
-  SKIP_WITHOUT_STEP();
-  for (int cols : {2048, 4096}) {
-    SCOPED_TRACE(cols);
-    const int rows = cols == 2048 ? 12352 : 2048;
-    HostQMatrix hm = test::random_qmatrix(rows, cols, 4, 7100 + cols);
-    const std::vector<float> in = test::random_vector(cols, 7101), residual = test::random_vector(rows, 7102);
-    const std::vector<float> norm_w = test::random_vector(cols, 7103, 0.1f, 1.0f);
-    DeviceBuffer<float> d_in(in), d_norm(norm_w), d_y(residual);
-    Program p;
-    p.set_int8_activations(true);
-    const bool norm = cols == 2048;  // one width with the RMSNorm prologue, the other with the residual
-    ASSERT_TRUE(p.add_gemv(hm.upload(), d_in.get(), d_y.get(), {}, norm ? d_norm.get() : nullptr, 1e-6f,
-                           norm ? nullptr : d_y.get())
-                    .ok());
-    ASSERT_TRUE(p.schedule(device_sms()).ok());
-    auto d = DeviceProgram::upload(p);
-    ASSERT_TRUE(d.ok()) << d.status().message();
-    ASSERT_EQ((*d)->launch(nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const std::vector<float> y = d_y.download();
-    std::vector<double> x(in.begin(), in.end());
-    if (norm) {
-      double ss = 0;
-      for (double v : x) ss += v * v;
-      const double inv = 1.0 / std::sqrt(ss / cols + 1e-6);
-      for (int c = 0; c < cols; ++c) x[c] = x[c] * inv * norm_w[c];
-    }
-    std::vector<double> amax(cols / 32, 0.0);
-    for (int c = 0; c < cols; ++c) amax[c / 32] = std::max(amax[c / 32], std::fabs(x[c]));
-    int bad = 0;
-    double worst_ratio = 0;
-    for (int r = 0; r < rows; ++r) {
-      double ref = norm ? 0.0 : residual[r], bound = 0, abs_sum = 0;
-      for (int c = 0; c < cols; ++c) {
-        const double w = hm.dequant(r, c);
-        ref += w * x[c];
-        bound += std::fabs(w) * amax[c / 32] / 254.0;
-        abs_sum += std::fabs(w * x[c]);
-      }
-      const double tol = bound * 1.01 + 2e-5 * abs_sum + 1e-5 * (std::fabs(ref) + 1.0);
-      worst_ratio = std::max(worst_ratio, std::fabs(y[r] - ref) / tol);
-      if (!(std::fabs(y[r] - ref) <= tol) && bad++ < 5) ADD_FAILURE() << "row " << r << ": " << y[r] << " vs " << ref;
-    }
-    EXPECT_EQ(bad, 0);
-    std::printf("int8 gemv [%d, %d]: worst error %.2f of the bound\n", rows, cols, worst_ratio);
-  }
-}
-
-// The int8 chain against the fp32 one: close (what the bound above allows, accumulated over the layers), the
-// same bits on any grid and run to run.
-TEST(MkStep, Int8ChainCloseToFp32AndDeterministic) {
-  SKIP_WITHOUT_STEP();
-  Chain chain(2, 12352, 7003);
-  const auto fp32 = run_steps(chain, device_sms(), 1);
-  const auto int8 = run_steps(chain, device_sms(), 2, true);
-  const auto int8_7 = run_steps(chain, 7, 2, true);
-  ASSERT_EQ(fp32.size(), 1u);
-  ASSERT_EQ(int8.size(), 2u);
-  EXPECT_EQ(int8, int8_7);
-  double worst = 0, norm = 0;
-  for (int r = 0; r < 2048; ++r) worst = std::max(worst, std::fabs(double(int8[0][r]) - fp32[0][r]));
-  for (float v : fp32[0]) norm = std::max(norm, std::fabs(double(v)));
-  std::printf("int8 vs fp32 chain: max |diff| %.3g of max |h| %.3g\n", worst, norm);
-  EXPECT_LE(worst, 2e-2 * norm);
-}
-
 // ---- timing (prints, asserts nothing) ------------------------------------------------------------------------
 
 // The 30 Gated DeltaNet layers' projections of one step (in 12352 x 2048 with RMSNorm, out 2048 x 4096 with the
@@ -409,14 +339,12 @@ TEST(MkStepBench, GdnProjectionChain) {
 
   struct Variant {
     int n_blocks;
-    bool int8;
     bool hot;  // every layer reads layer 0's weights (19 MB: L2-resident): is the publication latency DRAM load?
   };
   const int sms = device_sms();
-  const Variant variants[] = {{sms, false, false}, {sms, true, false}, {sms - 4, true, false}, {sms, true, true}};
+  const Variant variants[] = {{sms, false}, {sms - 4, false}, {sms, true}};
   for (const Variant& v : variants) {
     Program p;
-    p.set_int8_activations(v.int8);
     int prev = -1;
     for (int l = 0; l < n_layers; ++l) {
       const int wl = v.hot ? 0 : l;
@@ -433,10 +361,9 @@ TEST(MkStepBench, GdnProjectionChain) {
     const DeviceProgram& prog = **d;
     auto mk = [&](int, cudaStream_t stream) { return prog.launch(stream); };
     char name[80];
-    std::snprintf(name, sizeof name, "megakernel, 1 launch, %d blocks, %s x%s", v.n_blocks, v.int8 ? "int8" : "fp32",
-                  v.hot ? ", L2-hot weights" : "");
+    std::snprintf(name, sizeof name, "megakernel, 1 launch, %d blocks%s", v.n_blocks, v.hot ? ", L2-hot weights" : "");
     test::print_bandwidth(name, test::graph_time_us(mk, 10), bytes);
-    if (v.n_blocks == sms && (v.int8 || !v.hot)) {  // the timeline of one more step (its first 6 ops and the last)
+    if (v.n_blocks == sms && !v.hot) {  // the timeline of one more step (its first 6 ops and the last)
       ASSERT_TRUE((*d)->enable_trace().ok());
       ASSERT_EQ(prog.launch(nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -463,26 +390,23 @@ TEST(MkStepBench, LevelLatency) {
   DeviceBuffer<float> norm_w(test::random_vector(2048, 34, 0.1f, 1.0f));
   std::printf("\n");
   for (bool norm : {false, true}) {
-    for (bool int8 : {false, true}) {
-      Program p;
-      p.set_int8_activations(int8);
-      int prev = -1;
-      for (int o = 0; o < kOps; ++o) {  // a -> b -> a ...: rows 0..527 of the 2048 inputs
-        float* in = o % 2 ? b.get() : a.get();
-        float* out = o % 2 ? a.get() : b.get();
-        auto id = p.add_gemv(w, in, out, prev < 0 ? std::vector<int>{} : std::vector<int>{prev},
-                             norm ? norm_w.get() : nullptr);
-        ASSERT_TRUE(id.ok()) << id.status().message();
-        prev = *id;
-      }
-      ASSERT_TRUE(p.schedule(device_sms()).ok());
-      auto d = DeviceProgram::upload(p);
-      ASSERT_TRUE(d.ok());
-      const double us = test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10);
-      std::printf("%d dependent ops, 4 rows an SM, %s x%s: %.1f us a step, %.2f us an op\n", kOps,
-                  int8 ? "int8" : "fp32", norm ? ", RMSNorm prologue" : "", us, us / kOps);
-      if (norm && int8) test_util::print_timeline(p, **d, 4);
+    Program p;
+    int prev = -1;
+    for (int o = 0; o < kOps; ++o) {  // a -> b -> a ...: rows 0..527 of the 2048 inputs
+      float* in = o % 2 ? b.get() : a.get();
+      float* out = o % 2 ? a.get() : b.get();
+      auto id = p.add_gemv(w, in, out, prev < 0 ? std::vector<int>{} : std::vector<int>{prev},
+                           norm ? norm_w.get() : nullptr);
+      ASSERT_TRUE(id.ok()) << id.status().message();
+      prev = *id;
     }
+    ASSERT_TRUE(p.schedule(device_sms()).ok());
+    auto d = DeviceProgram::upload(p);
+    ASSERT_TRUE(d.ok());
+    const double us = test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10);
+    std::printf("%d dependent ops, 4 rows an SM, fp32 x%s: %.1f us a step, %.2f us an op\n", kOps,
+                norm ? ", RMSNorm prologue" : "", us, us / kOps);
+    if (norm) test_util::print_timeline(p, **d, 4);
   }
 }
 

@@ -133,10 +133,8 @@ std::vector<double> reference(const MoeLayer& L, const std::vector<float>& h, co
   return out;
 }
 
-Result<Program> build(const std::vector<std::unique_ptr<MoeLayer>>& layers, float* h, float* act, int n_blocks,
-                      bool int8) {
+Result<Program> build(const std::vector<std::unique_ptr<MoeLayer>>& layers, float* h, float* act, int n_blocks) {
   Program p;
-  p.set_int8_activations(int8);
   int h_op = -1;
   for (const auto& L : layers) {
     ASSIGN_OR_RETURN(h_op, p.add_moe(L->q_router, L->args(), h, L->d_norm_w.get(), L->d_logits.get(), act, h_op));
@@ -146,10 +144,10 @@ Result<Program> build(const std::vector<std::unique_ptr<MoeLayer>>& layers, floa
 }
 
 std::vector<float> run_mk(const std::vector<std::unique_ptr<MoeLayer>>& layers, const std::vector<float>& h0,
-                          int n_blocks, int steps, bool int8, std::vector<unsigned long long>* counters = nullptr,
+                          int n_blocks, int steps, std::vector<unsigned long long>* counters = nullptr,
                           Program* program = nullptr) {
   DeviceBuffer<float> h(h0), act((kTopK + 1) * kI);
-  auto p = build(layers, h.get(), act.get(), n_blocks, int8);
+  auto p = build(layers, h.get(), act.get(), n_blocks);
   EXPECT_TRUE(p.ok()) << p.status().message();
   if (!p.ok()) return {};
   auto d = DeviceProgram::upload(*p);
@@ -185,7 +183,7 @@ TEST(MkMoe, BlockMatchesCpuWithTheChainsSelection) {
 
   std::vector<unsigned long long> counters;
   Program prog;
-  const std::vector<float> got = run_mk(layers, h0, device_sms(), 1, false, &counters, &prog);
+  const std::vector<float> got = run_mk(layers, h0, device_sms(), 1, &counters, &prog);
   ASSERT_EQ(got.size(), static_cast<size_t>(kH));
   double worst = 0;
   for (int r = 0; r < kH; ++r) {
@@ -195,8 +193,8 @@ TEST(MkMoe, BlockMatchesCpuWithTheChainsSelection) {
   std::printf("moe block vs CPU: worst |err| / bound %.3g; vs the chain %.3g of max |h|\n", worst,
               max_rel_diff(got, h_chain.download()));
   for (size_t o = 0; o < counters.size(); ++o) EXPECT_EQ(counters[o], prog.signals_per_step(static_cast<int>(o)));
-  for (int n_blocks : {1, 7}) EXPECT_EQ(run_mk(layers, h0, n_blocks, 1, false), got) << n_blocks << " blocks";
-  EXPECT_EQ(run_mk(layers, h0, device_sms(), 1, false), got) << "run to run";
+  for (int n_blocks : {1, 7}) EXPECT_EQ(run_mk(layers, h0, n_blocks, 1), got) << n_blocks << " blocks";
+  EXPECT_EQ(run_mk(layers, h0, device_sms(), 1), got) << "run to run";
 }
 
 // All router rows equal: every logit ties, the selection is experts 0..7 (the lower index), weights 1/8.
@@ -216,13 +214,13 @@ TEST(MkMoe, RoutingTiesGoToTheLowerIndex) {
   EXPECT_EQ(chain.idx.download(), idx) << "the chain's tie rule";
   std::vector<double> bound;
   const std::vector<double> ref = reference(*layers[0], h0, idx, w, chain.sg.download()[0], bound);
-  const std::vector<float> got = run_mk(layers, h0, device_sms(), 1, false);
+  const std::vector<float> got = run_mk(layers, h0, device_sms(), 1);
   ASSERT_EQ(got.size(), static_cast<size_t>(kH));
   for (int r = 0; r < kH; ++r) ASSERT_NEAR(got[r], ref[r], 1e-4 * bound[r] + 1e-5) << "row " << r;
 }
 
 // Two layers, two steps (the counters' targets move on; the second layer's selection follows the first's output):
-// against the chain, fp32 and int8 x; int8 the same bits on any grid.
+// against the chain; the same bits on any grid.
 TEST(MkMoe, TwoLayersTwoStepsMatchTheChain) {
   SKIP_WITHOUT_STEP();
   std::vector<std::unique_ptr<MoeLayer>> layers;
@@ -236,15 +234,12 @@ TEST(MkMoe, TwoLayersTwoStepsMatchTheChain) {
   }
   ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<float> want = h_chain.download();
-  const std::vector<float> fp32 = run_mk(layers, h0, device_sms(), 2, false);
-  const std::vector<float> int8 = run_mk(layers, h0, device_sms(), 2, true);
-  ASSERT_EQ(fp32.size(), want.size());
-  ASSERT_EQ(int8.size(), want.size());
-  const double d32 = max_rel_diff(fp32, want), d8 = max_rel_diff(int8, want);
-  std::printf("two moe layers x two steps vs the chain: fp32 x %.3g, int8 x %.3g of max |h|\n", d32, d8);
-  EXPECT_LE(d32, 1e-5);
-  EXPECT_LE(d8, 2e-2);  // int8 x in moe_in (the GEMV tests bound it); the selection may not move at these margins
-  EXPECT_EQ(run_mk(layers, h0, 5, 2, true), int8) << "int8 on 5 blocks";
+  const std::vector<float> got = run_mk(layers, h0, device_sms(), 2);
+  ASSERT_EQ(got.size(), want.size());
+  const double d = max_rel_diff(got, want);
+  std::printf("two moe layers x two steps vs the chain: %.3g of max |h|\n", d);
+  EXPECT_LE(d, 1e-5);
+  EXPECT_EQ(run_mk(layers, h0, 5, 2), got) << "5 blocks";
 }
 
 // Stage (c): 40 MoE blocks of a step (router 8-bit + 9 experts' gate / up / down: ~16.5 MB a layer, 660 MB, floor
@@ -265,22 +260,19 @@ TEST(MkMoeBench, FortyLayers) {
   };
   std::printf("\n");
   test::print_bandwidth("40 moe blocks, chain (120 launches)", test::graph_time_us(chain, 10), bytes);
-  for (bool int8 : {false, true}) {
-    Program p;
-    p.set_int8_activations(int8);
-    int h_op = -1;
-    for (const auto& L : layers) {
-      auto id = L->add_to(p, h.get(), norm_w.get(), act.get(), h_op);
-      ASSERT_TRUE(id.ok()) << id.status().message();
-      h_op = *id;
-    }
-    ASSERT_TRUE(p.schedule(device_sms()).ok());
-    auto d = DeviceProgram::upload(p);
-    ASSERT_TRUE(d.ok());
-    test::print_bandwidth(int8 ? "40 moe blocks, megakernel, int8 x" : "40 moe blocks, megakernel, fp32 x",
-                          test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10), bytes);
-    test_util::print_timeline(p, **d, 9);
+  Program p;
+  int h_op = -1;
+  for (const auto& L : layers) {
+    auto id = L->add_to(p, h.get(), norm_w.get(), act.get(), h_op);
+    ASSERT_TRUE(id.ok()) << id.status().message();
+    h_op = *id;
   }
+  ASSERT_TRUE(p.schedule(device_sms()).ok());
+  auto d = DeviceProgram::upload(p);
+  ASSERT_TRUE(d.ok());
+  test::print_bandwidth("40 moe blocks, megakernel",
+                        test::graph_time_us([&](int, cudaStream_t s) { return (*d)->launch(s); }, 10), bytes);
+  test_util::print_timeline(p, **d, 9);
 }
 
 }  // namespace
