@@ -276,6 +276,8 @@ class CudaBackend final : public CudaBench {
   // The megakernel's scratch (init_megakernel): per layer the router's logits and the experts' activations, then
   // the attention's partial outputs and their max / sum (offsets in floats); one block per SM.
   DeviceArray<float> mk_scratch_;
+  std::vector<DeviceBlock> mk_routers_;  // per layer: the router's and the shared gate's rows as one matrix
+  std::vector<QMatrix> mk_router_of_;    // ... viewed as 8-bit [E + 1, H]
   size_t mk_logits_off_ = 0, mk_act_off_ = 0, mk_part_o_off_ = 0, mk_part_ml_off_ = 0;
   int mk_blocks_ = 0;
   DeviceArray<unsigned char> pscratch_;

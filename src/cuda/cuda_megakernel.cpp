@@ -41,14 +41,41 @@ Status CudaBackend::init_megakernel() {
     return error(ErrorCode::unsupported, "--cuda-options megakernel=%d: %s", options_.megakernel,
                  geometry.message().c_str());
   const ModelConfig& c = config();
+  // The router op reads the router's rows and the shared expert gate's as one 8-bit [E + 1, H] matrix: a copy of
+  // both per layer (~0.6 MB a layer; the chain keeps reading the model's own two).
+  mk_routers_.clear(), mk_router_of_.clear();
   for (const DeviceLayer& layer : model_->layers) {
-    const QMatrix& r = layer.router_all;
-    if (r.rows != c.num_experts + 1 || r.bits != 8 || r.cols != 2048)
+    const QMatrix &r = layer.router, &g = layer.shared_gate_row;
+    if (r.bits != 8 || g.bits != 8 || r.cols != g.cols || g.rows != 1 || r.rows != c.num_experts)
       return error(ErrorCode::unsupported,
-                   "--cuda-options megakernel=%d: the megakernel reads the router and the shared expert gate as one "
-                   "8-bit matrix; this checkpoint quantized them differently (%d-bit router, %d-bit gate)",
-                   options_.megakernel, layer.router.bits, layer.shared_gate_row.bits);
+                   "--cuda-options megakernel=%d: the router op takes an 8-bit router and shared expert gate; this "
+                   "checkpoint has a %d-bit router [%d, %d] and a %d-bit gate [%d, %d]",
+                   options_.megakernel, r.bits, r.rows, r.cols, g.bits, g.rows, g.cols);
+    const size_t w_row = r.words_per_row() * 4, sb_row = r.groups_per_row() * 2, rows = r.rows + 1;
+    DeviceBlock b;
+    RETURN_IF_ERROR(b.alloc(rows * (w_row + 2 * sb_row) + 512));
+    char* base = static_cast<char*>(b.ptr);
+    char* w = base;
+    char* sc = base + (rows * w_row + 255) / 256 * 256;
+    char* bi = sc + (rows * sb_row + 255) / 256 * 256;
+    auto cat = [&](char* dst, const void* a, const void* b1, size_t row_bytes) -> Status {
+      CUDA_RETURN(cudaMemcpy(dst, a, r.rows * row_bytes, cudaMemcpyDeviceToDevice), "router copy");
+      CUDA_RETURN(cudaMemcpy(dst + r.rows * row_bytes, b1, row_bytes, cudaMemcpyDeviceToDevice), "router copy");
+      return ok_status();
+    };
+    RETURN_IF_ERROR(cat(w, r.w, g.w, w_row));
+    RETURN_IF_ERROR(cat(sc, r.scales, g.scales, sb_row));
+    RETURN_IF_ERROR(cat(bi, r.biases, g.biases, sb_row));
+    QMatrix all = r;
+    all.rows = static_cast<int>(rows);
+    all.w = reinterpret_cast<const uint32_t*>(w);
+    all.scales = reinterpret_cast<const __nv_bfloat16*>(sc);
+    all.biases = reinterpret_cast<const __nv_bfloat16*>(bi);
+    mk_router_of_.push_back(all);
+    mk_routers_.push_back(std::move(b));
   }
+  // Device-to-device cudaMemcpy does not wait for itself: the copies land before any kernel of stream_ reads them.
+  CUDA_RETURN(cudaDeviceSynchronize(), "router copies");
   const size_t L = c.num_hidden_layers, E1 = static_cast<size_t>(c.num_experts) + 1;
   const size_t act = static_cast<size_t>(c.num_experts_per_tok + 1) * c.moe_intermediate_size;
   const size_t splits = static_cast<size_t>(attention_splits(options_.max_context));
@@ -117,7 +144,7 @@ Result<mk::Program> CudaBackend::step_program(const CudaSequence& s) const {
     moe.n_experts = c.num_experts, moe.top_k = c.num_experts_per_tok, moe.inter = c.moe_intermediate_size;
     float* logits = mk_scratch_.ptr + mk_logits_off_ + l * E1;
     float* act_l = mk_scratch_.ptr + mk_act_off_ + l * act;
-    ASSIGN_OR_RETURN(prev, p.add_moe(L.router_all, moe, h, L.post_norm, logits, act_l, prev, eps));
+    ASSIGN_OR_RETURN(prev, p.add_moe(mk_router_of_[l], moe, h, L.post_norm, logits, act_l, prev, eps));
     p.label_op(prev - 2, "router");  // add_moe: router, moe_in, moe_out
   }
   ASSIGN_OR_RETURN(const int head, p.add_gemv(m.lm_head, h, logits_.ptr, {prev}, m.final_norm, eps));

@@ -116,17 +116,8 @@ Result<DeviceLayer> DeviceModel::upload_layer(const LayerWeights& lw) {
     ASSIGN_OR_RETURN(dl.k_norm, upload_floats(a.k_norm));
   }
   const MoeWeights& m = lw.moe;
-  const bool same_bits = m.router.quantized() == m.shared_expert_gate.quantized() &&
-                         (!m.router.quantized() || m.router.bits == m.shared_expert_gate.bits);
-  if (same_bits) {
-    ASSIGN_OR_RETURN(dl.router_all, upload_rows({m.router, m.shared_expert_gate}, 8));
-    dl.router = dl.router_all, dl.shared_gate_row = dl.router_all;
-    dl.router.rows = c.num_experts, dl.shared_gate_row.rows = 1;
-    dl.shared_gate_row = dl.shared_gate_row.expert(c.num_experts);  // row E: the [1, H] matrix number E
-  } else {  // a checkpoint that quantized them differently: two matrices (router_all stays empty)
-    ASSIGN_OR_RETURN(dl.router, upload_rows({m.router}, 8));
-    ASSIGN_OR_RETURN(dl.shared_gate_row, upload_rows({m.shared_expert_gate}, 8));
-  }
+  ASSIGN_OR_RETURN(dl.router, upload_rows({m.router}, 8));
+  ASSIGN_OR_RETURN(dl.shared_gate_row, upload_rows({m.shared_expert_gate}, 8));
   ASSIGN_OR_RETURN(dl.expert_gate, upload_rows(m.expert_gate, 4));
   ASSIGN_OR_RETURN(dl.expert_up, upload_rows(m.expert_up, 4));
   ASSIGN_OR_RETURN(dl.expert_down, upload_rows(m.expert_down, 4));

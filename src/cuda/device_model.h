@@ -22,10 +22,6 @@ struct DeviceLayer {
   float *conv_w = nullptr, *A_log = nullptr, *dt_bias = nullptr, *gdn_norm = nullptr;
   QMatrix attn_in, attn_out;
   float *q_norm = nullptr, *k_norm = nullptr;
-  // router_all: 8-bit [E + 1, H], the router's rows then the shared expert gate's (the megakernel's router op reads
-  // both); router [E, H] and shared_gate_row [1, H] are views of it (router_all is empty, rows 0, in a checkpoint
-  // that quantized the two differently: then they are matrices of their own).
-  QMatrix router_all;
   QMatrix router, shared_gate_row, expert_gate, expert_up, expert_down, shared_gate, shared_up, shared_down;
 };
 
