@@ -165,8 +165,10 @@ Status CudaBackend::init() {
   RETURN_IF_ERROR(sample_scratch_.alloc(R * kSampleScratch));
   RETURN_IF_ERROR(sample_knobs_.alloc(R));
   const std::vector<SampleKnobs> greedy_knobs(R);
-  CUDA_RETURN(cudaMemcpy(sample_knobs_.ptr, greedy_knobs.data(), R * sizeof(SampleKnobs), cudaMemcpyHostToDevice),
+  CUDA_RETURN(cudaMemcpyAsync(sample_knobs_.ptr, greedy_knobs.data(), R * sizeof(SampleKnobs), cudaMemcpyHostToDevice,
+                              stream_),
               "knobs");
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "knobs");  // greedy_knobs goes out of scope
   RETURN_IF_ERROR(token_in_.alloc(R));
   RETURN_IF_ERROR(counters_.alloc(2 * R));
   CUDA_RETURN(cudaHostAlloc(reinterpret_cast<void**>(&ring_), R * kRingSize * sizeof(int), cudaHostAllocMapped),
@@ -226,7 +228,10 @@ Status CudaBackend::check_tokens(std::span<const int32_t> tokens) const {
 // Copies token ids into tokens_ (grown as needed, never below 4,096 ids).
 Status CudaBackend::upload_tokens(std::span<const int32_t> ids) {
   if (tokens_.n < ids.size()) RETURN_IF_ERROR(tokens_.alloc(std::max<size_t>(ids.size(), 4096)));
-  CUDA_RETURN(cudaMemcpy(tokens_.ptr, ids.data(), ids.size() * sizeof(int), cudaMemcpyHostToDevice), "upload tokens");
+  // On stream_ (a cudaMemcpy from pageable memory may return before its DMA lands, and stream_ does not wait for
+  // the legacy stream): the kernels that read the ids come after it in stream order.
+  CUDA_RETURN(cudaMemcpyAsync(tokens_.ptr, ids.data(), ids.size() * sizeof(int), cudaMemcpyHostToDevice, stream_),
+              "upload tokens");
   return ok_status();
 }
 
@@ -266,9 +271,9 @@ Status CudaBackend::generate_on_device(SequenceState& base, int32_t first, const
   if (first < 0 || first >= config().vocab_size) return invalid_argument("token id %d is outside the vocabulary", first);
   if (sampling.top_k > 64) return invalid_argument("device sampling supports top_k <= 64, got %d", sampling.top_k);
   RETURN_IF_ERROR(prepare_penalties(*s, sampling, max_new));  // before the first token: on_token grows the history
-  CUDA_RETURN(cudaMemcpy(token_in_.ptr, &first, sizeof(int), cudaMemcpyHostToDevice), "token");
+  CUDA_RETURN(cudaMemcpyAsync(token_in_.ptr, &first, sizeof(int), cudaMemcpyHostToDevice, stream_), "token");
   const SampleKnobs knobs = sample_knobs_of(sampling);
-  CUDA_RETURN(cudaMemcpy(sample_knobs_.ptr, &knobs, sizeof knobs, cudaMemcpyHostToDevice), "sampling knobs");
+  CUDA_RETURN(cudaMemcpyAsync(sample_knobs_.ptr, &knobs, sizeof knobs, cudaMemcpyHostToDevice, stream_), "sampling knobs");
   const bool penalised = sampling.has_penalties();
   for (int i = 0; i < max_new; ++i) {
     const int64_t step = s->n;

@@ -56,21 +56,22 @@ Status CudaBackend::set_context_for_bench(SequenceState& base, int64_t n) {
       host.resize(count);
       for (auto& x : host) x = __float2bfloat16(u(rng));
     }
-    CUDA_RETURN(cudaMemcpy(s->k[l]->ptr, host.data(), count * 2, cudaMemcpyHostToDevice), "bench kv");
-    CUDA_RETURN(cudaMemcpy(s->v[l]->ptr, host.data(), count * 2, cudaMemcpyHostToDevice), "bench kv");
+    CUDA_RETURN(cudaMemcpyAsync(s->k[l]->ptr, host.data(), count * 2, cudaMemcpyHostToDevice, stream_), "bench kv");
+    CUDA_RETURN(cudaMemcpyAsync(s->v[l]->ptr, host.data(), count * 2, cudaMemcpyHostToDevice, stream_), "bench kv");
   }
   s->n = n;
   s->mtp_n = n, s->mtp_rows = 0, s->mtp_chained = false;  // the head starts over here (as after a load)
   s->mtp_tokens.clear();
   int p = static_cast<int>(n);
-  CUDA_RETURN(cudaMemcpy(s->pos.ptr, &p, sizeof(int), cudaMemcpyHostToDevice), "bench pos");
+  CUDA_RETURN(cudaMemcpyAsync(s->pos.ptr, &p, sizeof(int), cudaMemcpyHostToDevice, stream_), "bench pos");
+  CUDA_RETURN(cudaStreamSynchronize(stream_), "bench pos");  // host and p go out of scope
   return ok_status();
 }
 
 // The benchmarks' first step: token 0 in, one greedy step (capturing the graph), synchronised.
 Status CudaBackend::warm_up_decode(CudaSequence& s, const DeviceSampling& greedy) {
   int zero = 0;
-  CUDA_RETURN(cudaMemcpy(token_in_.ptr, &zero, sizeof(int), cudaMemcpyHostToDevice), "token");
+  CUDA_RETURN(cudaMemcpyAsync(token_in_.ptr, &zero, sizeof(int), cudaMemcpyHostToDevice, stream_), "token");
   RETURN_IF_ERROR(run_step(s, &greedy));
   CUDA_RETURN(cudaStreamSynchronize(stream_), "warm-up");
   return ok_status();
@@ -104,6 +105,7 @@ Result<double> CudaBackend::time_prefill(SequenceState& base, int64_t n, std::ve
     CUDA_RETURN(cudaMemset(s->conv[l]->ptr, 0, s->conv[l]->bytes()), "reset");
     CUDA_RETURN(cudaMemset(s->S[l]->ptr, 0, s->S[l]->bytes()), "reset");
   }
+  CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy), "reset");  // the memsets before stream_'s prefill
   s->n = 0;
   if (pos0 > 0) {
     if (!profile) return invalid_argument("a prefill at a context is timed with a profile only");
@@ -159,7 +161,8 @@ Result<std::vector<KernelTiming>> CudaBackend::profile_rows(std::span<SequenceSt
   const std::vector<int32_t> tokens(seqs.size(), 0);
   ASSIGN_OR_RETURN(std::vector<CudaSequence*> rows, check_rows(seqs, tokens));
   if (rows.size() > kMaxBatchRows) return invalid_argument("profile_rows: at most %d rows", kMaxBatchRows);
-  CUDA_RETURN(cudaMemcpy(token_in_.ptr, tokens.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice), "tokens");
+  CUDA_RETURN(cudaMemcpyAsync(token_in_.ptr, tokens.data(), rows.size() * sizeof(int), cudaMemcpyHostToDevice, stream_),
+              "tokens");
   Profiler prof;
   prof.stream = stream_;
   const std::vector<DeviceSampling> greedy(rows.size());
@@ -227,6 +230,7 @@ Result<std::vector<TraceLaunch>> CudaBackend::trace_decode(SequenceState& base, 
   size_t next_name = 0;
   for (int step = 0; step < steps; ++step) {
     CUDA_RETURN(cudaMemset(count.ptr, 0, sizeof(uint32_t)), "trace: count");
+    CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy), "trace: count");
     CUDA_RETURN(trace::trace_set_buffer({rec.ptr, count.ptr, capacity}), "trace: set buffer");
     Status run = run_step(*s, &greedy);
     cudaError_t sync = cudaStreamSynchronize(stream_);

@@ -242,7 +242,9 @@ Status load_region(ByteReader& in, void* device, size_t expect, const char* what
     return format_error("%s of %llu bytes, this model's is %zu", what, (unsigned long long)bytes, expect);
   ASSIGN_OR_RETURN(std::span<const uint8_t> src, in.view(expect, what));
   if (expect == 0 || !device) return ok_status();
-  return cuda_status(cudaMemcpy(device, src.data(), expect, cudaMemcpyHostToDevice), what);
+  RETURN_IF_ERROR(cuda_status(cudaMemcpy(device, src.data(), expect, cudaMemcpyHostToDevice), what));
+  // A copy from pageable memory may return before its DMA lands: wait for it (the backend's stream does not).
+  return cuda_status(cudaStreamSynchronize(cudaStreamLegacy), what);
 }
 
 void put_ids(ByteWriter& out, const std::vector<int32_t>& ids) {
@@ -365,6 +367,7 @@ Status CudaSequence::load(ByteReader& in) {
   }
   const int host_pos = static_cast<int>(at);
   CUDA_RETURN(cudaMemcpy(pos.ptr, &host_pos, sizeof(int), cudaMemcpyHostToDevice), "load position");
+  CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy), "load position");
   n = at;
   mtp_n = keep ? head.m : at;
   mtp_rows = keep ? head.rows : 0;

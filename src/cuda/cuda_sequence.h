@@ -57,6 +57,10 @@ struct DeviceArray {
     n = count;
     CUDA_RETURN(cudaMalloc(&ptr, std::max<size_t>(count, 1) * sizeof(T)), "cudaMalloc");
     CUDA_RETURN(cudaMemset(ptr, 0, std::max<size_t>(count, 1) * sizeof(T)), "cudaMemset");
+    // cudaMemset runs on the legacy stream, asynchronously to the host: without this wait a kernel on a
+    // non-blocking stream (the backend's) may write the array before the zeros land on it (the fp16 weight copies
+    // written right after their alloc() came out partly zero, now and then: 2026-12-08, H100).
+    CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy), "cudaMemset");
     return ok_status();
   }
   size_t bytes() const { return n * sizeof(T); }

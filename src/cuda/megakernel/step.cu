@@ -859,6 +859,8 @@ Result<std::unique_ptr<DeviceProgram>> DeviceProgram::upload(const Program& p) {
   d->view_.n_blocks = n_blocks;
   if (cudaFuncSetAttribute(step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes) != cudaSuccess)
     return error(ErrorCode::unsupported, "megakernel: %zu bytes of shared memory per block not available", kSmemBytes);
+  // The copies and memsets above run on the legacy stream, asynchronously: done before a launch on any stream.
+  if (cudaDeviceSynchronize() != cudaSuccess) return error(ErrorCode::internal, "megakernel: upload failed");
   Result<std::unique_ptr<DeviceProgram>> done(std::move(d));
   return done;
 }
@@ -886,7 +888,8 @@ Status DeviceProgram::enable_trace() {
   if (!trace_) {
     void* t = nullptr;
     const size_t bytes = static_cast<size_t>(n_instrs_) * kTraceMarks * sizeof(unsigned long long);
-    if (cudaMalloc(&t, bytes) != cudaSuccess || cudaMemset(t, 0, bytes) != cudaSuccess)
+    if (cudaMalloc(&t, bytes) != cudaSuccess || cudaMemset(t, 0, bytes) != cudaSuccess ||
+        cudaDeviceSynchronize() != cudaSuccess)
       return error(ErrorCode::internal, "megakernel: no memory for the timeline");
     allocations_.push_back(t);
     trace_ = static_cast<unsigned long long*>(t);
