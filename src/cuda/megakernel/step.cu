@@ -166,26 +166,19 @@ __device__ void run_loader(const ProgramView& pv, int begin, int end, unsigned l
     uint64_t* full;
     if (code == Opcode::gdn_head || code == Opcode::attn_merge) continue;  // no pages (the heads read their state)
     if (code == Opcode::attn_part) {  // the cached rows < pos of each unit, 32 a page, one bulk copy a row
-      // Lane 0 waits for the slot and posts the page's bytes; then every lane issues the copies of its rows (64
-      // small copies a page from one lane were the attention's bottleneck: ~60 ns each, 2026-12-08).
       const AttnArgs a = pv.ops[in.op].attn;
       const int pos = __ldcg(a.pos);
-      const int lane = threadIdx.x & 31;
       for (int u = in.row_begin; u < in.row_end; ++u) {
         const AttnRange r = attn_range(a, u, pos);
         for (int b = r.begin; b < r.end; b += kAttnRowsPerPage, ++k) {
+          if (!leader) continue;
           const int copied = max(0, min(min(b + kAttnRowsPerPage, r.end), pos) - b);
-          const int p = static_cast<int>(k % kPages);
-          char* page = ring.pages + p * kPageBytes;
-          if (leader) {
-            (void)free_page(ring, k, full);
-            mbar_expect_tx(full, static_cast<uint32_t>(copied) * 4 * kAttnDim);
-          }
-          __syncwarp();  // the slot is free (and its bytes posted) before any lane copies into it
-          for (int i = lane; i < copied; i += 32) {
+          char* page = free_page(ring, k, full);
+          mbar_expect_tx(full, static_cast<uint32_t>(copied) * 4 * kAttnDim);
+          for (int i = 0; i < copied; ++i) {
             const size_t row = (static_cast<size_t>(b + i) * kAttnKvHeads + r.m) * kAttnDim;
-            bulk_copy(page + i * kAttnPitch, a.k_cache + row, 2 * kAttnDim, &ring.full[p]);
-            bulk_copy(page + kAttnVAt + i * kAttnPitch, a.v_cache + row, 2 * kAttnDim, &ring.full[p]);
+            bulk_copy(page + i * kAttnPitch, a.k_cache + row, 2 * kAttnDim, full);
+            bulk_copy(page + kAttnVAt + i * kAttnPitch, a.v_cache + row, 2 * kAttnDim, full);
           }
         }
       }
