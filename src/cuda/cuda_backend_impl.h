@@ -273,12 +273,11 @@ class CudaBackend final : public CudaBench {
   DeviceArray<float> mtp_cat32_;  // the decode path's fc input [kMaxBatchRows, 2H] (mtp_rows_decode)
   DeviceArray<int> mtp_pos_;      // its rows' positions in the head's KV cache
   bool context_auto_ = false;  // --ctx-size auto: enable_mtp fits the context again
-  // The megakernel's scratch (init_megakernel): per layer the router's logits and the experts' activations, then
-  // the attention's partial outputs and their max / sum (offsets in floats); one block per SM.
+  // The megakernel's scratch (init_megakernel): per layer the router's logits (at 0) and the experts'
+  // activations, then the attention's partial outputs and their max / sum (offsets in floats); one block per SM.
   DeviceArray<float> mk_scratch_;
-  std::vector<DeviceBlock> mk_routers_;  // per layer: the router's and the shared gate's rows as one matrix
-  std::vector<QMatrix> mk_router_of_;    // ... viewed as 8-bit [E + 1, H]
-  size_t mk_logits_off_ = 0, mk_act_off_ = 0, mk_part_o_off_ = 0, mk_part_ml_off_ = 0;
+  std::vector<QMatrix> mk_router_of_;  // per layer: the router's and the shared gate's rows, 8-bit [E + 1, H]
+  size_t mk_act_off_ = 0, mk_part_o_off_ = 0, mk_part_ml_off_ = 0;
   int mk_blocks_ = 0;
   DeviceArray<unsigned char> pscratch_;
   size_t prefill_bytes_ = 0;

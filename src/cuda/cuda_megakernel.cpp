@@ -2,9 +2,6 @@
 // sequence, one program of the 40 layers and the lm_head, built once from the model and the sequence's state
 // (its pointers are baked in, as the chain's graph bakes them) and launched between the embedding lookup and the
 // sample kernel of the step's graph (cuda_decode.cpp enqueue_step).
-#include <cmath>
-#include <cstdio>
-
 #include "cuda/cuda_backend_impl.h"
 #include "cuda/megakernel/step.cuh"
 
@@ -41,48 +38,28 @@ Status CudaBackend::init_megakernel() {
     return error(ErrorCode::unsupported, "--cuda-options megakernel=%d: %s", options_.megakernel,
                  geometry.message().c_str());
   const ModelConfig& c = config();
-  // The router op reads the router's rows and the shared expert gate's as one 8-bit [E + 1, H] matrix: a copy of
-  // both per layer (~0.6 MB a layer; the chain keeps reading the model's own two).
-  mk_routers_.clear(), mk_router_of_.clear();
-  for (const DeviceLayer& layer : model_->layers) {
-    const QMatrix &r = layer.router, &g = layer.shared_gate_row;
+  // The router op reads the router's rows and the shared expert gate's as one 8-bit [E + 1, H] matrix: uploaded
+  // once more that way per layer (~0.6 MB a layer; the chain keeps reading the model's own two).
+  mk_router_of_.clear();
+  for (size_t l = 0; l < model_->layers.size(); ++l) {
+    const QMatrix &r = model_->layers[l].router, &g = model_->layers[l].shared_gate_row;
     if (r.bits != 8 || g.bits != 8 || r.cols != g.cols || g.rows != 1 || r.rows != c.num_experts)
       return error(ErrorCode::unsupported,
                    "--cuda-options megakernel=%d: the router op takes an 8-bit router and shared expert gate; this "
                    "checkpoint has a %d-bit router [%d, %d] and a %d-bit gate [%d, %d]",
                    options_.megakernel, r.bits, r.rows, r.cols, g.bits, g.rows, g.cols);
-    const size_t w_row = r.words_per_row() * 4, sb_row = r.groups_per_row() * 2, rows = r.rows + 1;
-    DeviceBlock b;
-    RETURN_IF_ERROR(b.alloc(rows * (w_row + 2 * sb_row) + 512));
-    char* base = static_cast<char*>(b.ptr);
-    char* w = base;
-    char* sc = base + (rows * w_row + 255) / 256 * 256;
-    char* bi = sc + (rows * sb_row + 255) / 256 * 256;
-    auto cat = [&](char* dst, const void* a, const void* b1, size_t row_bytes) -> Status {
-      CUDA_RETURN(cudaMemcpy(dst, a, r.rows * row_bytes, cudaMemcpyDeviceToDevice), "router copy");
-      CUDA_RETURN(cudaMemcpy(dst + r.rows * row_bytes, b1, row_bytes, cudaMemcpyDeviceToDevice), "router copy");
-      return ok_status();
-    };
-    RETURN_IF_ERROR(cat(w, r.w, g.w, w_row));
-    RETURN_IF_ERROR(cat(sc, r.scales, g.scales, sb_row));
-    RETURN_IF_ERROR(cat(bi, r.biases, g.biases, sb_row));
-    QMatrix all = r;
-    all.rows = static_cast<int>(rows);
-    all.w = reinterpret_cast<const uint32_t*>(w);
-    all.scales = reinterpret_cast<const __nv_bfloat16*>(sc);
-    all.biases = reinterpret_cast<const __nv_bfloat16*>(bi);
+    const MoeWeights& mw = weights_->layers[l].moe;
+    ASSIGN_OR_RETURN(QMatrix all, model_->upload_rows({mw.router, mw.shared_expert_gate}, 8));
     mk_router_of_.push_back(all);
-    mk_routers_.push_back(std::move(b));
   }
-  // Device-to-device cudaMemcpy does not wait for itself: the copies land before any kernel of stream_ reads them.
-  CUDA_RETURN(cudaDeviceSynchronize(), "router copies");
+  // The uploads ran on the legacy stream: done before any kernel of stream_ reads them.
+  CUDA_RETURN(cudaDeviceSynchronize(), "router uploads");
   const size_t L = c.num_hidden_layers, E1 = static_cast<size_t>(c.num_experts) + 1;
   const size_t act = static_cast<size_t>(c.num_experts_per_tok + 1) * c.moe_intermediate_size;
   const size_t splits = static_cast<size_t>(attention_splits(options_.max_context));
   // Per layer: the router's logits (read by every block's loader while the layer's MoE runs) and the experts'
   // activations; one attention's partial outputs and their max / sum.
-  mk_logits_off_ = 0;
-  mk_act_off_ = (L * E1 + 63) / 64 * 64;
+  mk_act_off_ = (L * E1 + 63) / 64 * 64;  // the logits at 0
   mk_part_o_off_ = mk_act_off_ + L * act;
   mk_part_ml_off_ = mk_part_o_off_ + splits * mk::kAttnQHeads * mk::kAttnDim;
   RETURN_IF_ERROR(mk_scratch_.alloc(mk_part_ml_off_ + splits * mk::kAttnQHeads * 2));
@@ -142,7 +119,7 @@ Result<mk::Program> CudaBackend::step_program(const CudaSequence& s) const {
     moe.gate = L.expert_gate, moe.up = L.expert_up, moe.down = L.expert_down;
     moe.s_gate = L.shared_gate, moe.s_up = L.shared_up, moe.s_down = L.shared_down;
     moe.n_experts = c.num_experts, moe.top_k = c.num_experts_per_tok, moe.inter = c.moe_intermediate_size;
-    float* logits = mk_scratch_.ptr + mk_logits_off_ + l * E1;
+    float* logits = mk_scratch_.ptr + l * E1;
     float* act_l = mk_scratch_.ptr + mk_act_off_ + l * act;
     ASSIGN_OR_RETURN(prev, p.add_moe(mk_router_of_[l], moe, h, L.post_norm, logits, act_l, prev, eps));
     p.label_op(prev - 2, "router");  // add_moe: router, moe_in, moe_out

@@ -242,9 +242,7 @@ Status load_region(ByteReader& in, void* device, size_t expect, const char* what
     return format_error("%s of %llu bytes, this model's is %zu", what, (unsigned long long)bytes, expect);
   ASSIGN_OR_RETURN(std::span<const uint8_t> src, in.view(expect, what));
   if (expect == 0 || !device) return ok_status();
-  RETURN_IF_ERROR(cuda_status(cudaMemcpy(device, src.data(), expect, cudaMemcpyHostToDevice), what));
-  // A copy from pageable memory may return before its DMA lands: wait for it (the backend's stream does not).
-  return cuda_status(cudaStreamSynchronize(cudaStreamLegacy), what);
+  return cuda_status(cudaMemcpy(device, src.data(), expect, cudaMemcpyHostToDevice), what);
 }
 
 void put_ids(ByteWriter& out, const std::vector<int32_t>& ids) {
@@ -367,7 +365,9 @@ Status CudaSequence::load(ByteReader& in) {
   }
   const int host_pos = static_cast<int>(at);
   CUDA_RETURN(cudaMemcpy(pos.ptr, &host_pos, sizeof(int), cudaMemcpyHostToDevice), "load position");
-  CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy), "load position");
+  // A copy from pageable memory may return before its DMA lands: wait for all of them (the backend's stream
+  // does not wait for the legacy stream).
+  CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy), "load");
   n = at;
   mtp_n = keep ? head.m : at;
   mtp_rows = keep ? head.rows : 0;
@@ -390,6 +390,7 @@ Status CudaCheckpoint::load(ByteReader& in) {
     RETURN_IF_ERROR(load_region(in, keep ? mtp_pending.ptr : nullptr, bytes, "checkpoint MTP pending rows"));
     RETURN_IF_ERROR(read_mtp_tokens(in, head.rows, &ids));
   }
+  CUDA_RETURN(cudaStreamSynchronize(cudaStreamLegacy), "checkpoint load");  // its copies landed (as in load above)
   n = at;
   mtp_on = keep;
   mtp_n = keep ? head.m : 0;

@@ -49,11 +49,13 @@ class DeviceModel {
   size_t bytes = 0;  // device memory held
   // Bytes one decode step must read for weights (active experts only) at this geometry.
   size_t decode_weight_bytes() const;
+  // The rows of `parts` (same cols) concatenated into one device matrix the model owns (quantized parts as they
+  // are, dense ones quantized at bits_if_dense); the parts must agree on bits.
+  Result<QMatrix> upload_rows(const std::vector<Linear>& parts, int bits_if_dense);
 
  private:
   DeviceModel() = default;
   Result<float*> upload_floats(const std::vector<float>& v);
-  Result<QMatrix> upload_rows(const std::vector<Linear>& parts, int bits_if_dense);
   Result<DeviceLayer> upload_layer(const LayerWeights& lw);
   std::vector<void*> allocations_;
 };

@@ -177,44 +177,40 @@ TEST(CudaBackend, MegakernelDecodeMatchesCpuFull) {
   const Full4Reference r = full4_reference();
   const auto& [w, V, tokens, ref] = r;
   const int T = static_cast<int>(tokens.size());
-  {
-    const int mode = 1;
-    cuda::CudaBackendOptions step_opts{1024, 0};
-    step_opts.megakernel = mode;
-    auto step = cuda::make_cuda_bench(w, step_opts);
-    ASSERT_TRUE(step.ok()) << step.status().message();
-    EXPECT_NE((*step)->kernel_paths().find("decode: megakernel"), std::string::npos) << (*step)->kernel_paths();
-    expect_teacher_forced(**step, tokens, ref, V,
-                          format("[full4] teacher-forced %d positions (megakernel=%d decode steps)", T, mode));
-    auto logits_of = [&](Backend& b) {
-      std::vector<float> l;
-      auto seq = b.new_sequence();
-      EXPECT_TRUE(b.forward(*seq, std::span<const int32_t>(tokens.data(), 40), LogitsRows::all, &l).ok());
-      return l;
-    };
-    const std::vector<float> a = logits_of(**step), b = logits_of(**step);
-    ASSERT_EQ(a.size(), b.size());
-    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float))) << "megakernel=" << mode;
-    // Prefill on the prefill kernels, then the device loop on the megakernel's steps.
-    cuda::CudaBackendOptions loop_opts{1024};
-    loop_opts.megakernel = mode;
-    auto loop = cuda::make_cuda_backend(w, loop_opts);
-    ASSERT_TRUE(loop.ok()) << loop.status().message();
-    auto run = [&](const DeviceSampling& sp) {
-      auto seq = (*loop)->new_sequence();
-      EXPECT_TRUE((*loop)->forward(*seq, std::span<const int32_t>(tokens.data(), 19), LogitsRows::none, nullptr).ok());
-      std::vector<int32_t> out;
-      EXPECT_TRUE((*loop)->generate_on_device(*seq, tokens[19], sp, 24, [&](int32_t t) {
-        out.push_back(t);
-        return true;
-      }).ok());
-      return out;
-    };
-    EXPECT_EQ(run({}), greedy(**loop, std::vector<int32_t>(tokens.begin(), tokens.begin() + 20), 24))
-        << "megakernel=" << mode;
-    const DeviceSampling hot{1.0f, 0, 1.0f, 0.0f, 42};
-    EXPECT_EQ(run(hot), run(hot)) << "megakernel=" << mode;
-  }
+  cuda::CudaBackendOptions step_opts{1024, 0};
+  step_opts.megakernel = 1;
+  auto step = cuda::make_cuda_bench(w, step_opts);
+  ASSERT_TRUE(step.ok()) << step.status().message();
+  EXPECT_NE((*step)->kernel_paths().find("decode: megakernel"), std::string::npos) << (*step)->kernel_paths();
+  const std::string what = format("[full4] teacher-forced %d positions (megakernel=1 decode steps)", T);
+  expect_teacher_forced(**step, tokens, ref, V, what);
+  auto logits_of = [&](Backend& b) {
+    std::vector<float> l;
+    auto seq = b.new_sequence();
+    EXPECT_TRUE(b.forward(*seq, std::span<const int32_t>(tokens.data(), 40), LogitsRows::all, &l).ok());
+    return l;
+  };
+  const std::vector<float> a = logits_of(**step), b = logits_of(**step);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * sizeof(float)));
+  // Prefill on the prefill kernels, then the device loop on the megakernel's steps.
+  cuda::CudaBackendOptions loop_opts{1024};
+  loop_opts.megakernel = 1;
+  auto loop = cuda::make_cuda_backend(w, loop_opts);
+  ASSERT_TRUE(loop.ok()) << loop.status().message();
+  auto run = [&](const DeviceSampling& sp) {
+    auto seq = (*loop)->new_sequence();
+    EXPECT_TRUE((*loop)->forward(*seq, std::span<const int32_t>(tokens.data(), 19), LogitsRows::none, nullptr).ok());
+    std::vector<int32_t> out;
+    EXPECT_TRUE((*loop)->generate_on_device(*seq, tokens[19], sp, 24, [&](int32_t t) {
+      out.push_back(t);
+      return true;
+    }).ok());
+    return out;
+  };
+  EXPECT_EQ(run({}), greedy(**loop, std::vector<int32_t>(tokens.begin(), tokens.begin() + 20), 24));
+  const DeviceSampling hot{1.0f, 0, 1.0f, 0.0f, 42};
+  EXPECT_EQ(run(hot), run(hot));
   cuda::CudaBackendOptions tiny_opts{1024};
   tiny_opts.megakernel = 1;
   auto tiny = cuda::make_cuda_backend(synth_model("tiny"), tiny_opts);
@@ -1137,8 +1133,9 @@ TEST(CudaOptions, SpecSetsOptionsAndNamesErrors) {
     EXPECT_EQ(st.code(), ErrorCode::invalid_argument) << spec;
     return st.message();
   };
-  EXPECT_NE(message("nope=1").find("--cuda-options: unknown key `nope` (known: prefill_chunk, expert_copies, megakernel)"),
-            std::string::npos);
+  EXPECT_NE(
+      message("nope=1").find("--cuda-options: unknown key `nope` (known: prefill_chunk, expert_copies, megakernel)"),
+      std::string::npos);
   EXPECT_NE(message("moe_fused=on").find("unknown key `moe_fused`"), std::string::npos);  // gone with its kernel
   EXPECT_NE(message("prefill_chunk").find("`prefill_chunk` is not key=value"), std::string::npos);
   EXPECT_NE(message("prefill_chunk=13x").find("is not a non-negative integer"), std::string::npos);
